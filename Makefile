@@ -1,0 +1,30 @@
+# Two commands from a fresh clone (see README):
+#   make test      create .venv, install, run every test (simulator without a GPU) + PTX compile check
+#   make figures   create .venv if missing, run every experiment, write results/ and figures/
+# On a machine whose python3 already has the packages (the GPU machine): make test VENV=
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(if $(VENV),$(VENV)/bin/python,$(PYTHON))
+STAMP := $(if $(VENV),$(VENV)/.installed,)
+
+.PHONY: test figures compile-check clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory compile-check PY=$(PY)
+
+# Compile every kernel for a real GPU (sm_90) even where none is present.
+compile-check: $(STAMP)
+	PROTO_BACKEND=ptx PROTO_QUIET=1 $(PY) -m kernels.compile_check
+
+figures: $(STAMP)
+	$(PY) -m experiments $(EXPERIMENT_ARGS)
+
+clean:
+	rm -rf $(VENV) results/sim figures/sim .pytest_cache .hypothesis

@@ -1,0 +1,122 @@
+"""What every experiment shares: where results go (results/<device>/, figures/<device>/), the provenance stamped on every CSV row,
+the summary file, and the simulator warning on figures (STYLE.md #12)."""
+from __future__ import annotations
+
+import csv
+import datetime
+import functools
+import importlib.metadata
+import json
+import pathlib
+import platform
+import subprocess
+
+from proto import backend
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIM_WARNING = "Numba CUDA simulator: timings are NOT meaningful (toy size, Python threads)"
+
+
+def results_dir(device: str | None = None) -> pathlib.Path:
+    d = ROOT / "results" / (device or backend.device_name())
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def figures_dir(device: str | None = None) -> pathlib.Path:
+    d = ROOT / "figures" / (device or backend.device_name())
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+@functools.lru_cache(maxsize=1)
+def provenance() -> dict:
+    """Columns stamped on every row: which device, software and commit produced it, and when."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit += "-dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "device": backend.describe(),
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "numba": _version("numba"),
+        "numba_cuda": _version("numba-cuda"),
+        "cuda_core": _version("cuda-core"),
+        "torch": _version("torch"),
+        "git_commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def write_csv(name: str, rows: list[dict]) -> pathlib.Path:
+    """Write rows (dicts with the same keys) plus provenance columns to results/<device>/<name>.csv."""
+    if not rows:
+        raise ValueError(f"{name}: no rows to write")
+    path = results_dir() / f"{name}.csv"
+    stamped = [{**row, **provenance()} for row in rows]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(stamped[0].keys()))
+        writer.writeheader()
+        writer.writerows(stamped)
+    return path
+
+
+def read_csv(name: str, device: str | None = None) -> list[dict]:
+    with (results_dir(device) / f"{name}.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def write_summary(name: str, summary: dict) -> pathlib.Path:
+    path = results_dir() / f"{name}.summary.json"
+    path.write_text(json.dumps({**summary, "provenance": provenance()}, indent=2) + "\n")
+    return path
+
+
+def read_summary(name: str, device: str | None = None) -> dict:
+    return json.loads((results_dir(device) / f"{name}.summary.json").read_text())
+
+
+def is_simulated(rows: list[dict]) -> bool:
+    return any("simulator" in r.get("device", "").lower() for r in rows)
+
+
+def new_figure(rows: list[dict], *args, **kwargs):
+    """A matplotlib figure whose title says when its data came from the simulator."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(*args, **kwargs)
+    if is_simulated(rows):
+        fig.text(0.5, 0.5, "SIMULATOR\ntimings not meaningful", ha="center", va="center",
+                 fontsize=28, color="red", alpha=0.25, rotation=20, transform=fig.transFigure)
+        fig.suptitle(SIM_WARNING, color="red", fontsize=9)
+    else:
+        fig.suptitle(rows[0]["device"], fontsize=9)
+    return fig, axes
+
+
+def save_figure(fig, name: str, device: str | None = None) -> pathlib.Path:
+    path = figures_dir(device) / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+def progress(iterable, desc: str, total: int | None = None):
+    """A progress bar on stderr (tqdm) for long runs."""
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)

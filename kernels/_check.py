@@ -1,0 +1,49 @@
+"""Argument validation shared by every kernel launcher.
+
+Launchers call these before any launch so bad input fails with a message that names the
+argument and shows expected against actual, never as a wrong result or a GPU fault.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from proto.backend import is_device_array
+
+
+def device_array(name: str, x, *, dtype=np.float32, shape=None, ndim=None):
+    """Check that `x` is a C-contiguous device array of `dtype` (and `shape` if given).
+
+    `shape` may hold None for a free dimension. Returns `x` for chaining.
+    """
+    if not is_device_array(x):
+        kind = "a NumPy (host) array" if isinstance(x, np.ndarray) else type(x).__name__
+        raise TypeError(f"{name}: expected a device array (numba.cuda.to_device), got {kind}")
+    if np.dtype(x.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(x.dtype)}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    if shape is not None:
+        ok = len(shape) == x.ndim and all(s is None or s == d for s, d in zip(shape, x.shape))
+        if not ok:
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
+    if not x.is_c_contiguous():
+        raise ValueError(f"{name}: expected a C-contiguous array (strides {x.strides})")
+    if x.size == 0:
+        raise ValueError(f"{name}: empty array, shape {tuple(x.shape)}")
+    return x
+
+
+def positive(name: str, value: int, *, at_most: int | None = None) -> int:
+    if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    if at_most is not None and value > at_most:
+        raise ValueError(f"{name}: expected at most {at_most}, got {value}")
+    return int(value)
+
+
+def same_shape(names_arrays) -> None:
+    (n0, a0), *rest = names_arrays
+    for n, a in rest:
+        if tuple(a.shape) != tuple(a0.shape):
+            raise ValueError(f"{n}: expected the shape of {n0} {tuple(a0.shape)}, got {tuple(a.shape)}")

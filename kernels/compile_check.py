@@ -1,0 +1,38 @@
+"""Compile every kernel signature for a real GPU (sm_90) on a machine with no GPU.
+
+The simulator runs kernels as Python, so it accepts code that Numba's CUDA compiler rejects
+(typing errors, unsupported NumPy calls). This closes that gap without a device:
+
+    PROTO_BACKEND=ptx python -m kernels.compile_check
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+from proto import backend
+from proto.backend import cuda
+
+
+def main(cc=(9, 0)) -> int:
+    if not backend.PTX_ONLY:
+        sys.exit("run with PROTO_BACKEND=ptx (compile only, no device needed)")
+    import kernels
+    for mod in pkgutil.iter_modules(kernels.__path__):
+        if not mod.name.startswith("_") and mod.name != "compile_check":
+            importlib.import_module(f"kernels.{mod.name}")
+    failures = 0
+    for pyfunc, sig in backend.KERNEL_SIGNATURES:
+        name = f"{pyfunc.__module__}.{pyfunc.__name__}{sig}"
+        try:
+            cuda.compile_ptx(pyfunc, sig, cc=cc)
+        except Exception as exc:  # report every failure, not just the first
+            failures += 1
+            print(f"FAIL {name}\n     {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    print(f"{len(backend.KERNEL_SIGNATURES) - failures} compiled, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

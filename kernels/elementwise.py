@@ -1,0 +1,63 @@
+"""Elementwise ops: GELU (tanh approximation, as GPT-2) and residual add.
+
+Grid-stride loops over the flattened arrays, so any launch size covers any length.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernels import _check
+from proto.backend import cuda, jit, launch
+
+THREADS = 256
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+# ---------------------------------------------------------------------------- references
+def gelu_ref(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return (0.5 * x * (1.0 + np.tanh(GELU_C * (x + 0.044715 * x ** 3)))).astype(np.float32)
+
+
+def add_ref(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a + b).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- kernels
+@jit("void(float32[::1], float32[::1])")
+def gelu_kernel(x, out):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, x.size, stride):
+        v = x[i]
+        out[i] = 0.5 * v * (1.0 + math.tanh(GELU_C * (v + 0.044715 * v * v * v)))
+
+
+@jit("void(float32[::1], float32[::1], float32[::1])")
+def add_kernel(a, b, out):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, a.size, stride):
+        out[i] = a[i] + b[i]
+
+
+# ---------------------------------------------------------------------------- launchers
+def _blocks(n: int) -> int:
+    return min((n + THREADS - 1) // THREADS, 1024)
+
+
+def gelu(x, out, stream=0):
+    """out = gelu(x), elementwise; `out` may be `x` (in place)."""
+    _check.device_array("x", x)
+    _check.device_array("out", out)
+    _check.same_shape([("x", x), ("out", out)])
+    launch(gelu_kernel, _blocks(x.size), THREADS, (x.reshape(x.size), out.reshape(out.size)), stream)
+
+
+def add(a, b, out, stream=0):
+    """out = a + b, elementwise; `out` may alias `a` or `b` (residual add in place)."""
+    for name, arr in (("a", a), ("b", b), ("out", out)):
+        _check.device_array(name, arr)
+    _check.same_shape([("a", a), ("b", b), ("out", out)])
+    launch(add_kernel, _blocks(a.size), THREADS,
+           (a.reshape(a.size), b.reshape(b.size), out.reshape(out.size)), stream)

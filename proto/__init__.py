@@ -1,0 +1,1 @@
+"""The runtime: backend choice, graphs, binding, shapes, memory, models."""

@@ -1,0 +1,26 @@
+"""Shared test helpers: tolerances and host<->device shortcuts."""
+from __future__ import annotations
+
+import numpy as np
+
+from proto.backend import cuda
+
+# float32 kernels against float64-accumulated NumPy references. Sums of K products carry
+# rounding ~ sqrt(K) * eps32 * |terms|; atol 1e-5 + rtol 1e-4 covers K up to a few thousand
+# with unit-scale data (checked at the GPU test lane's sizes). Reductions over exp() get more.
+TOL = {"elementwise": (1e-6, 1e-5), "reduction": (1e-5, 1e-4), "gemm": (1e-4, 1e-4),
+       "softmax": (1e-6, 1e-4), "grad": (1e-4, 1e-3)}
+
+
+def assert_close(actual, expected, kind: str = "reduction"):
+    atol, rtol = TOL[kind]
+    actual = actual.copy_to_host() if hasattr(actual, "copy_to_host") else np.asarray(actual)
+    np.testing.assert_allclose(actual, expected, atol=atol, rtol=rtol)
+
+
+def dev(x: np.ndarray):
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def rand(rng: np.random.Generator, *shape, scale: float = 1.0, dtype=np.float32) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(dtype)
