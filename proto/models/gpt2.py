@@ -1,0 +1,240 @@
+"""GPT-2-style decoder with a KV cache, on device buffers fixed at construction.
+
+    model = GPT2(config, state_dict, max_batch=5, max_tokens=8)
+    cache = KVCache(config, batch=5, max_len=64)
+    logits = model.step(tokens, pos, cache)          # (B, T, V) view of a fixed buffer
+
+A step only launches kernels on buffers allocated in `__init__` (no allocation, no host sync,
+no host read of a device value), so a graph recorder can capture `step` as it is. The
+position is a device int32 (1,) array that the embedding and attention kernels read on the
+device: one captured step serves every position.
+
+Weights: a Hugging Face `GPT2LMHeadModel.state_dict()` as NumPy arrays. Conv1D stores its
+weight [in, out], so every projection is `x @ W + b` with no transpose; the output head is
+tied to the token embedding (`lm_head.weight`, when present, must equal `transformer.wte`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kernels import _check, attention, embedding, gemm, layernorm
+from proto.backend import cuda
+from proto.models import checked_params, zeros
+
+LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    n_positions: int
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            _check.positive(field.name, getattr(self, field.name))
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_head: must divide n_embd={self.n_embd}, got {self.n_head}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def param_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """Every weight the model reads, by its Hugging Face name."""
+    C, V, P = config.n_embd, config.vocab_size, config.n_positions
+    shapes = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (P, C)}
+    for i in range(config.n_layer):
+        p = f"transformer.h.{i}."
+        shapes.update({
+            p + "ln_1.weight": (C,), p + "ln_1.bias": (C,),
+            p + "attn.c_attn.weight": (C, 3 * C), p + "attn.c_attn.bias": (3 * C,),
+            p + "attn.c_proj.weight": (C, C), p + "attn.c_proj.bias": (C,),
+            p + "ln_2.weight": (C,), p + "ln_2.bias": (C,),
+            p + "mlp.c_fc.weight": (C, 4 * C), p + "mlp.c_fc.bias": (4 * C,),
+            p + "mlp.c_proj.weight": (4 * C, C), p + "mlp.c_proj.bias": (C,),
+        })
+    shapes.update({"transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,)})
+    return shapes
+
+
+def _is_buffer(key: str) -> bool:
+    # Older transformers save the causal mask of each attention layer; it holds no weights.
+    return key.endswith((".attn.bias", ".attn.masked_bias"))
+
+
+def load_state_dict(config: GPT2Config, state_dict) -> dict[str, np.ndarray]:
+    """Checked float32 weights (see proto.models.checked_params); rejects an untied head."""
+    shapes = param_shapes(config)
+    params = checked_params(shapes, state_dict, what="GPT-2",
+                            ignored=lambda k: k == "lm_head.weight" or _is_buffer(k))
+    if "lm_head.weight" in state_dict:
+        head = np.asarray(state_dict["lm_head.weight"])
+        if head.shape != shapes["transformer.wte.weight"] or not np.array_equal(
+                head, params["transformer.wte.weight"]):
+            raise ValueError("GPT-2 state_dict['lm_head.weight']: expected it tied to "
+                             "transformer.wte.weight (equal values); an untied head is not supported")
+    return params
+
+
+def random_state_dict(config: GPT2Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights that keep activations unit-scale at every size.
+
+    Projections N(0, 1/fan_in); embeddings N(0, 1), so logits spread like sqrt(n_embd) and
+    argmax/top-k decisions are well separated (tests compare tokens with a float64 reference);
+    biases and layer-norm offsets N(0, 0.1^2) and gains 1 + N(0, 0.1^2), so a dropped bias or
+    gain shows in the output.
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, shape in param_shapes(config).items():
+        if key.endswith(("wte.weight", "wpe.weight")):
+            value = rng.standard_normal(shape)
+        elif len(shape) == 2:  # Conv1D [in, out]
+            value = rng.standard_normal(shape) / np.sqrt(shape[0])
+        elif ".ln_" in key and key.endswith("weight"):
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = 0.1 * rng.standard_normal(shape)
+        out[key] = value.astype(np.float32)
+    return out
+
+
+class KVCache:
+    """Keys and values of every layer: `k[i]`, `v[i]` device float32 (B, H, max_len, hd).
+
+    Batch first, so `reorder_into` moves whole beams with kernels.attention.gather_batch.
+    Beam search keeps two caches and gathers from one into the other, never in place.
+    """
+
+    def __init__(self, config: GPT2Config, batch: int, max_len: int):
+        _check.positive("batch", batch)
+        _check.positive("max_len", max_len, at_most=config.n_positions)
+        self.config, self.batch, self.max_len = config, batch, max_len
+        shape = (batch, config.n_head, max_len, config.head_dim)
+        self.k = [zeros(shape) for _ in range(config.n_layer)]
+        self.v = [zeros(shape) for _ in range(config.n_layer)]
+
+    def arrays(self) -> list:
+        """Every batch-first device array of the cache (what a reorder must move)."""
+        return self.k + self.v
+
+    def reorder_into(self, index, dst: "KVCache", stream=0) -> None:
+        """dst[b] = self[index[b]] for every array; `index` device int32 (B,)."""
+        if (dst.config, dst.batch, dst.max_len) != (self.config, self.batch, self.max_len):
+            raise ValueError("dst: expected a KVCache of the same config, batch and max_len")
+        if dst is self:
+            raise ValueError("dst: must be another KVCache (gather_batch cannot work in place)")
+        for src_array, dst_array in zip(self.arrays(), dst.arrays()):
+            attention.gather_batch(src_array, index, dst_array, stream=stream)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    ln_1_w: object
+    ln_1_b: object
+    attn_w: object
+    attn_b: object
+    attn_proj_w: object
+    attn_proj_b: object
+    ln_2_w: object
+    ln_2_b: object
+    fc_w: object
+    fc_b: object
+    mlp_proj_w: object
+    mlp_proj_b: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _Views:
+    """The fixed buffers cut to one (B, T): views, no device memory of their own."""
+    x: object       # (N, C) residual stream, N = B*T
+    x3: object      # (B, T, C) the same memory
+    ln: object      # (N, C)
+    qkv: object     # (N, 3C)
+    qkv3: object    # (B, T, 3C)
+    att: object     # (N, C)
+    att3: object    # (B, T, C)
+    h: object       # (N, 4C)
+    logits: object  # (N, V)
+    logits3: object  # (B, T, V)
+
+
+class GPT2:
+    """GPT-2 forward over `max_batch` sequences of up to `max_tokens` new tokens per step."""
+
+    def __init__(self, config: GPT2Config, state_dict, *, max_batch: int, max_tokens: int):
+        params = load_state_dict(config, state_dict)
+        self.config = config
+        self.max_batch = _check.positive("max_batch", max_batch)
+        self.max_tokens = _check.positive("max_tokens", max_tokens, at_most=config.n_positions)
+        w = {k: cuda.to_device(v) for k, v in params.items()}
+        self.wte, self.wpe = w["transformer.wte.weight"], w["transformer.wpe.weight"]
+        self.ln_f_w, self.ln_f_b = w["transformer.ln_f.weight"], w["transformer.ln_f.bias"]
+        self.layers = [
+            _Layer(*(w[f"transformer.h.{i}.{name}"] for name in (
+                "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+                "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")))
+            for i in range(config.n_layer)]
+        C, V, N = config.n_embd, config.vocab_size, max_batch * max_tokens
+        self._x = cuda.device_array((N, C), np.float32)
+        self._ln = cuda.device_array((N, C), np.float32)
+        self._qkv = cuda.device_array((N, 3 * C), np.float32)
+        self._att = cuda.device_array((N, C), np.float32)
+        self._h = cuda.device_array((N, 4 * C), np.float32)
+        self._logits = cuda.device_array((N, V), np.float32)
+        self._views: dict[tuple[int, int], _Views] = {}
+
+    def _views_for(self, B: int, T: int) -> _Views:
+        views = self._views.get((B, T))
+        if views is None:
+            C, V, N = self.config.n_embd, self.config.vocab_size, B * T
+            x, qkv, att, logits = self._x[:N], self._qkv[:N], self._att[:N], self._logits[:N]
+            views = _Views(x, x.reshape(B, T, C), self._ln[:N], qkv, qkv.reshape(B, T, 3 * C),
+                           att, att.reshape(B, T, C), self._h[:N], logits,
+                           logits.reshape(B, T, V))
+            self._views[(B, T)] = views
+        return views
+
+    def step(self, tokens, pos, cache: KVCache, stream=0):
+        """Run T new tokens of B sequences; return their logits.
+
+        tokens: device int32 (B, T), B <= max_batch, T <= max_tokens, values in [0, vocab).
+        pos:    device int32 (1,): absolute position of tokens[:, 0]; read on the device.
+        cache:  KVCache with batch B; positions pos..pos+T-1 are written, 0..pos-1 are read.
+                The caller keeps pos + T <= cache.max_len (the step never reads pos on the host).
+        Returns a device float32 (B, T, V) view of the model's logits buffer, overwritten by
+        the next step: logits[:, -1] are the next-token scores. For T = 1 it reshapes to a
+        contiguous (B, V).
+        """
+        _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
+        _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
+        B, T = tokens.shape
+        _check.positive("tokens.shape[0] (batch)", B, at_most=self.max_batch)
+        _check.positive("tokens.shape[1] (new tokens)", T, at_most=self.max_tokens)
+        if not isinstance(cache, KVCache) or cache.config != self.config or cache.batch != B:
+            raise ValueError(f"cache: expected a KVCache of this model's config with batch {B}")
+        if T > cache.max_len:
+            raise ValueError(f"tokens: {T} new tokens exceed cache.max_len={cache.max_len}")
+        v = self._views_for(B, T)
+        embedding.embed(tokens, self.wte, v.x3, wpe=self.wpe, pos0=pos, stream=stream)
+        for i, L in enumerate(self.layers):
+            layernorm.layernorm(v.x, L.ln_1_w, L.ln_1_b, v.ln, eps=LN_EPS, stream=stream)
+            gemm.gemm(v.ln, L.attn_w, v.qkv, bias=L.attn_b, stream=stream)
+            attention.attention(v.qkv3, cache.k[i], cache.v[i], pos, v.att3,
+                                n_head=self.config.n_head, stream=stream)
+            # x += att @ W + b: accumulate fuses the residual add into the projection
+            gemm.gemm(v.att, L.attn_proj_w, v.x, bias=L.attn_proj_b, accumulate=True,
+                      stream=stream)
+            layernorm.layernorm(v.x, L.ln_2_w, L.ln_2_b, v.ln, eps=LN_EPS, stream=stream)
+            gemm.gemm(v.ln, L.fc_w, v.h, bias=L.fc_b, act="gelu", stream=stream)
+            gemm.gemm(v.h, L.mlp_proj_w, v.x, bias=L.mlp_proj_b, accumulate=True, stream=stream)
+        layernorm.layernorm(v.x, self.ln_f_w, self.ln_f_b, v.ln, eps=LN_EPS, stream=stream)
+        gemm.gemm(v.ln, self.wte, v.logits, trans_b=True, stream=stream)  # tied head
+        return v.logits3
