@@ -1,0 +1,179 @@
+"""Executors: run a graph description (proto.graph) again and again.
+
+Both take the description's node list and offer the same four things:
+  ``launch()``                    run every node once, in order, on the default stream;
+  ``set_array_args(j, {i: (base, offset)})``
+                                  from now on node j's argument i is the array that starts
+                                  `offset` bytes into `base` (patch binding's one primitive);
+  ``memory_bytes``                device memory the executable took (None where unmeasurable);
+  ``close()``                     release it now, not whenever the garbage collector runs.
+
+`CudaExecutor` lowers the description to a real CUDA graph. It uses cuda.core's explicit
+graph-definition API (``GraphDefinition``: one node per description node, each depending on
+the one before, so the graph keeps the stream order the function was written in), then
+instantiates it. Instantiation is where the driver does the expensive work once: it checks
+every node, copies each kernel's parameter block into its own memory and builds launch
+descriptors, so that a replay is a single ``cuGraphLaunch`` however many kernels it holds.
+Keeping each definition node's handle is what makes patching cheap: ``graph[node].update(...)``
+rewrites one node's parameters inside the instantiated graph (cuGraphExecKernelNodeSetParams)
+without instantiating again.
+
+A kernel's parameters are not its Python arguments. Numba flattens each array argument into
+``meminfo, parent, nitems, itemsize, data, shape..., strides...`` (5 + 2*ndim parameters) and
+each scalar into one typed value; the compiled kernel (``dispatcher.overloads[sig]``) does the
+flattening in ``_prepare_args``. We keep that flat list per node and remember where each
+array's ``data`` pointer sits in it: that position is the slot patch binding rewrites.
+
+`WalkExecutor` walks the nodes and launches each kernel through Numba as an ordinary eager
+launch. It is the executor on the simulator (which has no graphs), and on a GPU it is the
+reference the CUDA executor is tested against. Its patch swaps the argument array itself.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from proto import backend
+from proto.backend import cuda, is_device_array
+from proto.binding import address, device_copy, view_at
+
+# Numba's flattened array argument: meminfo, parent, nitems, itemsize, then the data pointer.
+_DATA_SLOT = 4
+
+
+class WalkExecutor:
+    """Launch the description node by node (simulator, or an eager reference on a GPU)."""
+
+    memory_bytes = None
+
+    def __init__(self, nodes):
+        self._nodes = list(nodes)
+        self._args = [list(node.args) for node in self._nodes]  # what patch rewrites
+        self.closed = False
+
+    def launch(self) -> None:
+        for node, args in zip(self._nodes, self._args):
+            if node.kind == "kernel":
+                node.kernel[node.griddim, node.blockdim, 0, node.sharedmem](*args)
+            elif node.kind == "copy":
+                device_copy(*args)
+            else:
+                raise NotImplementedError(f"walk executor: no rule for {node.kind!r} nodes")
+
+    def set_array_args(self, j: int, args: dict) -> None:
+        for i, (base, offset) in args.items():
+            self._args[j][i] = view_at(base, offset, self._args[j][i])
+
+    def close(self) -> None:
+        self._nodes, self._args, self.closed = [], [], True
+
+
+def _compiled(kernel):
+    """The one compiled overload of an eager-signature kernel (proto.backend.jit)."""
+    overloads = list(kernel.overloads.values())
+    if len(overloads) != 1:
+        raise TypeError(f"kernel {kernel.py_func.__name__}: graphs need exactly one eager "
+                        f"signature (proto.backend.jit), found {len(overloads)}")
+    return overloads[0]
+
+
+def flatten_args(kernel, args) -> tuple[object, list, dict]:
+    """(cuda.core Kernel, flat parameter list, {argument index: position of its data pointer})."""
+    compiled = _compiled(kernel)
+    types = compiled.argument_types
+    name = kernel.py_func.__name__
+    if len(args) != len(types):
+        raise TypeError(f"kernel {name}: expected {len(types)} arguments, got {len(args)}")
+    flat, data_slots = [], {}
+    for i, (ty, value) in enumerate(zip(types, args)):
+        if is_device_array(value):
+            want = (str(ty.dtype), ty.ndim)
+            got = (str(np.dtype(value.dtype)), value.ndim)
+            if want != got or (ty.layout == "C" and not value.is_c_contiguous()):
+                raise TypeError(f"kernel {name} argument {i}: expected {ty}, got {got[0]} "
+                                f"{got[1]}-d array with strides {tuple(value.strides)}")
+            data_slots[i] = len(flat) + _DATA_SLOT
+        compiled._prepare_args(ty, value, 0, [], flat)
+    return compiled._codelibrary.get_cufunc().kernel, flat, data_slots
+
+
+class _KernelParams(NamedTuple):
+    config: object
+    kernel: object  # cuda.core Kernel
+    flat: list  # Numba's flattened parameters, rewritten in place by patch
+    data_slots: dict  # argument index -> position of its data pointer in `flat`
+
+
+def _free_device_memory() -> int:
+    return cuda.current_context().get_memory_info()[0]
+
+
+class CudaExecutor:
+    """The description lowered to one instantiated CUDA graph (cuda.core)."""
+
+    def __init__(self, nodes):
+        from cuda.core import LEGACY_DEFAULT_STREAM, LaunchConfig
+        from cuda.core.graph import GraphDefinition
+
+        if backend.SIMULATOR:
+            raise RuntimeError("the CUDA executor needs a GPU; use the walk executor on the simulator")
+        cuda.current_context()  # Numba's primary context is the one cuda.core launches into
+        self._stream = LEGACY_DEFAULT_STREAM  # the stream Numba launches and copies use
+        self._definition = GraphDefinition()
+        self._handles, self._params = [], []
+        tail = self._definition  # each node depends on the previous: stream order
+        for node in nodes:
+            if node.kind == "kernel":
+                cukernel, flat, data_slots = flatten_args(node.kernel, node.args)
+                config = LaunchConfig(grid=node.griddim, block=node.blockdim,
+                                      shmem_size=node.sharedmem)
+                tail = tail.launch(config, cukernel, *flat)
+                self._params.append(_KernelParams(config, cukernel, flat, data_slots))
+            elif node.kind == "copy":
+                dst, src = node.args
+                params = [address(dst), address(src), dst.nbytes]
+                tail = tail.memcpy(*params)
+                self._params.append(params)
+            else:
+                raise NotImplementedError(f"CUDA executor: no lowering for {node.kind!r} nodes")
+            self._handles.append(tail)
+        free_before = _free_device_memory()
+        self._graph = self._definition.instantiate()
+        self._graph.upload(self._stream)  # allocate the executable's resources now, not at replay 1
+        self._stream.sync()
+        # Driver memory is reserved in pages, so small graphs may measure 0 and large ones jump.
+        self.memory_bytes = max(free_before - _free_device_memory(), 0)
+
+    @property
+    def closed(self) -> bool:
+        return self._graph is None
+
+    def launch(self) -> None:
+        self._graph.launch(self._stream)
+
+    def set_array_args(self, j: int, args: dict) -> None:
+        handle, params = self._handles[j], self._params[j]
+        if isinstance(params, _KernelParams):  # rewrite data pointers in the flat parameters
+            for i, (base, offset) in args.items():
+                params.flat[params.data_slots[i]] = address(base) + offset
+            self._graph[handle].update(config=params.config, kernel=params.kernel,
+                                       args=params.flat)
+        else:  # copy node: [dst address, src address, size]
+            for i, (base, offset) in args.items():
+                params[i] = address(base) + offset
+            dst, src, size = params
+            self._graph[handle].update(dst=dst, src=src, size=size)
+
+    def close(self) -> None:
+        if self._graph is not None:
+            self._graph.close()
+        self._graph = self._definition = None
+        self._handles, self._params = [], []
+
+
+EXECUTORS = {"walk": WalkExecutor, "cuda": CudaExecutor}
+
+
+def default_executor() -> str:
+    return "walk" if backend.SIMULATOR else "cuda"

@@ -1,0 +1,290 @@
+"""Record a function's kernel launches once, replay them as one graph.
+
+Why graphs. An eager kernel launch costs the host 5-30 us (Python, Numba's argument
+flattening, the driver), while a small decode-step kernel runs for a few microseconds, so a
+step of hundreds of kernels is bound by the CPU. A CUDA graph is the list of launches (and
+copies) with their dependencies, handed to the driver once: *instantiation* validates it and
+prepares every launch, and from then on one ``cuGraphLaunch`` replays all of it for about
+1 us per kernel. What a graph freezes is everything a launch is made of: the kernels, grid and
+block sizes, and every argument, including the device address of every array. Replaying
+therefore reruns the same arithmetic on the same buffers; new data must be placed where the
+graph looks (proto.binding) and new shapes need new graphs or kernels that read their length
+on the device (proto.shapes).
+
+The layers, each small:
+  description   plain data: a list of `Node`s (`KernelLaunch`, `Copy`; a later issue adds
+                conditional nodes whose bodies are descriptions themselves). Recorded, not run:
+                inside `record()` every `proto.backend.launch` and every `copy` appends a node.
+  executors     turn a description into something that runs (proto.executors): the CUDA
+                executor builds and instantiates a real CUDA graph; the walk executor launches
+                node by node, which is what the simulator (no graphs) can do.
+  binding       how each replay's inputs reach the graph: copy | patch | alias (proto.binding).
+  capture       `GraphedFunction`: the state machine warm-up -> record -> replay below.
+
+Capture is a state machine (as tinygrad's TinyJit and torch.cuda.graphs):
+  WARM-UP  run the function eagerly first. Kernels get loaded into the context, and anything
+           the function allocates or initialises on its first call (a cached workspace, a
+           lazily built table) happens now, outside the graph. PyTorch warms up for the same
+           reason: a graph must never record a one-off first-call path.
+  RECORD   run the function again with the launch hook pointed at a recorder: nothing runs,
+           every launch becomes a node that reads and writes the *placeholders* (the inputs
+           passed at capture). The description then goes to an executor, once.
+  REPLAY   check the inputs (names, device, dtype, shape, layout) before anything moves,
+           bind them, launch. Outputs are the arrays the function returned while recording
+           (`graphed.outputs`): a replay writes into them again.
+
+Usage:
+    graphed = capture(step, inputs={"x": x_placeholder}, binding="copy")
+    stats = graphed.replay(x=x_new)        # -> ReplayStats(bytes copied, host bind time)
+    y = graphed.outputs                    # what `step` returned, refreshed by every replay
+    graphed.close()                        # or: with capture(...) as graphed: ...
+
+Every array a node references is kept alive by the description until `close()`; closing
+destroys the executable graph and drops those references, so the buffers are freed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import time
+from typing import Callable, ClassVar
+
+import numpy as np
+
+from proto import backend
+from proto.backend import is_device_array
+from proto.binding import (MODES, Binder, ReplayStats, check_disjoint, check_inputs,
+                           device_copy, extent, input_slots)
+from proto.executors import EXECUTORS, default_executor
+
+
+# ------------------------------------------------------------------------- the description
+@dataclasses.dataclass(frozen=True, eq=False)
+class Node:
+    """One operation of a graph. `args` lists what it touches, in argument-slot order; the
+    device arrays among them are what binding can rebind."""
+    args: tuple
+    kind: ClassVar[str] = "node"
+
+    def array_args(self) -> list[tuple[int, object]]:
+        return [(i, a) for i, a in enumerate(self.args) if is_device_array(a)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelLaunch(Node):
+    """``kernel[griddim, blockdim, stream, sharedmem](*args)`` with dims as 3-tuples."""
+    kernel: object = None  # a Numba dispatcher with one eager signature
+    griddim: tuple = (1, 1, 1)
+    blockdim: tuple = (1, 1, 1)
+    sharedmem: int = 0
+    kind: ClassVar[str] = "kernel"
+
+    @property
+    def name(self) -> str:
+        return kernel_name(self.kernel)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Copy(Node):
+    """Device-to-device copy; args = (dst, src), equal shapes and dtypes, C-contiguous."""
+    kind: ClassVar[str] = "copy"
+
+
+@dataclasses.dataclass
+class GraphDescription:
+    """The nodes in execution order (each depends on the one before, as on one stream)."""
+    nodes: list
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def summary(self) -> str:
+        """One line per node: what a student would print to see what was recorded."""
+        lines = []
+        for j, node in enumerate(self.nodes):
+            arrays = ", ".join(f"{i}:{np.dtype(a.dtype)}{tuple(a.shape)}" for i, a in node.array_args())
+            what = f"{node.name} grid={node.griddim} block={node.blockdim}" \
+                if node.kind == "kernel" else node.kind
+            lines.append(f"{j:4d} {what}  [{arrays}]")
+        return "\n".join(lines)
+
+
+def kernel_name(kernel) -> str:
+    """A Numba dispatcher's Python function name (simulator kernels keep it as `fn`)."""
+    return getattr(getattr(kernel, "py_func", None) or getattr(kernel, "fn", None), "__name__",
+                   type(kernel).__name__)
+
+
+def _dim3(dim) -> tuple:
+    dim = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+    return tuple(int(d) for d in dim) + (1,) * (3 - len(dim))
+
+
+class Recorder:
+    """Collects nodes; `proto.backend.launch` calls `record_launch` while it is active."""
+
+    def __init__(self):
+        self.nodes: list[Node] = []
+
+    def record_launch(self, kernel, griddim, blockdim, args, sharedmem=0) -> None:
+        for i, a in enumerate(args):
+            if isinstance(a, np.ndarray):
+                raise TypeError(f"record: kernel {kernel_name(kernel)} argument {i} "
+                                "is a host NumPy array: Numba would copy it at every eager launch, "
+                                "which a graph cannot record; pass a device array")
+        self.nodes.append(KernelLaunch(tuple(args), kernel, _dim3(griddim), _dim3(blockdim),
+                                       int(sharedmem)))
+
+    def record_copy(self, dst, src) -> None:
+        self.nodes.append(Copy((dst, src)))
+
+
+_recorders: list[Recorder] = []
+
+
+@contextlib.contextmanager
+def record():
+    """Inside the block, launches and `copy` calls are recorded, not run. Yields the Recorder;
+    ``GraphDescription(recorder.nodes)`` afterwards."""
+    recorder = Recorder()
+    _recorders.append(recorder)
+    try:
+        with backend.recording(recorder):
+            yield recorder
+    finally:
+        _recorders.pop()
+
+
+def copy(dst, src) -> None:
+    """dst[...] = src on the device (same dtype and shape, C-contiguous); recordable."""
+    for name, a in (("dst", dst), ("src", src)):
+        if not is_device_array(a):
+            raise TypeError(f"copy: {name}: expected a device array, got {type(a).__name__}")
+        if not a.is_c_contiguous():
+            raise ValueError(f"copy: {name}: expected a C-contiguous array, strides {a.strides}")
+    if np.dtype(dst.dtype) != np.dtype(src.dtype) or tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"copy: dst is {np.dtype(dst.dtype)} {tuple(dst.shape)}, "
+                         f"src is {np.dtype(src.dtype)} {tuple(src.shape)}: expected them equal")
+    if _recorders:
+        _recorders[-1].record_copy(dst, src)
+    else:
+        device_copy(dst, src)
+
+
+# ------------------------------------------------------------------------- capture
+class Phase(enum.Enum):
+    WARMUP = "warm-up"
+    RECORD = "record"
+    REPLAY = "replay"
+    CLOSED = "closed"
+
+
+class GraphedFunction:
+    """`fn(**inputs)` as a graph: call it to step through warm-up, record, replay.
+
+    `placeholders` maps input name -> the device array recorded into the graph; `binding` is
+    one of proto.binding.MODES; `executor` "cuda" (default on a GPU) or "walk" (the
+    simulator's). `fn` takes the inputs as keyword arguments and launches through
+    proto.backend.launch / proto.graph.copy; what it returns becomes `outputs`.
+    """
+
+    def __init__(self, fn: Callable, placeholders: dict, *, binding: str = "copy",
+                 executor: str | None = None, warmup: int = 1):
+        if binding not in MODES:
+            raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
+        executor = executor or default_executor()
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor: expected one of {sorted(EXECUTORS)}, got {executor!r}")
+        check_inputs(placeholders, placeholders, where="placeholders")
+        check_disjoint(placeholders)
+        self.fn, self.placeholders = fn, dict(placeholders)
+        self.binding, self.executor = binding, executor
+        self.phase = Phase.WARMUP if warmup > 0 else Phase.RECORD
+        self._warmups_left = warmup
+        self.description: GraphDescription | None = None
+        self.outputs = None
+        self.stats = ReplayStats()  # accumulated over replays
+        self.slots = []  # patch binding: which (node, argument) reads which input
+        self._executable = self._binder = None
+
+    def __call__(self, **inputs) -> ReplayStats:
+        if self.phase is Phase.WARMUP:
+            # WARM-UP: eager run; kernels load and first-call allocations happen outside the graph.
+            check_inputs(self.placeholders, inputs, where="warm-up")
+            self.fn(**inputs)
+            backend.synchronize()
+            self._warmups_left -= 1
+            if self._warmups_left == 0:
+                self.phase = Phase.RECORD
+            return ReplayStats()
+        if self.phase is Phase.RECORD:
+            # RECORD: launches become nodes on the placeholders; nothing runs until the replay below.
+            self._record()
+            self.phase = Phase.REPLAY
+        # REPLAY (also right after recording, which ran nothing)
+        return self.replay(**inputs)
+
+    def _record(self) -> None:
+        with record() as recorder:
+            self.outputs = self.fn(**self.placeholders)
+        if not recorder.nodes:
+            raise ValueError("record: the function launched no kernels and made no copies")
+        self.description = GraphDescription(recorder.nodes)
+        if self.binding == "patch":
+            self.slots = input_slots([[(i, *extent(a)) for i, a in node.array_args()]
+                                 for node in self.description.nodes],
+                                     {name: extent(a) for name, a in self.placeholders.items()})
+        self._executable = EXECUTORS[self.executor](self.description.nodes)
+        self._binder = Binder(self.binding, self.placeholders, self.slots, self._executable)
+
+    def replay(self, **inputs) -> ReplayStats:
+        """Check, bind, launch; returns this replay's stats (also added to `self.stats`)."""
+        if self.phase is not Phase.REPLAY:
+            raise RuntimeError(f"replay: the graph is in phase {self.phase.value!r}; "
+                               "capture() (or calling it until recorded) comes first")
+        t0 = time.perf_counter()
+        check_inputs(self.placeholders, inputs)
+        moved = self._binder.bind(inputs)
+        bind_s = time.perf_counter() - t0
+        self._executable.launch()
+        stats = ReplayStats(1, moved, bind_s)
+        self.stats += stats
+        return stats
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Device memory the executable graph took at instantiation (None: unmeasurable)."""
+        return None if self._executable is None else self._executable.memory_bytes
+
+    def close(self) -> None:
+        """Destroy the executable and drop every buffer reference the graph holds."""
+        if self._executable is not None:
+            backend.synchronize()  # a replay in flight must finish before its graph goes
+            self._executable.close()
+        self._executable = self._binder = self.description = self.outputs = None
+        self.placeholders, self.slots, self.fn = {}, [], None
+        self.phase = Phase.CLOSED
+
+    def __enter__(self) -> "GraphedFunction":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str | None = None,
+            warmup: int = 1) -> GraphedFunction:
+    """Warm up `fn` on `inputs`, record it with `inputs` as placeholders, instantiate.
+
+    Returns a GraphedFunction ready to `replay(**inputs)`; its stats start at zero.
+    """
+    graphed = GraphedFunction(fn, inputs, binding=binding, executor=executor, warmup=warmup)
+    try:
+        for _ in range(warmup + 1):
+            graphed(**inputs)
+    except BaseException:
+        graphed.close()
+        raise
+    graphed.stats = ReplayStats()
+    return graphed

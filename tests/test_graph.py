@@ -1,0 +1,197 @@
+"""Graph description, recording, the capture state machine and release (simulator lane).
+
+The workload `make_step` is shared with test_binding and test_graph_gpu: two kernels and a
+copy node, one kernel reading both inputs, the copy reading an input (so patch binding
+rewrites a memcpy node too), and intermediates the graph must keep alive.
+"""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from proto import graph
+from proto.backend import cuda, jit, launch
+from proto.binding import MODES
+from proto.executors import default_executor
+from tests.helpers import dev, rand
+
+
+THREADS = 32  # small blocks: every simulated thread is a Python thread
+
+
+@jit("void(float32, float32[::1], float32[::1], float32[::1])")
+def axpy_kernel(a, x, y, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = a * x[i] + y[i]
+
+
+@jit("void(float32[::1], float32[::1])")
+def square_kernel(x, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = x[i] * x[i]
+
+
+def blocks(n: int) -> int:
+    return (n + THREADS - 1) // THREADS
+
+
+def make_step(n: int):
+    """step(x, y) -> ((2x + y)^2, copy of y); buffers allocated once, outside the graph."""
+    h, out, y_copy = (dev(np.zeros(n, np.float32)) for _ in range(3))
+
+    def step(x, y):
+        launch(axpy_kernel, blocks(n), THREADS, (2.0, x, y, h))  # reads both inputs + a scalar
+        launch(square_kernel, blocks(n), THREADS, (h, out))      # reads an intermediate
+        graph.copy(y_copy, y)                                     # a copy node reading an input
+        return out, y_copy
+    return step
+
+
+def eager(n, x, y):
+    """The step run eagerly on fresh buffers: what every replay must reproduce exactly."""
+    out, y_copy = make_step(n)(x=dev(x), y=dev(y))
+    return out.copy_to_host(), y_copy.copy_to_host()
+
+
+def run_replay(graphed, binding, x, y):
+    """Replay on new host data, brought in the way `binding` expects."""
+    if binding == "alias":  # the producer writes into the placeholders themselves
+        graphed.placeholders["x"].copy_to_device(x)
+        graphed.placeholders["y"].copy_to_device(y)
+        return graphed.replay(**graphed.placeholders)
+    return graphed.replay(x=dev(x), y=dev(y))
+
+
+def count_launches(graphed, monkeypatch) -> list:
+    launches = []
+    real = graphed._executable.launch
+    monkeypatch.setattr(graphed._executable, "launch", lambda: (launches.append(1), real()))
+    return launches
+
+
+def test_record_describes_launches_without_running_them():
+    n = 7
+    x, y = dev(np.ones(n, np.float32)), dev(np.full(n, 2, np.float32))
+    step = make_step(n)
+    with graph.record() as recorder:
+        out, y_copy = step(x=x, y=y)
+    nodes = graph.GraphDescription(recorder.nodes).nodes
+    assert [node.kind for node in nodes] == ["kernel", "kernel", "copy"]
+    assert [node.name for node in nodes[:2]] == ["axpy_kernel", "square_kernel"]
+    assert nodes[0].griddim == (1, 1, 1) and nodes[0].blockdim == (THREADS, 1, 1)
+    assert [i for i, _ in nodes[0].array_args()] == [1, 2, 3]  # argument 0 is the scalar
+    assert nodes[2].args == (y_copy, y)
+    assert "square_kernel" in graph.GraphDescription(nodes).summary()
+    # Recording ran nothing: a real launch would have written (2*1 + 2)^2 = 16 into `out`.
+    assert not np.any(out.copy_to_host())
+
+
+def test_record_rejects_host_arrays_and_copy_checks_shapes():
+    host = np.zeros(4, np.float32)
+    with graph.record(), pytest.raises(TypeError, match="argument 0 is a host NumPy array"):
+        launch(square_kernel, 1, THREADS, (host, dev(host)))
+    a, b = dev(np.arange(4, dtype=np.float32)), dev(np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match=r"dst is float32 \(5,\), src is float32 \(4,\)"):
+        graph.copy(b, a)
+    with pytest.raises(TypeError, match="src: expected a device array"):
+        graph.copy(a, host)
+    c = dev(np.zeros(4, np.float32))
+    graph.copy(c, a)  # not recording: runs now
+    np.testing.assert_array_equal(c.copy_to_host(), np.arange(4))
+
+
+def test_capture_walks_warmup_record_replay():
+    n = 5
+    x, y = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
+    g = graph.GraphedFunction(make_step(n), {"x": x, "y": y}, warmup=1)
+    assert g.phase is graph.Phase.WARMUP
+    with pytest.raises(RuntimeError, match="phase 'warm-up'"):
+        g.replay(x=x, y=y)
+    assert g(x=x, y=y).replays == 0          # warm-up: eager, no graph yet
+    assert g.phase is graph.Phase.RECORD and g.description is None
+    assert g(x=x, y=y).replays == 1          # record, then the first replay
+    assert g.phase is graph.Phase.REPLAY and len(g.description) == 3
+    out, _ = g.outputs
+    np.testing.assert_array_equal(out.copy_to_host(), eager(n, np.ones(n, np.float32), np.ones(n, np.float32))[0])
+    g.close()
+    assert g.phase is graph.Phase.CLOSED
+    with pytest.raises(RuntimeError, match="phase 'closed'"):
+        g.replay(x=x, y=y)
+
+
+def test_capture_rejects_functions_that_launch_nothing_and_bad_options():
+    x = dev(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="launched no kernels"):
+        graph.capture(lambda x: None, {"x": x})
+    with pytest.raises(ValueError, match="binding: expected one of"):
+        graph.capture(make_step(3), {"x": x, "y": x}, binding="borrow")
+    with pytest.raises(ValueError, match="placeholders 'x' and 'y' overlap"):
+        graph.capture(make_step(3), {"x": x, "y": x})
+
+
+@pytest.mark.parametrize("binding", MODES)
+@given(n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_replay_matches_eager(binding, n, seed, scale):
+    rng, n = np.random.default_rng(seed), n * scale
+    x0, y0 = rand(rng, n), rand(rng, n)
+    with graph.capture(make_step(n), {"x": dev(x0), "y": dev(y0)}, binding=binding,
+                       executor=default_executor()) as g:
+        for _ in range(2):  # two replays: binding must work again after the first one
+            x, y = rand(rng, n, scale=2.0), rand(rng, n)
+            run_replay(g, binding, x, y)
+            out, y_copy = (a.copy_to_host() for a in g.outputs)
+            want_out, want_copy = eager(n, x, y)
+            np.testing.assert_array_equal(out, want_out)
+            np.testing.assert_array_equal(y_copy, want_copy)
+
+
+@pytest.mark.parametrize("binding", MODES)
+def test_wrong_inputs_rejected_before_any_launch(binding, monkeypatch):
+    n = 6
+    x_ph = dev(np.arange(n, dtype=np.float32))
+    with graph.capture(make_step(n), {"x": x_ph, "y": dev(np.zeros(n, np.float32))},
+                       binding=binding) as g:
+        launches = count_launches(g, monkeypatch)
+        good = g.placeholders["x"] if binding == "alias" else dev(np.full(n, 9, np.float32))
+        bad_y = [
+            (dev(np.zeros(n, np.float64)), TypeError, "'y': expected dtype float32, got float64"),
+            (dev(np.zeros(n + 1, np.float32)), ValueError,
+             r"'y': expected shape \(6,\) \(24 bytes\), got \(7,\) \(28 bytes\)"),
+            (np.zeros(n, np.float32), TypeError,
+             r"'y': expected a device array float32 \(6,\), got a host NumPy array"),
+        ]
+        for value, error, message in bad_y:
+            with pytest.raises(error, match=message):
+                g.replay(x=good, y=value)
+        with pytest.raises(TypeError, match=r"expected inputs \['x', 'y'\].*missing \['y'\]"):
+            g.replay(x=good)
+        with pytest.raises(TypeError, match=r"unexpected \['z'\]"):
+            g.replay(x=good, y=g.placeholders["y"], z=good)
+        assert launches == []
+        # x was valid but its replay failed on y: nothing may have been copied into x's placeholder.
+        np.testing.assert_array_equal(x_ph.copy_to_host(), np.arange(n))
+        assert g.stats.replays == 0
+
+
+def test_close_releases_graph_and_buffers():
+    n = 4
+    x, y = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
+    captured = {}
+
+    def step(x, y):
+        tmp = cuda.device_array(n, np.float32)  # allocated per call: the graph keeps its own
+        captured["tmp"] = weakref.ref(tmp)
+        launch(axpy_kernel, blocks(n), THREADS, (1.0, x, y, tmp))
+        return tmp
+
+    with graph.capture(step, {"x": x, "y": y}) as g:
+        executable = g._executable
+        assert captured["tmp"]() is g.outputs  # the recorded call's buffer is the output
+    assert g.phase is graph.Phase.CLOSED and executable.closed
+    assert g.description is None and g.placeholders == {}
+    gc.collect()
+    assert captured["tmp"]() is None
