@@ -1,0 +1,14 @@
+"""Training beyond device memory: budgeted pool, AutoVM swap schedule, demand-paging baseline.
+
+    plan = schedule.plan(tape, budget, op_seconds=..., recompute=True)   # plain data
+    schedule.validate(tape, plan)                                        # the rules, no GPU
+    with Executor(tape, plan) as ex: ex.load(init); ex.step()            # streams + events
+    with PagingExecutor(tape, budget) as ex: ...                         # unified-memory baseline
+"""
+from proto.vm.executor import Executor
+from proto.vm.liveness import BudgetError, Liveness
+from proto.vm.paging import PagingExecutor, measure_link
+from proto.vm.schedule import Link, Plan, PlanError, plan, validate
+
+__all__ = ["BudgetError", "Executor", "Link", "Liveness", "PagingExecutor", "Plan", "PlanError",
+           "measure_link", "plan", "validate"]

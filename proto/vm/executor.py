@@ -1,0 +1,161 @@
+"""Run a tape's training step under a Plan: one compute stream, one D2H and one H2D copy stream.
+
+The plan (schedule.py) decides everything; this module only replays it with the ordering the
+GPU needs, which is all CUDA events:
+
+    evict X     after op a:  d2h waits for compute (X is final), copies X to its pinned buffer
+    release X   before op r: compute waits for that copy, then X's bytes may be reused
+    prefetch X  before op p: h2d waits for compute so far (the bytes it lands in are no longer
+                             read or written), copies pinned -> device
+    wait X      before op b: compute waits for the prefetch
+    recompute X before op b: re-run X's producer on the compute stream
+
+On the simulator streams and events do nothing and copies are synchronous, so the same code
+runs there; freed bytes are poisoned (pool.py), so a wrong plan gives wrong numbers in tests.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from proto import backend
+from proto.backend import cuda
+from proto.tape import Tape
+from proto.vm.pool import DevicePool
+from proto.vm.schedule import Action, Plan, validate
+
+
+def _event():
+    return cuda.event() if backend.SIMULATOR else cuda.event(timing=False)
+
+
+class Executor:
+    """Replays `plan` for `tape`, one `step()` per training step.
+
+    Persistent tensors (parameters, gradients, state, inputs) stay at fixed places: `load`
+    writes them, `read` returns any persistent tensor or step output (valid after `step`).
+    Call `close()` (or use `with`) to give the arena, pinned buffers and streams back.
+    """
+
+    def __init__(self, tape: Tape, plan: Plan, *, managed: bool = False):
+        validate(tape, plan)
+        self.tape, self.plan = tape, plan
+        self.pool = DevicePool(plan.budget, plan.arena_bytes, managed=managed)
+        self.compute, self.d2h, self.h2d = cuda.stream(), cuda.stream(), cuda.stream()
+        self.current = {name: self.pool.alloc(tape.tensors[name], off)
+                        for name, off in plan.persistent.items()}
+        self._persistent = frozenset(plan.persistent)
+        evicted = {a.tensor for _, _, a in plan.actions() if a.kind == "evict"}
+        self.pinned = {name: cuda.pinned_array(tape.tensors[name].shape, tape.tensors[name].dtype)
+                       for name in sorted(evicted)}
+        self._op_names = [tuple(dict.fromkeys(op.reads + op.writes)) for op in tape.ops]
+        self._pending: dict[str, object] = {}    # prefetched views, usable after their wait
+        self._events: dict[tuple, object] = {}   # created once, re-recorded every step
+
+    # -- host I/O (outside the timed step) ------------------------------------------------
+    def load(self, values: dict[str, np.ndarray]) -> None:
+        """Write persistent tensors from host arrays (initial weights, the input batch)."""
+        for name, value in values.items():
+            if name not in self._persistent:
+                raise ValueError(f"load: {name!r} is not a persistent tensor of the tape")
+            spec = self.tape.tensors[name]
+            value = np.ascontiguousarray(value, dtype=spec.dtype)
+            if value.shape != spec.shape:
+                raise ValueError(f"load: {name!r} expected shape {spec.shape}, got {value.shape}")
+        backend.synchronize()
+        for name, value in values.items():
+            spec = self.tape.tensors[name]
+            self._touch([name])
+            self.current[name].copy_to_device(np.ascontiguousarray(value, dtype=spec.dtype))
+        backend.synchronize()
+        self._after_io()
+
+    def read(self, name: str) -> np.ndarray:
+        """A persistent tensor, or an output of the last step, copied to the host."""
+        if name not in self.current:
+            raise KeyError(f"read: {name!r} is neither persistent nor an output of the last step")
+        backend.synchronize()
+        self._touch([name])
+        out = self.current[name].copy_to_host()
+        self._after_io()
+        return out
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> None:
+        """Enqueue one training step (returns before the GPU is done; synchronize to wait)."""
+        for name in [n for n in self.current if n not in self._persistent]:
+            self.pool.free(name)          # outputs of the previous step
+            del self.current[name]
+        cur, plan = self.current, self.plan
+        for i, op in enumerate(self.tape.ops):
+            for act in plan.before[i]:
+                self._apply(act, i, "before")
+            self._before_op(i)
+            op.run({n: cur[n] for n in self._op_names[i]}, self.compute)
+            for act in plan.after[i]:
+                self._apply(act, i, "after")
+
+    def _event(self, *key):
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = _event()
+        return ev
+
+    def _apply(self, act: Action, i: int, slot: str) -> None:
+        name, cur = act.tensor, self.current
+        spec = self.tape.tensors[name]
+        if act.kind == "alloc":
+            cur[name] = self.pool.alloc(spec, act.offset)
+        elif act.kind in ("free", "drop"):
+            self.pool.free(name)
+            del cur[name]
+        elif act.kind == "evict":
+            ready = self._event(i, slot, name, "computed")
+            ready.record(self.compute)
+            ready.wait(self.d2h)
+            cur[name].copy_to_host(self.pinned[name], stream=self.d2h)
+            self._event(name, "evicted").record(self.d2h)
+        elif act.kind == "release":
+            self._event(name, "evicted").wait(self.compute)
+            self.pool.free(name)
+            del cur[name]
+        elif act.kind == "prefetch":
+            view = self.pool.alloc(spec, act.offset)
+            clear = self._event(i, slot, name, "clear")
+            clear.record(self.compute)
+            clear.wait(self.h2d)
+            view.copy_to_device(self.pinned[name], stream=self.h2d)
+            self._event(name, "arrived").record(self.h2d)
+            self._pending[name] = view
+        elif act.kind == "wait":
+            self._event(name, "arrived").wait(self.compute)
+            cur[name] = self._pending.pop(name)
+        elif act.kind == "recompute":
+            cur[name] = self.pool.alloc(spec, act.offset)
+            producer = self.tape.ops[act.producer]
+            producer.run({n: cur[n] for n in self._op_names[act.producer]}, self.compute)
+        else:
+            raise ValueError(f"unknown action {act.kind!r}")
+
+    # Hooks for demand paging (paging.py): make pages resident before an op or host I/O.
+    def _before_op(self, i: int) -> None:
+        pass
+
+    def _touch(self, names) -> None:
+        pass
+
+    def _after_io(self) -> None:
+        pass
+
+    def close(self) -> None:
+        backend.synchronize()
+        self.current.clear()
+        self._pending.clear()
+        self._events.clear()
+        self.pinned.clear()
+        self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,261 @@
+"""The demand-paging baseline: what unified memory does when the GPU is full.
+
+Tensors live in one managed arena placed like the unconstrained run (a framework's caching
+allocator over cudaMallocManaged). Residency is tracked in 2 MiB pages, least recently used
+first, as the UM driver does. Before each op, if the pages it touches would push resident
+bytes past the budget, the oldest pages it does not need are pushed to the host synchronously
+(cuMemPrefetchAsync to the CPU, then a stream sync: the GPU stalls as it does on a real
+eviction); the op's kernels then *fault* their missing pages back in: real faults, real
+migration, no hint from us. Nothing here knows the network: that is the point of the baseline.
+
+On the simulator the same page table drives synchronous copies between the device arena and a
+host mirror, and evicted device bytes are poisoned, so a page the policy forgot to bring back
+shows up as NaNs in tests.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from proto import backend
+from proto.backend import cuda
+from proto.tape import Tape
+from proto.vm import schedule
+from proto.vm.executor import Executor
+from proto.vm.liveness import BudgetError, fmt_bytes
+
+PAGE = 2 << 20            # the UM driver's large-page (VA block) size
+MANAGED_LIMIT = 16 << 30  # never ask for more managed memory than this, whatever the card
+
+
+class PageTable:
+    """LRU residency of the pages of one arena under a byte budget (pure bookkeeping)."""
+
+    def __init__(self, arena_bytes: int, budget: int, page_bytes: int = PAGE):
+        if page_bytes <= 0 or budget < page_bytes:
+            raise BudgetError(f"budget {fmt_bytes(budget)} holds no page of {fmt_bytes(page_bytes)}")
+        self.page_bytes = page_bytes
+        self.n_pages = -(-arena_bytes // page_bytes)
+        self.max_resident = budget // page_bytes
+        self.resident = np.zeros(self.n_pages, dtype=bool)
+        self.last_use = np.full(self.n_pages, -1, dtype=np.int64)
+        self.clock = 0
+        self.evicted_pages = 0     # counters, for the experiment
+        self.faulted_pages = 0
+
+    def pages(self, ranges) -> np.ndarray:
+        """Sorted page indices covering byte ranges [(offset, nbytes), ...]."""
+        idx = [np.arange(off // self.page_bytes, (off + n - 1) // self.page_bytes + 1)
+               for off, n in ranges if n > 0]
+        return np.unique(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64)
+
+    def touch(self, pages: np.ndarray) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Make `pages` resident: returns (page runs to evict first, page runs that will fault in)."""
+        if len(pages) > self.max_resident:
+            raise BudgetError(f"{len(pages)} pages needed at once, the budget holds {self.max_resident}")
+        missing = pages[~self.resident[pages]]
+        excess = int(self.resident.sum()) + len(missing) - self.max_resident
+        evict = np.zeros(0, dtype=np.int64)
+        if excess > 0:
+            candidates = np.flatnonzero(self.resident)
+            candidates = candidates[~np.isin(candidates, pages)]
+            # oldest first; among equals the lowest address (stable sort)
+            evict = np.sort(candidates[np.argsort(self.last_use[candidates], kind="stable")[:excess]])
+            self.resident[evict] = False
+        self.resident[missing] = True
+        self.last_use[pages] = self.clock
+        self.clock += 1
+        self.evicted_pages += len(evict)
+        self.faulted_pages += len(missing)
+        return _runs(evict), _runs(missing)
+
+    def reset(self) -> None:
+        """Everything on the host (after host I/O, which may have moved pages)."""
+        self.resident[:] = False
+
+
+def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted page indices -> [(first, end)) runs of consecutive pages."""
+    if len(pages) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(pages, breaks)]
+
+
+# ---------------------------------------------------------------------------- backends
+def check_managed_fits(nbytes: int) -> None:
+    """Refuse managed allocations that could oversubscribe the card (which can hang the machine)."""
+    from cuda.bindings import driver
+    err, free, total = driver.cuMemGetInfo()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemGetInfo failed: {err}")
+    limit = min(MANAGED_LIMIT, free // 4)
+    if nbytes > limit:
+        raise BudgetError(f"managed arena of {fmt_bytes(nbytes)} refused: the limit is "
+                          f"{fmt_bytes(limit)} (a quarter of the {fmt_bytes(free)} free of "
+                          f"{fmt_bytes(total)}, at most {fmt_bytes(MANAGED_LIMIT)})")
+
+
+def prefetch_managed(ptr: int, nbytes: int, stream, to_host: bool = True) -> None:
+    """cuMemPrefetchAsync of managed memory to the host (or this device) on `stream`.
+
+    cuda-bindings 13 takes a CUmemLocation; 12.x took a device ordinal (CU_DEVICE_CPU = host)."""
+    from cuda.bindings import driver
+    hstream = driver.CUstream(int(stream.handle) if stream else 0)
+    loc = driver.CUmemLocation()
+    if to_host:
+        loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+        loc.id = 0
+    else:
+        loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        loc.id = cuda.get_current_device().id
+    try:
+        (err,) = driver.cuMemPrefetchAsync(ptr, nbytes, loc, 0, hstream)
+    except TypeError:   # cuda-bindings 12.x
+        device = driver.CU_DEVICE_CPU if to_host else cuda.get_current_device().id
+        (err,) = driver.cuMemPrefetchAsync(ptr, nbytes, device, hstream)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemPrefetchAsync({nbytes} bytes) failed: {err}")
+
+
+class _ManagedPages:
+    """GPU: evict = synchronous prefetch to the host; fault-in = nothing (the kernel faults)."""
+
+    def __init__(self, arena, page_bytes: int, stream):
+        self.ptr = int(arena.device_ctypes_pointer.value)
+        self.nbytes, self.page_bytes, self.stream = arena.nbytes, page_bytes, stream
+
+    def evict(self, runs) -> None:
+        for first, end in runs:
+            lo, hi = first * self.page_bytes, min(end * self.page_bytes, self.nbytes)
+            prefetch_managed(self.ptr + lo, hi - lo, self.stream)
+        if runs:
+            self.stream.synchronize()
+
+    def fault(self, runs) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.evict([(0, -(-self.nbytes // self.page_bytes))])
+
+
+class _CopiedPages:
+    """Simulator: pages copied between the device arena and a host mirror, synchronously."""
+
+    def __init__(self, arena, page_bytes: int):
+        self.arena, self.page_bytes = arena, page_bytes
+        self.host = arena.copy_to_host()
+
+    def _span(self, first, end):
+        return first * self.page_bytes, min(end * self.page_bytes, self.arena.size)
+
+    def evict(self, runs) -> None:
+        for lo, hi in (self._span(*r) for r in runs):
+            self.host[lo:hi] = self.arena[lo:hi].copy_to_host()
+            self.arena[lo:hi] = 0xFF      # poison: only a fault brings the data back
+
+    def fault(self, runs) -> None:
+        for lo, hi in (self._span(*r) for r in runs):
+            self.arena[lo:hi].copy_to_device(self.host[lo:hi])
+
+    def reset(self) -> None:
+        pass
+
+
+class PagingExecutor(Executor):
+    """The unconstrained schedule on managed memory, paged on demand under `budget` bytes.
+
+    managed: real unified memory (default on a GPU); False: the simulator's copying pages.
+    """
+
+    def __init__(self, tape: Tape, budget: int, *, page_bytes: int = PAGE, managed: bool | None = None):
+        base = schedule.plan(tape)    # the unconstrained placement: what the allocator would do
+        managed = (not backend.SIMULATOR) if managed is None else managed
+        if managed and backend.SIMULATOR:
+            raise ValueError("managed=True needs a GPU; the simulator pages by copying")
+        self.table = PageTable(base.arena_bytes, budget, page_bytes)
+        self.budget = budget
+        offsets = {name: off for name, off in base.persistent.items()}
+        offsets.update({a.tensor: a.offset for _, _, a in base.actions() if a.kind == "alloc"})
+        self._offsets = offsets
+        self._op_pages = [self.table.pages([(offsets[n], tape.tensors[n].nbytes)
+                                            for n in set(op.reads) | set(op.writes)])
+                          for op in tape.ops]
+        for op, pages in zip(tape.ops, self._op_pages):
+            if len(pages) > self.table.max_resident:
+                raise BudgetError(
+                    f"budget {fmt_bytes(budget)} is too small for op {op.name!r} (layer "
+                    f"{op.layer or '?'!r}): its tensors span {len(pages)} pages of "
+                    f"{fmt_bytes(page_bytes)} = {fmt_bytes(len(pages) * page_bytes)}")
+        if managed:
+            check_managed_fits(base.arena_bytes)
+        super().__init__(tape, base, managed=managed)
+        self.pages = (_ManagedPages(self.pool.arena, page_bytes, self.compute) if managed
+                      else _CopiedPages(self.pool.arena, page_bytes))
+        self.pages.reset()
+
+    def _before_op(self, i: int) -> None:
+        # The eviction is queued on the compute stream (behind the ops that used those pages)
+        # and waited for: compute stalls, as on a real UM eviction.
+        evict, fault = self.table.touch(self._op_pages[i])
+        self.pages.evict(evict)
+        self.pages.fault(fault)
+
+    def _touch(self, names) -> None:
+        evict, fault = self.table.touch(self.table.pages(
+            [(self._offsets[n], self.tape.tensors[n].nbytes) for n in names]))
+        self.pages.evict(evict)
+        self.pages.fault(fault)
+
+    def _after_io(self) -> None:
+        if isinstance(self.pages, _ManagedPages):   # host I/O may have moved pages: start over
+            self.pages.reset()
+            self.table.reset()
+
+    def moved_bytes(self) -> tuple[int, int]:
+        """(bytes evicted, bytes faulted in) so far, in whole pages."""
+        return self.table.evicted_pages * self.table.page_bytes, self.table.faulted_pages * self.table.page_bytes
+
+
+# ---------------------------------------------------------------------------- measuring
+def measure_link(nbytes: int = 256 << 20, reps: int = 3) -> dict[str, float]:
+    """Host-link rates in GB/s: pinned copies each way, managed pages faulted in by a kernel,
+    and managed pages pushed out by a prefetch to the host. NaN on the simulator."""
+    keys = ("pinned_h2d_gbps", "pinned_d2h_gbps", "fault_h2d_gbps", "evict_d2h_gbps")
+    if backend.SIMULATOR:
+        return {k: float("nan") for k in keys}
+    from kernels import elementwise as ew
+    check_managed_fits(nbytes)
+    n = nbytes // 4
+    stream = cuda.stream()
+    host = cuda.pinned_array(n, np.float32)
+    dev = cuda.device_array(n, np.float32)
+    managed = cuda.managed_array(n, np.float32)
+    managed[:] = 1.0
+    ptr = int(managed.device_ctypes_pointer.value)
+
+    def timed(fn, setup=None):
+        best = float("inf")
+        for _ in range(reps + 1):   # the first absorbs set-up costs (and JIT for the kernel)
+            if setup:
+                setup()
+            stream.synchronize()
+            t0, t1 = cuda.event(), cuda.event()
+            t0.record(stream)
+            fn()
+            t1.record(stream)
+            t1.synchronize()
+            best = min(best, cuda.event_elapsed_time(t0, t1) * 1e-3)
+        return nbytes / best / 1e9
+
+    to_host = lambda: prefetch_managed(ptr, nbytes, stream)          # noqa: E731
+    to_dev = lambda: prefetch_managed(ptr, nbytes, stream, False)    # noqa: E731
+    try:
+        return {
+            "pinned_h2d_gbps": timed(lambda: dev.copy_to_device(host, stream=stream)),
+            "pinned_d2h_gbps": timed(lambda: dev.copy_to_host(host, stream=stream)),
+            "fault_h2d_gbps": timed(lambda: ew.add(managed, managed, managed, stream=stream), to_host),
+            "evict_d2h_gbps": timed(to_host, to_dev),
+        }
+    finally:
+        cuda.synchronize()
+        del managed, dev, host
