@@ -1,0 +1,123 @@
+"""The CUDA executor on a real GPU: the simulator lane's properties, on real CUDA graphs.
+
+Run on the GPU machine: PYTHONPATH=. python3 -m pytest -q tests/test_graph_gpu.py
+"""
+import gc
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from proto import graph, shapes
+from proto.backend import cuda, launch
+from proto.binding import MODES, Slot
+from proto.executors import CudaExecutor
+from tests.helpers import assert_close, dev, rand
+from tests.test_graph import THREADS, axpy_kernel, blocks, eager, make_step, run_replay
+from tests.test_shapes import Workload, softmax_ref
+
+pytestmark = pytest.mark.gpu
+
+
+def free_bytes() -> int:
+    """Device memory free once every dropped Numba buffer is really freed."""
+    gc.collect()
+    cuda.synchronize()
+    ctx = cuda.current_context()
+    ctx.deallocations.clear()
+    return ctx.get_memory_info()[0]
+
+
+@pytest.mark.parametrize("executor", ["cuda", "walk"])
+@pytest.mark.parametrize("binding", MODES)
+@given(n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_replay_matches_eager_on_the_gpu(executor, binding, n, seed, scale):
+    rng, n = np.random.default_rng(seed), n * scale
+    with graph.capture(make_step(n), {"x": dev(rand(rng, n)), "y": dev(rand(rng, n))},
+                       binding=binding, executor=executor) as g:
+        assert isinstance(g._executable, CudaExecutor) == (executor == "cuda")
+        for _ in range(2):
+            x, y = rand(rng, n, scale=2.0), rand(rng, n)
+            stats = run_replay(g, binding, x, y)
+            assert stats.bytes_copied == (2 * n * 4 if binding == "copy" else 0)
+            want_out, want_copy = eager(n, x, y)
+            np.testing.assert_array_equal(g.outputs[0].copy_to_host(), want_out)
+            np.testing.assert_array_equal(g.outputs[1].copy_to_host(), want_copy)
+
+
+def test_patch_rewrites_real_kernel_and_memcpy_nodes():
+    # 2-D input read through views at offsets: slots sit inside Numba's flattened parameters.
+    rows, cols = 37, 129
+    n = rows * cols
+    out = dev(np.zeros(n - 1, np.float32))
+    x_copy = dev(np.zeros((rows, cols), np.float32))
+
+    def fn(x):
+        flat = x.reshape(n)
+        launch(axpy_kernel, blocks(n - 1), THREADS, (3.0, flat[1:], flat[:-1], out))
+        graph.copy(x_copy, x)  # a memcpy node reading the input
+        return out
+
+    x_ph = dev(np.zeros((rows, cols), np.float32))
+    with graph.capture(fn, {"x": x_ph}, binding="patch", executor="cuda") as g:
+        assert g.slots == [Slot(0, 1, "x", 4), Slot(0, 2, "x", 0), Slot(1, 1, "x", 0)]
+        for seed in range(3):
+            x = rand(np.random.default_rng(seed), rows, cols)
+            assert g.replay(x=dev(x)).bytes_copied == 0
+            flat = x.reshape(n)
+            np.testing.assert_array_equal(out.copy_to_host(), 3 * flat[1:] + flat[:-1])
+            np.testing.assert_array_equal(x_copy.copy_to_host(), x)
+        np.testing.assert_array_equal(x_ph.copy_to_host(), 0)  # never copied into
+
+
+@pytest.mark.parametrize("binding", MODES)
+def test_wrong_inputs_rejected_before_any_graph_launch(binding, monkeypatch):
+    n = 1000
+    with graph.capture(make_step(n), {"x": dev(np.zeros(n, np.float32)),
+                                      "y": dev(np.zeros(n, np.float32))}, binding=binding) as g:
+        launches = []
+        real = g._executable.launch
+        monkeypatch.setattr(g._executable, "launch", lambda: (launches.append(1), real()))
+        with pytest.raises(ValueError, match=r"'y': expected shape \(1000,\) \(4000 bytes\), "
+                                             r"got \(999,\)"):
+            g.replay(x=g.placeholders["x"], y=dev(np.zeros(n - 1, np.float32)))
+        with pytest.raises(TypeError, match="'x': expected dtype float32, got int32"):
+            g.replay(x=dev(np.zeros(n, np.int32)), y=g.placeholders["y"])
+        if binding == "alias":
+            with pytest.raises(ValueError, match="alias binding needs the graph's placeholder"):
+                g.replay(x=dev(np.zeros(n, np.float32)), y=g.placeholders["y"])
+        assert launches == []
+
+
+def test_close_destroys_the_graph_and_frees_its_buffers():
+    big = 16 << 20  # 64 MiB of float32: far above the measurement's page granularity
+    x = dev(np.ones(THREADS, np.float32))
+
+    def fn(x):
+        tmp = cuda.device_array(big, np.float32)  # only the graph keeps the recorded one
+        launch(axpy_kernel, 1, THREADS, (1.0, x, x, tmp[:THREADS]))
+        return None
+
+    before = free_bytes()
+    g = graph.capture(fn, {"x": x}, executor="cuda")
+    assert free_bytes() <= before - big * 4  # the recorded tmp lives on in the description
+    assert g.memory_bytes >= 0
+    executable = g._executable
+    g.close()
+    assert executable.closed
+    assert free_bytes() >= before - (4 << 20)
+
+
+@pytest.mark.parametrize("binding", MODES)
+@pytest.mark.parametrize("strategy", shapes.STRATEGIES)
+def test_shapes_on_cuda_graphs(strategy, binding):
+    rng = np.random.default_rng(1)
+    w = Workload(strategy, binding, 300, "cuda")
+    with shapes.ShapeDispatcher(w.build, strategy=strategy, max_length=300, dynamic=("x",),
+                                eager=strategy != "exact") as d:
+        for length in (1, 77, 300, 129, 64):
+            x = rand(rng, length, 3, scale=3.0)
+            _, got = w.step(d, x)
+            assert_close(got, softmax_ref(x.astype(np.float64)), "softmax")
+        assert d.num_graphs == {"exact": 5, "bucket": 10, "device": 1}[strategy]
+        assert d.memory_bytes >= 0
