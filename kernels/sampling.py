@@ -26,7 +26,8 @@ from kernels import _check
 from proto.backend import cuda, jit, launch
 
 KMAX = 8                  # local arrays are sized by this; k is a runtime argument up to it
-MAX_THREADS = 256
+MAX_THREADS = 256         # shared merge slots are sized for this many threads
+THREADS = 256             # threads per block, at most (tests lower it to reach several blocks)
 PER_THREAD = 8            # stage 1 gives each thread at least this many elements to scan ...
 MAX_BLOCKS = 256          # ... in at most this many blocks per row (about one per SM on an H200)
 MERGE_SLOTS = MAX_THREADS * KMAX  # shared (value, index) slots of a block merge: 16 KiB
@@ -165,7 +166,7 @@ def _round_warp(n: int) -> int:
 
 def _stage1_config(V: int) -> tuple[int, int]:
     """(blocks per row, threads per block) for a row of V elements."""
-    threads = min(MAX_THREADS, _round_warp(math.ceil(V / PER_THREAD)))
+    threads = min(THREADS, _round_warp(math.ceil(V / PER_THREAD)))
     return min(MAX_BLOCKS, math.ceil(V / (threads * PER_THREAD))), threads
 
 
@@ -187,7 +188,7 @@ def _launch_topk(x, k: int, values, indices, stream) -> None:
     nb, threads = _stage1_config(V)
     cand_v, cand_i, _ = _candidates(R, nb)
     launch(topk_blocks_kernel, (nb, R), threads, (x, np.int32(k), cand_v, cand_i), stream)
-    launch(topk_merge_kernel, R, min(MAX_THREADS, _round_warp(nb * k)),
+    launch(topk_merge_kernel, R, min(THREADS, _round_warp(nb * k)),
            (cand_v, cand_i, np.int32(k), values, indices), stream)
 
 

@@ -1,0 +1,185 @@
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kernels import attention
+from proto import backend
+from proto.backend import cuda
+from tests.helpers import assert_close, dev, rand
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_barriers():
+    """Simulated barriers wait on Python's thread switch interval (5 ms by default)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """On the simulator, 32-position tiles (32-thread blocks): caches of a few dozen
+    positions then take several tiles and several splits, the paths that 128-position tiles
+    reach only at GPU sizes."""
+    if backend.SIMULATOR:
+        monkeypatch.setattr(attention, "TILE", 32)
+
+
+def _case(rng, B, H, T, Tmax, hd):
+    C = H * hd
+    return (rand(rng, B, T, 3 * C), rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd))
+
+
+def _attend(qkv, k_cache, v_cache, pos, n_head):
+    """Run the kernel on copies; return (out, k_cache, v_cache) on the host."""
+    dk, dv = dev(k_cache), dev(v_cache)
+    out = cuda.device_array((qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3), np.float32)
+    attention.attention(dev(qkv), dk, dv, dev(np.array([pos], np.int32)), out, n_head=n_head)
+    return out.copy_to_host(), dk.copy_to_host(), dv.copy_to_host()
+
+
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_attention_matches_reference(data, seed, scale):
+    # Simulator: at most 12 blocks of 32 threads; GPU: head dims and caches up to GPT-2's.
+    B = data.draw(st.integers(1, 2), "B")
+    H = data.draw(st.integers(1, 3 - B), "H")
+    hd = data.draw(st.integers(1, 32 if scale == 1 else 128), "hd")
+    Tmax = data.draw(st.integers(1, 70 * scale), "Tmax")
+    T = data.draw(st.integers(1, min(Tmax, 3 * scale)), "T")
+    pos = data.draw(st.integers(0, Tmax - T), "pos")
+    qkv, kc, vc = _case(np.random.default_rng(seed), B, H, T, Tmax, hd)
+    out, k_after, v_after = _attend(qkv, kc, vc, pos, H)
+    want, want_k, want_v = attention.attention_ref(qkv, kc, vc, pos, H)
+    np.testing.assert_array_equal(k_after, want_k)  # a copy: exact, untouched elsewhere
+    np.testing.assert_array_equal(v_after, want_v)
+    # float32 dot products of hd terms and a softmax over <= Tmax scores, against float64:
+    # the "reduction" tolerance (atol 1e-5, rtol 1e-4) holds with unit-normal data.
+    assert_close(out, want, "reduction")
+
+
+@settings(max_examples=4)
+@given(prompt=st.integers(1, 4), steps=st.integers(1, 3), hd=st.integers(1, 9),
+       seed=st.integers(0, 2**16))
+def test_prefill_then_decode_equals_one_prefill(prompt, steps, hd, seed, scale):
+    """Prefill `prompt` tokens, then decode one token per step with pos advanced on the device:
+    every step's output and the final caches equal one prefill of all the tokens."""
+    B, H, Tmax = 1, 1, (prompt + steps) * scale  # (batch and head offsets: the test above)
+    total = prompt + steps
+    qkv, kc, vc = _case(np.random.default_rng(seed), B, H, total, Tmax, hd)
+    full, full_k, full_v = _attend(qkv, kc, vc, 0, H)
+    dk, dv, pos = dev(kc), dev(vc), dev(np.zeros(1, np.int32))
+    out = cuda.device_array((B, prompt, H * hd), np.float32)
+    attention.attention(dev(qkv[:, :prompt]), dk, dv, pos, out, n_head=H)
+    outs = [out.copy_to_host()]
+    step_out = cuda.device_array((B, 1, H * hd), np.float32)
+    for t in range(prompt, total):
+        pos.copy_to_device(np.array([t], np.int32))  # what the graph's pos kernel would do
+        attention.attention(dev(qkv[:, t:t + 1]), dk, dv, pos, step_out, n_head=H)
+        outs.append(step_out.copy_to_host())
+    assert_close(np.concatenate(outs, axis=1), full, "reduction")
+    np.testing.assert_array_equal(dk.copy_to_host(), full_k)
+    np.testing.assert_array_equal(dv.copy_to_host(), full_v)
+
+
+@pytest.mark.parametrize("Tmax", [20, 70])  # one split, several splits (32-position tiles)
+@pytest.mark.parametrize("bad_pos", ["negative", "overflow"])
+def test_pos_outside_the_cache_writes_nan_and_leaves_the_cache(Tmax, bad_pos):
+    """pos lives on the device, so the host cannot reject it: the kernels guard it."""
+    B, H, T, hd = 1, 1, 3, 5
+    pos = -1 if bad_pos == "negative" else Tmax - T + 1
+    qkv, kc, vc = _case(np.random.default_rng(0), B, H, T, Tmax, hd)
+    out, k_after, v_after = _attend(qkv, kc, vc, pos, H)
+    assert np.isnan(out).all()
+    np.testing.assert_array_equal(k_after, kc)
+    np.testing.assert_array_equal(v_after, vc)
+
+
+def test_launch_configuration_does_not_depend_on_pos():
+    """One graph serves every length: the launches recorded at any pos are the same."""
+    class Recorder:
+        def __init__(self):
+            self.launches = []
+
+        def record_launch(self, kernel, griddim, blockdim, args, sharedmem):
+            self.launches.append((kernel, griddim, blockdim))
+
+    B, H, T, Tmax, hd = 2, 2, 1, 300, 8  # several splits both with 32- and 128-position tiles
+    qkv, kc, vc = (dev(a) for a in _case(np.random.default_rng(0), B, H, T, Tmax, hd))
+    out = cuda.device_array((B, T, H * hd), np.float32)
+    recorded = []
+    for p in (0, 33, Tmax - 1):  # recorded, not run: no simulator cost
+        with backend.recording(Recorder()) as rec:
+            attention.attention(qkv, kc, vc, dev(np.array([p], np.int32)), out, n_head=H)
+        recorded.append(rec.launches)
+    assert len(recorded[0]) == 3  # cache write, split attention, combine
+    assert recorded[0] == recorded[1] == recorded[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pos", [0, 1, 500, 1023])
+def test_gpt2_beam_decode_shape(pos):
+    """GPT-2 small beam search: B=5 beams, H=12, hd=64, a 1024-position cache, one token."""
+    B, H, T, Tmax, hd = 5, 12, 1, 1024, 64
+    qkv, kc, vc = _case(np.random.default_rng(pos), B, H, T, Tmax, hd)
+    out, k_after, _ = _attend(qkv, kc, vc, pos, H)
+    want, want_k, _ = attention.attention_ref(qkv, kc, vc, pos, H)
+    np.testing.assert_array_equal(k_after, want_k)
+    assert_close(out, want, "reduction")
+
+
+@given(B=st.integers(1, 5), tail=st.lists(st.integers(1, 7), min_size=0, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_gather_batch_matches_numpy(B, tail, seed, scale):
+    rng = np.random.default_rng(seed)
+    src = rand(rng, B, *tail[:-1], tail[-1] * scale) if tail else rand(rng, B)
+    index = rng.integers(0, B, B).astype(np.int32)  # repeats: a beam may be chosen twice
+    dst = cuda.device_array(src.shape, np.float32)
+    attention.gather_batch(dev(src), dev(index), dst)
+    np.testing.assert_array_equal(dst.copy_to_host(), attention.gather_batch_ref(src, index))
+
+
+def test_gather_batch_out_of_range_index_gives_nan_rows():
+    src = np.arange(12, dtype=np.float32).reshape(3, 4)
+    dst = cuda.device_array((3, 4), np.float32)
+    attention.gather_batch(dev(src), dev(np.array([2, 3, -1], np.int32)), dst)
+    got = dst.copy_to_host()
+    np.testing.assert_array_equal(got[0], src[2])
+    assert np.isnan(got[1:]).all()
+
+
+def test_rejects_bad_input_before_launch():
+    B, H, T, Tmax, hd = 1, 2, 2, 6, 4
+    qkv, kc, vc = (dev(a) for a in _case(np.random.default_rng(0), B, H, T, Tmax, hd))
+    pos = dev(np.zeros(1, np.int32))
+    out = cuda.device_array((B, T, H * hd), np.float32)
+    with pytest.raises(TypeError, match="qkv: expected a device array"):
+        attention.attention(np.zeros((B, T, 3 * H * hd), np.float32), kc, vc, pos, out, n_head=H)
+    with pytest.raises(TypeError, match="k_cache: expected dtype float32"):
+        attention.attention(qkv, dev(np.zeros((B, H, Tmax, hd))), vc, pos, out, n_head=H)
+    with pytest.raises(TypeError, match="pos: expected dtype int32"):
+        attention.attention(qkv, kc, vc, dev(np.zeros(1, np.int64)), out, n_head=H)
+    with pytest.raises(ValueError, match="multiple of n_head=3"):
+        attention.attention(qkv, kc, vc, pos, out, n_head=3)
+    with pytest.raises(ValueError, match=r"v_cache: expected shape \(1, 2, 6, 4\)"):
+        attention.attention(qkv, kc, dev(np.zeros((B, H, Tmax + 1, hd), np.float32)), pos,
+                            out, n_head=H)
+    with pytest.raises(ValueError, match=r"out: expected shape \(1, 2, 8\)"):
+        attention.attention(qkv, kc, vc, pos, cuda.device_array((B, T, 9), np.float32), n_head=H)
+    with pytest.raises(ValueError, match="T=8 new positions exceed the cache size Tmax=6"):
+        attention.attention(dev(np.zeros((B, 8, 3 * H * hd), np.float32)), kc, vc, pos,
+                            cuda.device_array((B, 8, H * hd), np.float32), n_head=H)
+    with pytest.raises(ValueError, match="head dim C/n_head = 300"):
+        attention.attention(dev(np.zeros((1, 1, 900), np.float32)), kc, vc, pos, out, n_head=1)
+    both = dev(np.zeros((2, B, H, Tmax, hd), np.float32))
+    with pytest.raises(ValueError, match="k_cache overlaps v_cache"):
+        attention.attention(qkv, both[0], both[0], pos, out, n_head=H)
+    src = dev(np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match="dst overlaps src"):
+        attention.gather_batch(src, dev(np.zeros(3, np.int32)), src)
+    with pytest.raises(ValueError, match=r"index: expected shape \(3,\)"):
+        attention.gather_batch(src, dev(np.zeros(2, np.int32)), cuda.device_array((3, 4), np.float32))
+    with pytest.raises(ValueError, match=r"dst: expected shape \(3, 4\)"):
+        attention.gather_batch(src, dev(np.zeros(3, np.int32)), cuda.device_array((3, 5), np.float32))
