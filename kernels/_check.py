@@ -47,3 +47,13 @@ def same_shape(names_arrays) -> None:
     for n, a in rest:
         if tuple(a.shape) != tuple(a0.shape):
             raise ValueError(f"{n}: expected the shape of {n0} {tuple(a0.shape)}, got {tuple(a.shape)}")
+
+
+def grid_stride_launch(n: int, threads: int = 256) -> tuple[int, int]:
+    """(blocks, threads) for a grid-stride loop over `n` items: enough blocks to cover `n` on
+    a GPU (at most 1024). The simulator pays per thread, not per item, so there one block of
+    32 threads walks everything."""
+    from proto.backend import SIMULATOR
+    if SIMULATOR:
+        return 1, 32
+    return max(1, min((n + threads - 1) // threads, 1024)), threads

@@ -1,0 +1,516 @@
+"""2-D convolution for training, NCHW float32: forward, backward-data, backward-weight.
+
+All three are implicit GEMMs (no im2col buffer) tiled the same way: a block owns a tile of
+(output rows) x (output columns) of the GEMM, loops over the reduction in steps of BK, stages
+both operand tiles in double-buffered shared memory (one barrier per step), and each thread
+accumulates a TM x TN micro-tile in registers.
+
+    forward       out[n,k,p,q]  = sum_{c,r,s} x[n,c,p*st-pad+r,q*st-pad+s] * w[k,c,r,s] + b[k]
+                  (then ReLU, optionally: fused so VGG never stores a pre-activation)
+                  GEMM rows: output pixels (n,p,q); columns: output channels k
+    backward-data dx[n,c,h,w]   = sum_{k,r,s} dy[n,k,(h+pad-r)/st,(w+pad-s)/st] * w[k,c,r,s]
+                  (only taps where the division is exact and in range); rows: input pixels
+    backward-wt   dw[k,c,r,s]   = sum_{n,p,q} dy[n,k,p,q] * x[n,c,p*st-pad+r,q*st-pad+s]
+                  db[k]         = sum_{n,p,q} dy[n,k,p,q]
+                  rows: k; columns: c, one filter tap (r,s) per block; the long reduction over
+                  (n,p,q) is split across blocks, each adding its finished tile with one atomic
+                  per output element (not one per product).
+
+The reduction of forward/backward-data runs tap-major ((r,s) outer, channels inner), so the
+tap is uniform across a step and a patch element costs adds and compares, no divisions: each
+block decodes its pixels once into a shared table.
+
+Tile shapes are compile-time constants, so each `Tiles` is its own kernel. The GPU tiles have
+256 threads; the simulator, which pays about a millisecond per thread and per barrier, gets
+its own small tiles sized to the problem (tests also run every GPU tile on small problems).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from kernels import _check
+from proto import backend
+from proto.backend import cuda, jit, launch
+
+
+class Tiles(NamedTuple):
+    bm: int   # GEMM rows per block
+    bn: int   # GEMM columns per block
+    bk: int   # reduction step
+    tm: int   # rows per thread
+    tn: int   # columns per thread
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.tm) * (self.bn // self.tn)
+
+
+# GPU tiles: 256 threads each; "narrow" for layers with few channels (VGG's first layer).
+GPU_CONV_TILES = (Tiles(128, 64, 8, 8, 4), Tiles(128, 16, 8, 8, 1))
+GPU_WGRAD_TILES = (Tiles(64, 64, 16, 4, 4), Tiles(64, 16, 16, 4, 1))
+# Simulator tiles: few threads, many outputs each; column count follows the channel count.
+SIM_CONV_TILES = tuple(Tiles(32, bn, 4, 8, 4) for bn in (4, 8, 16))
+SIM_WGRAD_TILES = tuple(Tiles(bm, bn, 16, 4, 4) for bm in (4, 8, 16) for bn in (4, 8, 16))
+
+_MAX_INDEX = 2**31 - 1  # shared tables and offsets are int32
+
+
+# ---------------------------------------------------------------------------- references
+def conv_out_size(size: int, kernel: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - kernel) // stride + 1
+
+
+def _patches(x: np.ndarray, R: int, S: int, stride: int, pad: int) -> np.ndarray:
+    """(N, C, H, W) -> (N, C, R, S, P, Q) view of every input patch (float64)."""
+    N, C, H, W = x.shape
+    P, Q = conv_out_size(H, R, stride, pad), conv_out_size(W, S, stride, pad)
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    out = np.empty((N, C, R, S, P, Q))
+    for r in range(R):
+        for s in range(S):
+            out[:, :, r, s] = xp[:, :, r:r + stride * (P - 1) + 1:stride, s:s + stride * (Q - 1) + 1:stride]
+    return out
+
+
+def conv2d_ref(x, w, bias=None, *, stride=1, pad=0, relu=False) -> np.ndarray:
+    out = np.einsum("ncrspq,kcrs->nkpq", _patches(x, w.shape[2], w.shape[3], stride, pad),
+                    w.astype(np.float64))
+    if bias is not None:
+        out += bias.astype(np.float64)[None, :, None, None]
+    return (np.maximum(out, 0) if relu else out).astype(np.float32)
+
+
+def conv2d_bwd_data_ref(dy, w, x_shape, *, stride=1, pad=0) -> np.ndarray:
+    N, C, H, W = x_shape
+    _, _, R, S = w.shape
+    P, Q = dy.shape[2:]
+    cols = np.einsum("nkpq,kcrs->ncrspq", dy.astype(np.float64), w.astype(np.float64))
+    dxp = np.zeros((N, C, H + 2 * pad, W + 2 * pad))
+    for r in range(R):
+        for s in range(S):
+            dxp[:, :, r:r + stride * (P - 1) + 1:stride, s:s + stride * (Q - 1) + 1:stride] += cols[:, :, r, s]
+    return dxp[:, :, pad:pad + H, pad:pad + W].astype(np.float32)
+
+
+def conv2d_bwd_weight_ref(x, dy, w_shape, *, stride=1, pad=0):
+    """-> (dw, db)."""
+    _, _, R, S = w_shape
+    dw = np.einsum("ncrspq,nkpq->kcrs", _patches(x, R, S, stride, pad), dy.astype(np.float64))
+    return dw.astype(np.float32), dy.astype(np.float64).sum(axis=(0, 2, 3)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- kernels
+# Hot-loop indices are unsigned (`_u`): Numba guards every signed index against Python's
+# negative indexing (extra instructions and an address register per access); unsigned
+# shared-memory indices compile to one base register plus immediate offsets.
+_u = np.uint32
+
+_CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float32[::1], "
+             "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
+
+
+def _make_conv_kernel(t: Tiles, transposed: bool):
+    """Forward (transposed=False) or backward-data (True) implicit GEMM for tile shape `t`.
+
+    Arguments: src (N, CI, HI, WI), w, bias, has_bias, relu, dst (N, CO, HO, WO), then
+    N, CI, HI, WI, CO, HO, WO, R, S, stride, pad. Forward: w is (CO, CI, R, S); backward-data
+    reads dy as src and w (CI, CO, R, S), i.e. the forward weight with its roles swapped.
+    """
+    BM, BN, BK, TM, TN = t
+    DX, DY = BM // TM, BN // TN
+    NT = DX * DY
+    BNP = BN + 1                       # +1 column: the k-fastest staging hits distinct banks
+    A_SIZE, B_SIZE = 2 * BK * BM, 2 * BK * BNP   # double-buffered [buf][ci][pixel | co]
+
+    @jit(_CONV_SIG)
+    def conv_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S, stride, pad):
+        tid = _u(cuda.threadIdx.x)
+        tx, ty = tid % _u(DX), tid // _u(DX)
+        m0, n0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
+        HWI, HWO, RS = HI * WI, HO * WO, R * S
+        M = N * HWO
+
+        # Decode this block's output pixels once: where their patches start in src.
+        pix_src = cuda.shared.array(BM, np.int32)   # n * CI * HI * WI, or -1 past the end
+        pix_h = cuda.shared.array(BM, np.int32)     # forward: p*st - pad; backward: h + pad
+        pix_w = cuda.shared.array(BM, np.int32)
+        pix_dst = cuda.shared.array(BM, np.int32)   # n * CO * HO * WO + pixel
+        for mm in range(cuda.threadIdx.x, BM, NT):
+            m = m0 + mm
+            if m < M:
+                n = m // HWO
+                pix = m - n * HWO
+                ho = pix // WO
+                wo = pix - ho * WO
+                pix_src[mm] = n * CI * HWI
+                pix_dst[mm] = n * CO * HWO + pix
+                if transposed:
+                    pix_h[mm] = ho + pad
+                    pix_w[mm] = wo + pad
+                else:
+                    pix_h[mm] = ho * stride - pad
+                    pix_w[mm] = wo * stride - pad
+            else:
+                pix_src[mm] = -1
+        a_tile = cuda.shared.array(A_SIZE, np.float32)
+        b_tile = cuda.shared.array(B_SIZE, np.float32)
+        acc = cuda.local.array((TM, TN), np.float32)
+        a_reg = cuda.local.array(TM, np.float32)
+        b_reg = cuda.local.array(TN, np.float32)
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] = 0.0
+        cuda.syncthreads()
+
+        chunks = (CI + BK - 1) // BK
+        for step in range(RS * chunks):
+            buf = _u(step % 2)
+            rs = step // chunks
+            c0 = (step - rs * chunks) * BK
+            r = rs // S
+            s = rs - r * S
+            for e0 in range(0, BK * BM, NT):     # pixels fastest: coalesced along a row
+                e = tid + _u(e0)
+                if e < _u(BK * BM):
+                    kk = e // _u(BM)
+                    mm = e - kk * _u(BM)
+                    c = c0 + kk
+                    v = np.float32(0.0)
+                    base = pix_src[mm]
+                    if base >= 0 and c < CI:
+                        if transposed:
+                            hh = pix_h[mm] - r
+                            ww = pix_w[mm] - s
+                            ok = hh >= 0 and ww >= 0
+                            if ok and stride != 1:
+                                ok = hh % stride == 0 and ww % stride == 0
+                                hh //= stride
+                                ww //= stride
+                            if ok and hh < HI and ww < WI:
+                                v = src[_u(base + c * HWI + hh * WI + ww)]
+                        else:
+                            hh = pix_h[mm] + r
+                            ww = pix_w[mm] + s
+                            if hh >= 0 and hh < HI and ww >= 0 and ww < WI:
+                                v = src[_u(base + c * HWI + hh * WI + ww)]
+                    a_tile[buf * _u(BK * BM) + e] = v
+            for e0 in range(0, BK * BN, NT):     # reduction channel fastest: nearest in w
+                e = tid + _u(e0)
+                if e < _u(BK * BN):
+                    nn = e // _u(BK)
+                    kk = e - nn * _u(BK)
+                    c, co = c0 + kk, n0 + nn
+                    v = np.float32(0.0)
+                    if c < CI and co < CO:
+                        if transposed:
+                            v = w[_u((c * CO + co) * RS + rs)]
+                        else:
+                            v = w[_u((co * CI + c) * RS + rs)]
+                    b_tile[buf * _u(BK * BNP) + kk * _u(BNP) + nn] = v
+            # One barrier per step: the next step fills the other buffer, and no thread can
+            # refill this one before every thread has passed the next step's barrier.
+            cuda.syncthreads()
+            a_base = buf * _u(BK * BM) + tx
+            b_base = buf * _u(BK * BNP) + ty
+            for kk in range(BK):
+                a_row = a_base + _u(kk * BM)
+                b_row = b_base + _u(kk * BNP)
+                for i in range(TM):
+                    a_reg[i] = a_tile[a_row + _u(DX * i)]
+                for j in range(TN):
+                    b_reg[j] = b_tile[b_row + _u(DY * j)]
+                for i in range(TM):
+                    for j in range(TN):
+                        acc[i, j] += a_reg[i] * b_reg[j]
+
+        for i in range(TM):
+            mm = tx + _u(DX * i)
+            if m0 + mm < M:
+                out_base = pix_dst[mm]
+                for j in range(TN):
+                    co = n0 + ty + _u(DY * j)
+                    if co < CO:
+                        v = acc[i, j]
+                        if has_bias != 0:
+                            v += bias[_u(co)]
+                        if relu != 0:
+                            v = max(v, np.float32(0.0))
+                        dst[_u(out_base + co * HWO)] = v
+
+    return conv_kernel
+
+
+_WGRAD_SIG = ("void(float32[::1], float32[::1], float32[::1], float32[::1], int32, "
+              "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
+
+
+def _make_wgrad_kernel(t: Tiles):
+    """Backward-weight for tile shape `t`: rows k, columns c, one tap per block.
+
+    Grid: (ceil(K/BM), ceil(C/BN), R*S*splits); block z covers tap z % (R*S) and the slice
+    [split*chunk, split*chunk + chunk) of the N*P*Q reduction. Adds into dw and db, which the
+    launcher zeroes first. Blocks of column tile 0 and tap 0 also sum db from the dy tile.
+    """
+    BM, BN, BK, TM, TN = t
+    DX, DY = BM // TM, BN // TN
+    NT = DX * DY
+    BIAS_ROWS = (BM + NT - 1) // NT
+    BMP, BNP = BM + 1, BN + 1          # +1: the l-fastest staging hits distinct banks
+    A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # double-buffered [buf][l][k | c]
+    L_SIZE = 2 * BK
+
+    @jit(_WGRAD_SIG)
+    def wgrad_kernel(x, dy, dw, db, has_bias, N, C, H, W, K, P, Q, R, S, stride, pad, chunk):
+        tid = _u(cuda.threadIdx.x)
+        tx, ty = tid % _u(DX), tid // _u(DX)
+        k0, c0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
+        RS = R * S
+        rs = cuda.blockIdx.z % RS
+        split = cuda.blockIdx.z // RS
+        r = rs // S
+        s = rs - r * S
+        HW, PQ = H * W, P * Q
+        l_begin = split * chunk
+        l_end = min(N * PQ, l_begin + chunk)
+        sums_bias = has_bias != 0 and cuda.blockIdx.y == 0 and rs == 0
+
+        # Where reduction index l = (n, p, q) sits in dy and (for this tap) in x; -1 = zero.
+        # Double-buffered like the tiles: step i+1's entries are written during step i.
+        l_dy = cuda.shared.array(L_SIZE, np.int32)
+        l_x = cuda.shared.array(L_SIZE, np.int32)
+        a_tile = cuda.shared.array(A_SIZE, np.float32)
+        b_tile = cuda.shared.array(B_SIZE, np.float32)
+        acc = cuda.local.array((TM, TN), np.float32)
+        bias_acc = cuda.local.array(BIAS_ROWS, np.float32)
+        a_reg = cuda.local.array(TM, np.float32)
+        b_reg = cuda.local.array(TN, np.float32)
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] = 0.0
+        for i in range(BIAS_ROWS):
+            bias_acc[i] = 0.0
+
+        steps = (l_end - l_begin + BK - 1) // BK
+        for step in range(-1, steps):
+            # Table for step+1 (step -1 only fills the first table).
+            tbuf = (step + 1) % 2
+            for kk in range(cuda.threadIdx.x, BK, NT):
+                l = l_begin + (step + 1) * BK + kk
+                at = tbuf * BK + kk
+                l_dy[at] = -1
+                l_x[at] = -1
+                if l < l_end:
+                    n = l // PQ
+                    pq = l - n * PQ
+                    p = pq // Q
+                    q = pq - p * Q
+                    l_dy[at] = n * K * PQ + pq
+                    h = p * stride - pad + r
+                    ww = q * stride - pad + s
+                    if h >= 0 and h < H and ww >= 0 and ww < W:
+                        l_x[at] = n * C * HW + h * W + ww
+            if step < 0:
+                cuda.syncthreads()
+                continue
+            buf = _u(step % 2)
+            for e0 in range(0, BK * BM, NT):     # l fastest: contiguous pixels of dy
+                e = tid + _u(e0)
+                if e < _u(BK * BM):
+                    mm = e // _u(BK)
+                    kk = e - mm * _u(BK)
+                    off = l_dy[buf * _u(BK) + kk]
+                    v = np.float32(0.0)
+                    if off >= 0 and k0 + mm < K:
+                        v = dy[_u(off + (k0 + mm) * PQ)]
+                    a_tile[buf * _u(BK * BMP) + kk * _u(BMP) + mm] = v
+            for e0 in range(0, BK * BN, NT):
+                e = tid + _u(e0)
+                if e < _u(BK * BN):
+                    nn = e // _u(BK)
+                    kk = e - nn * _u(BK)
+                    off = l_x[buf * _u(BK) + kk]
+                    v = np.float32(0.0)
+                    if off >= 0 and c0 + nn < C:
+                        v = x[_u(off + (c0 + nn) * HW)]
+                    b_tile[buf * _u(BK * BNP) + kk * _u(BNP) + nn] = v
+            cuda.syncthreads()   # one barrier per step, as in the conv kernel
+            a_base = buf * _u(BK * BMP) + tx
+            b_base = buf * _u(BK * BNP) + ty
+            for kk in range(BK):
+                a_row = a_base + _u(kk * BMP)
+                b_row = b_base + _u(kk * BNP)
+                for i in range(TM):
+                    a_reg[i] = a_tile[a_row + _u(DX * i)]
+                for j in range(TN):
+                    b_reg[j] = b_tile[b_row + _u(DY * j)]
+                for i in range(TM):
+                    for j in range(TN):
+                        acc[i, j] += a_reg[i] * b_reg[j]
+            if sums_bias:
+                for i in range(BIAS_ROWS):
+                    mm = tid + _u(NT * i)
+                    if mm < _u(BM):
+                        for kk in range(BK):
+                            bias_acc[i] += a_tile[buf * _u(BK * BMP) + _u(kk * BMP) + mm]
+
+        for i in range(TM):
+            k = k0 + tx + _u(DX * i)
+            if k < K:
+                for j in range(TN):
+                    c = c0 + ty + _u(DY * j)
+                    if c < C:
+                        cuda.atomic.add(dw, _u((k * C + c) * RS + rs), acc[i, j])
+        if sums_bias:
+            for i in range(BIAS_ROWS):
+                mm = tid + _u(NT * i)
+                if mm < _u(BM) and k0 + mm < K:
+                    cuda.atomic.add(db, _u(k0 + mm), bias_acc[i])
+
+    return wgrad_kernel
+
+
+@jit("void(float32[::1])")
+def zero_kernel(a):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, a.size, stride):
+        a[i] = 0.0
+
+
+def _build(tiles, make):
+    return {t: make(t) for t in tiles}
+
+
+_CONV_TILES = GPU_CONV_TILES + (SIM_CONV_TILES if backend.SIMULATOR else ())
+_WGRAD_TILES = GPU_WGRAD_TILES + (SIM_WGRAD_TILES if backend.SIMULATOR else ())
+_FWD = _build(_CONV_TILES, lambda t: _make_conv_kernel(t, transposed=False))
+_BWD_DATA = _build(_CONV_TILES, lambda t: _make_conv_kernel(t, transposed=True))
+_WGRAD = _build(_WGRAD_TILES, _make_wgrad_kernel)
+
+
+# ---------------------------------------------------------------------------- tile choice
+def _pick_conv_tiles(columns: int) -> Tiles:
+    """Tiles for a GEMM with `columns` output channels."""
+    if backend.SIMULATOR:
+        return next((t for t in SIM_CONV_TILES if t.bn >= columns), SIM_CONV_TILES[-1])
+    return GPU_CONV_TILES[1] if columns <= 16 else GPU_CONV_TILES[0]
+
+
+def _pick_wgrad_tiles(K: int, C: int) -> Tiles:
+    if backend.SIMULATOR:
+        bm = next((b for b in (4, 8, 16) if b >= K), 16)
+        bn = next((b for b in (4, 8, 16) if b >= C), 16)
+        return Tiles(bm, bn, 16, 4, 4)
+    return GPU_WGRAD_TILES[1] if C <= 16 else GPU_WGRAD_TILES[0]
+
+
+_sm_count = None
+
+
+def _wgrad_splits(base_blocks: int, L: int, bk: int) -> int:
+    """Split the N*P*Q reduction so the grid fills the GPU (4 blocks per SM), keeping at
+    least 8 steps per block so the final atomics stay a small share. One split in the
+    simulator, where blocks only cost time."""
+    global _sm_count
+    if backend.SIMULATOR:
+        return 1
+    if _sm_count is None:
+        _sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    want = math.ceil(4 * _sm_count / base_blocks)
+    return max(1, min(want, L // (8 * bk)))
+
+
+# ---------------------------------------------------------------------------- launchers
+def _check_geometry(x_shape, w, stride, pad, w_name="w"):
+    stride = _check.positive("stride", stride)
+    if not isinstance(pad, (int, np.integer)) or pad < 0:
+        raise ValueError(f"pad: expected a non-negative integer, got {pad!r}")
+    _check.device_array(w_name, w, ndim=4)
+    N, C, H, W = x_shape
+    K, Cw, R, S = w.shape
+    if Cw != C:
+        raise ValueError(f"{w_name}: expected {C} input channels (shape (K, {C}, R, S)), "
+                         f"got {tuple(w.shape)}")
+    P, Q = conv_out_size(H, R, stride, pad), conv_out_size(W, S, stride, pad)
+    if P <= 0 or Q <= 0:
+        raise ValueError(f"{w_name}: a {R}x{S} kernel with pad {pad} does not fit a {H}x{W} input")
+    if max(N * C * H * W, N * K * P * Q, w.size) > _MAX_INDEX:
+        raise ValueError("conv: tensors beyond 2**31 elements are not supported (int32 offsets)")
+    return int(stride), int(pad), (N, C, H, W, K, R, S, P, Q)
+
+
+def _tiles_or(tiles, table, pick):
+    if tiles is None:
+        return pick()
+    if tiles not in table:
+        raise ValueError(f"tiles: {tiles} is not built; choose from {sorted(table)}")
+    return tiles
+
+
+def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, stream=0):
+    """out = conv2d(x, w) + bias, then max(., 0) if `relu`.  x (N,C,H,W), w (K,C,R,S),
+    bias (K,) or None, out (N,K,P,Q) with P = (H + 2*pad - R)//stride + 1.
+    `tiles` forces a tile shape (tests)."""
+    _check.device_array("x", x, ndim=4)
+    stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(x.shape, w, stride, pad)
+    _check.device_array("out", out, shape=(N, K, P, Q))
+    if bias is not None:
+        _check.device_array("bias", bias, shape=(K,))
+    t = _tiles_or(tiles, _FWD, lambda: _pick_conv_tiles(K))
+    flat_w = w.reshape(w.size)
+    grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn))
+    launch(_FWD[t], grid, t.threads,
+           (x.reshape(x.size), flat_w, flat_w if bias is None else bias, int(bias is not None),
+            int(bool(relu)), out.reshape(out.size), N, C, H, W, K, P, Q, R, S, stride, pad), stream)
+
+
+def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, tiles=None, stream=0):
+    """dx = gradient of conv2d's input. dy (N,K,P,Q), w (K,C,R,S), dx (N,C,H,W) (written)."""
+    _check.device_array("dx", dx, ndim=4)
+    stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(dx.shape, w, stride, pad)
+    _check.device_array("dy", dy, shape=(N, K, P, Q))
+    t = _tiles_or(tiles, _BWD_DATA, lambda: _pick_conv_tiles(C))
+    flat_w = w.reshape(w.size)
+    grid = (math.ceil(N * H * W / t.bm), math.ceil(C / t.bn))
+    launch(_BWD_DATA[t], grid, t.threads,
+           (dy.reshape(dy.size), flat_w, flat_w, 0, 0, dx.reshape(dx.size),
+            N, K, P, Q, C, H, W, R, S, stride, pad), stream)
+
+
+def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None, stream=0):
+    """dw (K,C,R,S) and db (K,) or None = gradients of conv2d's weight and bias (overwritten).
+    x (N,C,H,W) is the forward input, dy (N,K,P,Q). `splits` forces the reduction split."""
+    _check.device_array("x", x, ndim=4)
+    _check.device_array("dw", dw, ndim=4)
+    stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(x.shape, dw, stride, pad, "dw")
+    _check.device_array("dy", dy, shape=(N, K, P, Q))
+    if db is not None:
+        _check.device_array("db", db, shape=(K,))
+    t = _tiles_or(tiles, _WGRAD, lambda: _pick_wgrad_tiles(K, C))
+    L = N * P * Q
+    base = math.ceil(K / t.bm) * math.ceil(C / t.bn) * R * S
+    n_split = _wgrad_splits(base, L, t.bk) if splits is None else _check.positive("splits", splits)
+    chunk = math.ceil(math.ceil(L / n_split) / t.bk) * t.bk
+    n_split = math.ceil(L / chunk)
+    flat_dw = dw.reshape(dw.size)
+    zero(flat_dw, stream=stream)
+    if db is not None:
+        zero(db, stream=stream)
+    grid = (math.ceil(K / t.bm), math.ceil(C / t.bn), R * S * n_split)
+    launch(_WGRAD[t], grid, t.threads,
+           (x.reshape(x.size), dy.reshape(dy.size), flat_dw, flat_dw if db is None else db,
+            int(db is not None), N, C, H, W, K, P, Q, R, S, stride, pad, chunk), stream)
+
+
+def zero(a, *, stream=0):
+    """a[:] = 0 for a 1-D float32 device array, as a kernel (so graph capture records it)."""
+    _check.device_array("a", a, ndim=1)
+    blocks, threads = _check.grid_stride_launch(a.size)
+    launch(zero_kernel, blocks, threads, (a,), stream)
+
+
+def conv2d_flops(N, C, K, R, S, P, Q) -> float:
+    """Multiply-adds x 2 of one conv2d pass (forward, backward-data and backward-weight alike)."""
+    return 2.0 * N * K * P * Q * C * R * S

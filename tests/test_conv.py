@@ -1,0 +1,138 @@
+"""conv2d forward, backward-data and backward-weight against float64 NumPy references."""
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, strategies as st
+
+from kernels import conv
+from proto import backend
+from proto.backend import cuda
+from tests.helpers import dev, rand
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(autouse=True)
+def _fast_sim_barriers():
+    """The simulator's syncthreads waits out Python's thread switch interval (5 ms); these
+    kernels barrier once per reduction step, so switch faster while they run."""
+    old = sys.getswitchinterval()
+    if backend.SIMULATOR:
+        sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+def assert_sum_close(actual, expected, length):
+    """Each output is a float32 sum of `length` products of unit-scale values. Partial sums grow
+    like sqrt(length), each addition rounds by eps32 of that, and the errors random-walk:
+    about length * eps32 in all. atol = 4x that (at least 1e-5), rtol 1e-4 for large outputs."""
+    actual = actual.copy_to_host() if hasattr(actual, "copy_to_host") else actual
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=max(1e-5, 4 * length * EPS32))
+
+
+@st.composite
+def conv_cases(draw, scale=1):
+    R = draw(st.sampled_from([1, 3]))
+    stride, pad = draw(st.sampled_from([1, 2])), draw(st.sampled_from([0, 1]))
+    H, W = draw(st.integers(R, 9)), draw(st.integers(R, 9))
+    return dict(N=draw(st.integers(1, 2)), C=draw(st.integers(1, 5)) * scale, H=H, W=W,
+                K=draw(st.integers(1, 6)) * scale, R=R, stride=stride, pad=pad,
+                bias=draw(st.booleans()), relu=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+
+
+def _arrays(c):
+    rng = np.random.default_rng(c["seed"])
+    P = conv.conv_out_size(c["H"], c["R"], c["stride"], c["pad"])
+    Q = conv.conv_out_size(c["W"], c["R"], c["stride"], c["pad"])
+    x = rand(rng, c["N"], c["C"], c["H"], c["W"])
+    w = rand(rng, c["K"], c["C"], c["R"], c["R"])
+    b = rand(rng, c["K"])
+    dy = rand(rng, c["N"], c["K"], P, Q)
+    return x, w, b, dy
+
+
+@given(data=st.data())
+def test_conv2d_forward_matches_reference(data, scale):
+    c = data.draw(conv_cases(scale))
+    x, w, b, dy = _arrays(c)
+    out = cuda.device_array(dy.shape, np.float32)
+    bias = b if c["bias"] else None
+    conv.conv2d(dev(x), dev(w), None if bias is None else dev(bias), out,
+                stride=c["stride"], pad=c["pad"], relu=c["relu"])
+    ref = conv.conv2d_ref(x, w, bias, stride=c["stride"], pad=c["pad"], relu=c["relu"])
+    assert_sum_close(out, ref, c["C"] * c["R"] ** 2)
+
+
+@given(data=st.data())
+def test_conv2d_backward_data_matches_reference(data, scale):
+    c = data.draw(conv_cases(scale))
+    x, w, _, dy = _arrays(c)
+    dx = dev(np.full(x.shape, np.nan, np.float32))   # every element must be written
+    conv.conv2d_bwd_data(dev(dy), dev(w), dx, stride=c["stride"], pad=c["pad"])
+    ref = conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=c["stride"], pad=c["pad"])
+    assert_sum_close(dx, ref, c["K"] * c["R"] ** 2)
+
+
+@given(data=st.data(), splits=st.sampled_from([None, 1, 3]))
+def test_conv2d_backward_weight_matches_reference(data, splits, scale):
+    c = data.draw(conv_cases(scale))
+    x, w, _, dy = _arrays(c)
+    dw = dev(np.full(w.shape, np.nan, np.float32))    # overwritten, not accumulated into
+    db = dev(np.full(c["K"], np.nan, np.float32)) if c["bias"] else None
+    conv.conv2d_bwd_weight(dev(x), dev(dy), dw, db, stride=c["stride"], pad=c["pad"], splits=splits)
+    ref_w, ref_b = conv.conv2d_bwd_weight_ref(x, dy, w.shape, stride=c["stride"], pad=c["pad"])
+    length = dy.size // c["K"]
+    assert_sum_close(dw, ref_w, length)
+    if db is not None:
+        assert_sum_close(db, ref_b, length)
+
+
+@pytest.mark.parametrize("tiles", conv.GPU_CONV_TILES)
+def test_gpu_conv_tiles_on_a_small_problem(tiles):
+    """The GPU's 256-thread tiles run here too (one block each, one reduction step: a 1x1
+    conv with few channels), so the simulator covers the code the GPU runs."""
+    rng = np.random.default_rng(1)
+    x, w, b = rand(rng, 1, 3, 5, 4), rand(rng, 5, 3, 1, 1), rand(rng, 5)
+    out = cuda.device_array((1, 5, 3, 2), np.float32)
+    conv.conv2d(dev(x), dev(w), dev(b), out, stride=2, pad=0, relu=True, tiles=tiles)
+    assert_sum_close(out, conv.conv2d_ref(x, w, b, stride=2, relu=True), 3)
+    dy = rand(rng, 1, 5, 3, 2)
+    dx = cuda.device_array(x.shape, np.float32)
+    conv.conv2d_bwd_data(dev(dy), dev(w), dx, stride=2, tiles=tiles)
+    assert_sum_close(dx, conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=2), 5)
+
+
+@pytest.mark.parametrize("tiles", conv.GPU_WGRAD_TILES)
+def test_gpu_wgrad_tiles_on_a_small_problem(tiles):
+    rng = np.random.default_rng(2)
+    x, dy = rand(rng, 2, 3, 3, 3), rand(rng, 2, 5, 3, 3)
+    dw, db = cuda.device_array((5, 3, 1, 1), np.float32), cuda.device_array(5, np.float32)
+    conv.conv2d_bwd_weight(dev(x), dev(dy), dw, db, tiles=tiles, splits=2)
+    ref_w, ref_b = conv.conv2d_bwd_weight_ref(x, dy, (5, 3, 1, 1))
+    assert_sum_close(dw, ref_w, 18)
+    assert_sum_close(db, ref_b, 18)
+
+
+def test_rejects_bad_input_before_launch():
+    x, w = dev(np.zeros((1, 3, 5, 5), np.float32)), dev(np.zeros((4, 3, 3, 3), np.float32))
+    out = dev(np.zeros((1, 4, 5, 5), np.float32))
+    with pytest.raises(TypeError, match="x: expected a device array"):
+        conv.conv2d(np.zeros((1, 3, 5, 5), np.float32), w, None, out, pad=1)
+    with pytest.raises(ValueError, match=r"w: expected 3 input channels"):
+        conv.conv2d(x, dev(np.zeros((4, 2, 3, 3), np.float32)), None, out, pad=1)
+    with pytest.raises(ValueError, match=r"out: expected shape \(1, 4, 3, 3\)"):
+        conv.conv2d(x, w, None, out, pad=0)            # no padding: 3x3 output
+    with pytest.raises(ValueError, match=r"bias: expected shape \(4,\)"):
+        conv.conv2d(x, w, dev(np.zeros(3, np.float32)), out, pad=1)
+    with pytest.raises(ValueError, match="stride: expected a positive integer"):
+        conv.conv2d(x, w, None, out, stride=0, pad=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        conv.conv2d(dev(np.zeros((1, 3, 2, 2), np.float32)), w, None, out)
+    with pytest.raises(ValueError, match=r"dy: expected shape \(1, 4, 5, 5\)"):
+        conv.conv2d_bwd_data(dev(np.zeros((1, 4, 4, 4), np.float32)), w, x, pad=1)
+    with pytest.raises(ValueError, match=r"dw: expected 3 input channels"):
+        conv.conv2d_bwd_weight(x, out, dev(np.zeros((4, 1, 3, 3), np.float32)), None, pad=1)
+    with pytest.raises(ValueError, match="tiles: .* is not built"):
+        conv.conv2d(x, w, None, out, pad=1, tiles=conv.Tiles(7, 7, 7, 7, 7))
