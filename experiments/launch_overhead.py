@@ -45,8 +45,7 @@ def _numba(count: int, threads: int, reps: dict) -> dict:
     eager = timing.bench_host(lambda: launches(x), **reps)
     with graph.capture(launches, {"x": x}, binding="alias") as graphed:
         replay = timing.bench_host(lambda: graphed.replay(x=x), **reps)
-        memory = graphed.memory_bytes
-    return {"numba_eager": (eager, None), "numba_graph": (replay, memory)}
+    return {"numba_eager": eager, "numba_graph": replay}
 
 
 def _torch(count: int, threads: int, reps: dict) -> dict:
@@ -74,7 +73,7 @@ def _torch(count: int, threads: int, reps: dict) -> dict:
         launches()
     replay = timing.bench_host(g.replay, **reps)
     g.reset()
-    return {"torch_eager": (eager, None), "torch_graph": (replay, None)}
+    return {"torch_eager": eager, "torch_graph": replay}
 
 
 def run(size: str = "toy") -> None:
@@ -83,15 +82,13 @@ def run(size: str = "toy") -> None:
     reps = {"warmup": 3, "reps": 20} if size == "full" else {"warmup": 1, "reps": 3}
     rows = []
     for count in common.progress(counts, desc=NAME):
-        for method, (t, memory) in {**_numba(count, threads, reps),
-                                    **_torch(count, threads, reps)}.items():
+        for method, t in {**_numba(count, threads, reps), **_torch(count, threads, reps)}.items():
             rows.append({"kernels": count, "method": method,
                          "us_total": round(t.median_us, 3),
                          "us_per_kernel": round(t.median_us / count, 4),
                          "p10_us_per_kernel": round(t.p10_ms * 1e3 / count, 4),
                          "p90_us_per_kernel": round(t.p90_ms * 1e3 / count, 4),
-                         "reps": t.reps,
-                         "graph_memory_bytes": "" if memory is None else memory})
+                         "reps": t.reps})
     common.write_csv(NAME, rows)
     common.write_summary(NAME, summarize(rows))
 

@@ -63,7 +63,9 @@ from proto.executors import EXECUTORS, default_executor
 @dataclasses.dataclass(frozen=True, eq=False)
 class Node:
     """One operation of a graph. `args` lists what it touches, in argument-slot order; the
-    device arrays among them are what binding can rebind."""
+    device arrays among them are what binding can rebind. Executors dispatch on `kind`; the
+    conditional nodes to come (IF, WHILE on a device flag) are Nodes whose bodies are
+    GraphDescriptions."""
     args: tuple
     kind: ClassVar[str] = "node"
 

@@ -1,9 +1,11 @@
-"""The launch_overhead experiment at toy size (simulator): it runs, writes its CSV, summary
-and figure, and the summary carries the headline keys the README quotes."""
+"""The launch_overhead experiment at toy size: it runs, writes its CSV, summary and figure,
+and the summary carries the headline keys the README quotes. Results go to a temporary
+folder, so a GPU test run never overwrites the full-size results/<device>/ files."""
 from experiments import common, launch_overhead
 
 
-def test_launch_overhead_toy_run_writes_results_and_figure():
+def test_launch_overhead_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "ROOT", tmp_path)
     launch_overhead.run("toy")
     rows = common.read_csv("launch_overhead")
     counts = launch_overhead.COUNTS["toy"]
@@ -21,3 +23,4 @@ def test_launch_overhead_toy_run_writes_results_and_figure():
                                                       / summary["graph_us_per_kernel"])
     figure = launch_overhead.plot()
     assert figure.exists() and figure.stat().st_size > 10_000
+    assert figure.is_relative_to(tmp_path)
