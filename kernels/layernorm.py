@@ -1,0 +1,88 @@
+"""Layer normalization over the last axis: out = (x - mean) / sqrt(var + eps) * gamma + beta.
+
+One block per row. Two passes over the row: the mean, then the mean of (x - mean)^2, which
+avoids the cancellation of E[x^2] - mean^2 on rows with a large mean. Block sums go through
+a shared-memory tree (the simulator has no warp shuffles).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernels import _check
+from proto import backend
+from proto.backend import cuda, jit, launch
+
+MAX_THREADS = 256 if not backend.SIMULATOR else 32  # simulated threads cost ~1 ms each
+_ONE = np.float32(1.0)
+_ZERO = np.float32(0.0)
+
+
+# ---------------------------------------------------------------------------- reference
+def layernorm_ref(x, gamma, beta, eps: float = 1e-5) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return ((x - mean) / np.sqrt(var + eps) * gamma + beta).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- kernels
+@cuda.jit(device=True)
+def block_sum(buf, v):
+    """Sum of `v` over the block (blockDim.x a power of two <= len(buf)), returned to every
+    thread. Ends with a barrier so `buf` can be reused at once."""
+    t = cuda.threadIdx.x
+    buf[t] = v
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if t < step:
+            buf[t] += buf[t + step]
+        cuda.syncthreads()
+        step //= 2
+    total = buf[0]
+    cuda.syncthreads()
+    return total
+
+
+@jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)")
+def layernorm_kernel(x, gamma, beta, out, eps):
+    buf = cuda.shared.array(MAX_THREADS, np.float32)
+    row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    n = x.shape[1]
+    inv_n = _ONE / np.float32(n)
+    s = _ZERO
+    for j in range(t, n, step):
+        s += x[row, j]
+    mean = block_sum(buf, s) * inv_n
+    s = _ZERO
+    for j in range(t, n, step):
+        d = x[row, j] - mean
+        s += d * d
+    rstd = _ONE / math.sqrt(block_sum(buf, s) * inv_n + eps)
+    # Each element is read and written by the same thread after every reduction, so out may be x.
+    for j in range(t, n, step):
+        out[row, j] = (x[row, j] - mean) * rstd * gamma[j] + beta[j]
+
+
+# ---------------------------------------------------------------------------- launcher
+def block_threads(n: int, at_most: int) -> int:
+    """Threads per block for a row of n: a power of two (the tree reductions need one),
+    no more than the row needs, at most `at_most`."""
+    return min(at_most, 1 << max(0, (n - 1).bit_length()))
+
+
+def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
+    """out = layernorm(x) over the last axis; x, out (R, C); gamma, beta (C,). out may be x."""
+    _check.device_array("x", x, ndim=2)
+    rows, cols = x.shape
+    _check.device_array("gamma", gamma, shape=(cols,))
+    _check.device_array("beta", beta, shape=(cols,))
+    _check.device_array("out", out, shape=(rows, cols))
+    if not (isinstance(eps, (float, int)) and eps > 0):
+        raise ValueError(f"eps: expected a positive number, got {eps!r}")
+    if rows > 2**31 - 1:
+        raise ValueError(f"x: {rows} rows exceed the grid limit")
+    launch(layernorm_kernel, rows, block_threads(cols, MAX_THREADS),
+           (x, gamma, beta, out, np.float32(eps)), stream)

@@ -1,0 +1,123 @@
+"""Row softmax with a device-side length, and log-softmax.
+
+One block per row. Pass 1 keeps a running (max, sum of exp(x - max)) per thread, so the row
+is read twice in all (online softmax) instead of three times; the pairs are combined through
+a shared-memory tree. Subtracting the row max keeps exp() finite for any input.
+
+`masked_softmax` reads the number of valid columns from a device int32 (1,) array, so one
+launch configuration (and one captured CUDA graph) serves every length.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernels import _check
+from kernels.layernorm import block_threads
+from proto import backend
+from proto.backend import cuda, jit, launch
+
+MAX_THREADS = 1024 if not backend.SIMULATOR else 32  # vocab-wide rows want the full block
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+
+
+# ---------------------------------------------------------------------------- references
+def masked_softmax_ref(x, length: int) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    length = min(max(int(length), 0), x.shape[-1])
+    out = np.zeros_like(x)
+    if length:
+        v = x[..., :length]
+        e = np.exp(v - v.max(axis=-1, keepdims=True))
+        out[..., :length] = e / e.sum(axis=-1, keepdims=True)
+    return out.astype(np.float32)
+
+
+def log_softmax_ref(x) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return (shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- kernels
+@cuda.jit(device=True)
+def _row_max_sumexp(x, row, length, buf_m, buf_s):
+    """(max, sum of exp(x - max)) over x[row, :length], returned to every thread of the block.
+    -inf entries add nothing; a row with nothing finite gives (-inf, 0)."""
+    t, step = cuda.threadIdx.x, cuda.blockDim.x
+    m, s = _NEG_INF, _ZERO
+    for j in range(t, length, step):
+        v = x[row, j]
+        if v > m:
+            s = s * math.exp(m - v) + _ONE
+            m = v
+        elif v != _NEG_INF:
+            s += math.exp(v - m)
+    buf_m[t], buf_s[t] = m, s
+    cuda.syncthreads()
+    half = step // 2
+    while half > 0:
+        if t < half:
+            m1, s1, m2, s2 = buf_m[t], buf_s[t], buf_m[t + half], buf_s[t + half]
+            mx = max(m1, m2)
+            if mx != _NEG_INF:
+                buf_m[t], buf_s[t] = mx, s1 * math.exp(m1 - mx) + s2 * math.exp(m2 - mx)
+        cuda.syncthreads()
+        half //= 2
+    m, s = buf_m[0], buf_s[0]
+    return m, s
+
+
+@jit("void(float32[:, ::1], int32[::1], float32[:, ::1])")
+def masked_softmax_kernel(x, length, out):
+    buf_m = cuda.shared.array(MAX_THREADS, np.float32)
+    buf_s = cuda.shared.array(MAX_THREADS, np.float32)
+    row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    n = x.shape[1]
+    valid = min(max(length[0], 0), n)
+    m, s = _row_max_sumexp(x, row, valid, buf_m, buf_s)
+    inv = _ONE / s if s > _ZERO else _ZERO  # s == 0 only when nothing is valid
+    # Each element is read and written by the same thread after the reduction: out may be x.
+    for j in range(t, n, step):
+        out[row, j] = math.exp(x[row, j] - m) * inv if j < valid else _ZERO
+
+
+@jit("void(float32[:, ::1], float32[:, ::1])")
+def log_softmax_kernel(x, out):
+    buf_m = cuda.shared.array(MAX_THREADS, np.float32)
+    buf_s = cuda.shared.array(MAX_THREADS, np.float32)
+    row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    n = x.shape[1]
+    m, s = _row_max_sumexp(x, row, n, buf_m, buf_s)
+    shift = m + math.log(s)
+    for j in range(t, n, step):
+        out[row, j] = x[row, j] - shift
+
+
+# ---------------------------------------------------------------------------- launchers
+def _check_rows(x, out):
+    _check.device_array("x", x, ndim=2)
+    _check.device_array("out", out, shape=tuple(x.shape))
+    if x.shape[0] > 2**31 - 1:
+        raise ValueError(f"x: {x.shape[0]} rows exceed the grid limit")
+
+
+def masked_softmax(x, length, out, *, stream=0):
+    """out[r, :L] = softmax(x[r, :L]), out[r, L:] = 0, with L = length[0] read on the device
+    (clamped to [0, C]). x, out (R, C); length a device int32 (1,). out may be x.
+    A row whose first L entries are all -inf gives NaN there, as NumPy would."""
+    _check_rows(x, out)
+    _check.device_array("length", length, dtype=np.int32, shape=(1,))
+    launch(masked_softmax_kernel, x.shape[0], block_threads(x.shape[1], MAX_THREADS),
+           (x, length, out), stream)
+
+
+def log_softmax(x, out, *, stream=0):
+    """out = log(softmax(x)) over the last axis, computed as x - max - log(sum exp(x - max)).
+    x, out (R, C); out may be x."""
+    _check_rows(x, out)
+    launch(log_softmax_kernel, x.shape[0], block_threads(x.shape[1], MAX_THREADS),
+           (x, out), stream)

@@ -1,0 +1,52 @@
+"""layernorm against its float64 reference: irregular widths, rows with a large mean (the
+case a one-pass E[x^2] - mean^2 variance gets wrong), in place, validation before launch."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from kernels import layernorm as L
+from proto.backend import cuda
+from tests.helpers import assert_close, dev, rand
+
+
+@given(rows=st.integers(1, 6), cols=st.integers(1, 70), offset=st.sampled_from([0.0, 1e3]),
+       seed=st.integers(0, 2**16))
+def test_matches_reference(rows, cols, offset, seed, scale):
+    rng = np.random.default_rng(seed)
+    x = rand(rng, rows, cols * scale) + np.float32(offset)
+    gamma, beta = rand(rng, cols * scale), rand(rng, cols * scale)
+    out = cuda.device_array_like(x)
+    L.layernorm(dev(x), dev(gamma), dev(beta), out)
+    # A row offset of 1e3 costs float32 x about 3 digits of its spread: 6e-5 absolute
+    # error in x - mean, amplified by rstd ~ 1, hence atol 1e-3 there.
+    atol = 1e-3 if offset else 1e-5
+    np.testing.assert_allclose(out.copy_to_host(), L.layernorm_ref(x, gamma, beta),
+                               atol=atol, rtol=1e-4)
+
+
+def test_in_place_and_eps():
+    rng = np.random.default_rng(3)
+    x = rand(rng, 3, 37)
+    x[1] = 2.0  # a constant row: var 0, so eps alone sets the scale
+    gamma, beta = rand(rng, 37), rand(rng, 37)
+    dx = dev(x)
+    L.layernorm(dx, dev(gamma), dev(beta), dx, eps=1e-2)
+    assert_close(dx, L.layernorm_ref(x, gamma, beta, eps=1e-2))
+
+
+def test_rejects_bad_input_before_launch():
+    x = dev(np.ones((2, 5), np.float32))
+    g = dev(np.ones(5, np.float32))
+    with pytest.raises(TypeError, match="x: expected a device array"):
+        L.layernorm(np.ones((2, 5), np.float32), g, g, x)
+    with pytest.raises(ValueError, match=r"gamma: expected shape \(5,\)"):
+        L.layernorm(x, dev(np.ones(4, np.float32)), g, x)
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 5\)"):
+        L.layernorm(x, g, g, dev(np.ones((5, 2), np.float32)))
+    with pytest.raises(TypeError, match="beta: expected dtype float32"):
+        L.layernorm(x, g, dev(np.ones(5, np.float64)), x)
+    with pytest.raises(ValueError, match="x: expected 2 dimensions"):
+        L.layernorm(dev(np.ones(5, np.float32)), g, g, x)
+    with pytest.raises(ValueError, match="eps: expected a positive number"):
+        L.layernorm(x, g, g, x, eps=0.0)
+    np.testing.assert_array_equal(x.copy_to_host(), 1.0)  # nothing ran

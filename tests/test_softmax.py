@@ -1,0 +1,70 @@
+"""masked_softmax and log_softmax against float64 references: irregular widths, every length
+from the device (including 0 and past the end), huge logits, -inf entries, in place,
+validation before launch."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from kernels import softmax as S
+from proto.backend import cuda
+from tests.helpers import assert_close, dev, rand
+
+
+@given(rows=st.integers(1, 5), cols=st.integers(1, 70), data=st.data(),
+       seed=st.integers(0, 2**16))
+def test_masked_softmax_matches_reference(rows, cols, data, seed, scale):
+    cols *= scale
+    length = data.draw(st.integers(-2, cols + 3), label="length")
+    x = rand(np.random.default_rng(seed), rows, cols, scale=5.0)
+    out = cuda.device_array_like(x)
+    S.masked_softmax(dev(x), dev(np.array([length], np.int32)), out)
+    assert_close(out, S.masked_softmax_ref(x, length), "softmax")
+
+
+def test_one_launch_config_serves_every_length():
+    """The length is read on the device: changing it needs no new launch arguments."""
+    x = rand(np.random.default_rng(5), 2, 9)
+    dx, length, out = dev(x), dev(np.zeros(1, np.int32)), cuda.device_array((2, 9), np.float32)
+    for n in (9, 4, 1, 0):
+        length.copy_to_device(np.array([n], np.int32))
+        S.masked_softmax(dx, length, out)
+        assert_close(out, S.masked_softmax_ref(x, n), "softmax")
+
+
+@given(rows=st.integers(1, 5), cols=st.integers(1, 70), shift=st.sampled_from([0.0, 1e4]),
+       seed=st.integers(0, 2**16))
+def test_log_softmax_is_stable_for_large_logits(rows, cols, shift, seed, scale):
+    # exp(1e4) overflows float32: only the subtracted row max keeps the result finite.
+    x = rand(np.random.default_rng(seed), rows, cols * scale, scale=5.0) + np.float32(shift)
+    out = cuda.device_array_like(x)
+    S.log_softmax(dev(x), out)
+    # At 1e4, float32 x itself is only good to ~1e-3 absolute, and so is x - max.
+    atol = 2e-3 if shift else 1e-5
+    np.testing.assert_allclose(out.copy_to_host(), S.log_softmax_ref(x), atol=atol, rtol=1e-4)
+
+
+def test_minus_inf_entries_and_in_place():
+    x = np.array([[0.0, -np.inf, 1.0, 2.0], [-np.inf, 3.0, -np.inf, 3.0]], np.float32)
+    dx = dev(x)
+    S.log_softmax(dx, dx)
+    assert_close(dx, S.log_softmax_ref(x), "softmax")
+    dx = dev(x)
+    S.masked_softmax(dx, dev(np.array([3], np.int32)), dx)
+    got = dx.copy_to_host()
+    assert_close(got, S.masked_softmax_ref(x, 3), "softmax")
+    assert got[0, 1] == 0.0 and np.all(got[:, 3] == 0.0)
+
+
+def test_rejects_bad_input_before_launch():
+    x = dev(np.ones((2, 5), np.float32))
+    with pytest.raises(TypeError, match="length: expected dtype int32"):
+        S.masked_softmax(x, dev(np.ones(1, np.int64)), x)
+    with pytest.raises(TypeError, match="length: expected a device array"):
+        S.masked_softmax(x, np.ones(1, np.int32), x)
+    with pytest.raises(ValueError, match=r"length: expected shape \(1,\)"):
+        S.masked_softmax(x, dev(np.ones(2, np.int32)), x)
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 5\)"):
+        S.log_softmax(x, dev(np.ones((2, 4), np.float32)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        S.log_softmax(dev(np.ones((2, 10), np.float32))[:, ::2], x)
+    np.testing.assert_array_equal(x.copy_to_host(), 1.0)  # nothing ran
