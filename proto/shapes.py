@@ -7,7 +7,7 @@ graphs exist and how much padded work each replay does.
 
 ``exact``   one graph per length (Grape, plain PyTorch graphs). No wasted work, but GPT-2
             beam search to 1024 tokens needs ~1000 graphs, and each costs driver memory
-            (about 2.2 KiB per kernel node on the H200) on top of its buffers.
+            (about 3 KiB per kernel node on the H200) on top of its buffers.
 ``bucket``  round the length up to a bucket (powers of two by default) and pad (vLLM and
             SGLang's batch-size buckets). log2(max) graphs; a replay computes padded rows too,
             whose results the caller ignores. The padding must be neutral for any reduction

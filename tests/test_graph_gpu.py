@@ -98,22 +98,23 @@ def test_close_destroys_the_graph_and_frees_its_buffers():
     buffers = []
 
     def fn(x):
-        tmp = cuda.device_array(big, np.float32)  # only the graph keeps the recorded one
-        buffers.append(weakref.ref(tmp))
-        launch(axpy_kernel, 1, THREADS, (1.0, x, x, tmp[:THREADS]))
+        # The node's argument is a view; it holds the whole 64 MiB allocation alive.
+        view = cuda.device_array(big, np.float32)[:THREADS]
+        buffers.append(weakref.ref(view))
+        launch(axpy_kernel, 1, THREADS, (1.0, x, x, view))
         return None
 
     before = free_bytes()
     g = graph.capture(fn, {"x": x}, executor="cuda")
-    warmup_tmp, recorded_tmp = buffers
-    assert warmup_tmp() is None and recorded_tmp() is not None
-    assert free_bytes() <= before - big * 4  # the recorded tmp lives on in the description
+    warmup_view, recorded_view = buffers
+    assert warmup_view() is None and recorded_view() is not None
+    assert free_bytes() <= before - big * 4  # the recorded buffer lives on in the description
     assert g.memory_bytes >= 0
     executable = g._executable
     g.close()
     assert executable.closed
     gc.collect()
-    assert recorded_tmp() is None  # no Python reference left ...
+    assert recorded_view() is None  # no Python reference left ...
     assert free_bytes() >= before - (4 << 20)  # ... and the driver has the memory back
 
 
