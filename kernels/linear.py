@@ -1,0 +1,83 @@
+"""Fully connected layer, PyTorch layout (weight (O, I)), forward and backward, on kernels.gemm.
+
+    forward          y  = x @ W.T + b          gemm(x, W, y, bias=b, trans_b=True)
+    backward-data    dx = dy @ W               gemm(dy, W, dx)
+    backward-weight  dW = dy.T @ x             gemm(dy, x, dW, trans_a=True)
+                     db = dy summed over rows  bias_grad_kernel (a column sum)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import _check
+from kernels.gemm import gemm
+from proto import backend
+from proto.backend import cuda, jit, launch
+
+
+# ---------------------------------------------------------------------------- references
+def linear_ref(x, w, b=None) -> np.ndarray:
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    return (y if b is None else y + b).astype(np.float32)
+
+
+def linear_bwd_ref(x, w, dy):
+    """-> (dx, dw, db)."""
+    dy64 = dy.astype(np.float64)
+    return ((dy64 @ w.astype(np.float64)).astype(np.float32),
+            (dy64.T @ x.astype(np.float64)).astype(np.float32),
+            dy64.sum(axis=0).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------- kernels
+@jit("void(float32[:,::1], float32[::1])")
+def bias_grad_kernel(dy, db):
+    """db[o] = sum_b dy[b, o]: a thread per column, rows walked in order (coalesced)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for o in range(start, dy.shape[1], stride):
+        s = np.float32(0.0)
+        for b in range(dy.shape[0]):
+            s += dy[b, o]
+        db[o] = s
+
+
+# ---------------------------------------------------------------------------- launchers
+def _check_weight(name: str, w, x_features: int, name_x: str) -> int:
+    _check.device_array(name, w, ndim=2)
+    if w.shape[1] != x_features:
+        raise ValueError(f"{name}: expected (O, {x_features}) to match {name_x}, got {tuple(w.shape)}")
+    return w.shape[0]
+
+
+def linear(x, w, b, out, *, stream=0):
+    """out (B, O) = x (B, I) @ w (O, I).T + b (O,) (b may be None)."""
+    _check.device_array("x", x, ndim=2)
+    O = _check_weight("w", w, x.shape[1], "x")
+    _check.device_array("out", out, shape=(x.shape[0], O))
+    gemm(x, w, out, bias=b, trans_b=True, stream=stream)
+
+
+def linear_bwd_data(dy, w, dx, *, stream=0):
+    """dx (B, I) = dy (B, O) @ w (O, I)."""
+    _check.device_array("dx", dx, ndim=2)
+    O = _check_weight("w", w, dx.shape[1], "dx")
+    _check.device_array("dy", dy, shape=(dx.shape[0], O))
+    gemm(dy, w, dx, stream=stream)
+
+
+def linear_bwd_weight(x, dy, dw, db, *, stream=0):
+    """dw (O, I) = dy.T @ x and db (O,) = column sums of dy (db may be None); overwritten."""
+    _check.device_array("x", x, ndim=2)
+    O = _check_weight("dw", dw, x.shape[1], "x")
+    _check.device_array("dy", dy, shape=(x.shape[0], O))
+    if db is not None:
+        _check.device_array("db", db, shape=(O,))
+    gemm(dy, x, dw, trans_a=True, stream=stream)
+    if db is not None:
+        threads = 32 if backend.SIMULATOR else 128
+        blocks = 1 if backend.SIMULATOR else (O + threads - 1) // threads
+        launch(bias_grad_kernel, blocks, threads, (dy, db), stream)
+
+
+def linear_flops(B: int, I: int, O: int) -> float:
+    return 2.0 * B * I * O

@@ -1,0 +1,100 @@
+"""Softmax cross-entropy, mean over the batch: loss on the device and dlogits in one launch.
+
+    loss     = mean_b [ logsumexp(logits[b]) - logits[b, label[b]] ]
+    dlogits  = (softmax(logits) - onehot(label)) / B
+
+One block walks the rows in order; per row its threads reduce the max, then the sum of
+exp, through a shared-memory tree. Thread 0 adds the row losses in row order, so the loss is
+deterministic and needs no zeroed accumulator. Logits of a training batch (B x classes, a
+few hundred thousand values at most) are far too small to need more than one block.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernels import _check
+from proto.backend import cuda, jit, launch
+
+MAX_THREADS = 256
+_NEG_INF = np.float32(-np.inf)
+
+
+def softmax_xent_ref(logits: np.ndarray, labels: np.ndarray):
+    """-> (loss float32 scalar, dlogits (B, V) float32)."""
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    B = z.shape[0]
+    loss = -logp[np.arange(B), labels].mean()
+    d = np.exp(logp)
+    d[np.arange(B), labels] -= 1.0
+    return np.float32(loss), (d / B).astype(np.float32)
+
+
+@jit("void(float32[:,::1], int32[::1], float32[::1], float32[:,::1])")
+def softmax_xent_kernel(logits, labels, loss, dlogits):
+    B, V = logits.shape
+    t = cuda.threadIdx.x
+    T = cuda.blockDim.x                    # a power of two
+    red = cuda.shared.array(MAX_THREADS, np.float32)
+    inv_b = np.float32(1.0) / np.float32(B)
+    total = np.float32(0.0)
+    for b in range(B):
+        m = _NEG_INF
+        for v in range(t, V, T):
+            m = max(m, logits[b, v])
+        red[t] = m
+        cuda.syncthreads()
+        half = T // 2
+        while half > 0:
+            if t < half:
+                red[t] = max(red[t], red[t + half])
+            cuda.syncthreads()
+            half //= 2
+        m = red[0]
+        cuda.syncthreads()                 # everyone has m before red is reused
+        s = np.float32(0.0)
+        for v in range(t, V, T):
+            s += math.exp(logits[b, v] - m)
+        red[t] = s
+        cuda.syncthreads()
+        half = T // 2
+        while half > 0:
+            if t < half:
+                red[t] += red[t + half]
+            cuda.syncthreads()
+            half //= 2
+        s = red[0]
+        cuda.syncthreads()
+        label = labels[b]
+        for v in range(t, V, T):
+            g = math.exp(logits[b, v] - m) / s
+            if v == label:
+                g -= np.float32(1.0)
+            dlogits[b, v] = g * inv_b
+        if t == 0 and 0 <= label < V:      # an out-of-range label adds nothing (no fault)
+            total += (m + math.log(s) - logits[b, label]) * inv_b
+    if t == 0:
+        loss[0] = total
+
+
+def softmax_xent(logits, labels, loss, dlogits, *, stream=0):
+    """logits (B, V), labels int32 (B,) with values in [0, V), loss (1,), dlogits (B, V).
+    Writes the batch-mean loss into loss[0] and its gradient into dlogits."""
+    _check.device_array("logits", logits, ndim=2)
+    B, V = logits.shape
+    _check.device_array("labels", labels, dtype=np.int32, shape=(B,))
+    _check.device_array("loss", loss, shape=(1,))
+    _check.device_array("dlogits", dlogits, shape=(B, V))
+    # About 16 classes per thread: each row costs 2 log2(threads) barriers, so fewer threads
+    # are faster for small class counts (and far faster in the simulator).
+    threads = 4
+    while threads < MAX_THREADS and threads * 16 < V:
+        threads *= 2
+    launch(softmax_xent_kernel, 1, threads, (logits, labels, loss, dlogits), stream)
+
+
+def softmax_xent_flops(B: int, V: int) -> float:
+    return 6.0 * B * V

@@ -1,0 +1,100 @@
+"""2x2 max-pooling with stride 2 (VGG's only pooling), NCHW float32, forward and backward.
+
+Odd heights/widths drop the last row/column (floor, as PyTorch). Backward recomputes each
+window's argmax from the pooling *input* instead of saving indices: VGG keeps that input
+anyway (it is the in-place ReLU output that ReLU backward reads), so saving indices would
+only add a tensor. Ties go to the first maximum in row-major window order, as PyTorch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import _check
+from proto.backend import cuda, jit, launch
+
+
+# ---------------------------------------------------------------------------- references
+def maxpool2x2_ref(x: np.ndarray) -> np.ndarray:
+    N, C, H, W = x.shape
+    v = x[:, :, :H // 2 * 2, :W // 2 * 2].reshape(N, C, H // 2, 2, W // 2, 2)
+    return v.max(axis=(3, 5)).astype(np.float32)
+
+
+def maxpool2x2_bwd_ref(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    N, C, H, W = x.shape
+    P, Q = H // 2, W // 2
+    win = x[:, :, :2 * P, :2 * Q].reshape(N, C, P, 2, Q, 2).transpose(0, 1, 2, 4, 3, 5)
+    first = win.reshape(N, C, P, Q, 4).argmax(axis=-1)            # first max, row-major
+    onehot = np.eye(4, dtype=np.float32)[first] * dy[..., None]   # (N, C, P, Q, 4)
+    dx = np.zeros_like(x, dtype=np.float32)
+    dx[:, :, :2 * P, :2 * Q] = onehot.reshape(N, C, P, Q, 2, 2).transpose(0, 1, 2, 4, 3, 5).reshape(N, C, 2 * P, 2 * Q)
+    return dx
+
+
+# ---------------------------------------------------------------------------- kernels
+@jit("void(float32[:,:,:,::1], float32[:,:,:,::1])")
+def maxpool_kernel(x, out):
+    N, C, P, Q = out.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, out.size, stride):
+        q = i % Q
+        p = (i // Q) % P
+        nc = i // (P * Q)
+        n, c = nc // C, nc % C
+        h, w = 2 * p, 2 * q
+        out[n, c, p, q] = max(max(x[n, c, h, w], x[n, c, h, w + 1]),
+                              max(x[n, c, h + 1, w], x[n, c, h + 1, w + 1]))
+
+
+@jit("void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1])")
+def maxpool_bwd_kernel(x, dy, dx):
+    """One thread per input element: it receives dy if it is its window's first maximum."""
+    N, C, H, W = x.shape
+    P, Q = dy.shape[2], dy.shape[3]
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, x.size, stride):
+        w = i % W
+        h = (i // W) % H
+        nc = i // (H * W)
+        n, c = nc // C, nc % C
+        p, q = h // 2, w // 2
+        g = np.float32(0.0)
+        if p < P and q < Q:
+            h0, w0 = 2 * p, 2 * q
+            best_h, best_w = h0, w0
+            best = x[n, c, h0, w0]
+            for k in range(1, 4):
+                hh, ww = h0 + k // 2, w0 + k % 2
+                if x[n, c, hh, ww] > best:
+                    best = x[n, c, hh, ww]
+                    best_h, best_w = hh, ww
+            if best_h == h and best_w == w:
+                g = dy[n, c, p, q]
+        dx[n, c, h, w] = g
+
+
+# ---------------------------------------------------------------------------- launchers
+def maxpool2x2(x, out, *, stream=0):
+    """out (N, C, H//2, W//2) = max over each 2x2 window of x (N, C, H, W)."""
+    _check.device_array("x", x, ndim=4)
+    N, C, H, W = x.shape
+    if H < 2 or W < 2:
+        raise ValueError(f"x: 2x2 pooling needs H, W >= 2, got shape {tuple(x.shape)}")
+    _check.device_array("out", out, shape=(N, C, H // 2, W // 2))
+    blocks, threads = _check.grid_stride_launch(out.size)
+    launch(maxpool_kernel, blocks, threads, (x, out), stream)
+
+
+def maxpool2x2_bwd(x, dy, dx, *, stream=0):
+    """dx (N, C, H, W) = gradient of maxpool2x2 given its input x and dy (N, C, H//2, W//2).
+    Every element of dx is written (rows/columns outside any window get 0)."""
+    _check.device_array("x", x, ndim=4)
+    N, C, H, W = x.shape
+    _check.device_array("dy", dy, shape=(N, C, H // 2, W // 2))
+    _check.device_array("dx", dx, shape=(N, C, H, W))
+    blocks, threads = _check.grid_stride_launch(x.size)
+    launch(maxpool_bwd_kernel, blocks, threads, (x, dy, dx), stream)
+
+
+def maxpool_flops(n_in: int) -> float:
+    return float(n_in)

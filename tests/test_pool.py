@@ -1,0 +1,57 @@
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from kernels import pool
+from proto.backend import cuda
+from tests.helpers import assert_close, dev, rand
+
+
+@st.composite
+def pool_inputs(draw, scale=1):
+    N, C = draw(st.integers(1, 2)), draw(st.integers(1, 3)) * scale
+    H, W = draw(st.integers(2, 9)), draw(st.integers(2, 9))   # odd sizes drop a row/column
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x = rand(rng, N, C, H, W)
+    if draw(st.booleans()):    # ties: few distinct values, so windows hold equal maxima
+        x = np.round(x).astype(np.float32)
+    return x, rng
+
+
+@given(data=st.data())
+def test_maxpool_forward_matches_reference(data, scale):
+    x, _ = data.draw(pool_inputs(scale))
+    N, C, H, W = x.shape
+    out = cuda.device_array((N, C, H // 2, W // 2), np.float32)
+    pool.maxpool2x2(dev(x), out)
+    assert_close(out, pool.maxpool2x2_ref(x), "elementwise")
+
+
+@given(data=st.data())
+def test_maxpool_backward_routes_to_the_first_maximum(data, scale):
+    x, rng = data.draw(pool_inputs(scale))
+    N, C, H, W = x.shape
+    dy = rand(rng, N, C, H // 2, W // 2)
+    dx = dev(np.full(x.shape, np.nan, np.float32))    # every element must be written
+    pool.maxpool2x2_bwd(dev(x), dev(dy), dx)
+    ref = pool.maxpool2x2_bwd_ref(x, dy)
+    assert_close(dx, ref, "elementwise")
+    assert np.isclose(ref.sum(), dy.sum(), rtol=1e-4, atol=1e-4)   # each dy lands exactly once
+
+
+def test_reference_matches_a_hand_example():
+    x = np.array([[[[1, 3, 0], [3, 2, 5], [9, 9, 9]]]], np.float32)   # tie in the window: 3, 3
+    assert pool.maxpool2x2_ref(x).tolist() == [[[[3.0]]]]
+    dx = pool.maxpool2x2_bwd_ref(x, np.array([[[[7.0]]]], np.float32))
+    assert dx.tolist() == [[[[0, 7, 0], [0, 0, 0], [0, 0, 0]]]]   # first maximum in row order
+
+
+def test_rejects_bad_input_before_launch():
+    x = dev(np.zeros((1, 2, 5, 4), np.float32))
+    with pytest.raises(ValueError, match=r"out: expected shape \(1, 2, 2, 2\)"):
+        pool.maxpool2x2(x, dev(np.zeros((1, 2, 3, 2), np.float32)))
+    with pytest.raises(ValueError, match="x: 2x2 pooling needs H, W >= 2"):
+        pool.maxpool2x2(dev(np.zeros((1, 1, 1, 4), np.float32)), x)
+    with pytest.raises(ValueError, match=r"dx: expected shape \(1, 2, 5, 4\)"):
+        pool.maxpool2x2_bwd(x, dev(np.zeros((1, 2, 2, 2), np.float32)),
+                            dev(np.zeros((1, 2, 4, 4), np.float32)))
