@@ -15,6 +15,12 @@ import functools
 
 from proto.tape import Tape
 
+ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects it to
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
 PERSISTENT_KINDS = frozenset({"input", "param", "grad", "state"})
 
 
@@ -56,7 +62,7 @@ class Liveness:
         self.writes = [frozenset(op.writes) for op in tape.ops]
         self.extra_reads = {k: frozenset(v) for k, v in (extra_reads or {}).items() if v}
         self.persistent = tuple(n for n, t in tape.tensors.items() if t.kind in PERSISTENT_KINDS)
-        self.persistent_bytes = sum(tape.tensors[n].nbytes for n in self.persistent)
+        self.persistent_bytes = sum(self.nbytes(n) for n in self.persistent)
         uses: dict[str, list[int]] = {n: [] for n in tape.tensors if n not in self.persistent}
         for i in range(self.n_ops):
             for name in self.reads[i] | self.writes[i]:
@@ -78,7 +84,8 @@ class Liveness:
         self.outputs = frozenset(n for n, u in self.uses.items() if n in self.writes[u[-1]])
 
     def nbytes(self, name: str) -> int:
-        return self.tape.tensors[name].nbytes
+        """Bytes a tensor takes in the arena: its size rounded up to the allocation alignment."""
+        return align_up(self.tape.tensors[name].nbytes)
 
     def first(self, name: str) -> int:
         return self.uses[name][0]

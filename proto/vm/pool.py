@@ -14,13 +14,7 @@ import numpy as np
 from proto import backend
 from proto.backend import cuda
 from proto.tape import TensorSpec
-from proto.vm.liveness import fmt_bytes
-
-ALIGN = 256  # cudaMalloc's alignment: every view starts where a kernel expects it to
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
+from proto.vm.liveness import ALIGN, align_up, fmt_bytes
 
 
 class OutOfBudget(MemoryError):
@@ -36,16 +30,11 @@ class Block:
     nbytes: int
 
 
-def place(blocks: list[Block], align: int = ALIGN) -> tuple[dict[object, int], int]:
-    """Offsets such that blocks alive during a common op never overlap; returns (offsets, arena bytes).
-
-    Largest block first, each at the lowest offset clear of the already-placed blocks it meets
-    in time. Not optimal (that problem is NP-hard) but close on layer-ordered networks.
-    """
+def _first_fit(blocks: list[Block], align: int) -> tuple[dict[object, int], int]:
     offsets: dict[object, int] = {}
     placed: list[tuple[Block, int]] = []
     arena = 0
-    for blk in sorted(blocks, key=lambda b: (-b.nbytes, b.first, b.last)):
+    for blk in blocks:
         size = align_up(blk.nbytes, align)
         busy = sorted((off, off + align_up(other.nbytes, align)) for other, off in placed
                       if other.first <= blk.last and blk.first <= other.last)
@@ -58,6 +47,21 @@ def place(blocks: list[Block], align: int = ALIGN) -> tuple[dict[object, int], i
         placed.append((blk, offset))
         arena = max(arena, offset + size)
     return offsets, arena
+
+
+def place(blocks: list[Block], align: int = ALIGN) -> tuple[dict[object, int], int]:
+    """Offsets such that blocks alive during a common op never overlap; returns (offsets, arena bytes).
+
+    First fit (each block at the lowest offset clear of the placed blocks it meets in time),
+    trying a few orders and keeping the smallest arena: largest first, longest-lived first,
+    earliest first. Not optimal (that problem is NP-hard) but tight on layer-ordered nets.
+    """
+    orders = (lambda b: (-b.nbytes, b.first, b.last),
+              lambda b: (-(b.last - b.first), -b.nbytes, b.first),
+              lambda b: (-(b.last - b.first + 1) * b.nbytes, b.first),
+              lambda b: (b.first, -b.nbytes, b.last))
+    return min((_first_fit(sorted(blocks, key=order), align) for order in orders),
+               key=lambda result: result[1])
 
 
 class DevicePool:
@@ -93,13 +97,14 @@ class DevicePool:
     def alloc(self, spec: TensorSpec, offset: int):
         if spec.name in self.live:
             raise ValueError(f"{spec.name}: already allocated in the pool")
-        if self.live_bytes + spec.nbytes > self.budget:
-            raise OutOfBudget(f"allocating {spec.name} ({fmt_bytes(spec.nbytes)}) would hold "
-                              f"{fmt_bytes(self.live_bytes + spec.nbytes)}, past the budget "
+        nbytes = align_up(spec.nbytes)
+        if self.live_bytes + nbytes > self.budget:
+            raise OutOfBudget(f"allocating {spec.name} ({fmt_bytes(nbytes)}) would hold "
+                              f"{fmt_bytes(self.live_bytes + nbytes)}, past the budget "
                               f"{fmt_bytes(self.budget)}: make room first")
         v = self.view(spec, offset)
-        self.live[spec.name] = (offset, spec.nbytes)
-        self.live_bytes += spec.nbytes
+        self.live[spec.name] = (offset, nbytes)
+        self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return v
 
@@ -107,7 +112,8 @@ class DevicePool:
         offset, nbytes = self.live.pop(name)
         self.live_bytes -= nbytes
         if backend.SIMULATOR:
-            self.arena[offset:offset + nbytes] = 0xFF   # float32 0xFFFFFFFF is a NaN
+            end = min(offset + nbytes, self.capacity)
+            self.arena[offset:end] = 0xFF   # float32 0xFFFFFFFF is a NaN
 
     def close(self) -> None:
         self.live.clear()

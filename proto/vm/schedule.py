@@ -298,7 +298,7 @@ def _build(live: Liveness, chosen: dict[Gap, _Choice], planner: _Planner, budget
     tape, n = live.tape, live.n_ops
     # Gaps whose window came out empty free nothing: those tensors just stay.
     windows = {g: w for g, w in planner.windows(chosen).items() if w[0] < w[1]}
-    blocks = [Block(("persistent", name), 0, max(n - 1, 0), tape.tensors[name].nbytes)
+    blocks = [Block(("persistent", name), 0, max(n - 1, 0), live.nbytes(name))
               for name in live.persistent]
     spans: dict[str, list[tuple[int, int, Gap | None]]] = {}   # name -> [(first op, last op, gap after)]
     for name in live.uses:
@@ -359,14 +359,14 @@ def validate(tape: Tape, plan: Plan) -> None:
         raise PlanError("the plan's persistent tensors differ from the tape's")
     state: dict[str, str] = {}   # absent | resident | evicting | host | prefetching | dropped
     filled: set[str] = set(plan.persistent)   # tensors holding data
-    held = {name: (off, tape.tensors[name].nbytes) for name, off in plan.persistent.items()}
+    held = {name: (off, align_up(tape.tensors[name].nbytes)) for name, off in plan.persistent.items()}
     where = ""
 
     def fail(msg):
         raise PlanError(f"{where}: {msg}")
 
     def take(name, off):
-        nbytes = tape.tensors[name].nbytes
+        nbytes = align_up(tape.tensors[name].nbytes)   # blocks take whole alignment units
         if off < 0 or off + nbytes > plan.arena_bytes:
             fail(f"{name} at [{off}, {off + nbytes}) is outside the arena of {plan.arena_bytes}")
         for other, (o, b) in held.items():

@@ -1,0 +1,148 @@
+"""Every memory policy computes exactly what the unconstrained run computes.
+
+On the simulator ops run in tape order whatever the policy, with the same kernels (or the same
+host math), so results must be bit-identical; freed and evicted bytes are poisoned with NaNs,
+so a policy that hands an op memory it does not own shows up as a mismatch.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from proto import backend
+from proto.tape import TensorSpec
+from proto.vm import BudgetError, Executor, Liveness, Link, PagingExecutor, PlanError, plan
+from proto.vm.pool import DevicePool, OutOfBudget
+from proto.vm.synthetic import cnn_tape
+
+
+def _run(executor, init, steps=2):
+    """Load, run `steps` steps, return the loss and every persistent tensor."""
+    with executor as ex:
+        ex.load(init)
+        for _ in range(steps):
+            ex.step()
+        names = ["loss"] + sorted(n for n, t in ex.tape.tensors.items()
+                                  if t.kind in ("param", "grad", "state"))
+        return {n: ex.read(n) for n in names}
+
+
+def _assert_identical(got, want, label):
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{label}: {name} differs"
+        assert np.isfinite(want[name]).all()
+
+
+def _cheap_pools(tape):
+    """op_seconds under which pooling is nearly free and convolution is not."""
+    return [1e-6 if op.name.startswith("p") or "act" in op.name else 1e-3 for op in tape.ops]
+
+
+@given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc", "cpccpcc"]), width=st.integers(1, 3),
+       frac=st.floats(0.0, 1.0), lookahead=st.one_of(st.none(), st.integers(1, 3)))
+def test_every_policy_is_bit_identical_to_unconstrained(layers, width, frac, lookahead):
+    tape, init = cnn_tape(64 * 4 * width, layers, seed=width)
+    live = Liveness(tape)
+    floor = max(max(live.floor_bytes), max(map(live.working_set, range(len(tape.ops)))))
+    budget = int(1.1 * floor + frac * (live.peak - 1.1 * floor))
+    want = _run(Executor(tape, plan(tape)), init)
+    slow = Link(h2d=1e6, d2h=1e6)
+    swap = plan(tape, budget, lookahead=lookahead)
+    both = plan(tape, budget, op_seconds=_cheap_pools(tape), link=slow, recompute=True)
+    _assert_identical(_run(Executor(tape, swap), init), want, "autovm")
+    _assert_identical(_run(Executor(tape, both), init), want, "autovm+recompute")
+    _assert_identical(_run(PagingExecutor(tape, budget, page_bytes=512), init), want, "paging")
+
+
+def test_recompute_runs_and_matches():
+    tape, init = cnn_tape(1024, "cpcpc")
+    live = Liveness(tape)
+    p = plan(tape, int(max(live.floor_bytes) * 1.05), op_seconds=_cheap_pools(tape),
+             link=Link(1e6, 1e6), recompute=True)
+    assert p.recomputed and p.offloaded
+    _assert_identical(_run(Executor(tape, p), init), _run(Executor(tape, plan(tape)), init), "recompute")
+
+
+def test_real_kernels_under_a_tight_budget_match_unconstrained():
+    # The project's elementwise kernels (launched through the simulator): slow, so one small case.
+    tape, init = cnn_tape(128, "cpc", host_ops=False)
+    live = Liveness(tape)
+    budget = int(max(live.floor_bytes) * 1.02)
+    want = _run(Executor(tape, plan(tape)), init, steps=1)
+    swap = plan(tape, budget)
+    assert swap.offloaded
+    _assert_identical(_run(Executor(tape, swap), init, steps=1), want, "autovm")
+    _assert_identical(_run(PagingExecutor(tape, budget, page_bytes=256), init, steps=1), want, "paging")
+
+
+def test_a_wrong_plan_is_refused_before_running():
+    tape, init = cnn_tape(1024, "ccp")
+    p = plan(tape, int(max(Liveness(tape).floor_bytes) * 1.05))
+    p.before = [[a for a in acts if a.kind != "wait"] for acts in p.before]
+    with pytest.raises(PlanError):
+        Executor(tape, p)
+
+
+def test_too_small_budget_is_refused_naming_the_op():
+    tape, _ = cnn_tape(4096, "cpc")
+    live = Liveness(tape)
+    worst = max(range(len(tape.ops)), key=live.working_set)
+    with pytest.raises(BudgetError, match=tape.ops[worst].name):
+        plan(tape, live.working_set(worst) - 256)
+    own = sum(tape.tensors[n].nbytes for n in set(tape.ops[worst].reads + tape.ops[worst].writes))
+    with pytest.raises(BudgetError, match=r"too small for op '.*' \(layer"):
+        PagingExecutor(tape, own // 2, page_bytes=256)
+
+
+def test_load_and_read_check_their_arguments():
+    tape, init = cnn_tape(256, "c")
+    with Executor(tape, plan(tape)) as ex:
+        with pytest.raises(ValueError, match="not a persistent tensor"):
+            ex.load({"c0.pre": np.zeros(256, np.float32)})
+        with pytest.raises(ValueError, match=r"expected shape \(256,\)"):
+            ex.load({"x": np.zeros(255, np.float32)})
+        with pytest.raises(KeyError, match="neither persistent nor an output"):
+            ex.read("c0.pre")
+
+
+def test_pool_enforces_its_budget():
+    spec = TensorSpec("a", (64,), "activation")
+    pool = DevicePool(budget=512, capacity=512)
+    a = pool.alloc(spec, 0)
+    assert a.shape == (64,) and pool.live_bytes == 256
+    pool.alloc(TensorSpec("b", (64,), "activation"), 256)
+    with pytest.raises(OutOfBudget, match="past the budget"):
+        pool.alloc(TensorSpec("c", (1,), "activation"), 0)
+    pool.free("a")
+    pool.free("b")
+    assert pool.live_bytes == 0 and pool.peak_bytes == 512
+    with pytest.raises(OutOfBudget, match="outside the arena"):
+        pool.alloc(TensorSpec("d", (65,), "activation"), 256)
+    with pytest.raises(OutOfBudget, match="passes the budget"):
+        DevicePool(budget=100, capacity=512)
+    pool.close()
+
+
+# ---------------------------------------------------------------------------- GPU lane
+@pytest.mark.gpu
+def test_streamed_executor_on_cuda_matches_unconstrained(scale):
+    # Real streams and events: a missing wait or an early release would race and corrupt data.
+    tape, init = cnn_tape(4096 * 64 * scale, "ccpccpc", host_ops=False)
+    live = Liveness(tape)
+    want = _run(Executor(tape, plan(tape)), init, steps=3)
+    for lookahead in (None, 1):
+        p = plan(tape, int(max(live.floor_bytes) * 1.05), lookahead=lookahead)
+        assert p.offloaded
+        _assert_identical(_run(Executor(tape, p), init, steps=3), want, f"autovm lookahead={lookahead}")
+
+
+@pytest.mark.gpu
+def test_managed_paging_on_cuda_faults_and_matches(scale):
+    tape, init = cnn_tape(4096 * 64 * scale, "ccpccpc", host_ops=False)
+    live = Liveness(tape)
+    want = _run(Executor(tape, plan(tape)), init, steps=2)
+    ex = PagingExecutor(tape, max(int(live.peak * 0.5), 8 << 20))
+    got = _run(ex, init, steps=2)
+    _assert_identical(got, want, "managed paging")
+    evicted, faulted = ex.moved_bytes()
+    assert evicted > 0 and faulted > 0
+    assert not backend.SIMULATOR
