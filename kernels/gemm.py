@@ -105,13 +105,16 @@ def _finish(v, out, bz, m, n, bias, has_bias, act, accumulate):
 @cuda.jit(device=True)
 def _stage_rows(xs, a, bz, kc, length, m_rows, trans_a):
     """xs[m, k] = op(a)[bz, m, kc + k] for k < length, rows m >= m_rows zero (so the decode
-    kernels always multiply 8 rows and need no per-row branches)."""
-    for m in range(DECODE_MAX_M):
-        for k in range(cuda.threadIdx.x, length, cuda.blockDim.x):
-            v = _ZERO
+    kernels always multiply 8 rows and need no per-row branches). Each thread loads all 8
+    rows of a column before storing any, so 8 reads are in flight, not 1."""
+    vals = cuda.local.array(DECODE_MAX_M, np.float32)
+    for k in range(cuda.threadIdx.x, length, cuda.blockDim.x):
+        for m in range(DECODE_MAX_M):
+            vals[m] = _ZERO
             if m < m_rows:
-                v = a[bz, _u(kc + k), _u(m)] if trans_a else a[bz, _u(m), _u(kc + k)]
-            xs[_u(m * KC + k)] = v
+                vals[m] = a[bz, _u(kc + k), _u(m)] if trans_a else a[bz, _u(m), _u(kc + k)]
+        for m in range(DECODE_MAX_M):
+            xs[_u(m * KC + k)] = vals[m]
 
 
 # ---------------------------------------------------------------------------- kernels

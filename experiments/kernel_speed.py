@@ -1,0 +1,365 @@
+"""Kernel speed: every kernel at GPT-2-sized shapes against a measured bound and PyTorch.
+
+For each kernel (ours, and the same op in PyTorch when torch and a GPU are present):
+median time over `reps` runs (proto.timing.bench, L2 flushed before each run, so data comes
+from HBM as in a model step where other layers' weights evicted it), the bytes it must move
+(each input read once, each output written once) or the FLOPs it must do, and the fraction of
+the bound that reaches:
+  memory-bound kernels   achieved GB/s over the device's copy bandwidth, measured here as a
+                         device-to-device copy of 1 GiB (bytes read + written / time);
+  compute-bound kernels  achieved FLOP/s over the FP32 FMA peak (SMs x FP32 lanes x 2 x clock).
+The headline is the decode GEMM of GPT-2's output projection, 5 beams x 768 against the
+tied 50257 x 768 embedding: pure weight streaming, so weight bytes / time over the copy
+bandwidth says how close it runs to the memory system (DESIGN.md: torch.matmul 0.69).
+
+Full size: d=768, vocab 50257, T=1024, batch 5. Toy size: tiny shapes for the simulator
+(its timings mean nothing; the run checks the script end to end).
+
+    python -m experiments kernel_speed            # run + plot
+    python -m experiments kernel_speed --plot-only
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+from typing import Callable
+
+import numpy as np
+
+from experiments import common
+from kernels import elementwise, embedding, gemm, layernorm, softmax
+from proto import backend, timing
+from proto.backend import cuda
+
+NAME = "kernel_speed"
+HEADLINE = "gemm_decode_nt"
+SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden
+    "full": dict(D=768, V=50257, T=1024, B=5, H=12, L=1024, LB=64, copy_bytes=1 << 30),
+    "toy": dict(D=16, V=24, T=5, B=2, H=2, L=8, LB=2, copy_bytes=1 << 16),  # B*T > 8: tiled
+}
+REPS = {"full": dict(warmup=3, reps=20), "toy": dict(warmup=1, reps=2)}
+# FP32 lanes per SM by compute capability (8.0 and older datacenter parts have 64).
+_FP32_LANES = {(6, 0): 64, (7, 0): 64, (8, 0): 64}
+
+# Kernels of other modules, measured only where the module exists: module -> its cases.
+OPTIONAL = {m: cases for m, cases in {"attention": ["attention_decode"],
+                                      "sampling": ["argmax", "topk"],
+                                      "lstm": ["lstm_cell"]}.items()
+            if importlib.util.find_spec(f"kernels.{m}") is not None}
+
+
+@dataclasses.dataclass
+class Case:
+    """One kernel at one shape. `ours()` / `theirs()` launch it (theirs: PyTorch, or None);
+    `result()` / `their_result()` return what each computed, for a cross-check."""
+    name: str
+    shape: str
+    bound: str  # "memory" or "compute"
+    bytes: int
+    flops: int
+    ours: Callable
+    result: Callable
+    theirs: Callable | None = None
+    their_result: Callable | None = None
+
+
+def _torch():
+    """The torch module when it and a CUDA GPU are usable here, else None."""
+    if backend.SIMULATOR or importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+    return torch if torch.cuda.is_available() else None
+
+
+def _dev(x):
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def _cases(s: dict, torch) -> list[Case]:
+    rng = np.random.default_rng(0)
+    D, V, T, B, H, L = (s[k] for k in "DVTBHL")
+    f32 = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    tt = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()) if torch else None
+    F = torch.nn.functional if torch else None
+    cases = []
+
+    def add(name, shape, bound, nbytes, flops, ours, result, theirs=None, their_result=None):
+        cases.append(Case(name, shape, bound, int(nbytes), int(flops), ours, result,
+                          theirs if torch else None, their_result if torch else None))
+
+    # Decode GEMMs: 5 beams against the tied embedding, both weight layouts.
+    x, wte = f32(B, D), f32(V, D)
+    dx, dwte, dw_kn = _dev(x), _dev(wte), _dev(np.ascontiguousarray(wte.T))
+    out_nt, out_nn = cuda.device_array((B, V), np.float32), cuda.device_array((B, V), np.float32)
+    nbytes = 4 * (V * D + B * D + B * V)
+    tx, twte, tw_kn = (tt(x), tt(wte), tt(wte.T)) if torch else (None,) * 3
+    tout = torch.empty(B, V, device="cuda") if torch else None
+    add("gemm_decode_nt", f"{B}x{D} @ ({V}x{D}).T", "memory", nbytes, 2 * B * D * V,
+        lambda: gemm.gemm(dx, dwte, out_nt, trans_b=True), out_nt.copy_to_host,
+        lambda: torch.matmul(tx, twte.T, out=tout), lambda: tout.cpu().numpy())
+    add("gemm_decode_nn", f"{B}x{D} @ {D}x{V}", "memory", nbytes, 2 * B * D * V,
+        lambda: gemm.gemm(dx, dw_kn, out_nn), out_nn.copy_to_host,
+        lambda: torch.matmul(tx, tw_kn, out=tout), lambda: tout.cpu().numpy())
+
+    # Prefill GEMM (c_attn: bias fused) and the MLP's first GEMM (bias + GELU fused).
+    xs, w_attn, b_attn = f32(B * T, D), f32(D, 3 * D) * 0.05, f32(3 * D)
+    dxs, dw_attn, db_attn = _dev(xs), _dev(w_attn), _dev(b_attn)
+    out_attn = cuda.device_array((B * T, 3 * D), np.float32)
+    txs, tw_attn, tb_attn = (tt(xs), tt(w_attn), tt(b_attn)) if torch else (None,) * 3
+    tout_attn = torch.empty(B * T, 3 * D, device="cuda") if torch else None
+    add("gemm_prefill_bias", f"{B * T}x{D} @ {D}x{3 * D} + bias", "compute",
+        4 * (B * T * D + D * 3 * D + 3 * D + B * T * 3 * D), 2 * B * T * D * 3 * D,
+        lambda: gemm.gemm(dxs, dw_attn, out_attn, bias=db_attn), out_attn.copy_to_host,
+        lambda: torch.addmm(tb_attn, txs, tw_attn, out=tout_attn),
+        lambda: tout_attn.cpu().numpy())
+    w_fc, b_fc = f32(D, 4 * D) * 0.05, f32(4 * D)
+    dw_fc, db_fc = _dev(w_fc), _dev(b_fc)
+    out_fc = cuda.device_array((B * T, 4 * D), np.float32)
+    tw_fc, tb_fc = (tt(w_fc), tt(b_fc)) if torch else (None, None)
+    add("gemm_prefill_bias_gelu", f"{B * T}x{D} @ {D}x{4 * D} + bias, gelu", "compute",
+        4 * (B * T * D + D * 4 * D + 4 * D + B * T * 4 * D), 2 * B * T * D * 4 * D,
+        lambda: gemm.gemm(dxs, dw_fc, out_fc, bias=db_fc, act="gelu"), out_fc.copy_to_host,
+        lambda: F.gelu(torch.addmm(tb_fc, txs, tw_fc), approximate="tanh"),
+        lambda: F.gelu(torch.addmm(tb_fc, txs, tw_fc), approximate="tanh").cpu().numpy())
+
+    # Row kernels.
+    gamma, beta = f32(D), f32(D)
+    dgamma, dbeta = _dev(gamma), _dev(beta)
+    out_ln = cuda.device_array((B * T, D), np.float32)
+    tgamma, tbeta = (tt(gamma), tt(beta)) if torch else (None, None)
+    add("layernorm", f"{B * T}x{D}", "memory", 4 * (2 * B * T * D + 2 * D), 0,
+        lambda: layernorm.layernorm(dxs, dgamma, dbeta, out_ln), out_ln.copy_to_host,
+        lambda: F.layer_norm(txs, (D,), tgamma, tbeta, 1e-5),
+        lambda: F.layer_norm(txs, (D,), tgamma, tbeta, 1e-5).cpu().numpy())
+    scores = f32(B * H * T, T) * 3
+    dscores, dlen = _dev(scores), _dev(np.array([T], np.int32))
+    out_sm = cuda.device_array(scores.shape, np.float32)
+    tscores = tt(scores) if torch else None
+    add("masked_softmax", f"{B * H * T}x{T}, length {T}", "memory", 8 * scores.size, 0,
+        lambda: softmax.masked_softmax(dscores, dlen, out_sm), out_sm.copy_to_host,
+        lambda: torch.softmax(tscores, -1), lambda: torch.softmax(tscores, -1).cpu().numpy())
+    logits = f32(B, V) * 3
+    dlogits = _dev(logits)
+    out_ls = cuda.device_array((B, V), np.float32)
+    tlogits = tt(logits) if torch else None
+    add("log_softmax", f"{B}x{V}", "memory", 8 * logits.size, 0,
+        lambda: softmax.log_softmax(dlogits, out_ls), out_ls.copy_to_host,
+        lambda: F.log_softmax(tlogits, -1), lambda: F.log_softmax(tlogits, -1).cpu().numpy())
+
+    # Embedding lookup of a whole prompt batch (token + position).
+    tokens = rng.integers(0, V, (B, T)).astype(np.int32)
+    wpe = f32(T, D)
+    dtokens, dwpe = _dev(tokens), _dev(wpe)
+    out_emb = cuda.device_array((B, T, D), np.float32)
+    ttokens = tt(tokens).long() if torch else None
+    twpe = tt(wpe) if torch else None
+    tpos = torch.arange(T, device="cuda") if torch else None
+    add("embed", f"{B}x{T} tokens, {V}x{D} + {T}x{D}", "memory",
+        4 * (B * T + 3 * B * T * D), 0,
+        lambda: embedding.embed(dtokens, dwte, out_emb, wpe=dwpe), out_emb.copy_to_host,
+        lambda: F.embedding(ttokens, twte) + F.embedding(tpos, twpe),
+        lambda: (F.embedding(ttokens, twte) + F.embedding(tpos, twpe)).cpu().numpy())
+
+    # Elementwise.
+    h = f32(B * T, 4 * D)
+    dh, out_gelu = _dev(h), cuda.device_array(h.shape, np.float32)
+    th = tt(h) if torch else None
+    add("gelu", f"{B * T}x{4 * D}", "memory", 8 * h.size, 0,
+        lambda: elementwise.gelu(dh, out_gelu), out_gelu.copy_to_host,
+        lambda: F.gelu(th, approximate="tanh"),
+        lambda: F.gelu(th, approximate="tanh").cpu().numpy())
+    out_add = cuda.device_array(xs.shape, np.float32)
+    add("add", f"{B * T}x{D}", "memory", 12 * xs.size, 0,
+        lambda: elementwise.add(dxs, dxs, out_add), out_add.copy_to_host,
+        lambda: torch.add(txs, txs), lambda: (txs + txs).cpu().numpy())
+
+    if "attention" in OPTIONAL:
+        cases.append(_attention_case(s, rng, torch, tt))
+    if "sampling" in OPTIONAL:
+        cases.extend(_sampling_cases(s, rng, torch, tt))
+    if "lstm" in OPTIONAL:
+        cases.append(_lstm_case(s, rng, torch, tt))
+    return cases
+
+
+def _attention_case(s, rng, torch, tt) -> Case:
+    """One decode step at the last position: 1 query per beam against a full KV cache."""
+    from kernels import attention
+    D, T, B, H = s["D"], s["T"], s["B"], s["H"]
+    hd = D // H
+    qkv = rng.standard_normal((B, 1, 3 * D), dtype=np.float32)
+    cache = rng.standard_normal((2, B, H, T, hd), dtype=np.float32)
+    dqkv, dk, dv = _dev(qkv), _dev(cache[0]), _dev(cache[1])
+    dpos, out = _dev(np.array([T - 1], np.int32)), cuda.device_array((B, 1, D), np.float32)
+    theirs = their_result = None
+    if torch:
+        tq = tt(qkv[:, 0, :D].reshape(B, H, 1, hd))
+        tk, tvv = tt(cache[0]), tt(cache[1])
+        tnew = tt(qkv[:, 0, D:].reshape(B, 2, H, 1, hd))
+
+        def theirs():
+            tk[:, :, T - 1:T] = tnew[:, 0]
+            tvv[:, :, T - 1:T] = tnew[:, 1]
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tvv)
+
+        def their_result():
+            return theirs().permute(0, 2, 1, 3).reshape(B, 1, D).cpu().numpy()
+    return Case("attention_decode", f"B{B} H{H} hd{hd}, pos {T - 1}", "memory",
+                4 * (2 * B * H * T * hd + B * 3 * D + B * D), 4 * B * H * T * hd,
+                lambda: attention.attention(dqkv, dk, dv, dpos, out, n_head=H),
+                out.copy_to_host, theirs, their_result)
+
+
+def _sampling_cases(s, rng, torch, tt) -> list[Case]:
+    """Beam search ranks all beams x vocab scores of a step in one row."""
+    from kernels import sampling
+    n = s["B"] * s["V"]
+    scores = rng.standard_normal((1, n), dtype=np.float32)
+    dscores = _dev(scores)
+    am = cuda.device_array(1, np.int32)
+    k = s["B"]
+    values, indices = cuda.device_array((1, k), np.float32), cuda.device_array((1, k), np.int32)
+    ts = tt(scores) if torch else None
+    return [
+        Case("argmax", f"1x{n}", "memory", 4 * n, 0,
+             lambda: sampling.argmax(dscores, am), am.copy_to_host,
+             (lambda: torch.argmax(ts, -1)) if torch else None,
+             (lambda: torch.argmax(ts, -1).int().cpu().numpy()) if torch else None),
+        Case("topk", f"1x{n}, k {k}", "memory", 4 * n, 0,
+             lambda: sampling.topk(dscores, k, values, indices), values.copy_to_host,
+             (lambda: torch.topk(ts, k)) if torch else None,
+             (lambda: torch.topk(ts, k).values.cpu().numpy()) if torch else None),
+    ]
+
+
+def _lstm_case(s, rng, torch, tt) -> Case:
+    from kernels import lstm
+    B, Hh = s["LB"], s["L"]
+    gates = rng.standard_normal((B, 4 * Hh), dtype=np.float32)
+    c = rng.standard_normal((B, Hh), dtype=np.float32)
+    dgates, dc = _dev(gates), _dev(c)
+    h_out, c_out = cuda.device_array((B, Hh), np.float32), cuda.device_array((B, Hh), np.float32)
+    theirs = their_result = None
+    if torch:
+        tg, tc = tt(gates), tt(c)
+
+        def theirs():
+            i, f, g, o = tg.chunk(4, 1)
+            c2 = torch.sigmoid(f) * tc + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c2)
+
+        def their_result():
+            return theirs().cpu().numpy()
+    return Case("lstm_cell", f"B{B} H{Hh}", "memory", 4 * (B * 4 * Hh + 3 * B * Hh), 0,
+                lambda: lstm.lstm_cell(dgates, dc, h_out, c_out), h_out.copy_to_host,
+                theirs, their_result)
+
+
+def copy_bandwidth_GBps(nbytes: int, reps: dict) -> float:
+    """Device-to-device copy of `nbytes`: bytes read + written per second, in GB/s."""
+    src = cuda.device_array(nbytes // 4, np.float32)
+    dst = cuda.device_array(nbytes // 4, np.float32)
+    t = timing.bench(lambda: dst.copy_to_device(src), **reps)
+    del src, dst
+    _release_device_memory()
+    return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
+
+
+def fp32_peak_TFLOPs() -> float | None:
+    """SMs x FP32 lanes x 2 FLOP (an FMA) x clock; None on the simulator."""
+    if backend.SIMULATOR:
+        return None
+    dev = cuda.get_current_device()
+    lanes = _FP32_LANES.get(tuple(dev.compute_capability), 128)
+    return dev.MULTIPROCESSOR_COUNT * lanes * 2 * dev.CLOCK_RATE * 1e3 / 1e12
+
+
+def _release_device_memory():
+    """Numba frees device arrays lazily; flush its queue so the next measurement has room."""
+    gc.collect()
+    if not backend.SIMULATOR:
+        cuda.synchronize()
+        cuda.current_context().memory_manager.deallocations.clear()
+
+
+def run(size: str = "toy") -> None:
+    reps = REPS[size]
+    torch = _torch()
+    copy_GBps = copy_bandwidth_GBps(SIZES[size]["copy_bytes"], reps)
+    peak = fp32_peak_TFLOPs()
+    rows = []
+    for case in common.progress(_cases(SIZES[size], torch), desc=NAME):
+        impls = [("ours", case.ours)] + ([("torch", case.theirs)] if case.theirs else [])
+        diff = ""
+        if case.theirs:  # correct before fast: both compute the same thing
+            case.ours()
+            diff = float(np.max(np.abs(case.result() - case.their_result())))
+        for impl, fn in impls:
+            t = timing.bench(fn, flush=True, **reps)
+            seconds = t.median_ms * 1e-3
+            GBps, TFLOPs = case.bytes / seconds / 1e9, case.flops / seconds / 1e12
+            if case.bound == "memory":
+                fraction = GBps / copy_GBps
+            else:
+                fraction = TFLOPs / peak if peak else ""
+            rows.append({"kernel": case.name, "impl": impl, "shape": case.shape,
+                         "bound": case.bound, "median_us": round(t.median_us, 3),
+                         "p10_us": round(t.p10_ms * 1e3, 3), "p90_us": round(t.p90_ms * 1e3, 3),
+                         "bytes": case.bytes, "flops": case.flops, "GBps": round(GBps, 2),
+                         "TFLOPs": round(TFLOPs, 4),
+                         "fraction_of_bound": fraction if fraction == "" else round(fraction, 4),
+                         "max_abs_diff_vs_torch": diff if impl == "ours" else "",
+                         "copy_GBps": round(copy_GBps, 1),
+                         "fp32_peak_TFLOPs": round(peak, 2) if peak else "",
+                         "reps": t.reps})
+    _release_device_memory()
+    common.write_csv(NAME, rows)
+    common.write_summary(NAME, summarize(rows, SIZES[size]))
+
+
+def summarize(rows: list[dict], s: dict) -> dict:
+    """Headline: the decode GEMM's weight bytes / time over the copy bandwidth, and vs torch."""
+    us = {(r["kernel"], r["impl"]): float(r["median_us"]) for r in rows}
+    copy_GBps = float(rows[0]["copy_GBps"])
+    weight_bytes = 4 * s["V"] * s["D"]
+
+    def fraction(kernel):
+        return weight_bytes / (us[(kernel, "ours")] * 1e-6) / 1e9 / copy_GBps
+
+    torch_us = us.get((HEADLINE, "torch"))
+    return {
+        "decode_gemm_fraction_of_bandwidth": fraction(HEADLINE),
+        "decode_gemm_over_torch_time": us[(HEADLINE, "ours")] / torch_us if torch_us else None,
+        "copy_bandwidth_GBps": copy_GBps,
+        "decode_gemm_us": us[(HEADLINE, "ours")],
+        "torch_decode_gemm_us": torch_us,
+        "decode_gemm_nn_fraction_of_bandwidth": fraction("gemm_decode_nn"),
+        "kernels_measured": sorted({r["kernel"] for r in rows}),
+    }
+
+
+def plot():
+    rows = common.read_csv(NAME)
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    fig, ax = common.new_figure(rows, figsize=(max(6.0, 0.6 * len(kernels) + 2), 4.4))
+    width = 0.4
+    for shift, (impl, color) in zip((-width / 2, width / 2), (("ours", "C0"), ("torch", "C1"))):
+        heights = {r["kernel"]: float(r["fraction_of_bound"]) for r in rows
+                   if r["impl"] == impl and r["fraction_of_bound"] != ""}
+        if heights:
+            xs = [i + shift for i, k in enumerate(kernels) if k in heights]
+            bars = ax.bar(xs, [heights[k] for k in kernels if k in heights], width, color=color,
+                          label="ours (Numba)" if impl == "ours" else "PyTorch")
+            ax.bar_label(bars, fmt="%.2f", fontsize=6)
+    bounds = {r["kernel"]: r["bound"] for r in rows}
+    ax.set_xticks(range(len(kernels)))
+    ax.set_xticklabels([f"{k}\n({'FP32 peak' if bounds[k] == 'compute' else 'copy BW'})"
+                        for k in kernels], rotation=60, ha="right", fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("fraction of bound")
+    ax.set_title(f"Kernel speed vs measured copy bandwidth ({float(rows[0]['copy_GBps']):.0f} GB/s)"
+                 " or FP32 peak", fontsize=9)
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    return common.save_figure(fig, NAME)
