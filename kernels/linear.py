@@ -1,6 +1,6 @@
 """Fully connected layer, PyTorch layout (weight (O, I)), forward and backward, on kernels.gemm.
 
-    forward          y  = x @ W.T + b          gemm(x, W, y, bias=b, trans_b=True)
+    forward          y  = x @ W.T + b          gemm(x, W, y, bias=b, trans_b=True)  (+ fused ReLU)
     backward-data    dx = dy @ W               gemm(dy, W, dx)
     backward-weight  dW = dy.T @ x             gemm(dy, x, dW, trans_a=True)
                      db = dy summed over rows  bias_grad_kernel (a column sum)
@@ -16,9 +16,10 @@ from proto.backend import cuda, jit, launch
 
 
 # ---------------------------------------------------------------------------- references
-def linear_ref(x, w, b=None) -> np.ndarray:
+def linear_ref(x, w, b=None, *, relu=False) -> np.ndarray:
     y = x.astype(np.float64) @ w.astype(np.float64).T
-    return (y if b is None else y + b).astype(np.float32)
+    y = y if b is None else y + b
+    return (np.maximum(y, 0) if relu else y).astype(np.float32)
 
 
 def linear_bwd_ref(x, w, dy):
@@ -49,12 +50,12 @@ def _check_weight(name: str, w, x_features: int, name_x: str) -> int:
     return w.shape[0]
 
 
-def linear(x, w, b, out, *, stream=0):
-    """out (B, O) = x (B, I) @ w (O, I).T + b (O,) (b may be None)."""
+def linear(x, w, b, out, *, relu=False, stream=0):
+    """out (B, O) = x (B, I) @ w (O, I).T + b (O,) (b may be None), then max(., 0) if `relu`."""
     _check.device_array("x", x, ndim=2)
     O = _check_weight("w", w, x.shape[1], "x")
     _check.device_array("out", out, shape=(x.shape[0], O))
-    gemm(x, w, out, bias=b, trans_b=True, stream=stream)
+    gemm(x, w, out, bias=b, act="relu" if relu else None, trans_b=True, stream=stream)
 
 
 def linear_bwd_data(dy, w, dx, *, stream=0):

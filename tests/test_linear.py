@@ -16,14 +16,14 @@ def assert_sum_close(actual, expected, length):
 
 
 @given(B=st.integers(1, 12), I=st.integers(1, 40), O=st.integers(1, 40),
-       bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_linear_forward_and_backward_match_reference(B, I, O, bias, seed, scale):
+       bias=st.booleans(), relu=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_forward_and_backward_match_reference(B, I, O, bias, relu, seed, scale):
     rng = np.random.default_rng(seed)
     I, O = I * scale, O * scale
     x, w, b, dy = rand(rng, B, I), rand(rng, O, I), rand(rng, O), rand(rng, B, O)
     y = cuda.device_array((B, O), np.float32)
-    fc.linear(dev(x), dev(w), dev(b) if bias else None, y)
-    assert_sum_close(y, fc.linear_ref(x, w, b if bias else None), I)
+    fc.linear(dev(x), dev(w), dev(b) if bias else None, y, relu=relu)
+    assert_sum_close(y, fc.linear_ref(x, w, b if bias else None, relu=relu), I)
     ref_dx, ref_dw, ref_db = fc.linear_bwd_ref(x, w, dy)
     dx = cuda.device_array((B, I), np.float32)
     fc.linear_bwd_data(dev(dy), dev(w), dx)

@@ -1,0 +1,399 @@
+"""VGG-11/13/16/19 (torchvision configurations A, B, D, E) training step, described as a Tape.
+
+The model only *describes* one SGD step (tensors, and ops that read and write them by name);
+a memory policy in proto.vm decides where the tensors live while the ops run.
+
+Architecture choices (each keeps the tape exact and the math torchvision's):
+- Widths: every channel count and the 4096-wide classifier are scaled by `width` (at least 1);
+  `hidden` overrides the classifier width (simulator tests keep it small: its GEMMs would
+  cost more there than all the convolutions).
+- No adaptive average pool: the classifier reads the last pooling output flattened, so its
+  input has C * (S/32)^2 features for an S x S image. At 224 the last map is 7x7 and
+  torchvision's AdaptiveAvgPool2d((7, 7)) is the identity, so this *is* torchvision there.
+- No dropout (torchvision's classifier.2 and .5): the step stays deterministic, so it can be
+  checked against a reference; a dropout mask would be one more saved tensor per layer.
+- ReLU is fused into the producing conv/linear's epilogue, so no pre-activation tensor exists
+  (as memory-lean as torchvision's ReLU(inplace=True)) and every forward tensor has exactly
+  one writer, which recomputation relies on. ReLU backward is its own op: it reads the layer
+  output y and dy and writes a new tensor `<layer>.pre.grad`.
+
+Tensor names (kinds as proto.tape): "images" (B,3,S,S) and "labels" (B,) int32 [input];
+torchvision parameter names "features.{i}.weight", "classifier.{j}.bias", ... [param];
+"<param>.grad" [grad]; "<param>.momentum" [state]; "<layer>.out" for each conv (after its
+ReLU), pool and linear layer, named by the layer's torchvision index [activation];
+"<tensor>.grad" and "<layer>.pre.grad" in backward [activation]; "loss" (1,) [activation,
+written last: a result of the step]. The last linear's output "classifier.6.out" is the logits.
+
+Ops, in order: "<layer>.fwd" per layer; "loss"; per layer in reverse "<layer>.relu_bwd",
+"<layer>.bwd_weight" (before bwd_data, so the saved input dies first), "<layer>.bwd_data"
+(not for the first conv: the images need no gradient), or "<layer>.bwd" for pools; then
+"<param>.sgd" per parameter (PyTorch SGD: momentum, weight decay).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from kernels import conv, linear, loss as xent, pool, relu, sgd
+from proto.models import checked_params
+from proto.tape import Op, Tape, TensorSpec
+
+# torchvision.models.vgg.cfgs: output channels of each 3x3 conv, "M" = 2x2 max-pool.
+CONFIGS = {
+    11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    13: [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    16: [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
+    19: [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+         512, 512, 512, 512, "M"],
+}
+HIDDEN = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class VGGConfig:
+    depth: int = 16
+    width: float = 1.0          # channel multiplier (1/8 -> 8..64 channels, 512 hidden)
+    image_size: int = 224       # square images; a multiple of 32 (five 2x2 pools)
+    batch: int = 32
+    num_classes: int = 1000
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    hidden: int | None = None   # classifier width; default 4096 * width
+
+    def __post_init__(self):
+        if self.depth not in CONFIGS:
+            raise ValueError(f"depth: expected one of {sorted(CONFIGS)}, got {self.depth!r}")
+        if not self.width > 0:
+            raise ValueError(f"width: expected a positive multiplier, got {self.width!r}")
+        if self.image_size < 32 or self.image_size % 32:
+            raise ValueError(f"image_size: expected a multiple of 32 (five 2x2 pools), got {self.image_size!r}")
+        if self.hidden is not None and (not isinstance(self.hidden, int) or self.hidden < 1):
+            raise ValueError(f"hidden: expected a positive integer or None, got {self.hidden!r}")
+        for name in ("batch", "num_classes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+
+    def channels(self, c: int) -> int:
+        return max(1, int(round(c * self.width)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    kind: Literal["conv", "pool", "linear"]
+    name: str            # torchvision module name: "features.0", "classifier.3"
+    cin: int             # input channels (conv, pool) or features (linear)
+    cout: int
+    size: int            # input height = width (conv, pool); 0 for linear
+    relu: bool           # ReLU fused into the forward epilogue
+    input: str           # tensor names
+    output: str
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return () if self.kind == "pool" else (f"{self.name}.weight", f"{self.name}.bias")
+
+
+def layers(cfg: VGGConfig) -> list[Layer]:
+    out, index, c, size, x = [], 0, 3, cfg.image_size, "images"
+    for v in CONFIGS[cfg.depth]:
+        name = f"features.{index}"
+        if v == "M":
+            out.append(Layer("pool", name, c, c, size, False, x, f"{name}.out"))
+            size //= 2
+            index += 1
+        else:
+            k = cfg.channels(v)
+            out.append(Layer("conv", name, c, k, size, True, x, f"{name}.out"))
+            c = k
+            index += 2   # the conv and its ReLU module
+        x = out[-1].output
+    hidden = cfg.channels(HIDDEN) if cfg.hidden is None else cfg.hidden
+    dims = [c * size * size, hidden, hidden, cfg.num_classes]
+    for j, (i, o) in enumerate(zip(dims, dims[1:])):
+        name = f"classifier.{3 * j}"
+        out.append(Layer("linear", name, i, o, 0, j < 2, x, f"{name}.out"))
+        x = out[-1].output
+    return out
+
+
+def param_shapes(cfg: VGGConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for L in layers(cfg):
+        if L.kind == "conv":
+            shapes[f"{L.name}.weight"] = (L.cout, L.cin, 3, 3)
+        elif L.kind == "linear":
+            shapes[f"{L.name}.weight"] = (L.cout, L.cin)
+        if L.kind != "pool":
+            shapes[f"{L.name}.bias"] = (L.cout,)
+    return shapes
+
+
+def random_state_dict(cfg: VGGConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Weights as PyTorch initializes them: conv weights Kaiming-normal (fan_out, ReLU) as
+    torchvision's VGG; everything else PyTorch's layer default, U(-1/sqrt(fan_in), ..), which
+    (unlike torchvision's zero biases and N(0, 0.01) classifier) leaves every bias and the
+    logits non-trivial, so a dropped term shows in a test."""
+    rng = np.random.default_rng(seed)
+    shapes, state = param_shapes(cfg), {}
+    for L in layers(cfg):
+        if L.kind == "pool":
+            continue
+        w, b = L.params
+        bound = 1.0 / np.sqrt(np.prod(shapes[w][1:]))               # 1 / sqrt(fan_in)
+        if L.kind == "conv":
+            std = np.sqrt(2.0 / (L.cout * 9))                        # Kaiming, fan_out, ReLU
+            state[w] = (rng.standard_normal(shapes[w]) * std).astype(np.float32)
+        else:
+            state[w] = rng.uniform(-bound, bound, shapes[w]).astype(np.float32)
+        state[b] = rng.uniform(-bound, bound, shapes[b]).astype(np.float32)
+    return state
+
+
+def load_state_dict(cfg: VGGConfig, state_dict) -> dict[str, np.ndarray]:
+    """float32 copies of a torchvision-named state dict (NumPy arrays or CPU tensors); a
+    missing, unexpected or misshaped key raises ValueError naming it. A torchvision VGG of the
+    same depth loads at width 1, image_size 224."""
+    return checked_params(param_shapes(cfg), state_dict, what=f"VGG-{cfg.depth}")
+
+
+# ---------------------------------------------------------------------------- the tape
+def build_tape(cfg: VGGConfig) -> Tape:
+    B = cfg.batch
+    tensors: dict[str, TensorSpec] = {}
+    ops: list[Op] = []
+
+    def tensor(name, shape, kind, dtype=np.float32):
+        tensors[name] = TensorSpec(name, tuple(shape), kind, np.dtype(dtype))
+        return name
+
+    def op(name, phase, reads, writes, run, flops, layer):
+        ops.append(Op(name, phase, tuple(reads), tuple(writes), run, float(flops), layer))
+
+    tensor("images", (B, 3, cfg.image_size, cfg.image_size), "input")
+    tensor("labels", (B,), "input", np.int32)
+    for name, shape in param_shapes(cfg).items():
+        tensor(name, shape, "param")
+        tensor(f"{name}.grad", shape, "grad")
+        tensor(f"{name}.momentum", shape, "state")
+    net = layers(cfg)
+    shape_of = {"images": tensors["images"].shape}
+    for L in net:
+        if L.kind == "linear":
+            shape_of[L.output] = (B, L.cout)
+        else:
+            side = L.size if L.kind == "conv" else L.size // 2
+            shape_of[L.output] = (B, L.cout, side, side)
+        tensor(L.output, shape_of[L.output], "activation")
+
+    # forward
+    for L in net:
+        if L.kind == "conv":
+            flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size)
+            op(f"{L.name}.fwd", "forward", (L.input, *L.params), (L.output,),
+               _conv_fwd(L), flops, L.name)
+        elif L.kind == "pool":
+            op(f"{L.name}.fwd", "forward", (L.input,), (L.output,), _pool_fwd(L),
+               pool.maxpool_flops(int(np.prod(shape_of[L.input]))), L.name)
+        else:
+            op(f"{L.name}.fwd", "forward", (L.input, *L.params), (L.output,),
+               _linear_fwd(L), linear.linear_flops(B, L.cin, L.cout), L.name)
+
+    # loss
+    logits = net[-1].output
+    tensor("loss", (1,), "activation")
+    tensor(f"{logits}.grad", shape_of[logits], "activation")
+    op("loss", "loss", (logits, "labels"), ("loss", f"{logits}.grad"), _loss(logits),
+       xent.softmax_xent_flops(B, cfg.num_classes), net[-1].name)
+
+    # backward
+    for L in reversed(net):
+        dy = f"{L.output}.grad"
+        dx = f"{L.input}.grad"
+        needs_dx = L.input != "images"
+        if needs_dx:
+            tensor(dx, shape_of[L.input], "activation")
+        if L.kind == "pool":
+            op(f"{L.name}.bwd", "backward", (L.input, dy), (dx,), _pool_bwd(L),
+               pool.maxpool_flops(int(np.prod(shape_of[L.input]))), L.name)
+            continue
+        if L.relu:
+            pre = tensor(f"{L.name}.pre.grad", shape_of[L.output], "activation")
+            op(f"{L.name}.relu_bwd", "backward", (L.output, dy), (pre,), _relu_bwd(L.output, dy, pre),
+               relu.relu_flops(int(np.prod(shape_of[L.output]))), L.name)
+            dy = pre
+        w, b = L.params
+        if L.kind == "conv":
+            flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size)
+            wgrad, dgrad = _conv_bwd_weight(L, dy), _conv_bwd_data(L, dy)
+        else:
+            flops = linear.linear_flops(B, L.cin, L.cout)
+            wgrad, dgrad = _linear_bwd_weight(L, dy), _linear_bwd_data(L, dy)
+        op(f"{L.name}.bwd_weight", "backward", (L.input, dy), (f"{w}.grad", f"{b}.grad"),
+           wgrad, flops, L.name)
+        if needs_dx:
+            op(f"{L.name}.bwd_data", "backward", (w, dy), (dx,), dgrad, flops, L.name)
+
+    # update
+    for L in net:
+        for p in L.params:
+            op(f"{p}.sgd", "update", (p, f"{p}.grad", f"{p}.momentum"), (p, f"{p}.momentum"),
+               _sgd(p, cfg), sgd.sgd_flops(int(np.prod(tensors[p].shape))), L.name)
+    return Tape(tensors, ops)
+
+
+# Op bodies: each launches kernels on `a[name]` (device arrays) and nothing else.
+def _conv_fwd(L):
+    w, b = L.params
+
+    def run(a, stream):
+        conv.conv2d(a[L.input], a[w], a[b], a[L.output], pad=1, relu=True, stream=stream)
+    return run
+
+
+def _conv_bwd_weight(L, dy):
+    w, b = L.params
+
+    def run(a, stream):
+        conv.conv2d_bwd_weight(a[L.input], a[dy], a[f"{w}.grad"], a[f"{b}.grad"], pad=1, stream=stream)
+    return run
+
+
+def _conv_bwd_data(L, dy):
+    w, _ = L.params
+
+    def run(a, stream):
+        conv.conv2d_bwd_data(a[dy], a[w], a[f"{L.input}.grad"], pad=1, stream=stream)
+    return run
+
+
+def _pool_fwd(L):
+    def run(a, stream):
+        pool.maxpool2x2(a[L.input], a[L.output], stream=stream)
+    return run
+
+
+def _pool_bwd(L):
+    def run(a, stream):
+        pool.maxpool2x2_bwd(a[L.input], a[f"{L.output}.grad"], a[f"{L.input}.grad"], stream=stream)
+    return run
+
+
+def _flat(x):
+    """(B, ...) -> (B, features): the classifier's view of the last pooling output."""
+    return x.reshape(x.shape[0], x.size // x.shape[0])
+
+
+def _linear_fwd(L):
+    w, b = L.params
+
+    def run(a, stream):
+        linear.linear(_flat(a[L.input]), a[w], a[b], a[L.output], relu=L.relu, stream=stream)
+    return run
+
+
+def _linear_bwd_weight(L, dy):
+    w, b = L.params
+
+    def run(a, stream):
+        linear.linear_bwd_weight(_flat(a[L.input]), a[dy], a[f"{w}.grad"], a[f"{b}.grad"], stream=stream)
+    return run
+
+
+def _linear_bwd_data(L, dy):
+    w, _ = L.params
+
+    def run(a, stream):
+        linear.linear_bwd_data(a[dy], a[w], _flat(a[f"{L.input}.grad"]), stream=stream)
+    return run
+
+
+def _relu_bwd(y, dy, dx):
+    def run(a, stream):
+        relu.relu_bwd(a[y], a[dy], a[dx], stream=stream)
+    return run
+
+
+def _loss(logits):
+    def run(a, stream):
+        xent.softmax_xent(a[logits], a["labels"], a["loss"], a[f"{logits}.grad"], stream=stream)
+    return run
+
+
+def _sgd(p, cfg):
+    def run(a, stream):
+        sgd.sgd_step(a[p], a[f"{p}.grad"], a[f"{p}.momentum"], lr=cfg.lr, momentum=cfg.momentum,
+                     weight_decay=cfg.weight_decay, stream=stream)
+    return run
+
+
+def initial_values(cfg: VGGConfig, state: dict, images: np.ndarray, labels: np.ndarray,
+                   momentum: dict | None = None) -> dict[str, np.ndarray]:
+    """Host values of every persistent tensor before the step: the batch, the parameters,
+    zero gradients and the momentum buffers (zero unless given: a fresh optimizer)."""
+    B, S = cfg.batch, cfg.image_size
+    if images.shape != (B, 3, S, S):
+        raise ValueError(f"images: expected shape {(B, 3, S, S)}, got {images.shape}")
+    if labels.shape != (B,) or labels.min() < 0 or labels.max() >= cfg.num_classes:
+        raise ValueError(f"labels: expected {B} class indices in [0, {cfg.num_classes}), "
+                         f"got shape {labels.shape}, range [{labels.min()}, {labels.max()}]")
+    params = load_state_dict(cfg, state)
+    values = {"images": np.ascontiguousarray(images, np.float32),
+              "labels": np.ascontiguousarray(labels, np.int32)}
+    for name, p in params.items():
+        values[name] = p
+        values[f"{name}.grad"] = np.zeros_like(p)
+        values[f"{name}.momentum"] = (np.zeros_like(p) if momentum is None
+                                      else np.ascontiguousarray(momentum[name], np.float32))
+    return values
+
+
+# ---------------------------------------------------------------------------- reference
+@dataclasses.dataclass
+class StepResult:
+    loss: float
+    grads: dict[str, np.ndarray]      # by parameter name
+    params: dict[str, np.ndarray]     # after the update
+    momentum: dict[str, np.ndarray]   # after the update
+
+
+def reference_step(cfg: VGGConfig, state: dict, images: np.ndarray, labels: np.ndarray,
+                   momentum: dict | None = None) -> StepResult:
+    """The same step in NumPy, from the kernels' float64 references (each stores float32, as
+    the device does): forward, loss, backward, SGD."""
+    values = initial_values(cfg, state, images, labels, momentum)
+    act = {"images": values["images"]}
+    net = layers(cfg)
+    for L in net:
+        x = act[L.input]
+        if L.kind == "conv":
+            act[L.output] = conv.conv2d_ref(x, values[L.params[0]], values[L.params[1]], pad=1, relu=True)
+        elif L.kind == "pool":
+            act[L.output] = pool.maxpool2x2_ref(x)
+        else:
+            act[L.output] = linear.linear_ref(x.reshape(cfg.batch, -1), values[L.params[0]],
+                                              values[L.params[1]], relu=L.relu)
+    loss, dy = xent.softmax_xent_ref(act[net[-1].output], values["labels"])
+    grads = {}
+    for L in reversed(net):
+        x = act[L.input]
+        if L.kind == "pool":
+            dy = pool.maxpool2x2_bwd_ref(x, dy)
+            continue
+        if L.relu:
+            dy = relu.relu_bwd_ref(act[L.output], dy)
+        w, b = L.params
+        if L.kind == "conv":
+            grads[w], grads[b] = conv.conv2d_bwd_weight_ref(x, dy, values[w].shape, pad=1)
+            dy = conv.conv2d_bwd_data_ref(dy, values[w], x.shape, pad=1)
+        else:
+            dx, grads[w], grads[b] = linear.linear_bwd_ref(x.reshape(cfg.batch, -1), values[w], dy)
+            dy = dx.reshape(x.shape)
+    params, velocity = {}, {}
+    for name in param_shapes(cfg):
+        params[name], velocity[name] = sgd.sgd_ref(
+            values[name], grads[name], values[f"{name}.momentum"], lr=cfg.lr,
+            momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return StepResult(float(loss), grads, params, velocity)

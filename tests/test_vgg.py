@@ -1,0 +1,200 @@
+"""VGG as a Tape: naming and loading as torchvision, exact reads/writes, and one SGD step run op
+by op on plainly allocated device arrays equal to the NumPy reference step."""
+import sys
+
+import numpy as np
+import pytest
+
+from proto import backend
+from proto.backend import cuda
+from proto.models import vgg
+
+# The smallest VGG that still has every layer kind: 5 pools take 32x32 to 1x1. Its classifier
+# is narrow because the simulator pays per GEMM thread; the GPU checks a wider VGG-16.
+TINY = vgg.VGGConfig(depth=11, width=1 / 16, image_size=32, batch=2, num_classes=10,
+                     lr=0.1, momentum=0.9, weight_decay=5e-4, hidden=32)
+GPU_CFG = vgg.VGGConfig(depth=16, width=1 / 8, image_size=32, batch=4, num_classes=10,
+                        lr=0.1, momentum=0.9, weight_decay=5e-4)
+
+
+@pytest.fixture(autouse=True)
+def _fast_sim_barriers():
+    """The simulator's syncthreads waits out Python's thread switch interval (5 ms); the conv
+    kernels barrier once per reduction step, so switch faster while they run."""
+    old = sys.getswitchinterval()
+    if backend.SIMULATOR:
+        sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+def _batch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    S = cfg.image_size
+    images = rng.standard_normal((cfg.batch, 3, S, S)).astype(np.float32)
+    return images, rng.integers(0, cfg.num_classes, cfg.batch).astype(np.int32)
+
+
+def run_unconstrained(tape, arrays, *, check_access=False):
+    """Run every op in order with all tensors resident (the no-policy baseline).
+
+    check_access: each op sees only the arrays it declares (an undeclared one is a KeyError);
+    tensors it only writes start as NaN and must come out fully written; tensors it only
+    reads must come out unchanged.
+    """
+    for op in tape.ops:
+        view = {n: arrays[n] for n in op.reads + op.writes}
+        if not check_access:
+            op.run(view, 0)
+            continue
+        only_read = {n: arrays[n].copy_to_host() for n in op.reads if n not in op.writes}
+        for n in op.writes:
+            if n not in op.reads:
+                arrays[n].copy_to_device(np.full(arrays[n].shape, np.nan, arrays[n].dtype))
+        op.run(view, 0)
+        for n in op.writes:
+            assert not np.isnan(arrays[n].copy_to_host()).any(), f"{op.name} left part of {n} unwritten"
+        for n, before in only_read.items():
+            np.testing.assert_array_equal(arrays[n].copy_to_host(), before,
+                                          err_msg=f"{op.name} changed {n}, which it only reads")
+
+
+def _device_arrays(tape, values):
+    arrays = {}
+    for name, spec in tape.tensors.items():
+        host = values.get(name, np.zeros(spec.shape, spec.dtype))
+        assert host.shape == spec.shape and host.dtype == spec.dtype, name
+        arrays[name] = cuda.to_device(host)
+    return arrays
+
+
+def test_names_and_shapes_follow_torchvision():
+    cfg = vgg.VGGConfig(depth=16)
+    shapes = vgg.param_shapes(cfg)
+    convs = sorted({int(k.split(".")[1]) for k in shapes if k.startswith("features")})
+    assert convs == [0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28]
+    assert shapes["features.28.weight"] == (512, 512, 3, 3)
+    assert shapes["classifier.0.weight"] == (4096, 512 * 7 * 7)
+    assert shapes["classifier.6.weight"] == (1000, 4096)
+    small = vgg.param_shapes(vgg.VGGConfig(depth=19, width=1 / 8, image_size=64, num_classes=10))
+    assert small["features.0.weight"] == (8, 3, 3, 3)
+    assert small["classifier.0.weight"] == (512, 64 * 2 * 2)   # flatten of a 2x2 map
+    assert len([k for k in small if k.endswith("weight")]) == 16 + 3
+
+
+def test_loading_rejects_misshaped_missing_and_unexpected_keys():
+    state = vgg.random_state_dict(TINY)
+    assert vgg.load_state_dict(TINY, state).keys() == state.keys()
+    bad = dict(state, **{"features.3.weight": np.zeros((8, 4, 1, 1), np.float32)})
+    with pytest.raises(ValueError, match=r"features.3.weight.*expected shape \(8, 4, 3, 3\)"):
+        vgg.load_state_dict(TINY, bad)
+    with pytest.raises(ValueError, match="missing"):
+        vgg.load_state_dict(TINY, {k: v for k, v in state.items() if k != "classifier.6.bias"})
+    with pytest.raises(ValueError, match="unexpected"):
+        vgg.load_state_dict(TINY, dict(state, **{"features.30.weight": state["features.0.weight"]}))
+
+
+def test_config_rejects_impossible_sizes():
+    with pytest.raises(ValueError, match="image_size: expected a multiple of 32"):
+        vgg.VGGConfig(image_size=48)
+    with pytest.raises(ValueError, match="depth"):
+        vgg.VGGConfig(depth=12)
+
+
+def test_tape_lifetimes_are_explicit():
+    tape = vgg.build_tape(TINY)
+    writers = {}
+    for i, op in enumerate(tape.ops):
+        for n in op.writes:
+            writers.setdefault(n, []).append(i)
+    for name, spec in tape.tensors.items():
+        uses = tape.uses(name)
+        assert uses, f"{name} is declared but no op touches it"
+        if spec.kind == "activation":
+            # born by a write (no op reads garbage), and written exactly once: no in-place
+            # activations, so re-running an op's producer recomputes it exactly
+            assert writers.get(name) == [uses[0]] and name not in tape.ops[uses[0]].reads, name
+    def readers(name):
+        return [op.name for op in tape.ops if name in op.reads]
+    # A pool output is read again only by the next conv's weight gradient; a conv output
+    # (after its fused ReLU) by the pool's backward and its own ReLU backward.
+    assert readers("features.5.out") == ["features.6.fwd", "features.6.bwd_weight"]
+    assert readers("features.3.out") == ["features.5.fwd", "features.5.bwd", "features.3.relu_bwd"]
+    assert readers("features.3.weight") == ["features.3.fwd", "features.3.bwd_data", "features.3.weight.sgd"]
+    assert tape.ops[-1].phase == "update" and {op.phase for op in tape.ops} == \
+        {"forward", "loss", "backward", "update"}
+    assert all(op.flops > 0 and op.layer for op in tape.ops)
+
+
+def test_tape_step_matches_numpy_reference():
+    """The whole step on the device, op by op, each op seeing only what it declares."""
+    cfg = TINY if backend.SIMULATOR else GPU_CFG
+    state = vgg.random_state_dict(cfg, seed=1)
+    images, labels = _batch(cfg)
+    rng = np.random.default_rng(2)
+    momentum = {k: (0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in state.items()}
+    tape = vgg.build_tape(cfg)
+    arrays = _device_arrays(tape, vgg.initial_values(cfg, state, images, labels, momentum))
+    run_unconstrained(tape, arrays, check_access=True)
+    ref = vgg.reference_step(cfg, state, images, labels, momentum)
+
+    np.testing.assert_allclose(arrays["loss"].copy_to_host()[0], ref.loss, rtol=1e-5)
+    # Gradients: float32 sums of up to N*P*Q = 2048 (GPU: 4096) products in every layer, against a
+    # float64-accumulated reference that stores float32 between layers as the device does;
+    # relative error ~1e-5 per layer. atol 1e-4 of each tensor's largest value, rtol 1e-3.
+    for name in vgg.param_shapes(cfg):
+        g = ref.grads[name]
+        atol = 1e-4 * np.abs(g).max()
+        np.testing.assert_allclose(arrays[f"{name}.grad"].copy_to_host(), g, rtol=1e-3,
+                                   atol=atol, err_msg=name)
+        np.testing.assert_allclose(arrays[f"{name}.momentum"].copy_to_host(), ref.momentum[name],
+                                   rtol=1e-3, atol=atol, err_msg=name)
+        np.testing.assert_allclose(arrays[name].copy_to_host(), ref.params[name], rtol=1e-5,
+                                   atol=1e-6 + cfg.lr * atol, err_msg=name)
+    assert np.abs(ref.grads["features.0.weight"]).max() > 0   # the gradient reached the input layer
+
+
+def test_torchvision_state_dict_loads():
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.vgg11()
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    params = vgg.load_state_dict(vgg.VGGConfig(depth=11), state)
+    assert params["classifier.0.weight"].shape == (4096, 25088)
+
+
+def test_reference_step_matches_pytorch():
+    """The reference (and so, through the test above, the tape) is PyTorch's step: a torch
+    model with the same module indices, CrossEntropyLoss, and torch.optim.SGD."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+    cfg = TINY
+    state = vgg.random_state_dict(cfg, seed=3)
+    images, labels = _batch(cfg, seed=4)
+    features, c = [], 3
+    for v in vgg.CONFIGS[cfg.depth]:
+        if v == "M":
+            features.append(nn.MaxPool2d(2, 2))
+        else:
+            features += [nn.Conv2d(c, cfg.channels(v), 3, padding=1), nn.ReLU(inplace=True)]
+            c = cfg.channels(v)
+    h = cfg.hidden
+    model = nn.Module()
+    model.features = nn.Sequential(*features)
+    model.classifier = nn.Sequential(nn.Linear(c, h), nn.ReLU(True), nn.Dropout(0.0), nn.Linear(h, h),
+                                     nn.ReLU(True), nn.Dropout(0.0), nn.Linear(h, cfg.num_classes))
+    model.double().load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in state.items()})
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                          weight_decay=cfg.weight_decay)
+    x = torch.from_numpy(images.astype(np.float64))
+    loss = nn.functional.cross_entropy(model.classifier(model.features(x).flatten(1)),
+                                       torch.from_numpy(labels.astype(np.int64)))
+    loss.backward()
+    grads = {k: p.grad.numpy().copy() for k, p in model.named_parameters()}
+    opt.step()
+    ref = vgg.reference_step(cfg, state, images, labels)
+    assert np.isclose(ref.loss, loss.item(), rtol=1e-5)
+    for name, p in model.named_parameters():
+        atol = 1e-4 * np.abs(grads[name]).max()   # the reference stores float32 between layers
+        np.testing.assert_allclose(ref.grads[name], grads[name], rtol=1e-3, atol=atol, err_msg=name)
+        np.testing.assert_allclose(ref.params[name], p.detach().numpy(), rtol=1e-5,
+                                   atol=1e-6 + cfg.lr * atol, err_msg=name)
