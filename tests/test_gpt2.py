@@ -1,0 +1,132 @@
+"""GPT-2 decoder on the kernels against the NumPy float64 reference (proto.models.reference)."""
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+from proto import backend
+from proto.backend import cuda
+from proto.models import reference
+from proto.models.gpt2 import GPT2, GPT2Config, KVCache, load_state_dict, random_state_dict
+from tests.helpers import dev
+
+# float32 model, float64 reference, unit-scale activations through <= 2 layers (<= 4 on a
+# GPU): errors seen are ~1e-5 of logits of size ~sqrt(n_embd); this leaves 10x room.
+LOGIT_TOL = dict(atol=2e-4, rtol=2e-4)
+
+
+@st.composite
+def gpt2_configs(draw, heads=(1, 2, 4)):
+    """Tiny configs: 1-2 layers, n_embd 8..32 split into `heads`; vocab 11..50."""
+    n_head = draw(st.sampled_from(heads))
+    head_dim = draw(st.integers(-(-8 // n_head), 32 // n_head))
+    return GPT2Config(n_layer=draw(st.integers(1, 2)), n_embd=n_head * head_dim,
+                      n_head=n_head, vocab_size=draw(st.integers(11, 50)), n_positions=16)
+
+
+def tokens_dev(tokens: np.ndarray):
+    return dev(np.asarray(tokens, np.int32))
+
+
+def pos_dev(p: int):
+    return dev(np.array([p], np.int32))
+
+
+# A simulated step of the smallest model takes ~1.5 s, and attention's cost grows with
+# B * H * T blocks: few examples, at most 2 heads (kernels/attention's own tests cover more).
+@settings(max_examples=3)
+@example(config=GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=11, n_positions=16),
+         batch=1, prompt_len=2, decode=1, seed=7)  # the drawn ones may all have one layer
+@given(config=gpt2_configs(heads=(1, 2)), batch=st.integers(1, 2), prompt_len=st.integers(1, 3),
+       decode=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_prefill_then_decode_matches_reference(config, batch, prompt_len, decode, seed):
+    """Prefill logits at every position, then each decode step's logits, equal the reference
+    forward of the whole prefix: prefill + decode steps = one long prefill."""
+    sd = random_state_dict(config, seed)
+    rng = np.random.default_rng(seed)
+    seq = rng.integers(0, config.vocab_size, (batch, prompt_len + decode))
+    want = reference.gpt2_logits(config, sd, seq)  # (B, T0 + n, V)
+    model = GPT2(config, sd, max_batch=batch, max_tokens=prompt_len)
+    cache = KVCache(config, batch, max_len=prompt_len + decode + 1)  # a spare slot stays unread
+    logits = model.step(tokens_dev(seq[:, :prompt_len]), pos_dev(0), cache)
+    np.testing.assert_allclose(logits.copy_to_host(), want[:, :prompt_len], **LOGIT_TOL)
+    for t in range(prompt_len, prompt_len + decode):
+        logits = model.step(tokens_dev(seq[:, t:t + 1]), pos_dev(t), cache)
+        np.testing.assert_allclose(logits.copy_to_host()[:, 0], want[:, t], **LOGIT_TOL)
+
+
+def _address(array) -> int:
+    return array.ctypes.data if backend.SIMULATOR else array.device_ctypes_pointer.value
+
+
+def test_warm_step_allocates_nothing(monkeypatch):
+    """After a warm-up (kernels may cache workspaces on first use), a step allocates no device
+    memory and returns the same buffer: what a graph capture of `step` relies on."""
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=1, vocab_size=11, n_positions=8)
+    sd = random_state_dict(config, 1)
+    model = GPT2(config, sd, max_batch=1, max_tokens=1)
+    cache = KVCache(config, 1, 4)
+    tokens, pos = tokens_dev([[4]]), pos_dev(1)
+    first = model.step(tokens_dev([[1]]), pos_dev(0), cache)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("device allocation inside GPT2.step")
+    for name in ("device_array", "device_array_like", "to_device", "pinned_array",
+                 "mapped_array", "managed_array"):
+        monkeypatch.setattr(cuda, name, refuse, raising=False)
+    second = model.step(tokens, pos, cache)
+    monkeypatch.undo()
+    assert _address(first) == _address(second)
+    want = reference.gpt2_logits(config, sd, [[1, 4]])
+    np.testing.assert_allclose(second.copy_to_host()[0], want[0, 1:], **LOGIT_TOL)
+
+
+def test_cache_reorder_moves_whole_beams():
+    config = GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
+    src, dst = KVCache(config, 3, 5), KVCache(config, 3, 5)
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(a.shape).astype(np.float32) for a in src.arrays()]
+    for a, h in zip(src.arrays(), host):
+        a.copy_to_device(h)
+    index = np.array([2, 2, 0], np.int32)
+    src.reorder_into(dev(index), dst)
+    for a, h in zip(dst.arrays(), host):
+        np.testing.assert_array_equal(a.copy_to_host(), h[index])
+    with pytest.raises(ValueError, match="another KVCache"):
+        src.reorder_into(dev(index), src)
+    with pytest.raises(ValueError, match="same config"):
+        src.reorder_into(dev(index), KVCache(config, 2, 5))
+
+
+def test_loading_rejects_bad_state_dict():
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
+    sd = random_state_dict(config, 0)
+    load_state_dict(config, {**sd, "lm_head.weight": sd["transformer.wte.weight"],
+                             "transformer.h.0.attn.bias": np.ones((1, 1, 8, 8))})  # HF extras
+    missing = {k: v for k, v in sd.items() if k != "transformer.h.0.mlp.c_fc.bias"}
+    with pytest.raises(ValueError, match=r"missing 1 key.*mlp\.c_fc\.bias"):
+        GPT2(config, missing, max_batch=1, max_tokens=1)
+    misshaped = {**sd, "transformer.h.0.attn.c_attn.weight": np.zeros((24, 8), np.float32)}
+    with pytest.raises(ValueError, match=r"c_attn\.weight.*expected shape \(8, 24\), got \(24, 8\)"):
+        load_state_dict(config, misshaped)
+    with pytest.raises(ValueError, match=r"unexpected.*transformer\.h\.1\.ln_1\.weight"):
+        load_state_dict(config, {**sd, "transformer.h.1.ln_1.weight": np.ones(8, np.float32)})
+    with pytest.raises(ValueError, match="tied"):
+        load_state_dict(config, {**sd, "lm_head.weight": np.zeros((11, 8), np.float32)})
+    with pytest.raises(ValueError, match="n_head"):
+        GPT2Config(n_layer=1, n_embd=10, n_head=4, vocab_size=11, n_positions=8)
+
+
+def test_step_rejects_bad_input_before_launch():
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
+    model = GPT2(config, random_state_dict(config, 0), max_batch=2, max_tokens=2)
+    cache = KVCache(config, 2, 4)
+    with pytest.raises(TypeError, match="tokens: expected a device array"):
+        model.step(np.zeros((2, 1), np.int32), pos_dev(0), cache)
+    with pytest.raises(TypeError, match="tokens: expected dtype int32"):
+        model.step(dev(np.zeros((2, 1), np.int64)), pos_dev(0), cache)
+    with pytest.raises(ValueError, match=r"new tokens.*at most 2"):
+        model.step(tokens_dev(np.zeros((2, 3))), pos_dev(0), cache)
+    with pytest.raises(ValueError, match="pos: expected shape"):
+        model.step(tokens_dev(np.zeros((2, 1))), dev(np.zeros(2, np.int32)), cache)
+    with pytest.raises(ValueError, match="cache: expected a KVCache .* batch 1"):
+        model.step(tokens_dev(np.zeros((1, 1))), pos_dev(0), cache)
