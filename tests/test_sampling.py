@@ -1,5 +1,3 @@
-import sys
-
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -8,15 +6,7 @@ from kernels import sampling
 from proto import backend
 from proto.backend import cuda
 from tests.helpers import dev
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fast_barriers():
-    """Simulated barriers wait on Python's thread switch interval (5 ms by default)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    yield
-    sys.setswitchinterval(old)
+from tests.test_attention import simulator_barriers  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture
