@@ -9,8 +9,8 @@ from proto.models import reference
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, load_state_dict, random_state_dict
 from tests.helpers import dev
 
-# float32 model, float64 reference, unit-scale activations through <= 2 layers (<= 4 on a
-# GPU): errors seen are ~1e-5 of logits of size ~sqrt(n_embd); this leaves 10x room.
+# float32 model, float64 reference, unit-scale activations through <= 2 layers: errors seen
+# are ~1e-5 of logits of size ~sqrt(n_embd); this leaves 10x room.
 LOGIT_TOL = dict(atol=2e-4, rtol=2e-4)
 
 

@@ -1,6 +1,8 @@
 """Greedy and beam-search generation around a model step (the eager path).
 
-The search only calls `step(tokens, pos, cache) -> logits (B, T, V)` (GPT2.step by default),
+`model` is anything with `.config` (a GPT2Config: vocab, positions and the KV-cache shape)
+and, unless a `step` is passed, `.step`. The search only calls
+`step(tokens, pos, cache) -> logits (B, T, V)` (GPT2.step by default),
 always with the same `tokens` (B, 1) and `pos` (1,) device buffers (`DecodeInputs`), so a
 graphed step with the same signature replaces the eager one without touching the search.
 
