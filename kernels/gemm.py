@@ -40,8 +40,8 @@ DECODE_MAX_M = 8  # rows of x multiplied with each weight load (the decode path'
 if not backend.SIMULATOR:
     TPB, RB, BK = 16, 4, 16  # tiled: 16 x 16 threads, 4 x 4 outputs each, K slices of 16
     KC = 768                 # decode: K chunk staged in shared memory; covers GPT-2's d = 768
-    NT_WARPS, NT_COLS, NT_UNROLL = 8, 2, 4  # trans_b: 8 warps x 2 columns = 16-column tiles
-    NN_WARPS, NN_COLS, NN_UNROLL = 4, 2, 4  # [K,N]: 32 lanes x 2 columns = 64-column tiles
+    NT_WARPS, NT_COLS, NT_UNROLL = 8, 2, 8  # trans_b: 8 warps x 2 columns = 16-column tiles
+    NN_WARPS, NN_COLS, NN_UNROLL = 4, 2, 8  # [K,N]: 32 lanes x 2 columns = 64-column tiles
 else:
     # Each simulated thread is a Python thread (~1 ms each): the same code with smaller
     # blocks keeps tests fast, and a small K chunk lets tiny shapes take the multi-chunk path.
@@ -185,7 +185,7 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
                 _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
 
 
-@jit(f"void({_ARGS}, int32)", **_bounds(32 * NT_WARPS, 4))
+@jit(f"void({_ARGS}, int32)", **_bounds(32 * NT_WARPS, 3))
 def gemm_decode_nt_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
     """out (B, M<=8, N) = op(a) (B, M, K) @ w (B, N, K).T: a warp per NT_COLS output columns,
     its lanes along K (coalesced rows of w), then a reduction across the lanes."""

@@ -15,7 +15,8 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
         assert set(cases) <= kernels
     ours = [r for r in rows if r["impl"] == "ours"]
     assert len(ours) == len(kernels)  # one row per kernel per implementation
-    assert all(float(r["median_us"]) > 0 and int(r["bytes"]) > 0 for r in ours)
+    assert all(float(r["median_us"]) > 0 and float(r["eager_us"]) > 0 and int(r["bytes"]) > 0
+               for r in ours)
     assert all(r["git_commit"] and r["device"] for r in rows)  # provenance on every row
     summary = common.read_summary("kernel_speed")
     for key in ("decode_gemm_fraction_of_bandwidth", "decode_gemm_over_torch_time",
