@@ -212,7 +212,8 @@ def test_rejects_bad_input_before_launch():
     src = dev(np.zeros((3, 4), np.float32))
     with pytest.raises(ValueError, match="dst overlaps src"):
         attention.gather_batch(src, dev(np.zeros(3, np.int32)), src)
+    dst = cuda.device_array((3, 4), np.float32)
     with pytest.raises(ValueError, match=r"index: expected shape \(3,\)"):
-        attention.gather_batch(src, dev(np.zeros(2, np.int32)), cuda.device_array((3, 4), np.float32))
+        attention.gather_batch(src, dev(np.zeros(2, np.int32)), dst)
     with pytest.raises(ValueError, match=r"dst: expected shape \(3, 4\)"):
-        attention.gather_batch(src, dev(np.zeros(3, np.int32)), cuda.device_array((3, 5), np.float32))
+        attention.gather_batch(src, dev(np.zeros(3, np.int32)), dst.reshape(2, 6))
