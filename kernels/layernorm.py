@@ -15,6 +15,8 @@ from proto import backend
 from proto.backend import cuda, jit, launch
 
 MAX_THREADS = 256 if not backend.SIMULATOR else 32  # simulated threads cost ~1 ms each
+MIN_THREADS = 32 if not backend.SIMULATOR else 1    # a warp reads a row segment coalesced
+ELEMS_PER_THREAD = 8  # elements per thread that amortise a block's reductions
 _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
 
@@ -68,9 +70,12 @@ def layernorm_kernel(x, gamma, beta, out, eps):
 
 # ---------------------------------------------------------------------------- launcher
 def block_threads(n: int, at_most: int) -> int:
-    """Threads per block for a row of n: a power of two (the tree reductions need one),
-    no more than the row needs, at most `at_most`."""
-    return min(at_most, 1 << max(0, (n - 1).bit_length()))
+    """Threads per block for a row of n: a power of two (the tree reductions need one) giving
+    each thread about ELEMS_PER_THREAD elements, at least a warp on a GPU, at most `at_most`.
+    Fewer, busier threads matter: on the H200, softmax over 61440 rows of 1024 with a thread
+    per element spent 1.4 ms in its 10-level reductions (PyTorch: 0.17 ms)."""
+    want = -(-n // ELEMS_PER_THREAD)
+    return min(at_most, max(MIN_THREADS, 1 << max(0, (want - 1).bit_length())))
 
 
 def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
