@@ -1,0 +1,415 @@
+"""Graphed decode steps: GPT-2 (greedy and beam search) and the LSTM LM, as CUDA graphs.
+
+    g = GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="device")
+    out = g.beam_search(prompt, max_new_tokens=1000)   # generate.beam_search, graphed steps
+    g.stats(), g.num_graphs, g.memory_bytes            # bytes bound, graphs, driver memory
+    g.close()
+
+`GraphedGPT2.step(tokens, pos, cache)` has GPT2.step's signature, so proto.models.generate
+runs it unchanged (`greedy`/`beam_search` here pass it with the right caches and input
+buffers). The prompt (prefill, T > 1) runs eagerly once; every search step (T = 1) replays a
+graph recorded from GPT2.step.
+
+Binding: how a step's inputs (the token ids, the position and, in beam search, the KV cache
+the reorder produced) reach the graph (proto.binding):
+  copy   PtGraph, the plain PyTorch-CUDA-graph way. The graph owns static placeholders: a
+         token buffer and one KV cache set S. The search writes tokens into its own buffer;
+         the beam reorder reads S (the model's output cache) and gathers into a scratch set R
+         (torch's index_select result), and the next replay copies tokens and R into the
+         placeholders: the whole KV cache moves every beam step.
+  patch  Two cache sets A and B; the search gathers from one into the other, alternating.
+         One graph, recorded on A; a replay on B rewrites the pointers of every node that
+         reads the cache (cuGraphExecKernelNodeSetParams), so no bytes move.
+  alias  Grape. The same A/B sets, but two graphs, one recorded on each, so the gather's
+         destination IS the next replay's placeholder; the search writes the tokens and the
+         position straight into the placeholders (that H2D write is input preparation, not
+         binding). Binding checks addresses and moves 0 bytes.
+
+Shapes: the context length grows by one every step (proto.shapes):
+  exact   one graph per length, the position baked in (each graph reads its own constant
+          device int32). A host mirror of the position picks the graph. ~max_len graphs.
+  bucket  one graph per power-of-two bucket of lengths. The KV cache of a bucket holds that
+          many positions (B, H, bucket, hd), so its attention launches are sized to the
+          bucket; positions past the length are the padding, which the attention masks by the
+          position it reads on the device. Crossing into a larger bucket re-pads the live
+          cache into the larger one (device copies, log2(max_len) times a generation).
+  device  one graph for every length: the position lives in device memory and every kernel
+          reads it there (kernels.attention, kernels.embedding). The capacity cache max_len.
+
+Warm-up: the first graph built for a cache capacity warms up (runs the step eagerly once) so
+that the attention's per-shape workspace exists before recording; later graphs of the same
+capacity record at once. Graphs are built on first use (the first call of a lazily built
+graph IS the step: eagerly for a warm-up, recorded and replayed otherwise), or all at
+construction with `build_all=True`, largest first, so a timed run excludes capture.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from kernels import _check, sampling
+from proto import graph, shapes
+from proto.backend import cuda
+from proto.binding import MODES, ReplayStats, address
+from proto.executors import default_executor
+from proto.models import generate
+from proto.models.gpt2 import KVCache
+from proto.models.lstm import LSTMState
+
+
+# --------------------------------------------------------------------------- GPT-2
+class _CacheView(KVCache):
+    """A KVCache over arrays someone else owns (no allocation): what a recorded step reads."""
+
+    def __init__(self, config, batch: int, k: list, v: list):
+        self.config, self.batch, self.max_len = config, batch, k[0].shape[2]
+        self.k, self.v = list(k), list(v)
+
+
+class _SearchCache(_CacheView):
+    """One of the two caches the search alternates (`GraphedGPT2.caches`). Its arrays are the
+    owner's current set `index` (a bucket change swaps them); `max_len` is the capacity the
+    owner grows to. The reorder goes through the owner, which knows the binding's data flow."""
+
+    def __init__(self, owner: "GraphedGPT2", index: int):
+        self.config, self.batch, self.max_len = owner.model.config, owner.batch, owner.max_len
+        self.k, self.v = [], []
+        self.owner, self.index = owner, index
+
+    def reorder_into(self, index, dst, stream=0) -> None:
+        self.owner._reorder(self, index, dst, stream)
+
+
+class GraphedGPT2:
+    """GPT2.step for `batch` sequences (greedy rows or beams) of up to `max_len` positions,
+    replayed as graphs; see the module doc for `binding` and `strategy`."""
+
+    def __init__(self, model, *, batch: int, max_len: int, binding: str = "alias",
+                 strategy: str = "device", executor: str | None = None, buckets=None,
+                 build_all: bool = False):
+        if binding not in MODES:
+            raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
+        self.model, self.config = model, model.config
+        self.batch = _check.positive("batch", batch, at_most=model.max_batch)
+        self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
+        self.binding, self.strategy = binding, strategy
+        self.executor = executor or default_executor()
+        # The search's input buffers. alias: they are the placeholders (producers write here);
+        # copy/patch: ordinary buffers whose contents (copy) or addresses (patch) get bound.
+        self.inputs = generate.DecodeInputs(cuda.device_array((batch, 1), np.int32),
+                                            cuda.to_device(np.array([-1], np.int32)))
+        if binding == "alias":
+            self._tokens_ph, self._pos_ph = self.inputs.tokens, self.inputs.pos
+        else:  # pos -1 until bound: a warm-up before the first copy writes nothing (guard)
+            self._tokens_ph = cuda.to_device(np.zeros((batch, 1), np.int32))
+            self._pos_ph = cuda.to_device(np.array([-1], np.int32))
+        self._sets: dict[int, tuple[KVCache, KVCache]] = {}  # capacity -> (set 0, set 1)
+        self._warmed: set[int] = set()  # capacities whose attention workspace exists
+        self.caches = (_SearchCache(self, 0), _SearchCache(self, 1))
+        self.repad_bytes = 0
+        self._position = 0         # host mirror of the next position (picks exact/bucket graphs)
+        self._capacity = None      # capacity the search caches hold now
+        self._pending = False      # copy: the reorder left the live cache in R, not S
+        self._logits = None        # the model's logits view, set by every step run
+        self.keys = shapes.graph_keys(strategy, max_len, buckets)  # every graph a set can have
+        self._building_all = build_all
+        n_graph_sets = 2 if binding == "alias" else 1
+        self._graphs = [shapes.ShapeDispatcher(functools.partial(self._build, i),
+                                               strategy=strategy, max_length=max_len,
+                                               dynamic=(), buckets=buckets, eager=build_all)
+                        for i in range(n_graph_sets)]
+        self._building_all = False
+        self.reset()
+
+    # ------------------------------------------------------------------ caches
+    def _capacity_for(self, length: int) -> int:
+        return shapes.key_for(length, self.keys) if self.strategy == "bucket" \
+            else self.max_len
+
+    def _set(self, capacity: int) -> tuple[KVCache, KVCache]:
+        if capacity not in self._sets:
+            self._sets[capacity] = (KVCache(self.config, self.batch, capacity),
+                                    KVCache(self.config, self.batch, capacity))
+        return self._sets[capacity]
+
+    def _use_capacity(self, capacity: int) -> None:
+        """Point the search caches at `capacity`'s sets; re-pad the live data (bucket only)."""
+        if capacity == self._capacity:
+            return
+        new = self._set(capacity)
+        if self._capacity is not None:
+            if capacity < self._capacity:
+                raise ValueError(f"cache capacity cannot shrink from {self._capacity} to "
+                                 f"{capacity} within a generation; call reset()")
+            for old_set, new_set in zip(self._sets[self._capacity], new):
+                for src, dst in zip(old_set.arrays(), new_set.arrays()):
+                    for b in range(self.batch):  # (B, H, old, hd) -> first rows of (B, H, new, hd)
+                        for h in range(self.config.n_head):
+                            graph.copy(dst[b, h, :self._capacity], src[b, h])
+                    self.repad_bytes += src.nbytes
+        for cache, live in zip(self.caches, new):
+            cache.k, cache.v = live.k, live.v
+        self._capacity = capacity
+
+    def _reorder(self, src: _SearchCache, index, dst: _SearchCache, stream=0) -> None:
+        if not (isinstance(dst, _SearchCache) and dst.owner is self and dst is not src):
+            raise ValueError("dst: expected the other cache of this GraphedGPT2's `caches`")
+        static, scratch = self._sets[self._capacity]
+        if self.binding == "copy":  # the search reads the model's (static) cache, writes R
+            KVCache.reorder_into(static, index, scratch, stream)
+            self._pending = True
+        else:
+            KVCache.reorder_into(src, index, dst, stream)
+
+    def reset(self, prompt_len: int = 1) -> None:
+        """Start a generation from a prompt of `prompt_len` tokens: position 0, the smallest
+        capacity; the next step call is the prefill of prompt_len - 1 tokens (if any)."""
+        self._position, self._pending, self._capacity = 0, False, None
+        self._prefill = _check.positive("prompt_len", prompt_len, at_most=self.max_len) - 1
+        self._use_capacity(self._capacity_for(1))
+
+    # ------------------------------------------------------------------ graphs
+    def _inputs(self, tokens, pos, cache) -> dict:
+        """A graph's inputs by name: tokens, k0.., v0.. (cache.arrays() order), pos unless
+        the strategy bakes it."""
+        names = [f"{kv}{i}" for kv in "kv" for i in range(self.config.n_layer)]
+        inputs = {"tokens": tokens, **dict(zip(names, cache.arrays()))}
+        if self.strategy != "exact":
+            inputs["pos"] = pos
+        return inputs
+
+    def _build(self, set_index: int, key: int):
+        """The graph for length `key` (position key-1) on cache set `set_index`."""
+        capacity = self._capacity_for(key)
+        cache = self._set(capacity)[set_index]
+        placeholders = self._inputs(self._tokens_ph, self._pos_ph, cache)
+        # exact: this graph's own position, a constant only it reads
+        baked = cuda.to_device(np.array([key - 1], np.int32)) if self.strategy == "exact" else None
+        L, B = self.config.n_layer, self.batch
+
+        def step(tokens, pos=None, **kv):
+            view = _CacheView(self.config, B, [kv[f"k{i}"] for i in range(L)],
+                              [kv[f"v{i}"] for i in range(L)])
+            self._logits = self.model.step(tokens, baked if pos is None else pos, view)
+            return self._logits
+
+        warmup = 0 if capacity in self._warmed else 1
+        self._warmed.add(capacity)
+        if self._building_all:  # nothing is live yet: warm up and record on the placeholders
+            return graph.capture(step, placeholders, binding=self.binding,
+                                 executor=self.executor, warmup=warmup)
+        # Built mid-generation: its first call runs with the live inputs (see module doc).
+        return graph.GraphedFunction(step, placeholders, binding=self.binding,
+                                     executor=self.executor, warmup=warmup)
+
+    def step(self, tokens, pos, cache):
+        """GPT2.step's contract on `cache`, one of `self.caches`. The first call after
+        reset(prompt_len > 1) is the prefill (eager); every other call is one decode step
+        (T = 1) and replays the graph of its length."""
+        _check.device_array("tokens", tokens, dtype=np.int32, shape=(self.batch, None))
+        _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
+        if not (isinstance(cache, _SearchCache) and cache.owner is self):
+            raise ValueError("cache: expected one of this GraphedGPT2's `caches` "
+                             f"(their arrays are the graphs' placeholders), got {type(cache).__name__}")
+        T = tokens.shape[1]
+        length = self._position + T
+        if length > self.max_len:
+            raise ValueError(f"tokens: position {self._position} + {T} new tokens exceeds "
+                             f"max_len={self.max_len}")
+        if self._prefill:
+            if T != self._prefill:
+                raise ValueError(f"tokens: expected the prefill's {self._prefill} tokens "
+                                 f"(reset(prompt_len={self._prefill + 1})), got {T}")
+            self._use_capacity(self._capacity_for(length))
+            logits = self.model.step(tokens, pos, cache)
+            self._position, self._prefill = length, 0
+            return logits
+        if T != 1:
+            raise ValueError(f"tokens: a decode step takes 1 token per sequence, got {T} "
+                             "(a prompt goes through reset(prompt_len) and the first call)")
+        self._use_capacity(self._capacity_for(length))
+        if self.binding == "copy":
+            live = self._sets[self._capacity][1 if self._pending else 0]
+            self._pending = False
+        else:
+            live = cache
+        g = self._graphs[cache.index if self.binding == "alias" else 0].graph(length)
+        inputs = self._inputs(tokens, pos, live)
+        if self.binding == "copy" and g.phase is graph.Phase.WARMUP:
+            # A warm-up runs eagerly on what it is given: give it the placeholders, filled as
+            # a replay's copy would, so the step updates the static cache the search reads.
+            for name, x in inputs.items():
+                if address(x) != address(g.placeholders[name]):
+                    graph.copy(g.placeholders[name], x)
+            inputs = g.placeholders
+        g(**inputs)  # warm-up, record and replay, or replay
+        self._position = length
+        return self._logits
+
+    # ------------------------------------------------------------------ searches
+    def greedy(self, prompt, *, max_new_tokens: int, eos: int | None = None, timed=False):
+        """generate.greedy over graphed steps; `prompt` (batch, T0)."""
+        self.reset(np.shape(prompt)[-1])
+        return generate.greedy(self.model, prompt, max_new_tokens=max_new_tokens, eos=eos,
+                               step=self.step, cache=self.caches[0], inputs=self.inputs,
+                               timed=timed)
+
+    def beam_search(self, prompt, *, max_new_tokens: int, eos: int | None = None, timed=False):
+        """generate.beam_search with beam = batch over graphed steps; `prompt` (T0,)."""
+        self.reset(np.shape(prompt)[-1])
+        return generate.beam_search(self.model, prompt, beam=self.batch,
+                                    max_new_tokens=max_new_tokens, eos=eos, step=self.step,
+                                    caches=self.caches, inputs=self.inputs, timed=timed)
+
+    def replayer(self, position: int):
+        """A zero-argument replay of the decode graph at `position` on the search's first
+        cache, for timing a step alone (built and recorded first if need be). Repeating it
+        rewrites the same cache slot, so it is idempotent."""
+        self.reset()
+        self._use_capacity(self._capacity_for(position + 1))
+        self.inputs.pos.copy_to_device(np.array([position], np.int32))
+        inputs = self._inputs(self.inputs.tokens, self.inputs.pos, self.caches[0])
+        g = self._graphs[0].graph(position + 1)
+        while g.phase is not graph.Phase.REPLAY:
+            g(**inputs)
+        return lambda: g.replay(**inputs)
+
+    # ------------------------------------------------------------------ accounting
+    def _all_graphs(self) -> list:
+        return [g for d in self._graphs for g in d.graphs.values()]
+
+    def stats(self) -> ReplayStats:
+        """Binding cost summed over every replay of every graph so far."""
+        total = ReplayStats()
+        for g in self._all_graphs():
+            total += g.stats
+        return total
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(d.num_graphs for d in self._graphs)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(len(g.description) for g in self._all_graphs() if g.description)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        sizes = [d.memory_bytes for d in self._graphs]
+        return None if any(s is None for s in sizes) else sum(sizes)
+
+    def close(self) -> None:
+        for d in self._graphs:
+            d.close()
+        self._sets, self._logits = {}, None
+        for cache in self.caches:
+            cache.k, cache.v = [], []
+
+    def __enter__(self) -> "GraphedGPT2":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- LSTM
+class _StateView(LSTMState):
+    """An LSTMState over rows of arrays someone else owns (no allocation)."""
+
+    def __init__(self, config, h: list, c: list):
+        self.config, self.batch, self.h, self.c = config, h[0].shape[0], list(h), list(c)
+
+
+class GraphedLSTM:
+    """LSTMLM.step over a batch of `batch <= max_batch` rows, as graphs.
+
+    The recurrent state is the stepper's own (`state`, capacity max_batch, rows [:batch] are
+    the sequences): it is updated in place by every step, so it never needs binding; the
+    binding mode applies to the token ids, which a producer (argmax) writes into `tokens`
+    (alias: the placeholder itself; copy: copied in; patch: pointers rewritten once).
+    The batch is the dynamic dimension: `exact` one graph per batch size, `bucket` power-of-two
+    batches whose extra rows are padding (token 0, state rows nobody reads), `device` one graph
+    over all max_batch rows (the LSTM kernels read no length on the device, so this is the
+    single largest bucket).
+    """
+
+    def __init__(self, model, *, max_batch: int, binding: str = "alias",
+                 strategy: str = "device", executor: str | None = None, buckets=None):
+        if binding not in MODES:
+            raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
+        self.model, self.config = model, model.config
+        self.max_batch = _check.positive("max_batch", max_batch, at_most=model.max_batch)
+        self.binding, self.executor = binding, executor or default_executor()
+        self.state = LSTMState(self.config, max_batch)
+        self.tokens = cuda.to_device(np.zeros(max_batch, np.int32))  # where producers write
+        self._tokens_ph = self.tokens if binding == "alias" else \
+            cuda.to_device(np.zeros(max_batch, np.int32))
+        self._names = [f"h{k}" for k in range(self.config.n_layer)] + \
+                      [f"c{k}" for k in range(self.config.n_layer)]
+        self._logits = {}
+        self._warm = False
+        self._graphs = shapes.ShapeDispatcher(self._build, strategy=strategy,
+                                              max_length=max_batch,
+                                              dynamic=("tokens", *self._names), buckets=buckets)
+
+    def _build(self, key: int):
+        L = self.config.n_layer
+        placeholders = {"tokens": self._tokens_ph[:key],
+                        **{n: a[:key] for n, a in zip(self._names, self.state.arrays())}}
+
+        def step(tokens, **hc):
+            state = _StateView(self.config, [hc[f"h{k}"] for k in range(L)],
+                               [hc[f"c{k}"] for k in range(L)])
+            self._logits[key] = self.model.step(tokens, state)
+            return self._logits[key]
+
+        warmup, self._warm = (0 if self._warm else 1), True
+        return graph.GraphedFunction(step, placeholders, binding=self.binding,
+                                     executor=self.executor, warmup=warmup)
+
+    def step(self, tokens, batch: int):
+        """Logits (batch, V) of the next token for rows [:batch]; `tokens` device int32
+        (max_batch,), rows past `batch` padding (valid ids). Updates `state` rows in place."""
+        _check.device_array("tokens", tokens, dtype=np.int32, shape=(self.max_batch,))
+        _check.positive("batch", batch, at_most=self.max_batch)
+        key = shapes.key_for(batch, self._graphs.keys)
+        inputs = {"tokens": tokens[:key],
+                  **{n: a[:key] for n, a in zip(self._names, self.state.arrays())}}
+        self._graphs.graph(batch)(**inputs)
+        return self._logits[key][:batch]
+
+    def stats(self) -> ReplayStats:
+        total = ReplayStats()
+        for g in self._graphs.graphs.values():
+            total += g.stats
+        return total
+
+    @property
+    def num_graphs(self) -> int:
+        return self._graphs.num_graphs
+
+    def close(self) -> None:
+        self._graphs.close()
+        self._logits = {}
+
+
+def lstm_greedy(step, tokens, prompt, max_new_tokens: int) -> np.ndarray:
+    """Greedy decoding of `prompt` (B, T0) with an LSTM step: `step(tokens) -> logits (B, V)`
+    reads the token buffer `tokens` (device int32, at least B rows) and advances its state.
+    The argmax writes each next token straight into `tokens`. Returns (B, T0 + n) ids."""
+    prompt = np.asarray(prompt, np.int32)
+    B, T0 = prompt.shape
+    padded = np.zeros(tokens.shape[0], np.int32)
+    for t in range(T0 - 1):
+        padded[:B] = prompt[:, t]
+        tokens.copy_to_device(padded)
+        step(tokens)
+    padded[:B] = prompt[:, -1]
+    tokens.copy_to_device(padded)
+    out = [prompt]
+    for _ in range(max_new_tokens):
+        logits = step(tokens)  # (B, V)
+        sampling.argmax(logits, tokens[:B])
+        out.append(tokens[:B].copy_to_host()[:, None])
+    return np.concatenate(out, axis=1)
