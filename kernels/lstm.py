@@ -13,7 +13,8 @@ import math
 import numpy as np
 
 from kernels import _check
-from proto.backend import SIMULATOR, cuda, jit, launch
+from kernels.attention import _overlapping  # (shared with gemm's copy: belongs in _check)
+from proto.backend import cuda, jit, launch
 
 THREADS = 256
 HALF = np.float32(0.5)
@@ -52,16 +53,6 @@ def lstm_cell_kernel(gates, c_prev, h_out, c_out):
 
 
 # ---------------------------------------------------------------------------- launcher
-def _address_range(x) -> tuple[int, int]:
-    start = x.ctypes.data if SIMULATOR else x.__cuda_array_interface__["data"][0]
-    return start, start + x.nbytes
-
-
-def _overlaps(x, y) -> bool:
-    (x0, x1), (y0, y1) = _address_range(x), _address_range(y)
-    return x0 < y1 and y0 < x1
-
-
 def lstm_cell(gates, c_prev, h_out, c_out, *, stream=0) -> None:
     """c_out = sigmoid(f)*c_prev + sigmoid(i)*tanh(g), h_out = sigmoid(o)*tanh(c_out).
 
@@ -74,10 +65,7 @@ def lstm_cell(gates, c_prev, h_out, c_out, *, stream=0) -> None:
     _check.device_array("gates", gates, shape=(B, 4 * H))
     _check.device_array("h_out", h_out, shape=(B, H))
     _check.device_array("c_out", c_out, shape=(B, H))
-    for name, arr, other_name, other in (("h_out", h_out, "gates", gates),
-                                         ("c_out", c_out, "gates", gates),
-                                         ("h_out", h_out, "c_out", c_out)):
-        if _overlaps(arr, other):
-            raise ValueError(f"{name} overlaps {other_name}")
+    _overlapping({"h_out": h_out, "c_out": c_out, "gates": gates},
+                 (("h_out", "gates"), ("c_out", "gates"), ("h_out", "c_out")))
     launch(lstm_cell_kernel, min(math.ceil(B * H / THREADS), 1024), THREADS,
            (gates, c_prev, h_out, c_out), stream)
