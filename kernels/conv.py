@@ -514,3 +514,71 @@ def zero(a, *, stream=0):
 def conv2d_flops(N, C, K, R, S, P, Q) -> float:
     """Multiply-adds x 2 of one conv2d pass (forward, backward-data and backward-weight alike)."""
     return 2.0 * N * K * P * Q * C * R * S
+
+
+# ---------------------------------------------------------------------------- benchmark
+def _main(argv=None):
+    """Check every pass against the reference on one small shape, then time VGG-16's conv
+    layers (batch and image size from the command line) and print TFLOPS, next to PyTorch
+    (cuDNN, TF32 off) when it is installed:  python -m kernels.conv [batch] [image_size]"""
+    import sys
+
+    from proto import timing
+    argv = sys.argv[1:] if argv is None else argv
+    batch, size = (int(argv[0]) if argv else 32), (int(argv[1]) if len(argv) > 1 else 224)
+    rng = np.random.default_rng(0)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 5, 9, 7), (6, 5, 3, 3), (6,)))
+    dy = rng.standard_normal((2, 6, 9, 7)).astype(np.float32)
+    out, dx = cuda.device_array(dy.shape, np.float32), cuda.device_array(x.shape, np.float32)
+    dw, db = cuda.device_array(w.shape, np.float32), cuda.device_array(6, np.float32)
+    conv2d(cuda.to_device(x), cuda.to_device(w), cuda.to_device(b), out, pad=1)
+    conv2d_bwd_data(cuda.to_device(dy), cuda.to_device(w), dx, pad=1)
+    conv2d_bwd_weight(cuda.to_device(x), cuda.to_device(dy), dw, db, pad=1)
+    ref_w, ref_b = conv2d_bwd_weight_ref(x, dy, w.shape, pad=1)
+    for got, want in ((out, conv2d_ref(x, w, b, pad=1)), (dx, conv2d_bwd_data_ref(dy, w, x.shape, pad=1)),
+                      (dw, ref_w), (db, ref_b)):
+        np.testing.assert_allclose(got.copy_to_host(), want, rtol=1e-4, atol=1e-4)
+    print(f"All results match. VGG-16 conv layers, batch {batch}, {size}x{size}, {backend.describe()}")
+    try:
+        import torch
+        torch.backends.cudnn.allow_tf32 = False
+    except ImportError:
+        torch = None
+    shapes, c, s = [], 3, size
+    for v in (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"):
+        if v == "M":
+            s //= 2
+        else:
+            if (c, v, s) not in shapes:
+                shapes.append((c, v, s))
+            c = v
+    print(f"{'C':>4} {'K':>4} {'HxW':>7} | {'fwd':>14} {'bwd_data':>14} {'bwd_weight':>14}   TFLOPS (ms)"
+          + ("   | cuDNN fwd, data, weight" if torch else ""))
+    for C, K, S in shapes:
+        xs = cuda.to_device(rng.standard_normal((batch, C, S, S), dtype=np.float32))
+        ws = cuda.to_device(rng.standard_normal((K, C, 3, 3), dtype=np.float32) * 0.05)
+        bs = cuda.to_device(np.zeros(K, np.float32))
+        ys = cuda.device_array((batch, K, S, S), np.float32)
+        dxs, dws = cuda.device_array_like(xs), cuda.device_array_like(ws)
+        flops = conv2d_flops(batch, C, K, 3, 3, S, S)
+        runs = [lambda: conv2d(xs, ws, bs, ys, pad=1, relu=True),
+                lambda: conv2d_bwd_data(ys, ws, dxs, pad=1),
+                lambda: conv2d_bwd_weight(xs, ys, dws, bs, pad=1)]
+        cells = []
+        for run in runs:
+            t = timing.bench(run, warmup=2, reps=5)
+            cells.append(f"{flops / t.median_ms / 1e9:6.1f} ({t.median_ms:6.2f})")
+        line = f"{C:4d} {K:4d} {S:3d}x{S:<3d} | " + " ".join(cells)
+        if torch is not None:
+            tx = torch.randn(batch, C, S, S, device="cuda", requires_grad=True)
+            tw = torch.randn(K, C, 3, 3, device="cuda", requires_grad=True)
+            ty = torch.randn(batch, K, S, S, device="cuda")
+            tg = [lambda: torch.nn.functional.conv2d(tx, tw, padding=1),
+                  lambda: torch.nn.grad.conv2d_input(tx.shape, tw, ty, padding=1),
+                  lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, ty, padding=1)]
+            line += "   | " + " ".join(f"{flops / timing.bench(f, warmup=2, reps=5).median_ms / 1e9:6.1f}" for f in tg)
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    _main()
