@@ -41,9 +41,7 @@ def _cheap_pools(tape):
        frac=st.floats(0.0, 1.0), lookahead=st.one_of(st.none(), st.integers(1, 3)))
 def test_every_policy_is_bit_identical_to_unconstrained(layers, width, frac, lookahead):
     tape, init = cnn_tape(64 * 4 * width, layers, seed=width)
-    live = Liveness(tape)
-    floor = max(max(live.floor_bytes), max(map(live.working_set, range(len(tape.ops)))))
-    budget = int(1.1 * floor + frac * (live.peak - 1.1 * floor))
+    budget = Liveness(tape).budget_between(0.2 + 0.8 * frac)
     want = _run(Executor(tape, plan(tape)), init)
     slow = Link(h2d=1e6, d2h=1e6)
     swap = plan(tape, budget, lookahead=lookahead)
@@ -54,9 +52,9 @@ def test_every_policy_is_bit_identical_to_unconstrained(layers, width, frac, loo
 
 
 def test_recompute_runs_and_matches():
-    tape, init = cnn_tape(1024, "cpcpc")
+    tape, init = cnn_tape(4096, "cpcpc")
     live = Liveness(tape)
-    p = plan(tape, int(max(live.floor_bytes) * 1.05), op_seconds=_cheap_pools(tape),
+    p = plan(tape, live.budget_between(0.2), op_seconds=_cheap_pools(tape),
              link=Link(1e6, 1e6), recompute=True)
     assert p.recomputed and p.offloaded
     _assert_identical(_run(Executor(tape, p), init), _run(Executor(tape, plan(tape)), init), "recompute")
@@ -66,7 +64,7 @@ def test_real_kernels_under_a_tight_budget_match_unconstrained():
     # The project's elementwise kernels (launched through the simulator): slow, so one small case.
     tape, init = cnn_tape(128, "cpc", host_ops=False)
     live = Liveness(tape)
-    budget = int(max(live.floor_bytes) * 1.02)
+    budget = live.budget_between(0.3)
     want = _run(Executor(tape, plan(tape)), init, steps=1)
     swap = plan(tape, budget)
     assert swap.offloaded
@@ -76,7 +74,7 @@ def test_real_kernels_under_a_tight_budget_match_unconstrained():
 
 def test_a_wrong_plan_is_refused_before_running():
     tape, init = cnn_tape(1024, "ccp")
-    p = plan(tape, int(max(Liveness(tape).floor_bytes) * 1.05))
+    p = plan(tape, Liveness(tape).budget_between(0.3))
     p.before = [[a for a in acts if a.kind != "wait"] for acts in p.before]
     with pytest.raises(PlanError):
         Executor(tape, p)
@@ -130,7 +128,7 @@ def test_streamed_executor_on_cuda_matches_unconstrained(scale):
     live = Liveness(tape)
     want = _run(Executor(tape, plan(tape)), init, steps=3)
     for lookahead in (None, 1):
-        p = plan(tape, int(max(live.floor_bytes) * 1.05), lookahead=lookahead)
+        p = plan(tape, live.budget_between(0.3), lookahead=lookahead)
         assert p.offloaded
         _assert_identical(_run(Executor(tape, p), init, steps=3), want, f"autovm lookahead={lookahead}")
 

@@ -42,16 +42,11 @@ def cnn_tapes(draw):
     return cnn_tape(n0, layers, update=draw(st.booleans()))[0]
 
 
-def _floor(tape):
-    live = Liveness(tape)
-    return max(max(live.floor_bytes), max(live.working_set(i) for i in range(len(tape.ops)))), live.peak
-
-
 @st.composite
 def planned(draw, tapes):
     tape = draw(tapes)
-    floor, peak = _floor(tape)
-    budget = draw(st.integers(floor, max(floor, int(peak * 1.1))))
+    live = Liveness(tape)
+    budget = draw(st.integers(live.min_budget, max(live.min_budget, int(live.peak * 1.1))))
     seconds = draw(st.lists(st.floats(1e-7, 1e-3), min_size=len(tape.ops), max_size=len(tape.ops)))
     link = Link(h2d=draw(st.floats(1e6, 1e11)), d2h=draw(st.floats(1e6, 1e11)))
     kw = dict(op_seconds=seconds, link=link, recompute=draw(st.booleans()),
@@ -60,9 +55,9 @@ def planned(draw, tapes):
     try:
         return tape, budget, plan(tape, budget, **kw)
     except BudgetError as e:
-        # Only packing can defeat a budget at or above the floor, and only a tight one (on
-        # CNN-shaped tapes within ~10% of the floor; random tapes pack worse).
-        assert "fragmentation" in str(e) and budget < 1.5 * floor, e
+        # At or above the floor only packing can defeat a budget: greedy placement of tiny
+        # tensors (a few alignment units each) can need a few percent more than the profile.
+        assert "fragmentation" in str(e), e
         assume(False)
 
 
@@ -78,14 +73,13 @@ def test_plans_for_cnn_tapes_obey_every_rule(case):
     tape, budget, p = case
     validate(tape, p)
     assert p.peak_bytes <= budget
-    # every gap sent away comes back before the use that ends it
+    # every gap sent away leaves right after the use that opens it and is waited for (or
+    # re-allocated, when that use overwrites it) right before the use that closes it
+    n = len(tape.ops)
     for g in p.offloaded:
-        kinds = {a.kind for i in range(g.after, g.before + 1)
-                 for a in p.before[i] + p.after[i] if a.tensor == g.tensor}
-        assert {"evict", "release", "prefetch", "wait"} <= kinds
-        waits = [i for i in range(len(tape.ops)) if any(a.kind == "wait" and a.tensor == g.tensor
-                                                         for a in p.before[i])]
-        assert g.before in waits
+        assert {a.kind for a in p.after[g.after] if a.tensor == g.tensor} & {"evict", "discard"}
+        back = {a.kind for a in p.before[g.before % n] if a.tensor == g.tensor}
+        assert back & {"wait", "alloc"}, (g, back)
 
 
 def test_a_tight_budget_moves_activations_and_an_ample_one_moves_nothing():
@@ -93,10 +87,12 @@ def test_a_tight_budget_moves_activations_and_an_ample_one_moves_nothing():
     live = Liveness(tape)
     loose = plan(tape, live.peak * 2)
     assert not loose.offloaded and not loose.recomputed
-    tight = plan(tape, int(max(live.floor_bytes) * 1.05))
+    tight = plan(tape, live.budget_between(0.3))
     validate(tape, tight)
     assert tight.offloaded and tight.peak_bytes < live.peak
-    assert tight.d2h_bytes == sum(g.nbytes for g in tight.offloaded) > 0
+    assert any(tape.tensors[g.tensor].kind == "activation" for g in tight.offloaded)
+    # clean tensors (parameters only read since they came in) go back without a copy
+    assert 0 < tight.d2h_bytes < sum(g.nbytes for g in tight.offloaded)
 
 
 def test_unconstrained_plan_only_allocates_and_frees():
@@ -104,16 +100,30 @@ def test_unconstrained_plan_only_allocates_and_frees():
     p = plan(tape)
     validate(tape, p)
     kinds = {a.kind for _, _, a in p.actions()}
-    assert kinds == {"alloc", "free"}
+    assert kinds == {"alloc", "free"} and not p.homed and not p.end
     assert p.arena_bytes >= Liveness(tape).peak
 
 
-def test_recompute_replaces_copies_of_cheap_pool_outputs_on_a_slow_link():
+def test_below_the_persistent_bytes_parameters_live_on_the_host_between_steps():
+    tape, _ = cnn_tape(2048, "ccpc")
+    live = Liveness(tape)
+    budget = min(live.budget_between(0.2), live.persistent_bytes - 1)
+    assert budget >= live.min_budget             # impossible if parameters had to stay
+    p = plan(tape, budget)
+    validate(tape, p)
+    assert p.homed and p.peak_bytes <= budget
+    momentum_free = [n for n in p.homed if n.endswith(".dw")]
+    assert momentum_free, "gradients are dead until written: they should go home first"
+    # a parameter only read since it arrived goes back without a copy
+    assert any(a.kind == "discard" for _, _, a in p.actions())
+
+
+def test_recompute_replaces_copies_of_cheap_activations_on_a_slow_link():
     tape, _ = cnn_tape(4096, "cpcpc")
     live = Liveness(tape)
-    budget = int(max(live.floor_bytes) * 1.05)
-    seconds = [1e-3 if ".fwd" in op.name and op.name.startswith("p") is False else 1e-6
-               for op in tape.ops]
+    budget = live.budget_between(0.2)           # tight enough that activations must leave
+    # pooling and activations are nearly free, convolutions are not
+    seconds = [1e-6 if op.name.startswith("p") or "act" in op.name else 1e-3 for op in tape.ops]
     slow = Link(h2d=1e6, d2h=1e6)   # 1 MB/s: every copy costs more than any op
     plain = plan(tape, budget, op_seconds=seconds, link=slow)
     both = plan(tape, budget, op_seconds=seconds, link=slow, recompute=True)
@@ -134,8 +144,6 @@ def test_budget_below_an_ops_working_set_names_the_op_and_bytes():
         plan(tape, need - 1)
     msg = str(e.value)
     assert tape.ops[worst].name in msg and str(need) in msg and "layer" in msg
-    with pytest.raises(BudgetError, match="stay resident"):
-        plan(tape, live.persistent_bytes - 1)
 
 
 def test_bad_arguments_are_refused():
@@ -176,7 +184,7 @@ def _broken(p, slot, kind):
 ])
 def test_validate_catches_broken_plans(slot, kind, message):
     tape, _ = cnn_tape(1024, "ccpccp")
-    p = plan(tape, int(max(Liveness(tape).floor_bytes) * 1.05))
+    p = plan(tape, Liveness(tape).budget_between(0.3))
     validate(tape, p)
     with pytest.raises(PlanError, match=message):
         validate(tape, _broken(p, slot, kind))

@@ -4,6 +4,7 @@ The plan (schedule.py) decides everything; this module only replays it with the 
 GPU needs, which is all CUDA events:
 
     evict X     after op a:  d2h waits for compute (X is final), copies X to its pinned buffer
+    discard X   after op a:  X's pinned copy is current: its bytes may be reused at once
     release X   before op r: compute waits for that copy, then X's bytes may be reused
     prefetch X  before op p: h2d waits for compute so far (the bytes it lands in are no longer
                              read or written), copies pinned -> device
@@ -31,8 +32,9 @@ def _event():
 class Executor:
     """Replays `plan` for `tape`, one `step()` per training step.
 
-    Persistent tensors (parameters, gradients, state, inputs) stay at fixed places: `load`
-    writes them, `read` returns any persistent tensor or step output (valid after `step`).
+    Persistent tensors (parameters, gradients, state, inputs) stay at fixed places, or, when
+    the plan homes them on the host, in their pinned buffers between steps: `load` writes
+    them, `read` returns any persistent tensor or step output (valid after `step`).
     Call `close()` (or use `with`) to give the arena, pinned buffers and streams back.
     """
 
@@ -43,10 +45,10 @@ class Executor:
         self.compute, self.d2h, self.h2d = cuda.stream(), cuda.stream(), cuda.stream()
         self.current = {name: self.pool.alloc(tape.tensors[name], off)
                         for name, off in plan.persistent.items()}
-        self._persistent = frozenset(plan.persistent)
-        evicted = {a.tensor for _, _, a in plan.actions() if a.kind == "evict"}
+        self._persistent = frozenset(plan.persistent) | frozenset(plan.homed)
+        on_host = {a.tensor for _, _, a in plan.actions() if a.kind == "evict"} | set(plan.homed)
         self.pinned = {name: cuda.pinned_array(tape.tensors[name].shape, tape.tensors[name].dtype)
-                       for name in sorted(evicted)}
+                       for name in sorted(on_host)}
         self._op_names = [tuple(dict.fromkeys(op.reads + op.writes)) for op in tape.ops]
         self._pending: dict[str, object] = {}    # prefetched views, usable after their wait
         self._events: dict[tuple, object] = {}   # created once, re-recorded every step
@@ -64,6 +66,9 @@ class Executor:
         backend.synchronize()
         for name, value in values.items():
             spec = self.tape.tensors[name]
+            if name in self.plan.homed:
+                self.pinned[name][...] = value
+                continue
             self._touch([name])
             self.current[name].copy_to_device(np.ascontiguousarray(value, dtype=spec.dtype))
         backend.synchronize()
@@ -71,9 +76,11 @@ class Executor:
 
     def read(self, name: str) -> np.ndarray:
         """A persistent tensor, or an output of the last step, copied to the host."""
+        backend.synchronize()
+        if name in self.plan.homed:
+            return np.array(self.pinned[name])
         if name not in self.current:
             raise KeyError(f"read: {name!r} is neither persistent nor an output of the last step")
-        backend.synchronize()
         self._touch([name])
         out = self.current[name].copy_to_host()
         self._after_io()
@@ -82,7 +89,7 @@ class Executor:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> None:
         """Enqueue one training step (returns before the GPU is done; synchronize to wait)."""
-        for name in [n for n in self.current if n not in self._persistent]:
+        for name in [n for n in self.current if n not in self.plan.persistent]:
             self.pool.free(name)          # outputs of the previous step
             del self.current[name]
         cur, plan = self.current, self.plan
@@ -93,6 +100,8 @@ class Executor:
             op.run({n: cur[n] for n in self._op_names[i]}, self.compute)
             for act in plan.after[i]:
                 self._apply(act, i, "after")
+        for act in plan.end:
+            self._apply(act, len(self.tape.ops), "end")
 
     def _event(self, *key):
         ev = self._events.get(key)
@@ -105,7 +114,7 @@ class Executor:
         spec = self.tape.tensors[name]
         if act.kind == "alloc":
             cur[name] = self.pool.alloc(spec, act.offset)
-        elif act.kind in ("free", "drop"):
+        elif act.kind in ("free", "drop", "discard"):
             self.pool.free(name)
             del cur[name]
         elif act.kind == "evict":

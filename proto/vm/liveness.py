@@ -1,17 +1,20 @@
 """What a memory policy must know about a tape before anything runs.
 
-Persistent tensors (inputs, parameters, their gradients, optimizer state) live across steps and
-stay resident at fixed places. Every other tensor is *transient*: it is born when an op first
-writes it and dies after its last use, and between two uses far apart it may leave the device.
-That interval between consecutive uses is a `Gap`; AutoVM's whole game is choosing which gaps
-to spend on the host (or on recomputation) so the step fits a byte budget.
+Persistent tensors (inputs, parameters, their gradients, optimizer state) live across steps.
+Every other tensor is *transient*: it is born when an op first writes it and dies after its
+last use. Between two uses far apart a tensor may leave the device: that interval is a `Gap`.
+A persistent tensor also has a *wrap* gap, from its last use in one step to its first use in
+the next; spending it on the host makes the tensor live there between steps (the optimizer
+state of most layers, say). AutoVM's game is choosing which gaps to spend on the host (or on
+recomputation) so the step fits a byte budget.
 
 Budgets that cannot work are refused here, before any launch, with the op and the bytes it needs.
 """
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import functools
+from typing import NamedTuple
 
 from proto.tape import Tape
 
@@ -20,6 +23,7 @@ ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
+
 
 PERSISTENT_KINDS = frozenset({"input", "param", "grad", "state"})
 
@@ -35,17 +39,25 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} bytes"
 
 
-@dataclasses.dataclass(frozen=True)
-class Gap:
-    """Tensor `tensor` is used by op `after`, then not again until op `before` reads it."""
+class Gap(NamedTuple):
+    """Tensor `tensor` is used by op `after`, then not again until op `before`.
+
+    A *wrap* gap belongs to a persistent tensor: from its last use in one step to its first
+    use in the next, so `before` counts on into the next step (first use + number of ops).
+    """
     tensor: str
     after: int
     before: int
     nbytes: int
+    wrap: bool = False
 
     @property
     def length(self) -> int:
         return self.before - self.after
+
+    def covers(self, i: int, n_ops: int) -> bool:
+        """True if op i (of this step) runs while the gap is open."""
+        return self.after < i < self.before or (self.wrap and i < self.before - n_ops)
 
 
 class Liveness:
@@ -57,72 +69,93 @@ class Liveness:
 
     def __init__(self, tape: Tape, extra_reads: dict[str, frozenset[int]] | None = None):
         self.tape = tape
-        self.n_ops = len(tape.ops)
+        self.n_ops = n = len(tape.ops)
         self.reads = [frozenset(op.reads) for op in tape.ops]
         self.writes = [frozenset(op.writes) for op in tape.ops]
         self.extra_reads = {k: frozenset(v) for k, v in (extra_reads or {}).items() if v}
-        self.persistent = tuple(n for n, t in tape.tensors.items() if t.kind in PERSISTENT_KINDS)
-        self.persistent_bytes = sum(self.nbytes(n) for n in self.persistent)
-        uses: dict[str, list[int]] = {n: [] for n in tape.tensors if n not in self.persistent}
-        for i in range(self.n_ops):
+        self.persistent = tuple(name for name, t in tape.tensors.items() if t.kind in PERSISTENT_KINDS)
+        self.persistent_bytes = sum(self.nbytes(name) for name in self.persistent)
+        uses: dict[str, list[int]] = {name: [] for name in tape.tensors}
+        for i in range(n):
             for name in self.reads[i] | self.writes[i]:
-                if name in uses:
-                    uses[name].append(i)
+                uses[name].append(i)
         for name, extra in self.extra_reads.items():
             uses[name] = sorted(set(uses[name]) | extra)
         for name, u in uses.items():
-            if u and name not in self.writes[u[0]]:
-                op = tape.ops[u[0]]
+            if not u or name in self.persistent:
+                continue
+            if name not in self.writes[u[0]]:
                 raise ValueError(f"tensor {name!r} ({tape.tensors[name].kind}) is read by op "
-                                 f"{op.name!r} before any op writes it")
-            if u and name in self.reads[u[0]]:
+                                 f"{tape.ops[u[0]].name!r} before any op writes it")
+            if name in self.reads[u[0]]:
                 raise ValueError(f"op {tape.ops[u[0]].name!r} reads and writes {name!r} at its "
                                  "first use: it would read uninitialized memory")
-        self.uses = {n: u for n, u in uses.items() if u}   # transient tensors some op touches
+        self.uses = {name: u for name, u in uses.items() if u}   # every tensor some op touches
         # A transient whose last use writes it is a result of the step (the loss, say): it stays
         # resident until the step ends so the caller can read it.
-        self.outputs = frozenset(n for n, u in self.uses.items() if n in self.writes[u[-1]])
+        self.outputs = frozenset(name for name, u in self.uses.items()
+                                 if name not in self.persistent and name in self.writes[u[-1]])
 
     def nbytes(self, name: str) -> int:
         """Bytes a tensor takes in the arena: its size rounded up to the allocation alignment."""
         return align_up(self.tape.tensors[name].nbytes)
 
     def first(self, name: str) -> int:
-        return self.uses[name][0]
+        return 0 if name in self.persistent else self.uses[name][0]
 
     def last(self, name: str) -> int:
-        return self.n_ops - 1 if name in self.outputs else self.uses[name][-1]
+        if name in self.persistent or name in self.outputs:
+            return self.n_ops - 1
+        return self.uses[name][-1]
 
     def reads_at(self, name: str, i: int) -> bool:
         return name in self.reads[i] or i in self.extra_reads.get(name, ())
 
     @functools.cached_property
+    def _write_ops(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, ws in enumerate(self.writes):
+            for name in ws:
+                out.setdefault(name, []).append(i)
+        return out
+
+    def written_between(self, name: str, lo: int, hi: int) -> bool:
+        """Does some op in [lo, hi] write `name`?"""
+        ops = self._write_ops.get(name, [])
+        k = bisect.bisect_left(ops, lo)
+        return k < len(ops) and ops[k] <= hi
+
+    @functools.cached_property
     def gaps(self) -> tuple[Gap, ...]:
-        """Every interval between consecutive uses with at least one op between them, whose
-        closing use reads the tensor (a closing write-only use would make the copy pointless,
-        and a partial write would make dropping it wrong, so such tensors simply stay)."""
+        """Every interval between consecutive uses with at least one op between them whose
+        closing use reads the tensor (a closing write-only use would make the copy pointless
+        and a partial write would make dropping it wrong, so such tensors simply stay); and for
+        each persistent tensor some op uses, its wrap gap across the step boundary (whose
+        closing use may be a plain write: then nothing needs to come back)."""
         out = []
         for name, u in self.uses.items():
             for a, b in zip(u, u[1:]):
                 if b - a >= 2 and self.reads_at(name, b):
                     out.append(Gap(name, a, b, self.nbytes(name)))
+            if name in self.persistent:
+                out.append(Gap(name, u[-1], u[0] + self.n_ops, self.nbytes(name), wrap=True))
         return tuple(out)
 
     def op_tensors(self, i: int) -> frozenset[str]:
         return self.reads[i] | self.writes[i]
 
     def working_set(self, i: int) -> int:
-        """Bytes op i reads and writes, plus the persistent tensors that never leave."""
-        return self.persistent_bytes + sum(self.nbytes(n) for n in self.op_tensors(i)
-                                           if n not in self.persistent)
+        """Bytes of the tensors op i reads and writes: all of them must be resident while it runs."""
+        return sum(self.nbytes(name) for name in self.op_tensors(i))
 
     @functools.cached_property
     def live_bytes(self) -> list[int]:
         """Resident bytes during each op when nothing is ever moved out (the unconstrained run)."""
         diff = [0] * (self.n_ops + 1)
         for name in self.uses:
-            diff[self.first(name)] += self.nbytes(name)
-            diff[self.last(name) + 1] -= self.nbytes(name)
+            if name not in self.persistent:
+                diff[self.first(name)] += self.nbytes(name)
+                diff[self.last(name) + 1] -= self.nbytes(name)
         out, acc = [], self.persistent_bytes
         for i in range(self.n_ops):
             acc += diff[i]
@@ -138,28 +171,33 @@ class Liveness:
         """Bytes that must be resident during each op even if every gap is spent off the device."""
         out = list(self.live_bytes)
         for g in self.gaps:
-            for i in range(g.after + 1, g.before):
-                out[i] -= g.nbytes
+            for i in range(self.n_ops):
+                if g.covers(i, self.n_ops):
+                    out[i] -= g.nbytes
         return out
+
+    @property
+    def min_budget(self) -> int:
+        """The smallest budget any schedule could run in (packing may need a little more)."""
+        return max(max(self.floor_bytes, default=0),
+                   max(map(self.working_set, range(self.n_ops)), default=0))
+
+    def budget_between(self, frac: float) -> int:
+        """The budget `frac` of the way from the smallest possible one to the unconstrained peak."""
+        return int(self.min_budget + frac * max(self.peak - self.min_budget, 0))
 
     def check_budget(self, budget: int) -> None:
         """Raise BudgetError if no schedule can run the step within `budget` bytes."""
-        if budget < self.persistent_bytes:
-            raise BudgetError(f"budget {fmt_bytes(budget)} is below the "
-                              f"{fmt_bytes(self.persistent_bytes)} of parameters, gradients, "
-                              "state and inputs, which stay resident")
         for i, op in enumerate(self.tape.ops):
             if self.working_set(i) > budget:
                 raise BudgetError(
                     f"budget {fmt_bytes(budget)} is too small for op {op.name!r} (layer "
-                    f"{op.layer or '?'!r}): it reads and writes "
-                    f"{fmt_bytes(self.working_set(i) - self.persistent_bytes)} besides the "
-                    f"{fmt_bytes(self.persistent_bytes)} that stay resident, so it needs at "
-                    f"least {fmt_bytes(self.working_set(i))}")
+                    f"{op.layer or '?'!r}): the tensors it reads and writes take "
+                    f"{fmt_bytes(self.working_set(i))}, which must all be on the device at once")
         worst = max(range(self.n_ops), key=self.floor_bytes.__getitem__, default=None)
         if worst is not None and self.floor_bytes[worst] > budget:
             op = self.tape.ops[worst]
             raise BudgetError(
                 f"budget {fmt_bytes(budget)} is too small at op {op.name!r} (layer "
                 f"{op.layer or '?'!r}): {fmt_bytes(self.floor_bytes[worst])} must be resident "
-                "there (its working set plus tensors used on both sides of it)")
+                "there (its own tensors, the step's outputs and tensors no schedule can move)")

@@ -22,6 +22,7 @@ from proto.tape import Tape
 from proto.vm import schedule
 from proto.vm.executor import Executor
 from proto.vm.liveness import BudgetError, fmt_bytes
+from proto.vm.pool import managed_bytes
 
 PAGE = 2 << 20            # the UM driver's large-page (VA block) size
 MANAGED_LIMIT = 16 << 30  # never ask for more managed memory than this, whatever the card
@@ -229,8 +230,8 @@ def measure_link(nbytes: int = 256 << 20, reps: int = 3) -> dict[str, float]:
     stream = cuda.stream()
     host = cuda.pinned_array(n, np.float32)
     dev = cuda.device_array(n, np.float32)
-    managed = cuda.managed_array(n, np.float32)
-    managed[:] = 1.0
+    managed = managed_bytes(nbytes).view(np.float32)
+    managed.copy_to_device(np.ones(n, np.float32))
     ptr = int(managed.device_ctypes_pointer.value)
 
     def timed(fn, setup=None):

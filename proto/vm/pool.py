@@ -30,7 +30,9 @@ class Block:
     nbytes: int
 
 
-def _first_fit(blocks: list[Block], align: int) -> tuple[dict[object, int], int]:
+def _fit(blocks: list[Block], align: int, best: bool) -> tuple[dict[object, int], int]:
+    """Place blocks in the given order, each in a hole clear of the placed blocks it meets in
+    time: the lowest such hole (first fit) or the tightest one (best fit)."""
     offsets: dict[object, int] = {}
     placed: list[tuple[Block, int]] = []
     arena = 0
@@ -38,11 +40,18 @@ def _first_fit(blocks: list[Block], align: int) -> tuple[dict[object, int], int]
         size = align_up(blk.nbytes, align)
         busy = sorted((off, off + align_up(other.nbytes, align)) for other, off in placed
                       if other.first <= blk.last and blk.first <= other.last)
-        offset = 0
+        holes, cursor = [], 0
         for start, end in busy:
-            if offset + size <= start:
-                break
-            offset = max(offset, end)
+            if start - cursor >= size:
+                holes.append((start - cursor, cursor))
+            cursor = max(cursor, end)
+        top = cursor                       # above every busy block: always fits
+        if holes and best:
+            offset = min(holes)[1]
+        elif holes:
+            offset = holes[0][1]
+        else:
+            offset = top
         offsets[blk.key] = offset
         placed.append((blk, offset))
         arena = max(arena, offset + size)
@@ -52,16 +61,27 @@ def _first_fit(blocks: list[Block], align: int) -> tuple[dict[object, int], int]
 def place(blocks: list[Block], align: int = ALIGN) -> tuple[dict[object, int], int]:
     """Offsets such that blocks alive during a common op never overlap; returns (offsets, arena bytes).
 
-    First fit (each block at the lowest offset clear of the placed blocks it meets in time),
-    trying a few orders and keeping the smallest arena: largest first, longest-lived first,
-    earliest first. Not optimal (that problem is NP-hard) but tight on layer-ordered nets.
+    Greedy placement in a few orders (largest first, longest-lived first, most byte-ops
+    first, earliest first), each by first fit and by best fit; the smallest arena wins. Not
+    optimal (that problem is NP-hard) but tight on layer-ordered nets.
     """
     orders = (lambda b: (-b.nbytes, b.first, b.last),
               lambda b: (-(b.last - b.first), -b.nbytes, b.first),
               lambda b: (-(b.last - b.first + 1) * b.nbytes, b.first),
               lambda b: (b.first, -b.nbytes, b.last))
-    return min((_first_fit(sorted(blocks, key=order), align) for order in orders),
+    return min((_fit(sorted(blocks, key=order), align, best) for order in orders for best in (False, True)),
                key=lambda result: result[1])
+
+
+def managed_bytes(nbytes: int):
+    """`nbytes` of managed memory seen as a plain device array of bytes.
+
+    numba's ManagedNDArray is also a NumPy array, and NumPy's slicing and reshaping drop its
+    device pointer; a DeviceNDArray over the same buffer slices like any device array (and
+    keeps the buffer alive through `gpu_data`)."""
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    owner = cuda.managed_array(nbytes, dtype=np.uint8)
+    return DeviceNDArray((nbytes,), (1,), np.uint8, gpu_data=owner.gpu_data)
 
 
 class DevicePool:
@@ -76,8 +96,8 @@ class DevicePool:
         if capacity > budget:
             raise OutOfBudget(f"arena of {fmt_bytes(capacity)} passes the budget {fmt_bytes(budget)}")
         self.budget, self.capacity = int(budget), int(capacity)
-        alloc = cuda.managed_array if managed and not backend.SIMULATOR else cuda.device_array
-        self.arena = alloc(max(self.capacity, ALIGN), dtype=np.uint8)
+        size = max(self.capacity, ALIGN)
+        self.arena = managed_bytes(size) if managed and not backend.SIMULATOR else cuda.device_array(size, np.uint8)
         self.live: dict[str, tuple[int, int]] = {}   # name -> (offset, nbytes)
         self.live_bytes = 0
         self.peak_bytes = 0

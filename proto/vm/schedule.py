@@ -1,40 +1,50 @@
-"""The AutoVM planner: which activations leave the device, when they go, when they come back.
+"""The AutoVM planner: which tensors leave the device, when they go, when they come back.
 
-From the tape's layer order and each tensor's uses (liveness.py) the planner picks gaps to spend
+From the tape's op order and each tensor's uses (liveness.py) the planner picks gaps to spend
 off the device until every op fits the budget, then turns them into actions around each op:
 
-    before[i]:  release (compute waits for an eviction's copy, then its bytes are free)
-                alloc   (first write of a tensor, at a planned arena offset)
-                prefetch (host -> device on the H2D stream, after the compute work so far)
-                wait    (compute waits for a prefetch that op i or a recompute needs)
-                recompute (re-run a cheap producer op instead of copying its output back)
-    after[i]:   evict   (device -> pinned host on the D2H stream, after op i)
-                drop    (forget a tensor that will be recomputed)
-                free    (last use)
+    before[i]:  release   compute waits for an eviction's copy; its bytes are free again
+                alloc     a tensor's first write this step, at a planned arena offset
+                prefetch  host -> device on the H2D stream, once compute is done with the bytes
+                wait      compute waits for a prefetch that op i (or a recompute) reads
+                recompute re-run a cheap producer op instead of copying its output back
+    after[i]:   evict     device -> pinned host on the D2H stream, after op i
+                discard   the host copy is still current (nothing wrote the tensor since it
+                          arrived): just free the device bytes, nothing to copy
+                drop      forget a tensor that will be recomputed
+                free      last use
+    end:        release   evictions still in flight when the step ends
+
+Persistent tensors whose wrap gap is spent on the host are *homed* there: each step prefetches
+them before their first use and evicts them after their last (the momentum buffers, the big
+classifier weights). The rest stay at fixed offsets.
 
 The plan is plain data so `validate` can check it without a GPU: nothing is touched while not
-resident, the budget holds after every action, blocks never overlap, and every tensor sent away
-comes back before its next use. The executor (executor.py) only replays it.
+resident, the budget holds after every action, blocks never overlap, and every tensor sent
+away comes back before its next use. The executor (executor.py) only replays it.
 
 Timing model (to place releases and prefetches so copies overlap compute): ops take
 `op_seconds`, copies take bytes / link bandwidth on one FIFO stream per direction. An eviction
 is released at the first op that starts after its copy should be done; a prefetch is issued
-at the last op boundary from which it can still arrive in time (or `lookahead` ops ahead).
+at the last op boundary from which it still arrives in time (or `lookahead` ops ahead).
 Where the budget is tighter than that allows, windows are widened and compute waits.
+Time and op indices of the next step continue past n (op i of the next step is n + i).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from typing import Literal
 
 from proto.tape import Tape
-from proto.vm.liveness import BudgetError, Gap, Liveness, fmt_bytes
-from proto.vm.pool import Block, align_up, place
+from proto.vm.liveness import BudgetError, Gap, Liveness, align_up, fmt_bytes
+from proto.vm.pool import Block, place
 
-ActionKind = Literal["alloc", "free", "evict", "release", "prefetch", "wait", "drop", "recompute"]
+ActionKind = Literal["alloc", "free", "evict", "discard", "release", "prefetch", "wait", "drop",
+                     "recompute"]
 _BEFORE_ORDER = {"release": 0, "alloc": 1, "prefetch": 2, "wait": 3, "recompute": 4}
-_AFTER_ORDER = {"evict": 0, "drop": 1, "free": 2}
+_AFTER_ORDER = {"evict": 0, "discard": 1, "drop": 2, "free": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,30 +66,27 @@ class Link:
 class Plan:
     budget: int
     arena_bytes: int
-    persistent: dict[str, int]          # name -> offset; resident for the whole step
+    persistent: dict[str, int]          # name -> offset: resident at a fixed place all step
+    homed: tuple[str, ...]              # persistent tensors that live on the host between steps
     before: list[list[Action]]
     after: list[list[Action]]
+    end: list[Action]
     offloaded: list[Gap]                # gaps spent on the host
     recomputed: list[Gap]               # gaps spent dropped, then recomputed
     peak_bytes: int                     # the most bytes resident at any point
-
-    @property
-    def d2h_bytes(self) -> int:
-        return sum(g.nbytes for g in self.offloaded)
-
-    @property
-    def h2d_bytes(self) -> int:
-        return self.d2h_bytes
+    d2h_bytes: int = 0                  # copied each step, each way
+    h2d_bytes: int = 0
 
     def link_seconds(self, link: Link) -> float:
         """Time the host link needs for this plan's copies (the two directions run at once)."""
         return max(self.d2h_bytes / link.d2h, self.h2d_bytes / link.h2d)
 
     def actions(self):
-        """(slot, op index, action) in execution order; slot is 'before' or 'after'."""
+        """(slot, op index, action) in execution order; slot is 'before', 'after' or 'end'."""
         for i, (pre, post) in enumerate(zip(self.before, self.after)):
             yield from (("before", i, a) for a in pre)
             yield from (("after", i, a) for a in post)
+        yield from (("end", len(self.before), a) for a in self.end)
 
 
 class PlanError(AssertionError):
@@ -99,54 +106,95 @@ def estimate_op_seconds(tape: Tape, flops_per_s: float = 20e12, bytes_per_s: flo
 @dataclasses.dataclass
 class _Choice:
     mode: Literal["offload", "recompute"]
-    release_by: int    # release no later than before this op (forced when the budget is tight)
+    release_by: int     # release no later than before this op (forced when the budget is tight)
     prefetch_from: int  # prefetch no earlier than this op
+
+
+def _contains(window: tuple[int, int], i: int, n: int) -> bool:
+    """Is op i of this step inside [release, prefetch) (which may run into the next step)?"""
+    r, p = window
+    return r <= i < p or r <= i + n < p
 
 
 class _Planner:
     def __init__(self, tape: Tape, op_seconds, link: Link, lookahead: int | None):
         self.tape, self.link, self.lookahead = tape, link, lookahead
-        self.n = len(tape.ops)
+        self.n = n = len(tape.ops)
         self.op_seconds = list(op_seconds) if op_seconds is not None else estimate_op_seconds(tape)
-        if len(self.op_seconds) != self.n:
-            raise ValueError(f"op_seconds: expected {self.n} values (one per op), got {len(self.op_seconds)}")
-        self.start = list(itertools.accumulate(self.op_seconds, initial=0.0))  # start[i]: op i begins
+        if len(self.op_seconds) != n:
+            raise ValueError(f"op_seconds: expected {n} values (one per op), got {len(self.op_seconds)}")
+        # start[i]: when op i begins, for this step and the next (i up to 2n)
+        self.start = list(itertools.accumulate(self.op_seconds * 2, initial=0.0))
+        self._dirty_memo: dict = {}
 
     # -- when copies can overlap compute --------------------------------------------------
     def _release_op(self, g: Gap, d2h_free: float) -> tuple[int, float]:
-        """The first op that starts after g's eviction (queued behind `d2h_free`) is done."""
+        """The first op that starts after g's eviction (queued behind `d2h_free`) is done;
+        at most the end of the step (n)."""
         done = max(self.start[g.after + 1], d2h_free) + g.nbytes / self.link.d2h
-        r = g.after + 1
-        while r < g.before and self.start[r] < done:
-            r += 1
-        return r, done
+        return bisect.bisect_left(self.start, done, g.after + 1, min(g.before, self.n)), done
 
-    def _prefetch_op(self, g: Gap, h2d_next: float) -> tuple[int, float]:
+    def _prefetch_op(self, g: Gap, h2d_next: float, live: Liveness) -> tuple[int, float]:
         """The last op boundary from which g's prefetch (queued before one that starts at
-        `h2d_next`) still lands before op g.before starts; or `lookahead` ops ahead."""
+        `h2d_next`) still lands before op g.before starts; or `lookahead` ops ahead. A wrap
+        gap's prefetch happens in the step that uses it (from op n on)."""
+        if not live.reads_at(g.tensor, g.before % self.n):
+            return g.before, h2d_next          # the use overwrites it: nothing comes back
+        lo = max(g.after + 1, self.n if g.wrap else 0)
         if self.lookahead is not None:
-            p = max(g.before - self.lookahead, g.after + 1)
+            p = max(g.before - self.lookahead, lo)
             return p, self.start[p]
         latest = min(self.start[g.before], h2d_next) - g.nbytes / self.link.h2d
-        p = g.before
-        while p > g.after + 1 and self.start[p] > latest:
-            p -= 1
+        p = max(bisect.bisect_right(self.start, latest, lo, g.before + 1) - 1, lo)
         return p, min(self.start[p], latest)
 
-    def natural_window(self, g: Gap) -> tuple[int, int]:
+    def natural_window(self, g: Gap, live: Liveness) -> tuple[int, int]:
         """Ops [release, prefetch) g would spend off the device with the copy streams to itself."""
-        return self._release_op(g, 0.0)[0], self._prefetch_op(g, float("inf"))[0]
+        return self._release_op(g, 0.0)[0], self._prefetch_op(g, float("inf"), live)[0]
 
-    def windows(self, chosen: dict[Gap, _Choice]) -> dict[Gap, tuple[int, int]]:
+    def dirty(self, live: Liveness, chosen: dict[Gap, _Choice]) -> set[Gap]:
+        """Offloaded gaps whose eviction must copy: the tensor was written since it last came
+        from the host (homed tensors start the step with a current host copy)."""
+        out = set()
+        by_tensor: dict[str, list[Gap]] = {}
+        for g in chosen:
+            by_tensor.setdefault(g.tensor, []).append(g)
+        for name, gaps in by_tensor.items():
+            key = (id(live), tuple(sorted((g.after, g.before, chosen[g].mode) for g in gaps)))
+            hit = self._dirty_memo.get((name, key))
+            if hit is None:
+                hit = self._dirty_memo[(name, key)] = self._dirty_chain(live, name, gaps, chosen)
+            out.update(hit)
+        return out
+
+    @staticmethod
+    def _dirty_chain(live: Liveness, name: str, gaps: list[Gap], chosen) -> list[Gap]:
+        out, host_current, pos = [], name in live.persistent, 0
+        for g in sorted(gaps, key=lambda g: g.after):
+            if live.written_between(name, pos, g.after):
+                host_current = False
+            if chosen[g].mode == "recompute":
+                host_current = False
+            elif not host_current:
+                out.append(g)
+                host_current = True
+            pos = g.before
+        return out
+
+    def windows(self, live: Liveness, chosen: dict[Gap, _Choice]) -> dict[Gap, tuple[int, int]]:
         """Ops [release, prefetch) during which each chosen gap holds no device memory, with
         evictions queued FIFO on one stream and prefetches on another."""
         offload = [g for g, c in chosen.items() if c.mode == "offload"]
+        dirty = self.dirty(live, chosen)
         release, d2h_free = {}, 0.0
         for g in sorted(offload, key=lambda g: (g.after, g.tensor)):
-            release[g], d2h_free = self._release_op(g, d2h_free)
+            if g in dirty:
+                release[g], d2h_free = self._release_op(g, d2h_free)
+            else:
+                release[g] = g.after + 1    # the host copy is current: free at once
         prefetch, h2d_next = {}, float("inf")
         for g in sorted(offload, key=lambda g: (-g.before, g.tensor)):
-            prefetch[g], h2d_next = self._prefetch_op(g, h2d_next)
+            prefetch[g], h2d_next = self._prefetch_op(g, h2d_next, live)
         out = {}
         for g, c in chosen.items():
             if c.mode == "recompute":
@@ -156,98 +204,190 @@ class _Planner:
                 out[g] = (r, min(max(prefetch[g], c.prefetch_from, r), g.before))
         return out
 
+    def link_seconds(self, live: Liveness, chosen: dict[Gap, _Choice]) -> float:
+        """Host-link time of the copies `chosen` implies (both directions run at once)."""
+        dirty = self.dirty(live, chosen)
+        d2h = sum(g.nbytes for g in dirty)
+        h2d = sum(g.nbytes for g, c in chosen.items()
+                  if c.mode == "offload" and live.reads_at(g.tensor, g.before % self.n))
+        return max(d2h / self.link.d2h, h2d / self.link.h2d)
+
     def profile(self, live: Liveness, windows) -> list[int]:
         """Resident bytes during each op when each gap frees its window."""
-        diff = [0] * (self.n + 1)
+        n = self.n
+        diff = [0] * (2 * n + 1)
         for g, (r, p) in windows.items():
             if r < p:
-                diff[r] -= g.nbytes
-                diff[p] += g.nbytes
-        return [b + d for b, d in zip(live.live_bytes, itertools.accumulate(diff))]
+                diff[r] += g.nbytes
+                diff[p] -= g.nbytes
+        freed = list(itertools.accumulate(diff))
+        return [live.live_bytes[i] - freed[i] - freed[i + n] for i in range(n)]
 
     # -- choosing gaps until every op fits ------------------------------------------------
-    def fit(self, live: Liveness, budget: int, chosen: dict[Gap, _Choice], order: str) -> dict[Gap, _Choice]:
-        """Add or widen gaps, first over-budget op first, until the profile fits."""
-        score = (lambda g: g.length) if order == "gap" else (lambda g: g.nbytes * g.length)
+    def fit(self, live: Liveness, limits: list[int], chosen: dict[Gap, _Choice], order: str) -> dict[Gap, _Choice]:
+        """Add or widen gaps, first over-budget op first, until the profile fits (op i may
+        hold at most limits[i] bytes).
+
+        Choosing a persistent tensor's gap inside the step also chooses its wrap gap: the
+        tensor then starts and ends each step on the host, so it needs no fixed place."""
+        n = self.n
+        wrap_of = {g.tensor: g for g in live.gaps if g.wrap}
+
+        def traffic(g):
+            """Bytes over the link per step if g is spent on the host (a guess: the exact
+            count depends on the other choices), counting the wrap gap it would drag in."""
+            if g.wrap:
+                written = live.written_between(g.tensor, 0, n - 1)
+            else:
+                written = live.written_between(g.tensor, live.first(g.tensor), g.after)
+            moved = g.nbytes * (written + live.reads_at(g.tensor, g.before % n))
+            drag = wrap_of.get(g.tensor)
+            return moved + (traffic(drag) if drag is not None and drag != g and drag not in chosen else 0)
+
+        score = {"gap": lambda g: g.length,
+                 "bytes_x_gap": lambda g: g.nbytes * g.length,
+                 "per_traffic": lambda g: g.nbytes * g.length / max(traffic(g), 1)}[order]
+
+        def choose(g):
+            if g.tensor in wrap_of:
+                chosen.setdefault(wrap_of[g.tensor], _Choice("offload", 2 * n, 0))
+            return chosen.setdefault(g, _Choice("offload", 2 * n, 0))
+
         while True:
-            windows = self.windows(chosen)
+            windows = self.windows(live, chosen)
             prof = self.profile(live, windows)
-            i = next((k for k in range(self.n) if prof[k] > budget), None)
+            i = next((k for k in range(n) if prof[k] > limits[k]), None)
             if i is None:
-                return chosen
-            covering = [g for g in live.gaps if g.after < i < g.before]
-            fresh = [g for g in covering if g not in chosen
-                     and self.natural_window(g)[0] <= i < self.natural_window(g)[1]]
-            if fresh:   # a gap whose copies can overlap compute frees op i: take the best
-                chosen[max(fresh, key=lambda g: (score(g), g.tensor))] = _Choice("offload", self.n, 0)
+                return self._prune(live, limits, chosen, windows)
+            covering = [g for g in live.gaps if g.covers(i, n)]
+            fresh = [g for g in covering
+                     if g not in chosen and _contains(self.natural_window(g, live), i, n)]
+            if fresh:   # gaps whose copies can overlap compute free op i: take the best
+                need = prof[i] - limits[i]
+                for g in sorted(fresh, key=lambda g: (score(g), g.tensor, g.after), reverse=True):
+                    choose(g)
+                    need -= g.nbytes
+                    if need <= 0:
+                        break
                 continue
             # Otherwise compute will have to wait somewhere: widen the window of the biggest
             # tensor (already chosen or not) until it covers op i.
-            stuck = [g for g in covering if not (g in windows and windows[g][0] <= i < windows[g][1])]
+            stuck = [g for g in covering if not (g in windows and _contains(windows[g], i, n))]
             if not stuck:
                 raise BudgetError(f"no tensor can leave the device at op {self.tape.ops[i].name!r}")
-            c = chosen.setdefault(max(stuck, key=lambda g: (g.nbytes, g in chosen, g.tensor)),
-                                  _Choice("offload", self.n, 0))
-            c.release_by = min(c.release_by, i)
-            c.prefetch_from = max(c.prefetch_from, i + 1)
+            need = prof[i] - limits[i]
+            for g in sorted(stuck, key=lambda g: (g.nbytes, g in chosen, g.tensor, g.after), reverse=True):
+                c = choose(g)
+                if g.after < i:            # open the window from op i on ...
+                    c.release_by = min(c.release_by, i)
+                    c.prefetch_from = max(c.prefetch_from, i + 1)
+                else:                      # ... or, for a wrap gap, until op i of the next step
+                    c.prefetch_from = max(c.prefetch_from, i + n + 1)
+                need -= g.nbytes
+                if need <= 0:
+                    break
+
+
+    def _prune(self, live, limits, chosen, windows) -> dict[Gap, _Choice]:
+        """Undo choices the step turns out not to need: fixing ops one at a time, early ones
+        take gaps that later choices make redundant. Try dropping each offloaded gap, the
+        biggest first (a wrap gap together with the tensor's other gaps, which need it), and
+        keep every drop after which the step still fits."""
+        n = self.n
+        prof = self.profile(live, windows)
+        for g in sorted(chosen, key=lambda g: (-g.nbytes, g.tensor, g.after)):
+            if g not in chosen or chosen[g].mode != "offload":
+                continue
+            gone = [k for k in chosen if k == g or (g.wrap and k.tensor == g.tensor)]
+            # Quick refusal: the bytes coming back alone would pass a limit.
+            back = [0] * n
+            for k in gone:
+                r, p = windows[k]
+                for j in range(r, p):
+                    back[j % n] += k.nbytes
+            if any(prof[i] + back[i] > limits[i] for i in range(n)):
+                continue
+            trial = {k: v for k, v in chosen.items() if k not in gone}
+            trial_windows = self.windows(live, trial)
+            trial_prof = self.profile(live, trial_windows)
+            if all(b <= lim for b, lim in zip(trial_prof, limits)):
+                chosen, windows, prof = trial, trial_windows, trial_prof
+        return chosen
 
 
 def plan(tape: Tape, budget: int | None = None, *, op_seconds=None, link: Link = Link(),
-         lookahead: int | None = None, recompute: bool = False, order: str = "bytes_x_gap") -> Plan:
+         lookahead: int | None = None, recompute: bool = False, order: str = "per_traffic") -> Plan:
     """Schedule one training step of `tape` to hold at most `budget` device bytes.
 
     budget None: the unconstrained plan (nothing moves; the arena is the placed peak).
     op_seconds: measured (or estimated) seconds of each op; link: host-link bandwidth.
     lookahead: issue each prefetch this many ops before its use (None: from the timing model).
     recompute: where the link is the bottleneck, recompute cheap activations instead of copying.
-    order: which gap to spend first, 'gap' (longest) or 'bytes_x_gap' (most byte-ops freed).
+    order: which gap to spend first: 'gap' (longest), 'bytes_x_gap' (most byte-ops freed) or
+        'per_traffic' (most byte-ops freed per byte the link must carry: clean tensors, which
+        go back without a copy, are cheap).
     Raises BudgetError (naming the op and the bytes it needs) if the budget cannot work.
     """
-    if order not in ("gap", "bytes_x_gap"):
-        raise ValueError(f"order: expected 'gap' or 'bytes_x_gap', got {order!r}")
+    if order not in ("gap", "bytes_x_gap", "per_traffic"):
+        raise ValueError(f"order: expected 'gap', 'bytes_x_gap' or 'per_traffic', got {order!r}")
     if lookahead is not None and lookahead < 1:
         raise ValueError(f"lookahead: expected a positive number of ops, got {lookahead}")
     planner = _Planner(tape, op_seconds, link, lookahead)
     if budget is None:
-        return _build(Liveness(tape), {}, planner, budget=None)
+        return _build(Liveness(tape), {}, planner, budget=None)[0]
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget: expected a positive number of bytes, got {budget!r}")
     Liveness(tape).check_budget(budget)
-    # Fragmentation can make the placed arena larger than the profile's peak: plan again
-    # against a smaller target until the placement fits the real budget.
-    target = budget
-    for _ in range(16):
-        live = Liveness(tape)
-        try:
-            live.check_budget(target)
-            chosen = planner.fit(live, target, {}, order)
+    # Placement can fragment: the arena then needs more than the profile's peak. Lower the
+    # target of the ops where it overflows (never below what they must hold) and plan again;
+    # when that stops helping, lower every op's target.
+    live, chosen = Liveness(tape), {}
+    need = [max(f, live.working_set(i)) for i, f in enumerate(live.floor_bytes)]
+    limits = [budget] * len(tape.ops)
+    for attempt in range(24):
+        try:   # limits only come down: the last choices are a fine start
+            chosen = planner.fit(live, limits, {g: dataclasses.replace(c) for g, c in chosen.items()}, order)
         except BudgetError:
+            if attempt == 0:
+                raise
             break
-        if recompute:
-            live, chosen, _ = _convert_to_recompute(tape, live, chosen, planner, target, order)
-        result = _build(live, chosen, planner, budget=budget)
+        used = live, chosen
+        result, extent = _build(live, chosen, planner, budget=budget)
+        if recompute:   # worth it only if it still packs
+            converted = _convert_to_recompute(tape, live, chosen, planner, limits, order)
+            more = _build(*converted, planner, budget=budget)
+            if more[0].arena_bytes <= budget or result.arena_bytes > budget:
+                (result, extent), used = more, converted
         if result.arena_bytes <= budget:
             return result
-        target -= max(result.arena_bytes - budget, align_up(1))
+        held = planner.profile(used[0], planner.windows(*used))
+        excess = result.arena_bytes - budget
+        lowered = [max(min(lim, h) - (e - budget), n) if e > budget else lim
+                   for lim, e, h, n in zip(limits, extent, held, need)]
+        if lowered == limits:
+            lowered = [max(min(lim, h) - excess, n) for lim, h, n in zip(limits, held, need)]
+        if lowered == limits:
+            break
+        limits = lowered
     raise BudgetError(f"budget {fmt_bytes(budget)}: the schedule fits in bytes, but its blocks do "
                       "not pack into an arena that small (fragmentation); give a little more")
 
 
 def _can_recompute(live: Liveness, g: Gap, chosen: dict[Gap, _Choice], planner: _Planner) -> bool:
-    """Recompute g.tensor just before op g.before instead of copying it when: its producer
-    writes only it; the producer's inputs still hold the same values there and stay alive past
-    it anyway (so no lifetime grows) and none of them is itself dropped across that point; and
-    the producer runs faster than one copy of the tensor over the host link."""
+    """Recompute g.tensor just before op g.before instead of copying it when: it is transient
+    and its producer writes only it; the producer's inputs still hold the same values there and
+    stay alive past it anyway (so no lifetime grows) and none is itself dropped across that
+    point; and the producer runs faster than one copy of the tensor over the host link."""
+    if g.wrap or g.tensor in live.persistent:
+        return False
     p = live.first(g.tensor)
     if live.writes[p] != {g.tensor} or g.tensor in live.reads[p]:
         return False
     if planner.op_seconds[p] >= g.nbytes / min(planner.link.h2d, planner.link.d2h):
         return False
     for y in live.reads[p]:
-        if any(y in live.writes[k] for k in range(p + 1, g.before)):
+        if live.written_between(y, p + 1, g.before - 1):
             return False
-        if y in live.persistent:
-            continue
         if live.last(y) < g.before:
             return False
         if any(h.tensor == y and c.mode == "recompute" and h.after < g.before < h.before
@@ -256,28 +396,30 @@ def _can_recompute(live: Liveness, g: Gap, chosen: dict[Gap, _Choice], planner: 
     return True
 
 
-def _convert_to_recompute(tape, live, chosen, planner, budget, order):
+def _convert_to_recompute(tape, live, chosen, planner, limits, order):
     """Turn offloaded gaps, biggest first, into recomputations where that beats the link;
-    keep each conversion only if the step still fits."""
+    keep each conversion only if the step still fits and the link has less to carry (an
+    input read again earlier can push other tensors out)."""
     extra: dict[str, frozenset[int]] = {}
     for g in sorted([g for g, c in chosen.items() if c.mode == "offload"], key=lambda g: (-g.nbytes, g.tensor)):
         if g not in chosen or not _can_recompute(live, g, chosen, planner):
             continue
         # The producer's inputs are read again just before op g.before.
         trial_extra = dict(extra)
-        for y in live.reads[live.first(g.tensor)] - set(live.persistent):
+        for y in live.reads[live.first(g.tensor)]:
             trial_extra[y] = trial_extra.get(y, frozenset()) | {g.before}
         trial_live = Liveness(tape, trial_extra)
         if g not in set(trial_live.gaps):
             continue
         trial = _rekey(chosen, trial_live)
-        trial[g] = _Choice("recompute", planner.n, 0)
+        trial[g] = _Choice("recompute", 2 * planner.n, 0)
         try:
-            trial = planner.fit(trial_live, budget, trial, order)
+            trial = planner.fit(trial_live, limits, trial, order)
         except BudgetError:
             continue
-        live, chosen, extra = trial_live, trial, trial_extra
-    return live, chosen, extra
+        if planner.link_seconds(trial_live, trial) < planner.link_seconds(live, chosen):
+            live, chosen, extra = trial_live, trial, trial_extra
+    return live, chosen
 
 
 def _rekey(chosen: dict[Gap, _Choice], live: Liveness) -> dict[Gap, _Choice]:
@@ -293,40 +435,81 @@ def _rekey(chosen: dict[Gap, _Choice], live: Liveness) -> dict[Gap, _Choice]:
     return out
 
 
-def _build(live: Liveness, chosen: dict[Gap, _Choice], planner: _Planner, budget) -> Plan:
-    """Turn chosen gaps into placed blocks and per-op actions."""
+def _build(live: Liveness, chosen: dict[Gap, _Choice], planner: _Planner, budget) -> tuple[Plan, list[int]]:
+    """Turn chosen gaps into placed blocks and per-op actions; also returns, per op, the
+    highest arena byte in use (above the budget where placement fragmented)."""
     tape, n = live.tape, live.n_ops
-    # Gaps whose window came out empty free nothing: those tensors just stay.
-    windows = {g: w for g, w in planner.windows(chosen).items() if w[0] < w[1]}
-    blocks = [Block(("persistent", name), 0, max(n - 1, 0), live.nbytes(name))
-              for name in live.persistent]
-    spans: dict[str, list[tuple[int, int, Gap | None]]] = {}   # name -> [(first op, last op, gap after)]
+    windows = planner.windows(live, chosen)
+    dirty = planner.dirty(live, chosen)
+    homed = sorted(g.tensor for g in windows if g.wrap)
+    fixed = [name for name in live.persistent if name not in homed]
+    blocks = [Block(("fixed", name), 0, max(n - 1, 0), live.nbytes(name)) for name in fixed]
+
+    # Each moving tensor's device residency: [(first op, last op, gap that ends it or None)]
+    spans: dict[str, list[tuple[int, int, Gap | None]]] = {}
     for name in live.uses:
-        start, parts = live.first(name), []
-        for g in sorted((g for g in windows if g.tensor == name), key=lambda g: g.after):
+        if name in fixed:
+            continue
+        gaps = sorted((g for g in windows if g.tensor == name and not g.wrap), key=lambda g: g.after)
+        wrap = next((g for g in windows if g.tensor == name and g.wrap), None)
+        start = live.first(name) if wrap is None else windows[wrap][1] - n
+        parts = []
+        for g in gaps:
             parts.append((start, windows[g][0] - 1, g))
             start = windows[g][1]
-        parts.append((start, live.last(name), None))
+        end = live.last(name) if wrap is None else windows[wrap][0] - 1
+        parts.append((start, end, wrap))
         spans[name] = parts
         blocks.extend(Block((name, s), s, e, live.nbytes(name)) for s, e, _ in parts)
     offsets, arena = place(blocks)
+    extent = [0] * n
+    for blk in blocks:
+        for i in range(blk.first, blk.last + 1):
+            extent[i] = max(extent[i], offsets[blk.key] + align_up(blk.nbytes))
 
     before: list[list[Action]] = [[] for _ in range(n)]
     after: list[list[Action]] = [[] for _ in range(n)]
+    end: list[Action] = []
+    d2h = h2d = 0
+
+    def arrive(name, g, s):
+        """The tensor comes back for the use that closes gap g, into the block starting at s."""
+        nonlocal h2d
+        use = g.before % n
+        if g in chosen and chosen[g].mode == "recompute":
+            before[use].append(Action("recompute", name, offsets[(name, s)], live.first(name)))
+        elif live.reads_at(name, use):
+            before[s].append(Action("prefetch", name, offsets[(name, s)]))
+            before[use].append(Action("wait", name))
+            h2d += tape.tensors[name].nbytes
+        else:
+            before[use].append(Action("alloc", name, offsets[(name, s)]))
+
+    def leave(name, g):
+        """The tensor leaves after the use that opens gap g."""
+        nonlocal d2h
+        if chosen[g].mode == "recompute":
+            after[g.after].append(Action("drop", name))
+        elif g in dirty:
+            after[g.after].append(Action("evict", name))
+            r = windows[g][0]
+            (before[r] if r < n else end).append(Action("release", name))
+            d2h += tape.tensors[name].nbytes
+        else:
+            after[g.after].append(Action("discard", name))
+
     for name, parts in spans.items():
-        before[parts[0][0]].append(Action("alloc", name, offsets[(name, parts[0][0])]))
+        wrap = parts[-1][2]
+        if wrap is None:
+            before[parts[0][0]].append(Action("alloc", name, offsets[(name, parts[0][0])]))
+        else:
+            arrive(name, wrap, parts[0][0])
         for (_, _, g), (s_next, _, _) in zip(parts, parts[1:]):
-            off = offsets[(name, s_next)]
-            if chosen[g].mode == "recompute":
-                after[g.after].append(Action("drop", name))
-                before[g.before].append(Action("recompute", name, off, live.first(name)))
-            else:
-                r, p = windows[g]
-                after[g.after].append(Action("evict", name))
-                before[r].append(Action("release", name))
-                before[p].append(Action("prefetch", name, off))
-                before[g.before].append(Action("wait", name))
-        if name not in live.outputs:
+            leave(name, g)
+            arrive(name, g, s_next)
+        if wrap is not None:
+            leave(name, wrap)
+        elif name not in live.outputs:
             after[parts[-1][1]].append(Action("free", name))
     for i in range(n):   # recomputations in producer order: one may feed the next
         before[i].sort(key=lambda a: (_BEFORE_ORDER[a.kind], a.producer, a.tensor))
@@ -334,10 +517,11 @@ def _build(live: Liveness, chosen: dict[Gap, _Choice], planner: _Planner, budget
     by_mode = {m: sorted((g for g in windows if chosen[g].mode == m), key=lambda g: (g.after, g.tensor))
                for m in ("offload", "recompute")}
     return Plan(budget=arena if budget is None else budget, arena_bytes=arena,
-                persistent={name: offsets[("persistent", name)] for name in live.persistent},
-                before=before, after=after, offloaded=by_mode["offload"],
+                persistent={name: offsets[("fixed", name)] for name in fixed}, homed=tuple(homed),
+                before=before, after=after, end=end, offloaded=by_mode["offload"],
                 recomputed=by_mode["recompute"],
-                peak_bytes=max(planner.profile(live, windows), default=live.persistent_bytes))
+                peak_bytes=max(planner.profile(live, windows), default=live.persistent_bytes),
+                d2h_bytes=d2h, h2d_bytes=h2d), extent
 
 
 # ------------------------------------------------------------------------------- checking
@@ -346,8 +530,9 @@ def validate(tape: Tape, plan: Plan) -> None:
 
     Rules: what an op (or a recomputation) reads is resident and holds data; what an op writes
     is resident and not being copied out; resident bytes stay within the budget after every
-    action; blocks lie inside the arena and never overlap; every tensor sent to the host is
-    released, prefetched and waited for before its next use; at the end only outputs remain.
+    action; blocks lie inside the arena and never overlap; a tensor is discarded only while its
+    host copy is current; every tensor sent to the host is released, prefetched and waited for
+    before its next use; at the end only outputs remain, and homed tensors are back home.
     """
     n = len(tape.ops)
     if len(plan.before) != n or len(plan.after) != n:
@@ -355,10 +540,11 @@ def validate(tape: Tape, plan: Plan) -> None:
     if plan.arena_bytes > plan.budget:
         raise PlanError(f"arena of {plan.arena_bytes} bytes passes the budget {plan.budget}")
     live = Liveness(tape)
-    if set(plan.persistent) != set(live.persistent):
-        raise PlanError("the plan's persistent tensors differ from the tape's")
-    state: dict[str, str] = {}   # absent | resident | evicting | host | prefetching | dropped
-    filled: set[str] = set(plan.persistent)   # tensors holding data
+    if set(plan.persistent) | set(plan.homed) != set(live.persistent) or set(plan.persistent) & set(plan.homed):
+        raise PlanError("the plan's fixed and homed tensors do not split the tape's persistent ones")
+    state = {name: "host" for name in plan.homed}   # absent|resident|evicting|host|prefetching|dropped
+    filled = set(plan.persistent) | set(plan.homed)   # tensors holding data
+    host_current = set(plan.homed)                    # host copy equals the data
     held = {name: (off, align_up(tape.tensors[name].nbytes)) for name, off in plan.persistent.items()}
     where = ""
 
@@ -385,7 +571,7 @@ def validate(tape: Tape, plan: Plan) -> None:
 
     def move(name, frm, to):
         if name in plan.persistent:
-            fail(f"moves persistent tensor {name}")
+            fail(f"moves {name}, which has a fixed place")
         if state.get(name, "absent") not in frm:
             fail(f"{name} is {state.get(name, 'absent')}, expected {' or '.join(frm)}")
         state[name] = to
@@ -395,7 +581,7 @@ def validate(tape: Tape, plan: Plan) -> None:
         if act.kind == "alloc":
             if name not in tape.ops[i].writes:
                 fail(f"allocates {name} before op {i}, which does not write it")
-            move(name, ("absent",), "resident")
+            move(name, ("absent", "host"), "resident")
             filled.discard(name)
             take(name, act.offset)
         elif act.kind == "free":
@@ -405,14 +591,23 @@ def validate(tape: Tape, plan: Plan) -> None:
             if name not in filled:
                 fail(f"evicts {name}, which holds no data")
             move(name, ("resident",), "evicting")
+            host_current.add(name)
+        elif act.kind == "discard":
+            if name not in host_current:
+                fail(f"discards {name}, whose host copy is not current")
+            move(name, ("resident",), "host")
+            held.pop(name)
         elif act.kind == "release":
             move(name, ("evicting",), "host")
             held.pop(name)
         elif act.kind == "prefetch":
+            if name not in host_current:
+                fail(f"prefetches {name}, which has no current host copy")
             move(name, ("host",), "prefetching")
             take(name, act.offset)
         elif act.kind == "wait":
             move(name, ("prefetching",), "resident")
+            filled.add(name)
         elif act.kind == "drop":
             move(name, ("resident",), "dropped")
             held.pop(name)
@@ -425,6 +620,7 @@ def validate(tape: Tape, plan: Plan) -> None:
             move(name, ("dropped",), "resident")
             take(name, act.offset)
             filled.add(name)
+            host_current.discard(name)
         else:
             fail(f"unknown action kind {act.kind!r}")
 
@@ -439,10 +635,18 @@ def validate(tape: Tape, plan: Plan) -> None:
             if name not in plan.persistent and state.get(name) != "resident":
                 fail(f"writes {name} while it is {state.get(name, 'absent')}")
             filled.add(name)
+            host_current.discard(name)
         for act in plan.after[i]:
             where = f"after op {i} ({op.name}), {act.kind} {act.tensor}"
             apply(act, i)
-    left = {k: v for k, v in state.items()
-            if v != "absent" and not (v == "resident" and k in live.outputs)}
+    for act in plan.end:
+        where = f"at the end, {act.kind} {act.tensor}"
+        apply(act, n - 1)
+    where = "at the end of the step"
+    left = {k: v for k, v in state.items() if k not in plan.homed
+            and v != "absent" and not (v == "resident" and k in live.outputs)}
     if left:
-        raise PlanError(f"at the end of the step these tensors are still held: {left}")
+        fail(f"these tensors are still held: {left}")
+    away = {k: state[k] for k in plan.homed if state[k] != "host" or k not in host_current}
+    if away:
+        fail(f"homed tensors not back on the host with current data: {away}")
