@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.backend import is_device_array
+from proto.backend import extent, is_device_array
 
 
 def device_array(name: str, x, *, dtype=np.float32, shape=None, ndim=None):
@@ -57,3 +57,13 @@ def grid_stride_launch(n: int, threads: int = 256) -> tuple[int, int]:
     if SIMULATOR:
         return 1, 32
     return max(1, min((n + threads - 1) // threads, 1024)), threads
+
+
+
+def no_overlap(named: dict, pairs) -> None:
+    """Raise ValueError if any (name, name) pair of `named` device arrays shares memory
+    (an output that must not alias an input)."""
+    ranges = {name: extent(arr) for name, arr in named.items()}
+    for a, b in pairs:
+        if ranges[a][0] < ranges[b][1] and ranges[b][0] < ranges[a][1]:
+            raise ValueError(f"{a} overlaps {b}: the kernel cannot run in place")

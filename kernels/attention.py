@@ -332,22 +332,6 @@ def _partials(B: int, H: int, T: int, splits: int, hd: int):
     return _workspace[key]
 
 
-def _address_range(x) -> tuple[int, int]:
-    if SIMULATOR:  # the simulator's device array forwards .ctypes to its NumPy array
-        start = x.ctypes.data
-    else:  # (cheaper than building __cuda_array_interface__: this runs in eager launchers)
-        start = x.device_ctypes_pointer.value
-    return start, start + x.nbytes
-
-
-def _overlapping(named: dict, pairs) -> None:
-    """Raise ValueError if any (name, name) pair of `named` device arrays shares memory."""
-    ranges = {name: _address_range(arr) for name, arr in named.items()}
-    for a, b in pairs:
-        if ranges[a][0] < ranges[b][1] and ranges[b][0] < ranges[a][1]:
-            raise ValueError(f"{a} overlaps {b}")
-
-
 def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
     """Causal attention of this step's T queries over the cache, after appending its k, v.
 
@@ -374,7 +358,7 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
     if T > Tmax:
         raise ValueError(f"qkv: T={T} new positions exceed the cache size Tmax={Tmax}")
     # Outputs must not overlap what other blocks still read.
-    _overlapping({"qkv": qkv, "k_cache": k_cache, "v_cache": v_cache, "out": out},
+    _check.no_overlap({"qkv": qkv, "k_cache": k_cache, "v_cache": v_cache, "out": out},
                  (("out", "qkv"), ("out", "k_cache"), ("out", "v_cache"), ("k_cache", "qkv"),
                   ("v_cache", "qkv"), ("k_cache", "v_cache")))
     nt, splits, span = _plan(B, n_head, T, Tmax, hd)
@@ -397,7 +381,7 @@ def gather_batch(src, index, dst, *, stream=0) -> None:
     B = src.shape[0]
     _check.device_array("index", index, dtype=np.int32, shape=(B,))
     _check.device_array("dst", dst, shape=tuple(src.shape))
-    _overlapping({"dst": dst, "src": src}, (("dst", "src"),))  # cannot work in place
+    _check.no_overlap({"dst": dst, "src": src}, (("dst", "src"),))  # cannot work in place
     row = src.size // B
     threads = min(256, _round_warp(row))
     launch(gather_batch_kernel, (min(math.ceil(row / threads), 1024), B), threads,

@@ -18,6 +18,11 @@ from proto.backend import cuda
 def main(cc=(9, 0)) -> int:
     if not backend.PTX_ONLY:
         sys.exit("run with PROTO_BACKEND=ptx (compile only, no device needed)")
+    # Device functions (cuda.jit(device=True)) ask the current device for its compute
+    # capability when they are compiled into a kernel; with no device, answer with `cc`.
+    import types
+    import numba.cuda.dispatcher as dispatcher
+    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
     import kernels
     for mod in pkgutil.iter_modules(kernels.__path__):
         if not mod.name.startswith("_") and mod.name != "compile_check":

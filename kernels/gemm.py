@@ -317,19 +317,6 @@ def gemm_decode_nn_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
 
 
 # ---------------------------------------------------------------------------- launcher
-def _address_range(x) -> tuple[int, int]:
-    if backend.SIMULATOR:  # the simulator's device array forwards .ctypes to its NumPy array
-        start = x.ctypes.data
-    else:  # (cheaper than building __cuda_array_interface__, which matters in an eager launcher)
-        start = x.device_ctypes_pointer.value
-    return start, start + x.nbytes
-
-
-def _overlaps(x, y) -> bool:
-    (x0, x1), (y0, y1) = _address_range(x), _address_range(y)
-    return x0 < y1 and y0 < x1
-
-
 @functools.cache
 def _resident_blocks(kernel, threads: int) -> int:
     """How many blocks of `kernel` the whole device runs at once (one wave)."""
@@ -367,10 +354,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     batch = lead[0] if lead else 1
     if batch > 65535:
         raise ValueError(f"a: batch {batch} exceeds the grid limit 65535")
-    for name, src in (("a", a), ("b", b)):
-        if _overlaps(out, src):
-            raise ValueError(f"out: must not overlap {name} (the kernel reads {name} "
-                             "while writing out)")
+    _check.no_overlap({"out": out, "a": a, "b": b}, (("out", "a"), ("out", "b")))
     if bias is None:
         bias_arg, has_bias = out.reshape(out.size), 0  # never read
     else:

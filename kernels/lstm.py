@@ -13,7 +13,6 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels.attention import _overlapping  # (shared with gemm's copy: belongs in _check)
 from proto.backend import cuda, jit, launch
 
 THREADS = 256
@@ -65,7 +64,7 @@ def lstm_cell(gates, c_prev, h_out, c_out, *, stream=0) -> None:
     _check.device_array("gates", gates, shape=(B, 4 * H))
     _check.device_array("h_out", h_out, shape=(B, H))
     _check.device_array("c_out", c_out, shape=(B, H))
-    _overlapping({"h_out": h_out, "c_out": c_out, "gates": gates},
+    _check.no_overlap({"h_out": h_out, "c_out": c_out, "gates": gates},
                  (("h_out", "gates"), ("c_out", "gates"), ("h_out", "c_out")))
     launch(lstm_cell_kernel, min(math.ceil(B * H / THREADS), 1024), THREADS,
            (gates, c_prev, h_out, c_out), stream)

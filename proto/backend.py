@@ -60,6 +60,38 @@ if SIMULATOR:
 
 from numba import cuda  # noqa: E402  (must follow the environment set-up above)
 
+
+def _lock_simulated_shared_arrays() -> None:
+    """The simulator creates a block's `cuda.shared.array` on first use without a lock, so two
+    of its threads can each get a private copy: an occasional wrong result in any kernel that
+    shares data through shared memory. Serialize the creation (keyed, like the simulator, by
+    the calling source line)."""
+    import threading
+
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    unlocked, lock = FakeCUDAShared.array, threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory: as the simulator does
+            return unlocked(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        with lock:
+            if key not in self._allocations:
+                self._allocations[key] = np.empty(shape, dtype)
+            return self._allocations[key]
+
+    FakeCUDAShared.array = array
+
+
+if SIMULATOR:
+    _lock_simulated_shared_arrays()
+
 if os.environ.get("PROTO_QUIET") != "1":
     print(f"[proto] backend: {NAME}", file=sys.stderr)
 
@@ -143,6 +175,22 @@ def recording(recorder):
 
 def is_recording() -> bool:
     return bool(_recorders)
+
+
+def address(arr) -> int:
+    """Device address of the array's first element (the simulator's is a host address)."""
+    if SIMULATOR:
+        return arr._ary.__array_interface__["data"][0]
+    return arr.device_ctypes_pointer.value or 0
+
+
+def extent(arr) -> tuple[int, int]:
+    """[lo, hi) byte range the array's elements occupy, strides (even negative) included."""
+    lo = hi = address(arr)
+    for n, s in zip(arr.shape, arr.strides):
+        reach = (n - 1) * s
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return lo, hi + arr.dtype.itemsize
 
 
 def is_device_array(x) -> bool:

@@ -31,7 +31,7 @@ from collections import defaultdict
 import numpy as np
 
 from proto import backend
-from proto.backend import cuda, is_device_array
+from proto.backend import address, cuda, extent, is_device_array  # noqa: F401 (address re-exported)
 
 MODES = ("copy", "patch", "alias")
 
@@ -56,22 +56,6 @@ class ReplayStats:
 
 
 # ------------------------------------------------------------------------- device addresses
-def address(arr) -> int:
-    """Device address of the array's first element (the simulator's is a host address)."""
-    if backend.SIMULATOR:
-        return arr._ary.__array_interface__["data"][0]
-    return arr.device_ctypes_pointer.value or 0
-
-
-def extent(arr) -> tuple[int, int]:
-    """[lo, hi) byte range the array's elements occupy, strides (even negative) included."""
-    lo = hi = address(arr)
-    for n, s in zip(arr.shape, arr.strides):
-        reach = (n - 1) * s
-        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
-    return lo, hi + arr.dtype.itemsize
-
-
 def view_at(base, offset: int, like):
     """An array shaped and strided like `like`, starting `offset` bytes into `base`: the
     argument a node gets when its input is rebound to `base` (walk executor's patch)."""

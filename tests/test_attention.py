@@ -1,6 +1,3 @@
-import sys
-import threading
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -9,47 +6,6 @@ from kernels import attention
 from proto import backend
 from proto.backend import cuda
 from tests.helpers import assert_close, dev, rand
-
-
-@pytest.fixture(scope="module", autouse=True)
-def simulator_barriers():
-    """Two simulator fixes for kernels with barriers and shared memory (no-ops on a GPU):
-
-    - a simulated barrier waits on Python's thread switch interval (5 ms by default); 0.1 ms
-      makes these tests about 8x faster;
-    - the simulator creates a block's shared array on first use without a lock, so two
-      threads can each get a private copy (a race, likelier with the short interval, seen as
-      an occasional wrong result): serialize the creation.
-    """
-    if not backend.SIMULATOR:
-        yield
-        return
-    from numba.core import types
-    from numba.cuda.simulator.kernelapi import FakeCUDAShared
-    from numba.np import numpy_support
-    unlocked = FakeCUDAShared.array
-    lock = threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:  # dynamic shared memory / unsupported: as is
-            return unlocked(self, shape, dtype, alignment)
-        caller = sys._getframe(1)  # keyed like the simulator: by the calling source line
-        key = (caller.f_code.co_filename, caller.f_lineno)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        with lock:
-            if key not in self._allocations:
-                self._allocations[key] = np.empty(shape, dtype)
-            return self._allocations[key]
-
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    FakeCUDAShared.array = array
-    try:
-        yield
-    finally:
-        FakeCUDAShared.array = unlocked
-        sys.setswitchinterval(old_interval)
 
 
 @pytest.fixture(autouse=True)

@@ -104,10 +104,10 @@ def _raises_before_launch(exc, match, **kwargs):
 def test_out_must_not_overlap_an_input():
     sq = dev(np.ones((4, 4), np.float32))
     other = dev(np.ones((4, 4), np.float32))
-    _raises_before_launch(ValueError, "out: must not overlap a", a=sq, b=other, out=sq)
-    _raises_before_launch(ValueError, "out: must not overlap b", a=other, b=sq, out=sq)
+    _raises_before_launch(ValueError, "out overlaps a", a=sq, b=other, out=sq)
+    _raises_before_launch(ValueError, "out overlaps b", a=other, b=sq, out=sq)
     buf = dev(np.ones((8, 4), np.float32))  # out a view into the rows of b
-    _raises_before_launch(ValueError, "overlap b", a=dev(np.ones((4, 8), np.float32)),
+    _raises_before_launch(ValueError, "out overlaps b", a=dev(np.ones((4, 8), np.float32)),
                           b=buf, out=buf[4:])
 
 

@@ -6,7 +6,6 @@ from kernels import sampling
 from proto import backend
 from proto.backend import cuda
 from tests.helpers import dev
-from tests.test_attention import simulator_barriers  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture
