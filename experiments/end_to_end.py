@@ -1,0 +1,309 @@
+"""End to end: time per generated token of GPT-2 beam search, eager against graphed.
+
+Beam search (beam 5, prompt 5, no eos, so every run generates the same number of tokens)
+with random GPT-2 weights, float32, two configurations: 4 layers d=256 (4 heads) generated
+to 1024 positions, and 12 layers d=768 (12 heads) generated to 256 positions (bounds the run
+time; vocabulary 50257 and 1024 positions in both). Methods, all driving the same search
+(proto.models.generate.beam_search, whose log-softmax, top-k and host choice of beams are
+identical for every method):
+
+  numba_eager         our kernels launched one by one (GPT2.step);
+  graph_copy_exact    "PtGraph": one CUDA graph per length (position baked in), static
+                      placeholders; every step copies the tokens and the reordered KV cache in;
+  graph_alias_device  Grape: the position in device memory (one graph per cache set serves
+                      every length), alias binding: the beam gather writes the next graph's
+                      placeholder, binding moves 0 bytes;
+  torch_eager / torch_graph   the same model in plain PyTorch with a static KV cache, eager
+                      and as one torch.cuda.CUDAGraph with inputs copied in
+                      (experiments/torch_gpt2.py; GPU only).
+
+Per method: a short warm-up generation (first-call costs), one untimed generation timed end to
+end (-> ms per token), one generation with every phase synchronized (-> input preparation,
+model, search per token; the second figure). Graphs are all captured before timing
+(largest first), and capture time and driver memory are recorded. On the GPU the decode step
+alone is also timed at the middle position: our alias graph's replay against the sum of its
+kernels' GPU times (torch.profiler, which sees Numba kernels inside graph replays) and
+against PyTorch's CUDA-graphed step. Toy size: a tiny model, 2 tokens, simulator.
+
+    python -c "from experiments import end_to_end as e; e.run('full'); e.plot()"
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from experiments import common
+from proto import backend, timing
+from proto.models import generate
+from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
+from proto.models.graphed import GraphedGPT2
+
+NAME = "end_to_end"
+METHODS = ["numba_eager", "graph_copy_exact", "graph_alias_device", "torch_eager", "torch_graph"]
+SIZES = {
+    # (label, config, positions generated to)
+    "toy": dict(setups=[("toy-1L-d8", GPT2Config(1, 8, 2, 13, 8), 2)], beam=2, prompt_len=1,
+                build_all=False, untimed=False),
+    "full": dict(setups=[("4L-d256", GPT2Config(4, 256, 4, 50257, 1024), 1024),
+                         ("12L-d768", GPT2Config(12, 768, 12, 50257, 1024), 256)],
+                 beam=5, prompt_len=5, build_all=True, untimed=True),
+}
+STEP_REPLAYS = 10  # replays per timed sample: the host's checks overlap the GPU's work
+
+
+# ------------------------------------------------------------------------- methods
+class _Eager:
+    def __init__(self, model, beam: int, max_len: int):
+        self.model, self.beam = model, beam
+        self.caches = (KVCache(model.config, beam, max_len), KVCache(model.config, beam, max_len))
+        self.inputs = generate.DecodeInputs.allocate(beam)
+
+    def generate(self, prompt, new: int, timed: bool):
+        return generate.beam_search(self.model, prompt, beam=self.beam, max_new_tokens=new,
+                                    caches=self.caches, inputs=self.inputs, timed=timed)
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.caches = ()
+
+
+class _Graphed:
+    def __init__(self, model, beam: int, max_len: int, binding: str, strategy: str,
+                 build_all: bool):
+        self.g = GraphedGPT2(model, batch=beam, max_len=max_len, binding=binding,
+                             strategy=strategy, build_all=build_all)
+
+    def generate(self, prompt, new: int, timed: bool):
+        return self.g.beam_search(prompt, max_new_tokens=new, timed=timed)
+
+    def info(self) -> dict:
+        stats, memory = self.g.stats(), self.g.memory_bytes
+        return {"graphs": self.g.num_graphs, "graph_nodes": self.g.num_nodes,
+                "graph_memory_mib": None if memory is None else round(memory / 2**20, 2),
+                "bytes_copied_per_step": round(stats.bytes_copied / max(stats.replays, 1)),
+                "bind_us_per_step": round(stats.bind_us_per_replay, 2)}
+
+    def close(self) -> None:
+        self.g.close()
+
+
+class _Torch:
+    def __init__(self, config, state_dict, beam: int, max_len: int, graphed: bool):
+        from experiments.torch_gpt2 import TorchDecoder
+        self.dec = TorchDecoder(config, state_dict, batch=beam, max_len=max_len, graphed=graphed)
+
+    def generate(self, prompt, new: int, timed: bool):
+        return self.dec.beam_search(prompt, max_new_tokens=new, timed=timed)
+
+    def info(self) -> dict:
+        return {"graphs": 1} if self.dec.graphed else {}
+
+    def close(self) -> None:
+        self.dec.close()
+
+
+def _torch_available() -> bool:
+    if backend.SIMULATOR:
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bool):
+    if method == "numba_eager":
+        return _Eager(model, beam, max_len)
+    if method == "graph_copy_exact":
+        return _Graphed(model, beam, max_len, "copy", "exact", build_all)
+    if method == "graph_alias_device":
+        return _Graphed(model, beam, max_len, "alias", "device", build_all)
+    return _Torch(model.config, state_dict, beam, max_len, graphed=method == "torch_graph")
+
+
+# ------------------------------------------------------------------------- step timing (GPU)
+def _kernel_sum_us(replay, n: int = 20) -> tuple[float, float]:
+    """(summed GPU time of the kernels of one replay, kernels per replay), by torch.profiler."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    return sum(e.time_range.elapsed_us() for e in kernels) / n, len(kernels) / n
+
+
+def _replay_us(replay) -> float:
+    t = timing.bench(lambda: [replay() for _ in range(STEP_REPLAYS)], warmup=3, reps=20)
+    return t.median_us / STEP_REPLAYS
+
+
+def _step_timings(label: str, position: int, alias, torch_graph) -> dict:
+    """Our alias graph's replay, its kernels' sum, and PyTorch's graphed step, at `position`."""
+    ours = alias.g.replayer(position)
+    row = {"setup": label, "position": position, "ours_step_us": round(_replay_us(ours), 2)}
+    kernel_us, kernels = _kernel_sum_us(ours)
+    row.update(ours_kernel_sum_us=round(kernel_us, 2), ours_kernels_per_step=kernels,
+               ours_graph_nodes=alias.g.num_nodes // max(alias.g.num_graphs, 1))
+    if torch_graph is not None:
+        theirs = torch_graph.dec.replayer(position)
+        t_kernel_us, t_kernels = _kernel_sum_us(theirs)
+        row.update(torch_graph_step_us=round(_replay_us(theirs), 2),
+                   torch_kernel_sum_us=round(t_kernel_us, 2), torch_kernels_per_step=t_kernels)
+    return row
+
+
+# ------------------------------------------------------------------------- run
+def run(size: str = "toy") -> None:
+    cfg = SIZES[size]
+    beam, prompt_len = cfg["beam"], cfg["prompt_len"]
+    methods = METHODS if _torch_available() else METHODS[:3]
+    rows, step_rows = [], []
+    bar = common.progress(range(len(cfg["setups"]) * len(methods)), desc=NAME)
+    for label, config, max_len in cfg["setups"]:
+        state_dict = random_state_dict(config, seed=0)
+        model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(prompt_len - 1, 1))
+        if "torch_eager" in methods:
+            from experiments.torch_gpt2 import check_logits
+            torch_error = check_logits(model, state_dict)  # asserts: same model as ours
+        prompt = np.random.default_rng(1).integers(0, config.vocab_size, prompt_len)
+        new = max_len - prompt_len + 1  # the last token generated is never fed back
+        live, want = {}, None
+        for method in methods:
+            t0 = time.perf_counter()
+            m = live[method] = _make(method, model, state_dict, beam, max_len, cfg["build_all"])
+            setup_s = time.perf_counter() - t0
+            if cfg["untimed"]:
+                m.generate(prompt, min(8, new), False)  # first-call costs
+                out = []
+                t = timing.bench_host(lambda: out.append(m.generate(prompt, new, False)),
+                                      warmup=0, reps=1)
+            gen = m.generate(prompt, new, True)
+            phases = gen.times.per_token_ms()
+            ms_per_token = t.median_ms / out[0].times.steps if cfg["untimed"] \
+                else sum(phases.values())
+            want = gen.tokens if want is None else want
+            rows.append({"setup": label, "n_layer": config.n_layer, "n_embd": config.n_embd,
+                         "beam": beam, "prompt_len": prompt_len, "max_len": max_len,
+                         "tokens": gen.times.steps, "method": method,
+                         "ms_per_token": round(ms_per_token, 4),
+                         **{k: round(v, 4) for k, v in phases.items()},
+                         "same_tokens_as_eager": bool(np.array_equal(gen.tokens, want)),
+                         "setup_s": round(setup_s, 3),
+                         **{k: None for k in ("graphs", "graph_nodes", "graph_memory_mib",
+                                              "bytes_copied_per_step", "bind_us_per_step")},
+                         **m.info(),
+                         "torch_logit_error": round(torch_error, 8)
+                         if "torch_eager" in methods else None})
+            bar.update(1)
+        if not backend.SIMULATOR:
+            step_rows.append(_step_timings(label, max_len // 2, live["graph_alias_device"],
+                                           live.get("torch_graph")))
+        for m in live.values():
+            m.close()
+    bar.close()
+    common.write_csv(NAME, rows)
+    if step_rows:
+        common.write_csv(NAME + "_step", step_rows)
+    common.write_summary(NAME, summarize(rows, step_rows))
+
+
+def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
+    """Headline figures for the first (4-layer) setup."""
+    label = rows[0]["setup"]
+    per = {r["method"]: r for r in rows if r["setup"] == label}
+    eager, copy, alias = per["numba_eager"], per["graph_copy_exact"], per["graph_alias_device"]
+    ms = {m: float(r["ms_per_token"]) for m, r in per.items()}
+    summary = {
+        "setup": label,
+        **{f"{m}_ms_per_token": v for m, v in ms.items()},
+        "eager_over_alias_per_token": ms["numba_eager"] / ms["graph_alias_device"],
+        "copy_exact_over_alias_per_token": ms["graph_copy_exact"] / ms["graph_alias_device"],
+        "alias_bytes_copied_per_step": int(alias["bytes_copied_per_step"]),
+        "alias_binding_fraction_of_step": float(alias["bind_us_per_step"]) / 1e3
+        / float(alias["model_ms"]),
+        "copy_bytes_copied_per_step": int(copy["bytes_copied_per_step"]),
+        "copy_exact_graphs": int(copy["graphs"]),
+        "copy_exact_graph_memory_mib": copy["graph_memory_mib"],
+        "alias_device_graphs": int(alias["graphs"]),
+        "alias_device_graph_memory_mib": alias["graph_memory_mib"],
+        "all_ours_same_tokens": all(per[m]["same_tokens_as_eager"] for m in
+                                    ("graph_copy_exact", "graph_alias_device")),
+        "graphed_step_over_kernel_sum": None,
+        "ours_over_torch_graph_step": None,
+    }
+    if "torch_graph" in ms:
+        summary["torch_graph_over_alias_per_token"] = ms["torch_graph"] / ms["graph_alias_device"]
+        summary["torch_eager_over_alias_per_token"] = ms["torch_eager"] / ms["graph_alias_device"]
+    step = next((r for r in step_rows if r["setup"] == label), None)
+    if step is not None:
+        summary["ours_step_us"] = float(step["ours_step_us"])
+        summary["ours_kernel_sum_us"] = float(step["ours_kernel_sum_us"])
+        if float(step["ours_kernel_sum_us"]) > 0:
+            summary["graphed_step_over_kernel_sum"] = \
+                float(step["ours_step_us"]) / float(step["ours_kernel_sum_us"])
+        if step.get("torch_graph_step_us") is not None:
+            summary["torch_graph_step_us"] = float(step["torch_graph_step_us"])
+            summary["ours_over_torch_graph_step"] = \
+                float(step["ours_step_us"]) / float(step["torch_graph_step_us"])
+    return summary
+
+
+# ------------------------------------------------------------------------- plot
+COLORS = {"numba_eager": "C0", "graph_copy_exact": "C1", "graph_alias_device": "C2",
+          "torch_eager": "C7", "torch_graph": "C3"}
+PHASES = [("prep_ms", "input preparation"), ("model_ms", "model step"), ("search_ms", "search")]
+
+
+def _by_setup(rows):
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    return setups, {s: [r for r in rows if r["setup"] == s] for s in setups}
+
+
+def plot():
+    """Figure 1: ms per generated token by method; figure 2 (end_to_end_phases): the same
+    split into input preparation, model and search. Returns figure 1's path."""
+    rows = common.read_csv(NAME)
+    setups, by = _by_setup(rows)
+    fig, axes = common.new_figure(rows, 1, len(setups), figsize=(5.5 * len(setups), 4.2),
+                                  squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        mine = by[setup]
+        names = [r["method"] for r in mine]
+        values = [float(r["ms_per_token"]) for r in mine]
+        bars = ax.bar(range(len(mine)), values, color=[COLORS[n] for n in names])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_xticks(range(len(mine)), [n.replace("_", "\n", 1) for n in names], fontsize=8)
+        ax.set_ylabel("ms per generated token")
+        ax.set_title(f"GPT-2 {setup}, beam {mine[0]['beam']}, to {mine[0]['max_len']} positions",
+                     fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    path = common.save_figure(fig, NAME)
+
+    fig, axes = common.new_figure(rows, 1, len(setups), figsize=(5.5 * len(setups), 4.2),
+                                  squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        mine = by[setup]
+        bottom = np.zeros(len(mine))
+        for (key, label), color in zip(PHASES, ("C9", "C2", "C4")):
+            values = np.array([float(r[key]) for r in mine])
+            ax.bar(range(len(mine)), values, bottom=bottom, label=label, color=color)
+            bottom += values
+        ax.set_xticks(range(len(mine)), [r["method"].replace("_", "\n", 1) for r in mine],
+                      fontsize=8)
+        ax.set_ylabel("ms per token (phases synchronized)")
+        ax.set_title(f"GPT-2 {setup}: where a token's time goes", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    common.save_figure(fig, NAME + "_phases")
+    return path

@@ -1,0 +1,223 @@
+"""GPT-2 decode in plain PyTorch with a static KV cache: the PyTorch baselines of end_to_end.
+
+Same weights (our state dict, Hugging Face names), float32 with TF32 off, and a static cache
+as Hugging Face's StaticCache keeps it: k, v of every layer preallocated as (L, B, H, Tmax, hd),
+this step's keys and values written at `pos` by index_copy_ with `pos` a device tensor, and
+attention over the whole cache masked beyond each query's position. Nothing depends on pos
+on the host, so one CUDA graph serves every length. Two ways to run a decode step:
+
+  eager   TorchGPT2.forward, op by op;
+  graph   torch.cuda.CUDAGraph of the T = 1 forward on static token/position tensors. Before
+          each replay the inputs are copied into the static tensors (`static.copy_(x)`), and
+          in beam search the reordered cache (index_select's fresh result, as Hugging Face's
+          `_reorder_cache`) is copied into the static cache: the standard PyTorch way, the
+          "PtGraph" baseline.
+
+`TorchDecoder` plugs into proto.models.generate: tokens and position arrive as Numba device
+arrays (viewed as torch tensors through the CUDA array interface, no copy) and the logits go
+back as a Numba view, so the search's own kernels run unchanged and only the model step and
+its input preparation differ from ours. Numba and PyTorch both use the legacy default stream,
+so their work stays ordered. `check_logits` asserts that this model and proto.models.gpt2
+agree.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from proto import backend
+from proto.backend import cuda
+from proto.models import generate
+from proto.models.gpt2 import LN_EPS, GPT2Config, KVCache, load_state_dict
+
+
+def _no_tf32() -> None:
+    """float32 must mean float32: TF32 matmuls would differ from our kernels by ~1e-3."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+class TorchGPT2:
+    """GPT-2 forward over a static KV cache for `batch` sequences of up to `max_len` positions."""
+
+    def __init__(self, config: GPT2Config, state_dict, *, batch: int, max_len: int,
+                 device: str = "cuda"):
+        _no_tf32()
+        self.config, self.batch, self.max_len = config, batch, max_len
+        p = {k: torch.from_numpy(v).to(device) for k, v in load_state_dict(config, state_dict).items()}
+        self.wte, self.wpe = p["transformer.wte.weight"], p["transformer.wpe.weight"]
+        self.ln_f = (p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
+        self.layers = [{name: p[f"transformer.h.{i}.{name}"] for name in (
+            "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+            "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+            "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")}
+            for i in range(config.n_layer)]
+        H, hd = config.n_head, config.head_dim
+        shape = (config.n_layer, batch, H, max_len, hd)
+        self.k = torch.zeros(shape, device=device)  # (L, B, H, Tmax, hd)
+        self.v = torch.zeros(shape, device=device)
+        self._arange = torch.arange(max_len, device=device)
+
+    @torch.no_grad()
+    def forward(self, tokens, pos):
+        """tokens (B, T) int64, pos (1,) int64 device tensor -> logits (B, T, V).
+
+        Writes this step's k, v at pos..pos+T-1; query t attends to cache positions
+        0..pos+t (the rest of the static cache is masked out)."""
+        B, T = tokens.shape
+        C, H, hd = self.config.n_embd, self.config.n_head, self.config.head_dim
+        positions = pos + self._arange[:T]                            # (T,)
+        x = self.wte[tokens] + self.wpe[positions]                     # (B, T, C)
+        mask = self._arange[None, :] <= positions[:, None]             # (T, Tmax)
+        for l, w in enumerate(self.layers):
+            h = F.layer_norm(x, (C,), w["ln_1.weight"], w["ln_1.bias"], LN_EPS)
+            qkv = torch.addmm(w["attn.c_attn.bias"], h.view(B * T, C), w["attn.c_attn.weight"])
+            q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
+            self.k[l].index_copy_(2, positions, k)
+            self.v[l].index_copy_(2, positions, v)
+            att = F.scaled_dot_product_attention(q, self.k[l], self.v[l], attn_mask=mask)
+            att = att.transpose(1, 2).reshape(B * T, C)                # (B*T, C)
+            x = x + torch.addmm(w["attn.c_proj.bias"], att, w["attn.c_proj.weight"]).view(B, T, C)
+            h = F.layer_norm(x, (C,), w["ln_2.weight"], w["ln_2.bias"], LN_EPS)
+            h = F.gelu(torch.addmm(w["mlp.c_fc.bias"], h.view(B * T, C), w["mlp.c_fc.weight"]),
+                       approximate="tanh")
+            x = x + torch.addmm(w["mlp.c_proj.bias"], h, w["mlp.c_proj.weight"]).view(B, T, C)
+        x = F.layer_norm(x, (C,), *self.ln_f, LN_EPS)
+        return x @ self.wte.T                                          # tied head, (B, T, V)
+
+
+# ------------------------------------------------------------------------- Numba <-> torch
+def to_torch(x):
+    """A torch view of a Numba device array (a host copy on the simulator, torch on CPU)."""
+    if backend.SIMULATOR:
+        return torch.from_numpy(x.copy_to_host())
+    return torch.as_tensor(x, device="cuda")
+
+
+def to_numba(t):
+    """A Numba view of a torch tensor (a device copy on the simulator)."""
+    if backend.SIMULATOR:
+        return cuda.to_device(t.numpy())
+    return cuda.as_cuda_array(t, sync=False)  # same (legacy default) stream: no sync needed
+
+
+class _TorchCache:
+    """What the search sees of the cache: it lives in the model; reorders go through it."""
+
+    def __init__(self, owner: "TorchDecoder"):
+        self.owner, self.batch, self.max_len = owner, owner.batch, owner.max_len
+
+    def reorder_into(self, index, dst, stream=0) -> None:
+        self.owner._reorder(index)
+
+
+class TorchDecoder:
+    """A proto.models.generate step around TorchGPT2, eager or CUDA-graphed (see module doc)."""
+
+    def __init__(self, config: GPT2Config, state_dict, *, batch: int, max_len: int,
+                 graphed: bool, device: str = "cuda"):
+        self.config, self.batch, self.max_len, self.graphed = config, batch, max_len, graphed
+        self.model = TorchGPT2(config, state_dict, batch=batch, max_len=max_len, device=device)
+        self.inputs = generate.DecodeInputs.allocate(batch)
+        self.caches = (_TorchCache(self), _TorchCache(self))
+        self._fresh = None  # graph: the reordered cache waiting to be copied into the static one
+        self._logits = None  # eager: keeps the returned logits' memory alive
+        # torch views of the search's fixed input buffers, made once (the views cost ~10 us)
+        self._views = {id(x): (x, to_torch(x)) for x in (self.inputs.tokens, self.inputs.pos)}
+        if graphed:
+            self._capture(device)
+
+    def _capture(self, device: str) -> None:
+        B = self.batch
+        self._tokens = torch.zeros((B, 1), dtype=torch.int64, device=device)
+        self._pos = torch.zeros(1, dtype=torch.int64, device=device)
+        # Warm up on a side stream first (torch.cuda.graphs: lazy inits must not be captured).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.model.forward(self._tokens, self._pos)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._static_logits = self.model.forward(self._tokens, self._pos)
+        self._logits_numba = to_numba(self._static_logits.view(B, 1, -1))
+
+    def step(self, tokens, pos, cache):
+        """generate's step: tokens (B, T), pos (1,) Numba device int32 -> Numba logits (B, T, V)."""
+        if self.graphed and tokens.shape[1] == 1:
+            self._tokens.copy_(self._torch(tokens))  # PtGraph: inputs copied into static tensors
+            self._pos.copy_(self._torch(pos))
+            if self._fresh is not None:
+                self.model.k.copy_(self._fresh[0])
+                self.model.v.copy_(self._fresh[1])
+                self._fresh = None
+            self.graph.replay()
+            return self._logits_numba
+        self._logits = self.model.forward(self._torch(tokens).long(), self._torch(pos).long())
+        return to_numba(self._logits)
+
+    def _torch(self, x):
+        held, view = self._views.get(id(x), (None, None))
+        return view if held is x and not backend.SIMULATOR else to_torch(x)
+
+    def _reorder(self, index) -> None:
+        parents = to_torch(index).long()
+        if self.graphed:  # fresh tensors, copied into the static cache by the next step
+            self._fresh = (self.model.k.index_select(1, parents),
+                           self.model.v.index_select(1, parents))
+        else:
+            self.model.k = self.model.k.index_select(1, parents)
+            self.model.v = self.model.v.index_select(1, parents)
+
+    def beam_search(self, prompt, *, max_new_tokens: int, timed: bool = False):
+        return generate.beam_search(self, prompt, beam=self.batch, max_new_tokens=max_new_tokens,
+                                    step=self.step, caches=self.caches, inputs=self.inputs,
+                                    timed=timed)
+
+    def replayer(self, position: int):
+        """A zero-argument replay of the graph at `position` (idempotent), for timing."""
+        self._pos.fill_(position)
+        return self.graph.replay
+
+    def close(self) -> None:
+        if self.graphed:
+            torch.cuda.synchronize()
+            self.graph.reset()
+        self.model = self._fresh = self._logits = None
+
+
+def check_logits(model, state_dict, steps: int = 3, seed: int = 0) -> float:
+    """Assert that TorchGPT2 (eager, and graphed for the decode steps) gives our GPT2's
+    logits: a prefill of model.max_tokens tokens, then `steps` decode steps. Returns the
+    largest difference relative to the largest logit.
+
+    Tolerance: both are float32; ours sums in a different order (split-K gemms, online
+    softmax), and errors grow with depth: 1e-3 of the logits' scale (seen: ~1e-5)."""
+    config, B, prompt_len = model.config, model.max_batch, model.max_tokens
+    max_len = prompt_len + steps
+    rng = np.random.default_rng(seed)
+    seq = rng.integers(0, config.vocab_size, (B, max_len)).astype(np.int32)
+    ours_cache = KVCache(config, B, max_len)
+    torch_eager = TorchDecoder(config, state_dict, batch=B, max_len=max_len, graphed=False)
+    torch_graph = TorchDecoder(config, state_dict, batch=B, max_len=max_len, graphed=True)
+    worst = 0.0
+    try:
+        for start, T in [(0, prompt_len)] + [(prompt_len + i, 1) for i in range(steps)]:
+            tokens = cuda.to_device(np.ascontiguousarray(seq[:, start:start + T]))
+            pos = cuda.to_device(np.array([start], np.int32))
+            want = model.step(tokens, pos, ours_cache).copy_to_host()
+            for dec in (torch_eager, torch_graph):
+                got = dec.step(tokens, pos, dec.caches[0]).copy_to_host()
+                scale = float(np.abs(want).max())
+                err = float(np.abs(got - want).max()) / scale
+                worst = max(worst, err)
+                assert err <= 1e-3, (f"PyTorch GPT-2 ({'graph' if dec.graphed else 'eager'}) "
+                                     f"differs from ours at position {start}: max |diff| = "
+                                     f"{err:.2e} of the logits' scale")
+    finally:
+        torch_eager.close()
+        torch_graph.close()
+    return worst
