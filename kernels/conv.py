@@ -48,9 +48,10 @@ class Tiles(NamedTuple):
         return (self.bm // self.tm) * (self.bn // self.tn)
 
 
-# GPU tiles: 256 threads each; "narrow" for layers with few channels (VGG's first layer).
-GPU_CONV_TILES = (Tiles(128, 64, 8, 8, 4), Tiles(128, 16, 8, 8, 1))
-GPU_WGRAD_TILES = (Tiles(64, 64, 16, 4, 4), Tiles(64, 16, 16, 4, 1))
+# GPU tiles: 256 threads each, wide (8x8 outputs a thread: 64 FMAs per 16 shared loads) for
+# wide layers, then narrower ones so layers with few channels (VGG's first) waste little.
+GPU_CONV_TILES = (Tiles(128, 128, 8, 8, 8), Tiles(128, 64, 8, 8, 4), Tiles(128, 16, 8, 8, 1))
+GPU_WGRAD_TILES = (Tiles(128, 128, 16, 8, 8), Tiles(64, 64, 16, 4, 4), Tiles(64, 16, 16, 4, 1))
 # Simulator tiles: few threads, many outputs each; column count follows the channel count.
 SIM_CONV_TILES = tuple(Tiles(32, bn, 4, 8, 4) for bn in (4, 8, 16))
 SIM_WGRAD_TILES = tuple(Tiles(bm, bn, 16, 4, 4) for bm in (4, 8, 16) for bn in (4, 8, 16))
@@ -395,7 +396,8 @@ def _pick_conv_tiles(columns: int) -> Tiles:
     """Tiles for a GEMM with `columns` output channels."""
     if backend.SIMULATOR:
         return next((t for t in SIM_CONV_TILES if t.bn >= columns), SIM_CONV_TILES[-1])
-    return GPU_CONV_TILES[1] if columns <= 16 else GPU_CONV_TILES[0]
+    wide, medium, narrow = GPU_CONV_TILES
+    return narrow if columns <= 16 else medium if columns <= 64 else wide
 
 
 def _pick_wgrad_tiles(K: int, C: int) -> Tiles:
@@ -403,7 +405,8 @@ def _pick_wgrad_tiles(K: int, C: int) -> Tiles:
         bm = next((b for b in (4, 8, 16) if b >= K), 16)
         bn = next((b for b in (4, 8, 16) if b >= C), 16)
         return Tiles(bm, bn, 16, 4, 4)
-    return GPU_WGRAD_TILES[1] if C <= 16 else GPU_WGRAD_TILES[0]
+    wide, medium, narrow = GPU_WGRAD_TILES
+    return narrow if C <= 16 else wide if min(K, C) >= 128 else medium
 
 
 _sm_count = None
