@@ -29,11 +29,11 @@ kept for the process (graph nodes bake its address in): warm up before any strea
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 
 from kernels import _check
+from kernels._reduce import warp_allreduce
 from proto.backend import SIMULATOR, cuda, jit, launch
 
 TILE = 128           # positions per tile = threads per block, at most (more when hd is larger)
@@ -43,7 +43,6 @@ TARGET_BLOCKS = 512  # decode splits the cache until the grid has about this man
 SLAB = 32            # head dims per K tile pass: one 128-byte row segment per warp load
 UNROLL = 8           # K elements each thread loads before storing any (loads in flight)
 TILE_SLOTS = MAX_NT * (SLAB + 1)  # K tile (NT, SLAB) padded to SLAB+1 columns: 33 KiB
-FULL_MASK = 0xFFFFFFFF
 # Hot-loop indices are uint32: Numba guards signed indices against Python's negative
 # indexing (extra instructions per access); unsigned ones compile to plain offsets.
 _u = np.uint32
@@ -82,32 +81,6 @@ def gather_batch_ref(src: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- reductions
-if SIMULATOR:
-    @cuda.jit(device=True)
-    def _warp_allreduce(v, use_max):
-        """Stand-in for the shuffle butterfly below (the simulator has no shuffles): the warp
-        exchanges values through shared memory. It holds a barrier, so every thread of the
-        block must call it together (`_block_allreduce` does). Two buffers alternate, so one
-        barrier per call suffices: a thread rewrites a buffer only after everyone passed the
-        next barrier, that is, after everyone read it."""
-        buf = cuda.shared.array((2, MAX_NT), np.float64)
-        me = threading.current_thread()
-        phase = getattr(me, "reduce_phase", 0)
-        me.reduce_phase = phase ^ 1
-        buf[phase, cuda.threadIdx.x] = v
-        cuda.syncthreads()
-        lanes = buf[phase, cuda.threadIdx.x & ~31:(cuda.threadIdx.x & ~31) + 32]
-        return type(v)(lanes.max() if use_max else lanes.sum())
-else:
-    @cuda.jit(device=True)
-    def _warp_allreduce(v, use_max):
-        """Max (use_max) or sum of v over the warp, returned to every lane: xor butterfly."""
-        off = 16
-        while off > 0:
-            w = cuda.shfl_xor_sync(FULL_MASK, v, off)
-            v = max(v, w) if use_max else v + w
-            off >>= 1
-        return v
 
 
 @cuda.jit(device=True)
@@ -115,14 +88,14 @@ def _block_allreduce(v, red, use_max):
     """Max (use_max) or sum of v over the block, returned to every thread; red is a shared
     float32[32] scratch. blockDim.x a multiple of 32; every thread must call this."""
     lane = cuda.threadIdx.x & 31
-    v = _warp_allreduce(v, use_max)
+    v = warp_allreduce(v, use_max)
     if lane == 0:
         red[cuda.threadIdx.x >> 5] = v
     cuda.syncthreads()
     v = NEG_INF if use_max else ZERO
     if lane < (cuda.blockDim.x >> 5):
         v = red[lane]
-    v = _warp_allreduce(v, use_max)  # every warp reduces the warp results: all threads get it
+    v = warp_allreduce(v, use_max)  # every warp reduces the warp results: all threads get it
     cuda.syncthreads()  # red is reused by the next call
     return v
 

@@ -9,7 +9,7 @@ Two kernel families, chosen by `gemm` from the shapes:
   pure weight streaming: every weight is read once, coalesced, and multiplied with all 8
   (zero-padded) rows of x, which sit in shared memory. `gemm_decode_nt_kernel` serves
   trans_b (weight rows contiguous along K: a warp per 2 output columns, lanes along K, sums
-  across lanes through shared memory, as the simulator has no shuffles);
+  across lanes by warp shuffles, so warps never wait for each other);
   `gemm_decode_nn_kernel` the [K, N] layout (lanes along N, the K loop
   split across the block's warps, reduction through shared memory). Both are persistent:
   the grid is one wave of resident blocks looping over column tiles, so each SM streams the
@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from kernels import _check
+from kernels._reduce import warp_allreduce
 from kernels.elementwise import gelu_ref
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -57,7 +58,6 @@ _TILE_A = (BK, BM + 1)  # +1 column: the transposed staging writes hit distinct 
 _TILE_B = (BK, BN + 1)
 _XS = DECODE_MAX_M * KC
 _NT_ACC, _NT_WV = DECODE_MAX_M * NT_COLS, NT_UNROLL * NT_COLS
-_NT_RED = NT_WARPS * _NT_ACC * 33
 _NN_ACC, _NN_WV = DECODE_MAX_M * NN_COLS, NN_UNROLL * NN_COLS
 _NN_RED = NN_WARPS * DECODE_MAX_M * NN_TILE
 
@@ -190,7 +190,6 @@ def gemm_decode_nt_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
     """out (B, M<=8, N) = op(a) (B, M, K) @ w (B, N, K).T: a warp per NT_COLS output columns,
     its lanes along K (coalesced rows of w), then a reduction across the lanes."""
     xs = cuda.shared.array(_XS, np.float32)  # (8, KC) rows of op(a), zero-padded
-    red = cuda.shared.array(_NT_RED, np.float32)  # (NT_WARPS, 16, 33) per-lane partial sums
     acc = cuda.local.array(_NT_ACC, np.float32)  # [m * NT_COLS + c]
     wv = cuda.local.array(_NT_WV, np.float32)    # [u * NT_COLS + c]
     rows = cuda.local.array(NT_COLS, np.uint32)
@@ -234,21 +233,15 @@ def gemm_decode_nt_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
                     for c in range(NT_COLS):
                         acc[m * NT_COLS + c] += xm * wv[c]
                 k += _u(32)
-        # Sum each of the 16 (m, c) partials over the warp's 32 lanes through shared memory
-        # (row stride 33 keeps both the writes and the row-wise reads free of bank conflicts).
+        # Sum each (m, c) partial over the warp's 32 lanes with shuffles (no barrier: the
+        # warps of a block stream independently); lane i then stores the i-th result. Rows
+        # past m_rows are zero padding: skip their reductions.
         for i in range(_NT_ACC):
-            red[(warp * _u(_NT_ACC) + _u(i)) * _u(33) + lane] = acc[i]
-        cuda.syncthreads()
-        t = _u(cuda.threadIdx.x)
-        if t < _u(NT_WARPS * _NT_ACC):
-            v = _ZERO
-            for j in range(32):
-                v += red[t * _u(33) + _u(j)]
-            wp, i = t // _u(_NT_ACC), t % _u(_NT_ACC)
-            m, n = i // _u(NT_COLS), _u(tile) * _u(NT_TILE) + wp * _u(NT_COLS) + i % _u(NT_COLS)
-            if m < m_rows and n < n_cols:
-                _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
-        cuda.syncthreads()  # `red` is rewritten by the next tile
+            if i // NT_COLS < m_rows:
+                v = warp_allreduce(acc[i], False)
+                n = n0 + _u(i % NT_COLS)
+                if lane == _u(i) and n < n_cols:
+                    _finish(v, out, bz, _u(i // NT_COLS), n, bias, has_bias, act, accumulate)
 
 
 @jit(f"void({_ARGS}, int32)", **_bounds(32 * NN_WARPS, 6))

@@ -1,0 +1,38 @@
+"""Warp-wide reductions shared by kernels: a shuffle butterfly on the GPU, a shared-memory
+stand-in on the simulator (which has no shuffles)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from proto.backend import SIMULATOR, cuda
+
+FULL_MASK = 0xFFFFFFFF
+MAX_THREADS = 1024  # threads per block, at most
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def warp_allreduce(v, use_max):
+        """Stand-in for the shuffle butterfly below: the warp exchanges values through shared
+        memory. It holds a barrier, so every thread of the block must call it together. Two
+        buffers alternate, so one barrier per call suffices: a thread rewrites a buffer only
+        after everyone passed the next barrier, that is, after everyone read it."""
+        buf = cuda.shared.array((2, MAX_THREADS), np.float64)
+        me = threading.current_thread()
+        phase = getattr(me, "reduce_phase", 0)
+        me.reduce_phase = phase ^ 1
+        buf[phase, cuda.threadIdx.x] = v
+        cuda.syncthreads()
+        lanes = buf[phase, cuda.threadIdx.x & ~31:(cuda.threadIdx.x & ~31) + 32]
+        return type(v)(lanes.max() if use_max else lanes.sum())
+else:
+    @cuda.jit(device=True)
+    def warp_allreduce(v, use_max):
+        """Max (use_max) or sum of v over the warp, returned to every lane: xor butterfly."""
+        off = 16
+        while off > 0:
+            w = cuda.shfl_xor_sync(FULL_MASK, v, off)
+            v = max(v, w) if use_max else v + w
+            off >>= 1
+        return v
