@@ -222,7 +222,7 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
     """Headline figures for the first (4-layer) setup."""
     label = rows[0]["setup"]
     per = {r["method"]: r for r in rows if r["setup"] == label}
-    eager, copy, alias = per["numba_eager"], per["graph_copy_exact"], per["graph_alias_device"]
+    copy, alias = per["graph_copy_exact"], per["graph_alias_device"]
     ms = {m: float(r["ms_per_token"]) for m, r in per.items()}
     summary = {
         "setup": label,

@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from proto import shapes
 from proto.backend import cuda, jit, launch
 from proto.binding import MODES
-from proto.executors import WalkExecutor, default_executor
+from proto.executors import WalkExecutor
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
 from proto.models.graphed import GraphedGPT2, GraphedLSTM, lstm_greedy

@@ -104,6 +104,7 @@ class GraphedGPT2:
         else:  # pos -1 until bound: a warm-up before the first copy writes nothing (guard)
             self._tokens_ph = cuda.to_device(np.zeros((batch, 1), np.int32))
             self._pos_ph = cuda.to_device(np.array([-1], np.int32))
+        self._cache_names = [f"{kv}{i}" for kv in "kv" for i in range(self.config.n_layer)]
         self._sets: dict[int, tuple[KVCache, KVCache]] = {}  # capacity -> (set 0, set 1)
         self._warmed: set[int] = set()  # capacities whose attention workspace exists
         self.caches = (_SearchCache(self, 0), _SearchCache(self, 1))
@@ -173,8 +174,7 @@ class GraphedGPT2:
     def _inputs(self, tokens, pos, cache) -> dict:
         """A graph's inputs by name: tokens, k0.., v0.. (cache.arrays() order), pos unless
         the strategy bakes it."""
-        names = [f"{kv}{i}" for kv in "kv" for i in range(self.config.n_layer)]
-        inputs = {"tokens": tokens, **dict(zip(names, cache.arrays()))}
+        inputs = {"tokens": tokens, **dict(zip(self._cache_names, cache.arrays()))}
         if self.strategy != "exact":
             inputs["pos"] = pos
         return inputs

@@ -1,0 +1,111 @@
+"""Graphed decode on a real GPU: the simulator lane's properties on the real GPT-2 and LSTM,
+with real CUDA graphs (and the walk executor, the eager-launch reference), at larger sizes.
+The GPT-2 path has no atomics, so a replay computes exactly what eager launches compute:
+tokens and logits are compared bitwise.
+
+    PYTHONPATH=. python3 -m pytest -q tests/test_graphed_models_gpu.py
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
+from proto.models.graphed import GraphedGPT2, GraphedLSTM, lstm_greedy
+from proto.models.lstm import LSTMConfig, LSTMLM, LSTMState, random_state_dict as lstm_weights
+from tests.helpers import dev
+from tests.test_graphed_models import (COMBOS, check_beam_search, check_gpt2_step_logits,
+                                       check_greedy)
+
+pytestmark = pytest.mark.gpu
+
+
+@st.composite
+def gpt2_configs(draw):
+    n_head = draw(st.sampled_from([1, 2, 4]))
+    return GPT2Config(n_layer=draw(st.integers(1, 3)),
+                      n_embd=n_head * draw(st.sampled_from([8, 24, 64])), n_head=n_head,
+                      vocab_size=draw(st.integers(50, 1000)), n_positions=64)
+
+
+def _model(config, seed, batch):
+    return GPT2(config, random_state_dict(config, seed), max_batch=batch, max_tokens=8)
+
+
+@settings(max_examples=2)
+@pytest.mark.parametrize("build_all", [False, True])
+@pytest.mark.parametrize("executor", ["cuda", "walk"])
+@given(config=gpt2_configs(), beam=st.integers(1, 5), prompt_len=st.integers(1, 6),
+       new=st.integers(2, 12), seed=st.integers(0, 2**16))
+def test_real_gpt2_beam_search_for_every_binding_and_strategy(executor, build_all, config, beam,
+                                                              prompt_len, new, seed):
+    prompt = np.random.default_rng(seed).integers(0, config.vocab_size, prompt_len)
+    check_beam_search(_model(config, seed, beam), prompt, beam, new, executor=executor,
+                      build_all=build_all)
+
+
+@settings(max_examples=2)
+@pytest.mark.parametrize("executor", ["cuda", "walk"])
+@given(config=gpt2_configs(), batch=st.integers(1, 4), prompt_len=st.integers(1, 6),
+       new=st.integers(2, 12), seed=st.integers(0, 2**16))
+def test_real_gpt2_greedy_for_every_binding_and_strategy(executor, config, batch, prompt_len,
+                                                         new, seed):
+    prompt = np.random.default_rng(seed).integers(0, config.vocab_size, (batch, prompt_len))
+    check_greedy(_model(config, seed, batch), prompt, new, executor=executor)
+
+
+@settings(max_examples=2)
+@given(config=gpt2_configs(), beam=st.integers(2, 5), new=st.integers(2, 9),
+       seed=st.integers(0, 2**16))
+def test_real_gpt2_step_logits_for_every_binding_and_strategy(config, beam, new, seed):
+    prompt = np.random.default_rng(seed).integers(0, config.vocab_size, 3)
+    check_gpt2_step_logits(_model(config, seed, beam), prompt, beam, new, combos=COMBOS,
+                           executor="cuda")
+
+
+def test_per_length_graphs_cost_driver_memory_one_device_graph_does_not():
+    """exact: a graph per length, each holding its own driver memory (~3 KiB a kernel node,
+    DESIGN.md); device: one graph per cache set, below the driver's 2 MiB chunk."""
+    config = GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=500, n_positions=512)
+    model = _model(config, 0, 5)
+    with GraphedGPT2(model, batch=5, max_len=512, binding="copy", strategy="exact",
+                     build_all=True) as exact, \
+            GraphedGPT2(model, batch=5, max_len=512, binding="alias", strategy="device",
+                        build_all=True) as device:
+        assert exact.num_graphs == 512 and device.num_graphs == 2
+        assert device.memory_bytes <= 2 << 20
+        assert exact.memory_bytes >= 1024 * exact.num_nodes >= 8 * (2 << 20)
+
+
+@settings(max_examples=2)
+@given(n_layer=st.integers(1, 3), n_hidden=st.integers(8, 200), vocab=st.integers(20, 2000),
+       batch=st.integers(1, 7), seed=st.integers(0, 2**16))
+def test_graphed_lstm_for_every_binding_and_strategy(n_layer, n_hidden, vocab, batch, seed):
+    config = LSTMConfig(n_layer, 32, n_hidden, vocab)
+    model = LSTMLM(config, lstm_weights(config, seed), max_batch=8)
+    prompt = np.random.default_rng(seed).integers(0, vocab, (batch, 3))
+    state = LSTMState(config, batch)
+    want = lstm_greedy(lambda t: model.step(t, state), dev(np.zeros(batch, np.int32)), prompt, 5)
+    for binding, strategy in COMBOS:
+        g = GraphedLSTM(model, max_batch=8, binding=binding, strategy=strategy, executor="cuda")
+        got = lstm_greedy(lambda t: g.step(t, batch), g.tokens, prompt, 5)
+        np.testing.assert_array_equal(got, want, err_msg=f"{binding} {strategy}")
+        g.close()
+
+
+def test_torch_baseline_is_the_same_model():
+    """experiments/torch_gpt2: same logits as ours, and its beam search (eager and CUDA
+    graph) finds our tokens."""
+    pytest.importorskip("torch")
+    from experiments.torch_gpt2 import TorchDecoder, check_logits
+    from proto.models import generate
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)
+    sd = random_state_dict(config, 3)
+    model = GPT2(config, sd, max_batch=5, max_tokens=4)
+    assert check_logits(model, sd) <= 1e-3
+    prompt = np.array([5, 9, 2, 7, 1])
+    want = generate.beam_search(model, prompt, beam=5, max_new_tokens=8)
+    for graphed in (False, True):
+        dec = TorchDecoder(config, sd, batch=5, max_len=12, graphed=graphed)
+        got = dec.beam_search(prompt, max_new_tokens=8)
+        np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"graphed={graphed}")
+        dec.close()
