@@ -22,7 +22,7 @@ from proto import backend
 from proto.backend import cuda
 from proto.tape import Tape
 from proto.vm.pool import DevicePool
-from proto.vm.schedule import Action, Plan, validate
+from proto.vm.schedule import Action, Plan, estimate_op_seconds, validate
 
 
 def _event():
@@ -38,7 +38,9 @@ class Executor:
     Call `close()` (or use `with`) to give the arena, pinned buffers and streams back.
     """
 
-    def __init__(self, tape: Tape, plan: Plan, *, managed: bool = False):
+    def __init__(self, tape: Tape, plan: Plan, *, managed: bool = False, pinned: dict | None = None):
+        """pinned: host buffers by tensor name to use (and add to) instead of allocating
+        new ones; pinning gigabytes takes a while, so runs of one tape can share them."""
         validate(tape, plan)
         self.tape, self.plan = tape, plan
         self.pool = DevicePool(plan.budget, plan.arena_bytes, managed=managed)
@@ -47,8 +49,9 @@ class Executor:
                         for name, off in plan.persistent.items()}
         self._persistent = frozenset(plan.persistent) | frozenset(plan.homed)
         on_host = {a.tensor for _, _, a in plan.actions() if a.kind == "evict"} | set(plan.homed)
-        self.pinned = {name: cuda.pinned_array(tape.tensors[name].shape, tape.tensors[name].dtype)
-                       for name in sorted(on_host)}
+        self.pinned = pinned if pinned is not None else {}
+        for name in sorted(on_host - set(self.pinned)):
+            self.pinned[name] = cuda.pinned_array(tape.tensors[name].shape, tape.tensors[name].dtype)
         self._op_names = [tuple(dict.fromkeys(op.reads + op.writes)) for op in tape.ops]
         self._pending: dict[str, object] = {}    # prefetched views, usable after their wait
         self._events: dict[tuple, object] = {}   # created once, re-recorded every step
@@ -76,19 +79,26 @@ class Executor:
 
     def read(self, name: str) -> np.ndarray:
         """A persistent tensor, or an output of the last step, copied to the host."""
+        return self.read_many([name])[name]
+
+    def read_many(self, names) -> dict[str, np.ndarray]:
         backend.synchronize()
-        if name in self.plan.homed:
-            return np.array(self.pinned[name])
-        if name not in self.current:
-            raise KeyError(f"read: {name!r} is neither persistent nor an output of the last step")
-        self._touch([name])
-        out = self.current[name].copy_to_host()
+        out = {}
+        for name in names:
+            if name in self.plan.homed:
+                out[name] = np.array(self.pinned[name])
+                continue
+            if name not in self.current:
+                raise KeyError(f"read: {name!r} is neither persistent nor an output of the last step")
+            self._touch([name])
+            out[name] = self.current[name].copy_to_host()
         self._after_io()
         return out
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> None:
-        """Enqueue one training step (returns before the GPU is done; synchronize to wait)."""
+    def step(self, marks: list | None = None) -> None:
+        """Enqueue one training step (returns before the GPU is done; synchronize to wait).
+        marks: events to record on the compute stream before each op and after the last."""
         for name in [n for n in self.current if n not in self.plan.persistent]:
             self.pool.free(name)          # outputs of the previous step
             del self.current[name]
@@ -97,11 +107,25 @@ class Executor:
             for act in plan.before[i]:
                 self._apply(act, i, "before")
             self._before_op(i)
+            if marks is not None:
+                marks[i].record(self.compute)
             op.run({n: cur[n] for n in self._op_names[i]}, self.compute)
             for act in plan.after[i]:
                 self._apply(act, i, "after")
+        if marks is not None:
+            marks[-1].record(self.compute)
         for act in plan.end:
             self._apply(act, len(self.tape.ops), "end")
+
+    def profile_ops(self) -> list[float]:
+        """Seconds each op takes on the compute stream, from events around every op of one
+        step: the planner's timing model. The simulator has no GPU time: a roofline guess."""
+        if backend.SIMULATOR:
+            return estimate_op_seconds(self.tape)
+        marks = [cuda.event() for _ in range(len(self.tape.ops) + 1)]
+        self.step(marks)
+        marks[-1].synchronize()
+        return [cuda.event_elapsed_time(a, b) * 1e-3 for a, b in zip(marks, marks[1:])]
 
     def _event(self, *key):
         ev = self._events.get(key)
@@ -160,7 +184,7 @@ class Executor:
         self.current.clear()
         self._pending.clear()
         self._events.clear()
-        self.pinned.clear()
+        self.pinned = None   # shared buffers stay with their owner
         self.pool.close()
 
     def __enter__(self):

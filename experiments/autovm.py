@@ -1,0 +1,373 @@
+"""AutoVM: VGG training step time against a device-memory budget, per memory policy.
+
+Budgets are fractions of the unconstrained step's peak (liveness-based, every tensor freed
+after its last use). Policies, each running the same VGG tape (proto.models.vgg):
+  unconstrained     everything resident; the step-time floor
+  paging            the demand-paging baseline (proto.vm.paging): managed memory, 2 MiB
+                    pages pushed out LRU when the budget is reached, faulted back by kernels
+  autovm            the AutoVM schedule (proto.vm.schedule), timed with op times profiled
+                    from the unconstrained step and the measured pinned-link bandwidth
+  autovm_recompute  the same, recomputing cheap activations where the link is the bottleneck
+  torch, torch_save_on_cpu   (GPU) torchvision's VGG with the same weights, plainly and
+                    under torch.autograd.graph.save_on_cpu(pin_memory=True): an outside anchor
+The host-link bound of a budget is max(unconstrained step, time the AutoVM plan's copies
+need at the measured pinned bandwidth): no schedule that moves those bytes can beat it.
+Every policy's loss and gradients after one step from the same state are compared with the
+unconstrained run's (bit-identical on the simulator; on the GPU the weight-gradient kernels
+add with atomics, so two unconstrained runs already differ slightly: the CSV has both).
+
+Sizes: full = VGG-16 and VGG-19, batch 32 at 128x128 (peak about 1.5 GB, so managed memory
+stays small); toy = a tiny VGG-11 on the simulator whose ops run their NumPy references
+(the same tape and tensors; the simulated conv kernels would take a minute per step).
+
+    python -c "from experiments import autovm; autovm.run('full'); autovm.plot()"
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+
+from experiments import common
+from kernels import conv, linear, loss as xent, pool, relu, sgd
+from proto import backend, timing
+from proto.models import vgg
+from proto.tape import Tape
+from proto.vm import BudgetError, Executor, Liveness, Link, PagingExecutor, measure_link, plan
+
+NAME = "autovm"
+POLICIES = ["unconstrained", "paging", "autovm", "autovm_recompute", "torch", "torch_save_on_cpu"]
+SIZES = {
+    "toy": {"depths": [11], "fracs": [1.0, 0.5], "page_bytes": 4096, "host_math": True,
+            "config": dict(width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32),
+            "seconds_per_policy": 0.0},
+    "full": {"depths": [16, 19], "fracs": [1.0, 0.75, 0.5, 0.35], "page_bytes": 2 << 20,
+             "host_math": False, "config": dict(width=1.0, image_size=128, batch=32),
+             "seconds_per_policy": 1.5},
+}
+HEADLINE_DEPTH = {"toy": 11, "full": 19}
+HEADLINE_FRAC = 0.5
+
+
+# ---------------------------------------------------------------------------- toy: host math
+def host_math(tape: Tape, cfg: vgg.VGGConfig) -> Tape:
+    """The same tape with every op computed by its kernels' NumPy references (each stores
+    float32, as the device does): identical tensors, reads and writes, seconds per step."""
+    layers = {L.name: L for L in vgg.layers(cfg)}
+
+    def host(fn, reads, writes):
+        def run(a, stream):
+            outs = fn(*[a[n].copy_to_host() for n in reads])
+            for n, v in zip(writes, outs):
+                a[n].copy_to_device(np.ascontiguousarray(v, dtype=a[n].dtype))
+        return run
+
+    def body(op):
+        L = layers.get(op.layer)
+        kind = op.name.rsplit(".", 1)[-1]
+        if op.name == "loss":
+            return lambda logits, labels: xent.softmax_xent_ref(logits, labels)
+        if op.phase == "update":
+            return lambda p, g, v: sgd.sgd_ref(p, g, v, lr=cfg.lr, momentum=cfg.momentum,
+                                               weight_decay=cfg.weight_decay)
+        if kind == "relu_bwd":
+            return lambda y, dy: [relu.relu_bwd_ref(y, dy)]
+        if L.kind == "pool":
+            return ((lambda x: [pool.maxpool2x2_ref(x)]) if kind == "fwd"
+                    else (lambda x, dy: [pool.maxpool2x2_bwd_ref(x, dy)]))
+        if L.kind == "conv":
+            return {"fwd": lambda x, w, b: [conv.conv2d_ref(x, w, b, pad=1, relu=True)],
+                    "bwd_weight": lambda x, dy: conv.conv2d_bwd_weight_ref(
+                        x, dy, tape.tensors[f"{L.name}.weight"].shape, pad=1),
+                    "bwd_data": lambda w, dy: [conv.conv2d_bwd_data_ref(
+                        dy, w, tape.tensors[L.input].shape, pad=1)]}[kind]
+        def flat(x):
+            return x.reshape(x.shape[0], -1).astype(np.float64)
+
+        return {"fwd": lambda x, w, b: [linear.linear_ref(flat(x), w, b, relu=L.relu)],
+                "bwd_weight": lambda x, dy: [dy.T.astype(np.float64) @ flat(x), dy.sum(0, dtype=np.float64)],
+                "bwd_data": lambda w, dy: [(dy.astype(np.float64) @ w).reshape(tape.tensors[L.input].shape)]}[kind]
+
+    return Tape(tape.tensors, [dataclasses.replace(op, run=host(body(op), op.reads, op.writes))
+                               for op in tape.ops])
+
+
+# ---------------------------------------------------------------------------- measuring
+def _batch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    S = cfg.image_size
+    return (rng.standard_normal((cfg.batch, 3, S, S)).astype(np.float32),
+            rng.integers(0, cfg.num_classes, cfg.batch).astype(np.int32))
+
+
+def _rel_diff(got: dict, want: dict) -> float:
+    """Largest |got - want| over every tensor, relative to that tensor's largest magnitude."""
+    worst = 0.0
+    for name, w in want.items():
+        scale = max(float(np.abs(w).max()), 1e-30)
+        worst = max(worst, float(np.abs(got[name].astype(np.float64) - w).max()) / scale)
+    return worst
+
+
+class _Case:
+    """One model: its tape, starting state, and the unconstrained results to compare with."""
+
+    def __init__(self, depth: int, size: str):
+        spec = SIZES[size]
+        self.cfg = vgg.VGGConfig(depth=depth, **spec["config"])
+        tape = vgg.build_tape(self.cfg)
+        self.tape = host_math(tape, self.cfg) if spec["host_math"] else tape
+        self.live = Liveness(self.tape)
+        self.state = vgg.random_state_dict(self.cfg, seed=depth)
+        self.images, self.labels = _batch(self.cfg, seed=depth)
+        self.init = vgg.initial_values(self.cfg, self.state, self.images, self.labels)
+        self.checked = ["loss"] + [f"{p}.grad" for p in vgg.param_shapes(self.cfg)]
+        self.pinned: dict = {}      # host buffers shared by every executor of this tape
+        self.spec = spec
+        self.ref: dict | None = None
+        self.noise = 0.0
+
+    def check(self, ex) -> dict:
+        """Load the starting state, run one step, read the loss and every gradient."""
+        ex.load(self.init)
+        ex.step()
+        return ex.read_many(self.checked)
+
+    def measure(self, ex) -> tuple[timing.Timing, dict]:
+        t0 = time.perf_counter()
+        got = self.check(ex)
+        once = time.perf_counter() - t0
+        reps = int(min(5, max(2, self.spec["seconds_per_policy"] / max(once, 1e-3))))
+        if backend.SIMULATOR:
+            t = timing.bench_host(ex.step, warmup=0, reps=1)
+        else:
+            t = timing.bench_host(ex.step, warmup=1, reps=reps)
+        return t, got
+
+    def row(self, policy, frac, t: timing.Timing | None, got: dict | None, **extra) -> dict:
+        row = {"model": f"vgg{self.cfg.depth}", "policy": policy,
+               "budget_frac": "" if frac is None else frac,
+               "budget_bytes": "" if frac is None else int(frac * self.live.peak),
+               "peak_bytes": self.live.peak,
+               "step_ms": float("nan") if t is None else round(t.median_ms, 3),
+               "p10_ms": float("nan") if t is None else round(t.p10_ms, 3),
+               "p90_ms": float("nan") if t is None else round(t.p90_ms, 3),
+               "reps": 0 if t is None else t.reps}
+        if got is not None and self.ref is not None:
+            row.update(loss=float(got["loss"][0]),
+                       loss_equal=bool(np.array_equal(got["loss"], self.ref["loss"])),
+                       grads_equal=all(np.array_equal(got[k], self.ref[k]) for k in self.ref),
+                       max_rel_diff=_rel_diff(got, self.ref), noise_rel_diff=self.noise)
+        return {**row, **extra}
+
+
+def _unconstrained(case: _Case) -> tuple[dict, list[float]]:
+    with Executor(case.tape, plan(case.tape)) as ex:
+        t, got = case.measure(ex)
+        case.ref = got
+        if not backend.SIMULATOR:   # run-to-run spread of the kernels themselves
+            case.noise = _rel_diff(case.check(ex), got)
+        ex.load(case.init)
+        seconds = ex.profile_ops()
+    return case.row("unconstrained", None, t, got, arena_bytes=ex.plan.arena_bytes), seconds
+
+
+def _paging(case: _Case, frac: float) -> dict:
+    budget = int(frac * case.live.peak)
+    with PagingExecutor(case.tape, budget, page_bytes=case.spec["page_bytes"]) as ex:
+        before = ex.moved_bytes()
+        t, got = case.measure(ex)
+        moved = [b - a for a, b in zip(before, ex.moved_bytes())]
+        steps = 1 + t.reps + (0 if backend.SIMULATOR else 1)
+        return case.row("paging", frac, t, got, evicted_bytes_per_step=moved[0] // steps,
+                        faulted_bytes_per_step=moved[1] // steps, arena_bytes=ex.plan.arena_bytes)
+
+
+def _autovm(case: _Case, frac: float, seconds, link: Link, recompute: bool) -> dict:
+    budget = int(frac * case.live.peak)
+    t0 = time.perf_counter()
+    p = plan(case.tape, budget, op_seconds=seconds, link=link, recompute=recompute)
+    planning = time.perf_counter() - t0
+    with Executor(case.tape, p, pinned=case.pinned) as ex:
+        t, got = case.measure(ex)
+    unconstrained_ms = sum(seconds) * 1e3
+    link_ms = p.link_seconds(link) * 1e3
+    return case.row("autovm_recompute" if recompute else "autovm", frac, t, got,
+                    arena_bytes=p.arena_bytes, planned_peak_bytes=p.peak_bytes,
+                    d2h_bytes=p.d2h_bytes, h2d_bytes=p.h2d_bytes, offloaded=len(p.offloaded),
+                    recomputed=len(p.recomputed), homed=len(p.homed),
+                    link_ms=round(link_ms, 3), plan_seconds=round(planning, 3),
+                    profiled_compute_ms=round(unconstrained_ms, 3))
+
+
+def _torch(case: _Case) -> list[dict]:
+    """torchvision's VGG with our weights, plainly and with activations saved on the host."""
+    try:
+        import torch
+        import torchvision
+    except ImportError:
+        return []
+    if backend.SIMULATOR or not torch.cuda.is_available() or case.cfg.width != 1.0:
+        return []
+    nn = torch.nn
+    torch.backends.cudnn.allow_tf32 = False         # float32 math, as our kernels
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = case.cfg
+    side, hidden = cfg.image_size // 32, cfg.hidden or vgg.HIDDEN
+    x = torch.from_numpy(case.images).cuda()
+    y = torch.from_numpy(case.labels.astype(np.int64)).cuda()
+    rows = []
+    for policy in ("torch", "torch_save_on_cpu"):
+        model = getattr(torchvision.models, f"vgg{cfg.depth}")()
+        model.avgpool = nn.Identity()              # the tape's classifier reads the flat map
+        model.classifier = nn.Sequential(
+            nn.Linear(512 * side * side, hidden), nn.ReLU(True), nn.Dropout(0.0),
+            nn.Linear(hidden, hidden), nn.ReLU(True), nn.Dropout(0.0), nn.Linear(hidden, cfg.num_classes))
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in case.state.items()})
+        model.cuda().train()
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                              weight_decay=cfg.weight_decay)
+        offload = policy == "torch_save_on_cpu"
+
+        def step():
+            opt.zero_grad(set_to_none=False)
+            if offload:
+                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                    loss = nn.functional.cross_entropy(model(x), y)
+            else:
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        torch.cuda.reset_peak_memory_stats()
+        loss = step().detach().cpu().numpy().reshape(1)
+        got = {"loss": loss, **{f"{k}.grad": p.grad.detach().cpu().numpy()
+                                for k, p in model.named_parameters()}}
+        t = timing.bench_host(step, warmup=1, reps=3)
+        rows.append(case.row(policy, None, t, got, torch_peak_bytes=torch.cuda.max_memory_allocated()))
+        del model, opt
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------- run / plot
+def run(size: str = "toy", deadline_s: float = 150.0) -> None:
+    """Measure every (model, budget, policy); results are written after each model, and
+    jobs past `deadline_s` seconds are skipped (recorded as such), so a time-limited GPU run
+    always leaves what it measured. The headline model and budget go first."""
+    spec = SIZES[size]
+    start = time.perf_counter()
+    rates = measure_link()
+    link = Link() if backend.SIMULATOR else Link(h2d=rates["pinned_h2d_gbps"] * 1e9,
+                                                 d2h=rates["pinned_d2h_gbps"] * 1e9)
+    depths = sorted(spec["depths"], key=lambda d: d != HEADLINE_DEPTH[size])
+    fracs = sorted(spec["fracs"], key=lambda f: f != HEADLINE_FRAC)
+    bar = common.progress(range(len(depths) * (3 * len(fracs) + 2)), desc=NAME)
+    rows: list[dict] = []
+    for depth in depths:
+        case = _Case(depth, size)
+        row, seconds = _unconstrained(case)
+        rows.append(row)
+        bar.update(1)
+        for frac in fracs:
+            for policy in ("paging", "autovm", "autovm_recompute"):
+                rows.append(_job(case, policy, frac, seconds, link, start + deadline_s))
+                bar.update(1)
+        if time.perf_counter() < start + deadline_s:
+            try:
+                rows.extend(_torch(case))
+            except Exception as exc:   # an outside anchor must not sink the run
+                print(f"[{NAME}] torch anchor for vgg{depth} failed: {exc!r}", file=sys.stderr)
+        bar.update(1)
+        case.pinned.clear()
+        _write(rows, rates, size)
+    bar.close()
+
+
+def _job(case: _Case, policy: str, frac: float, seconds, link: Link, deadline: float) -> dict:
+    if time.perf_counter() > deadline:
+        return case.row(policy, frac, None, None, error="skipped: past the run's time limit")
+    try:
+        if policy == "paging":
+            return _paging(case, frac)
+        return _autovm(case, frac, seconds, link, policy == "autovm_recompute")
+    except (BudgetError, MemoryError, RuntimeError) as exc:
+        print(f"[{NAME}] vgg{case.cfg.depth} {policy} at {frac:.0%}: {exc}", file=sys.stderr)
+        return case.row(policy, frac, None, None, error=str(exc)[:200])
+
+
+def _write(rows: list[dict], rates: dict, size: str) -> None:
+    out = [{**row, **{k: round(v, 3) for k, v in rates.items()}} for row in rows]
+    keys = list(dict.fromkeys(k for row in out for k in row))
+    common.write_csv(NAME, [{k: row.get(k, "") for k in keys} for row in out])
+    common.write_summary(NAME, summarize(out, size))
+
+
+def summarize(rows: list[dict], size: str) -> dict:
+    model = f"vgg{HEADLINE_DEPTH[size]}"
+    mine = [r for r in rows if r["model"] == model]
+
+    def ms(policy, frac=HEADLINE_FRAC):
+        hit = [float(r["step_ms"]) for r in mine if r["policy"] == policy
+               and (r["budget_frac"] == "" if frac is None else r["budget_frac"] == frac)]
+        return hit[0] if hit else float("nan")
+
+    unc, pag, avm, rec = ms("unconstrained", None), ms("paging"), ms("autovm"), ms("autovm_recompute")
+    link = [float(r["link_ms"]) for r in mine if r["policy"] == "autovm"
+            and r["budget_frac"] == HEADLINE_FRAC and "link_ms" in r]
+    checked = [r for r in rows if "max_rel_diff" in r and r["policy"] in POLICIES[:4]]
+    if not checked:
+        raise ValueError(f"{NAME}: no policy ran to completion")
+    summary = {
+        "model": model, "budget_frac": HEADLINE_FRAC,
+        "paging_over_autovm_step": pag / avm,
+        "autovm_over_unconstrained_step": avm / unc,
+        "recompute_over_autovm_step": rec / avm,
+        "unconstrained_step_ms": unc, "paging_step_ms": pag, "autovm_step_ms": avm,
+        "autovm_recompute_step_ms": rec,
+        "host_link_bound_ms": max(unc, link[0]) if link else float("nan"),
+        "policies_checked": len(checked),
+        "all_policies_bit_identical": all(r["loss_equal"] and r["grads_equal"] for r in checked),
+        "max_rel_diff_any_policy": max((r["max_rel_diff"] for r in checked), default=float("nan")),
+        "pinned_h2d_gbps": rows[0]["pinned_h2d_gbps"], "fault_h2d_gbps": rows[0]["fault_h2d_gbps"],
+    }
+    for policy in ("torch", "torch_save_on_cpu"):
+        if ms(policy, None) == ms(policy, None):   # present (not NaN)
+            summary[f"{policy}_step_ms"] = ms(policy, None)
+    return summary
+
+
+def plot():
+    rows = common.read_csv(NAME)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = common.new_figure(rows, 1, len(models), figsize=(5.5 * len(models), 4.3), squeeze=False)
+    styles = {"paging": ("C3", "o"), "autovm": ("C0", "s"), "autovm_recompute": ("C2", "^")}
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        for policy, (color, marker) in styles.items():
+            pts = sorted((float(r["budget_frac"]) * 100, float(r["step_ms"])) for r in mine
+                         if r["policy"] == policy and r["step_ms"] not in ("", "nan"))
+            if pts:
+                ax.plot(*zip(*pts), color=color, marker=marker, label=policy.replace("_", " + "))
+        floor = [float(r["step_ms"]) for r in mine if r["policy"] == "unconstrained"]
+        bound = sorted((float(r["budget_frac"]) * 100, max(float(r["link_ms"]), *floor))
+                       for r in mine if r["policy"] == "autovm" and r.get("link_ms") not in ("", None))
+        if bound:
+            ax.plot(*zip(*bound), color="k", linestyle="--", label="host-link bound")
+        for policy, color, line in (("unconstrained", "k", "-"), ("torch", "C1", ":"),
+                                    ("torch_save_on_cpu", "C4", ":")):
+            for r in mine:
+                if r["policy"] == policy:
+                    ax.axhline(float(r["step_ms"]), color=color, linestyle=line, linewidth=1,
+                               label=policy.replace("_", " "))
+        ax.set_xlabel("device-memory budget (% of the unconstrained peak)")
+        ax.set_ylabel("training step time (ms)")
+        ax.set_title(f"{model.upper()}: step time vs budget")
+        ax.invert_xaxis()
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    return common.save_figure(fig, NAME)
