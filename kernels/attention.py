@@ -34,7 +34,7 @@ import numpy as np
 
 from kernels import _check
 from kernels._reduce import warp_allreduce
-from proto.backend import SIMULATOR, cuda, jit, launch
+from proto.backend import cuda, jit, launch
 
 TILE = 128           # positions per tile = threads per block, at most (more when hd is larger)
 MAX_HD = 256         # largest head dim; the block then has 256 threads

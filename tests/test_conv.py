@@ -1,27 +1,14 @@
 """conv2d forward, backward-data and backward-weight against float64 NumPy references."""
-import sys
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, strategies as st
+from hypothesis import given, strategies as st
 
 from kernels import conv
-from proto import backend
 from proto.backend import cuda
 from tests.helpers import dev, rand
 
 EPS32 = float(np.finfo(np.float32).eps)
-
-
-@pytest.fixture(autouse=True)
-def _fast_sim_barriers():
-    """The simulator's syncthreads waits out Python's thread switch interval (5 ms); these
-    kernels barrier once per reduction step, so switch faster while they run."""
-    old = sys.getswitchinterval()
-    if backend.SIMULATOR:
-        sys.setswitchinterval(1e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 def assert_sum_close(actual, expected, length):

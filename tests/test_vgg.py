@@ -1,6 +1,5 @@
 """VGG as a Tape: naming and loading as torchvision, exact reads/writes, and one SGD step run op
 by op on plainly allocated device arrays equal to the NumPy reference step."""
-import sys
 
 import numpy as np
 import pytest
@@ -15,17 +14,6 @@ TINY = vgg.VGGConfig(depth=11, width=1 / 16, image_size=32, batch=2, num_classes
                      lr=0.1, momentum=0.9, weight_decay=5e-4, hidden=32)
 GPU_CFG = vgg.VGGConfig(depth=16, width=1 / 8, image_size=32, batch=4, num_classes=10,
                         lr=0.1, momentum=0.9, weight_decay=5e-4)
-
-
-@pytest.fixture(autouse=True)
-def _fast_sim_barriers():
-    """The simulator's syncthreads waits out Python's thread switch interval (5 ms); the conv
-    kernels barrier once per reduction step, so switch faster while they run."""
-    old = sys.getswitchinterval()
-    if backend.SIMULATOR:
-        sys.setswitchinterval(1e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 def _batch(cfg, seed=0):
