@@ -218,15 +218,15 @@ def _torch(case: _Case) -> list[dict]:
     side, hidden = cfg.image_size // 32, cfg.hidden or vgg.HIDDEN
     x = torch.from_numpy(case.images).cuda()
     y = torch.from_numpy(case.labels.astype(np.int64)).cuda()
+    model = getattr(torchvision.models, f"vgg{cfg.depth}")()
+    model.avgpool = nn.Identity()                  # the tape's classifier reads the flat map
+    model.classifier = nn.Sequential(
+        nn.Linear(512 * side * side, hidden), nn.ReLU(True), nn.Dropout(0.0),
+        nn.Linear(hidden, hidden), nn.ReLU(True), nn.Dropout(0.0), nn.Linear(hidden, cfg.num_classes))
+    model.cuda().train()
     rows = []
     for policy in ("torch", "torch_save_on_cpu"):
-        model = getattr(torchvision.models, f"vgg{cfg.depth}")()
-        model.avgpool = nn.Identity()              # the tape's classifier reads the flat map
-        model.classifier = nn.Sequential(
-            nn.Linear(512 * side * side, hidden), nn.ReLU(True), nn.Dropout(0.0),
-            nn.Linear(hidden, hidden), nn.ReLU(True), nn.Dropout(0.0), nn.Linear(hidden, cfg.num_classes))
         model.load_state_dict({k: torch.from_numpy(v) for k, v in case.state.items()})
-        model.cuda().train()
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                               weight_decay=cfg.weight_decay)
         offload = policy == "torch_save_on_cpu"
@@ -248,8 +248,8 @@ def _torch(case: _Case) -> list[dict]:
                                 for k, p in model.named_parameters()}}
         t = timing.bench_host(step, warmup=1, reps=3)
         rows.append(case.row(policy, None, t, got, torch_peak_bytes=torch.cuda.max_memory_allocated()))
-        del model, opt
-        torch.cuda.empty_cache()
+    model.cpu()
+    torch.cuda.empty_cache()
     return rows
 
 

@@ -186,6 +186,8 @@ class Executor:
         self._events.clear()
         self.pinned = None   # shared buffers stay with their owner
         self.pool.close()
+        if not backend.SIMULATOR:   # Numba frees lazily; give the arena back now
+            cuda.current_context().memory_manager.deallocations.clear()
 
     def __enter__(self):
         return self

@@ -86,6 +86,7 @@ def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
 def check_managed_fits(nbytes: int) -> None:
     """Refuse managed allocations that could oversubscribe the card (which can hang the machine)."""
     from cuda.bindings import driver
+    cuda.current_context()      # the driver call needs a current context
     err, free, total = driver.cuMemGetInfo()
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemGetInfo failed: {err}")
@@ -101,7 +102,8 @@ def prefetch_managed(ptr: int, nbytes: int, stream, to_host: bool = True) -> Non
 
     cuda-bindings 13 takes a CUmemLocation; 12.x took a device ordinal (CU_DEVICE_CPU = host)."""
     from cuda.bindings import driver
-    hstream = driver.CUstream(int(stream.handle) if stream else 0)
+    handle = getattr(stream.handle, "value", stream.handle) if stream else 0
+    hstream = driver.CUstream(int(handle or 0))
     loc = driver.CUmemLocation()
     if to_host:
         loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
@@ -212,6 +214,10 @@ class PagingExecutor(Executor):
             self.pages.reset()
             self.table.reset()
 
+    def close(self) -> None:
+        self.pages = None    # it holds the managed arena
+        super().close()
+
     def moved_bytes(self) -> tuple[int, int]:
         """(bytes evicted, bytes faulted in) so far, in whole pages."""
         return self.table.evicted_pages * self.table.page_bytes, self.table.faulted_pages * self.table.page_bytes
@@ -224,8 +230,15 @@ def measure_link(nbytes: int = 256 << 20, reps: int = 3) -> dict[str, float]:
     keys = ("pinned_h2d_gbps", "pinned_d2h_gbps", "fault_h2d_gbps", "evict_d2h_gbps")
     if backend.SIMULATOR:
         return {k: float("nan") for k in keys}
-    from kernels import elementwise as ew
     check_managed_fits(nbytes)
+    rates = _link_rates(nbytes, reps)
+    cuda.synchronize()
+    cuda.current_context().memory_manager.deallocations.clear()   # its buffers, now
+    return rates
+
+
+def _link_rates(nbytes: int, reps: int) -> dict[str, float]:
+    from kernels import elementwise as ew
     n = nbytes // 4
     stream = cuda.stream()
     host = cuda.pinned_array(n, np.float32)
@@ -248,15 +261,16 @@ def measure_link(nbytes: int = 256 << 20, reps: int = 3) -> dict[str, float]:
             best = min(best, cuda.event_elapsed_time(t0, t1) * 1e-3)
         return nbytes / best / 1e9
 
-    to_host = lambda: prefetch_managed(ptr, nbytes, stream)          # noqa: E731
-    to_dev = lambda: prefetch_managed(ptr, nbytes, stream, False)    # noqa: E731
-    try:
-        return {
-            "pinned_h2d_gbps": timed(lambda: dev.copy_to_device(host, stream=stream)),
-            "pinned_d2h_gbps": timed(lambda: dev.copy_to_host(host, stream=stream)),
-            "fault_h2d_gbps": timed(lambda: ew.add(managed, managed, managed, stream=stream), to_host),
-            "evict_d2h_gbps": timed(to_host, to_dev),
-        }
-    finally:
-        cuda.synchronize()
-        del managed, dev, host
+    def to_host():
+        prefetch_managed(ptr, nbytes, stream)
+
+    def to_device():
+        prefetch_managed(ptr, nbytes, stream, to_host=False)
+
+    return {
+        "pinned_h2d_gbps": timed(lambda: dev.copy_to_device(host, stream=stream)),
+        "pinned_d2h_gbps": timed(lambda: dev.copy_to_host(host, stream=stream)),
+        # every page starts on the host: the kernel faults each one in
+        "fault_h2d_gbps": timed(lambda: ew.add(managed, managed, managed, stream=stream), to_host),
+        "evict_d2h_gbps": timed(to_host, to_device),
+    }
