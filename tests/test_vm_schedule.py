@@ -7,6 +7,7 @@ from hypothesis import assume, given, strategies as st
 
 from proto.tape import Op, Tape, TensorSpec
 from proto.vm import BudgetError, Liveness, Link, PlanError, plan, validate
+from proto.vm.schedule import estimate_seconds
 from proto.vm.pool import place, Block
 from proto.vm.synthetic import cnn_tape
 
@@ -93,6 +94,20 @@ def test_a_tight_budget_moves_activations_and_an_ample_one_moves_nothing():
     assert any(tape.tensors[g.tensor].kind == "activation" for g in tight.offloaded)
     # clean tensors (parameters only read since they came in) go back without a copy
     assert 0 < tight.d2h_bytes < sum(g.nbytes for g in tight.offloaded)
+
+
+def test_estimated_step_time_is_compute_plus_waits():
+    tape, _ = cnn_tape(4096, "cpcpc")
+    live = Liveness(tape)
+    seconds = [1e-3 * (1 + k % 3) for k in range(len(tape.ops))]
+    budget = live.budget_between(0.2)
+    instant = Link(h2d=1e30, d2h=1e30)
+    p = plan(tape, budget, op_seconds=seconds, link=instant)
+    assert p.offloaded
+    assert estimate_seconds(tape, p, seconds, instant) == pytest.approx(sum(seconds))
+    slow = Link(h2d=1e6, d2h=1e6)      # each copy takes milliseconds: compute must wait
+    p = plan(tape, budget, op_seconds=seconds, link=slow)
+    assert estimate_seconds(tape, p, seconds, slow) > sum(seconds) + p.d2h_bytes / slow.d2h / 2
 
 
 def test_unconstrained_plan_only_allocates_and_frees():

@@ -270,13 +270,14 @@ class _Planner:
                     if need <= 0:
                         break
                 continue
-            # Otherwise compute will have to wait somewhere: widen the window of the biggest
-            # tensor (already chosen or not) until it covers op i.
+            # Otherwise compute will have to wait somewhere: widen windows until they cover
+            # op i, cheapest wait per byte freed first.
             stuck = [g for g in covering if not (g in windows and _contains(windows[g], i, n))]
             if not stuck:
                 raise BudgetError(f"no tensor can leave the device at op {self.tape.ops[i].name!r}")
             need = prof[i] - limits[i]
-            for g in sorted(stuck, key=lambda g: (g.nbytes, g in chosen, g.tensor, g.after), reverse=True):
+            for g in sorted(stuck, key=lambda g: (self._forced_wait(g, i, live) / g.nbytes, -g.nbytes,
+                                                  g not in chosen, g.tensor, g.after)):
                 c = choose(g)
                 if g.after < i:            # open the window from op i on ...
                     c.release_by = min(c.release_by, i)
@@ -287,6 +288,17 @@ class _Planner:
                 if need <= 0:
                     break
 
+
+    def _forced_wait(self, g: Gap, i: int, live: Liveness) -> float:
+        """Seconds compute would wait if g had to be off the device during op i: for the
+        eviction to finish before op i, and for the prefetch issued after op i to land."""
+        wait = 0.0
+        if g.after < i:
+            wait += max(0.0, self.start[g.after + 1] + g.nbytes / self.link.d2h - self.start[i])
+        if live.reads_at(g.tensor, g.before % self.n):
+            after_i = i + 1 if i < g.before else i + self.n + 1
+            wait += max(0.0, self.start[after_i] + g.nbytes / self.link.h2d - self.start[g.before])
+        return wait
 
     def _prune(self, live, limits, chosen, windows) -> dict[Gap, _Choice]:
         """Undo choices the step turns out not to need: fixing ops one at a time, early ones
@@ -522,6 +534,39 @@ def _build(live: Liveness, chosen: dict[Gap, _Choice], planner: _Planner, budget
                 recomputed=by_mode["recompute"],
                 peak_bytes=max(planner.profile(live, windows), default=live.persistent_bytes),
                 d2h_bytes=d2h, h2d_bytes=h2d), extent
+
+
+def estimate_seconds(tape: Tape, plan: Plan, op_seconds, link: Link = Link()) -> float:
+    """Step time the plan should take: ops run back to back on the compute stream except where
+    it waits for a copy; each copy stream serves its copies in issue order, a prefetch starting
+    once the compute work before it is done (as the executor orders them)."""
+    compute = d2h_free = h2d_free = 0.0
+    evicted: dict[str, float] = {}
+    arrived: dict[str, float] = {}
+
+    def apply(act: Action):
+        nonlocal compute, d2h_free, h2d_free
+        nbytes = tape.tensors[act.tensor].nbytes
+        if act.kind == "release":
+            compute = max(compute, evicted[act.tensor])
+        elif act.kind == "prefetch":
+            h2d_free = arrived[act.tensor] = max(h2d_free, compute) + nbytes / link.h2d
+        elif act.kind == "wait":
+            compute = max(compute, arrived[act.tensor])
+        elif act.kind == "recompute":
+            compute += op_seconds[act.producer]
+        elif act.kind == "evict":
+            d2h_free = evicted[act.tensor] = max(d2h_free, compute) + nbytes / link.d2h
+
+    for i in range(len(tape.ops)):
+        for act in plan.before[i]:
+            apply(act)
+        compute += op_seconds[i]
+        for act in plan.after[i]:
+            apply(act)
+    for act in plan.end:
+        apply(act)
+    return compute
 
 
 # ------------------------------------------------------------------------------- checking
