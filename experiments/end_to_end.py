@@ -81,7 +81,8 @@ class _Graphed:
 
     def info(self) -> dict:
         stats, memory = self.g.stats(), self.g.memory_bytes
-        return {"graphs": self.g.num_graphs, "graph_nodes": self.g.num_nodes,
+        return {"graphs": self.g.num_graphs, "reorder_graphs": self.g.num_reorder_graphs,
+                "graph_nodes": self.g.num_nodes,
                 "graph_memory_mib": None if memory is None else round(memory / 2**20, 2),
                 "bytes_copied_per_step": round(stats.bytes_copied / max(stats.replays, 1)),
                 "bind_us_per_step": round(stats.bind_us_per_replay, 2)}
@@ -126,8 +127,9 @@ def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bo
 
 
 # ------------------------------------------------------------------------- step timing (GPU)
-def _kernel_sum_us(replay, n: int = 20) -> tuple[float, float]:
-    """(summed GPU time of the kernels of one replay, kernels per replay), by torch.profiler."""
+def _kernels(replay, n: int = 20) -> dict[str, tuple[float, float]]:
+    """{kernel name: (GPU us per replay, launches per replay)} of `replay`, by torch.profiler
+    (CUPTI sees every kernel of the process, Numba's and those inside graph replays)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -138,9 +140,12 @@ def _kernel_sum_us(replay, n: int = 20) -> tuple[float, float]:
         for _ in range(n):
             replay()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]
-    return sum(e.time_range.elapsed_us() for e in kernels) / n, len(kernels) / n
+    per: dict[str, tuple[float, float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+            us, count = per.get(e.name, (0.0, 0.0))
+            per[e.name] = (us + e.time_range.elapsed_us() / n, count + 1 / n)
+    return per
 
 
 def _replay_us(replay) -> float:
@@ -148,18 +153,22 @@ def _replay_us(replay) -> float:
     return t.median_us / STEP_REPLAYS
 
 
-def _step_timings(label: str, position: int, alias, torch_graph) -> dict:
-    """Our alias graph's replay, its kernels' sum, and PyTorch's graphed step, at `position`."""
-    ours = alias.g.replayer(position)
-    row = {"setup": label, "position": position, "ours_step_us": round(_replay_us(ours), 2)}
-    kernel_us, kernels = _kernel_sum_us(ours)
-    row.update(ours_kernel_sum_us=round(kernel_us, 2), ours_kernels_per_step=kernels,
-               ours_graph_nodes=alias.g.num_nodes // max(alias.g.num_graphs, 1))
+def _step_timings(label: str, position: int, alias, torch_graph, kernel_rows: list) -> dict:
+    """Our alias graph's replay, its kernels' sum, and PyTorch's graphed step, at `position`;
+    appends each kernel's share of a step to `kernel_rows`."""
+    row = {"setup": label, "position": position}
+    replays = {"ours": alias.g.replayer(position)}
     if torch_graph is not None:
-        theirs = torch_graph.dec.replayer(position)
-        t_kernel_us, t_kernels = _kernel_sum_us(theirs)
-        row.update(torch_graph_step_us=round(_replay_us(theirs), 2),
-                   torch_kernel_sum_us=round(t_kernel_us, 2), torch_kernels_per_step=t_kernels)
+        replays["torch"] = torch_graph.dec.replayer(position)
+    for who, replay in replays.items():
+        kernels = _kernels(replay)
+        row.update({f"{who}_step_us": round(_replay_us(replay), 2),
+                    f"{who}_kernel_sum_us": round(sum(us for us, _ in kernels.values()), 2),
+                    f"{who}_kernels_per_step": round(sum(c for _, c in kernels.values()), 2)})
+        for name, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+            kernel_rows.append({"setup": label, "who": who, "kernel": name[:90],
+                                "us_per_step": round(us, 2), "launches_per_step": count})
+    row["ours_graph_nodes"] = alias.g.num_nodes // max(alias.g.num_graphs, 1)
     return row
 
 
@@ -168,7 +177,7 @@ def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     beam, prompt_len = cfg["beam"], cfg["prompt_len"]
     methods = METHODS if _torch_available() else METHODS[:3]
-    rows, step_rows = [], []
+    rows, step_rows, kernel_rows = [], [], []
     bar = common.progress(range(len(cfg["setups"]) * len(methods)), desc=NAME)
     for label, config, max_len in cfg["setups"]:
         state_dict = random_state_dict(config, seed=0)
@@ -200,7 +209,8 @@ def run(size: str = "toy") -> None:
                          **{k: round(v, 4) for k, v in phases.items()},
                          "same_tokens_as_eager": bool(np.array_equal(gen.tokens, want)),
                          "setup_s": round(setup_s, 3),
-                         **{k: None for k in ("graphs", "graph_nodes", "graph_memory_mib",
+                         **{k: None for k in ("graphs", "reorder_graphs", "graph_nodes",
+                                              "graph_memory_mib",
                                               "bytes_copied_per_step", "bind_us_per_step")},
                          **m.info(),
                          "torch_logit_error": round(torch_error, 8)
@@ -208,13 +218,14 @@ def run(size: str = "toy") -> None:
             bar.update(1)
         if not backend.SIMULATOR:
             step_rows.append(_step_timings(label, max_len // 2, live["graph_alias_device"],
-                                           live.get("torch_graph")))
+                                           live.get("torch_graph"), kernel_rows))
         for m in live.values():
             m.close()
     bar.close()
     common.write_csv(NAME, rows)
     if step_rows:
         common.write_csv(NAME + "_step", step_rows)
+        common.write_csv(NAME + "_kernels", kernel_rows)
     common.write_summary(NAME, summarize(rows, step_rows))
 
 
@@ -252,10 +263,11 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
         if float(step["ours_kernel_sum_us"]) > 0:
             summary["graphed_step_over_kernel_sum"] = \
                 float(step["ours_step_us"]) / float(step["ours_kernel_sum_us"])
-        if step.get("torch_graph_step_us") is not None:
-            summary["torch_graph_step_us"] = float(step["torch_graph_step_us"])
+        if step.get("torch_step_us") is not None:
+            summary["torch_graph_step_us"] = float(step["torch_step_us"])
+            summary["torch_graph_kernel_sum_us"] = float(step["torch_kernel_sum_us"])
             summary["ours_over_torch_graph_step"] = \
-                float(step["ours_step_us"]) / float(step["torch_graph_step_us"])
+                float(step["ours_step_us"]) / float(step["torch_step_us"])
     return summary
 
 

@@ -15,15 +15,17 @@ the reorder produced) reach the graph (proto.binding):
   copy   PtGraph, the plain PyTorch-CUDA-graph way. The graph owns static placeholders: a
          token buffer and one KV cache set S. The search writes tokens into its own buffer;
          the beam reorder reads S (the model's output cache) and gathers into a scratch set R
-         (torch's index_select result), and the next replay copies tokens and R into the
-         placeholders: the whole KV cache moves every beam step.
+         (torch's index_select result; eager launches, outside the graph), and the next
+         replay copies tokens and R into the placeholders: the whole KV cache moves every
+         beam step.
   patch  Two cache sets A and B; the search gathers from one into the other, alternating.
          One graph, recorded on A; a replay on B rewrites the pointers of every node that
-         reads the cache (cuGraphExecKernelNodeSetParams), so no bytes move.
+         reads the cache (cuGraphExecKernelNodeSetParams), so no bytes move. The gathers
+         (2 per layer) are themselves replayed as a graph per direction (A->B, B->A).
   alias  Grape. The same A/B sets, but two graphs, one recorded on each, so the gather's
          destination IS the next replay's placeholder; the search writes the tokens and the
          position straight into the placeholders (that H2D write is input preparation, not
-         binding). Binding checks addresses and moves 0 bytes.
+         binding). Binding checks addresses and moves 0 bytes. Gathers graphed as for patch.
 
 Shapes: the context length grows by one every step (proto.shapes):
   exact   one graph per length, the position baked in (each graph reads its own constant
@@ -106,6 +108,7 @@ class GraphedGPT2:
             self._pos_ph = cuda.to_device(np.array([-1], np.int32))
         self._cache_names = [f"{kv}{i}" for kv in "kv" for i in range(self.config.n_layer)]
         self._sets: dict[int, tuple[KVCache, KVCache]] = {}  # capacity -> (set 0, set 1)
+        self._reorders: dict[tuple[int, int], graph.GraphedFunction] = {}  # (capacity, src set)
         self._warmed: set[int] = set()  # capacities whose attention workspace exists
         self.caches = (_SearchCache(self, 0), _SearchCache(self, 1))
         self.repad_bytes = 0
@@ -156,12 +159,22 @@ class GraphedGPT2:
     def _reorder(self, src: _SearchCache, index, dst: _SearchCache, stream=0) -> None:
         if not (isinstance(dst, _SearchCache) and dst.owner is self and dst is not src):
             raise ValueError("dst: expected the other cache of this GraphedGPT2's `caches`")
-        static, scratch = self._sets[self._capacity]
+        sets = self._sets[self._capacity]
         if self.binding == "copy":  # the search reads the model's (static) cache, writes R
-            KVCache.reorder_into(static, index, scratch, stream)
+            KVCache.reorder_into(sets[0], index, sets[1], stream)
             self._pending = True
-        else:
-            KVCache.reorder_into(src, index, dst, stream)
+            return
+        # A/B: the gathers run as a graph of their own per direction (2L eager launches cost
+        # ~0.6 ms of host time a step); its `index` input is patched to the search's parents
+        # buffer, once per buffer address.
+        key = (self._capacity, src.index)
+        if key not in self._reorders:
+            source, target = sets[src.index], sets[dst.index]
+            self._reorders[key] = graph.GraphedFunction(
+                lambda index: KVCache.reorder_into(source, index, target),
+                {"index": cuda.device_array(self.batch, np.int32)}, binding="patch",
+                executor=self.executor, warmup=0)  # gathers have no first-call allocation
+        self._reorders[key](index=index)
 
     def reset(self, prompt_len: int = 1) -> None:
         """Start a generation from a prompt of `prompt_len` tokens: position 0, the smallest
@@ -288,7 +301,12 @@ class GraphedGPT2:
 
     @property
     def num_graphs(self) -> int:
+        """Graphs of the model step (the reorder graphs are counted apart)."""
         return sum(d.num_graphs for d in self._graphs)
+
+    @property
+    def num_reorder_graphs(self) -> int:
+        return len(self._reorders)
 
     @property
     def num_nodes(self) -> int:
@@ -302,7 +320,9 @@ class GraphedGPT2:
     def close(self) -> None:
         for d in self._graphs:
             d.close()
-        self._sets, self._logits = {}, None
+        for g in self._reorders.values():
+            g.close()
+        self._sets, self._reorders, self._logits = {}, {}, None
         for cache in self.caches:
             cache.k, cache.v = [], []
 
