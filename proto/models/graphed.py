@@ -99,7 +99,7 @@ class GraphedGPT2:
         self.executor = executor or default_executor()
         # The search's input buffers. alias: they are the placeholders (producers write here);
         # copy/patch: ordinary buffers whose contents (copy) or addresses (patch) get bound.
-        self.inputs = generate.DecodeInputs(cuda.device_array((batch, 1), np.int32),
+        self.inputs = generate.DecodeInputs(cuda.to_device(np.zeros((batch, 1), np.int32)),
                                             cuda.to_device(np.array([-1], np.int32)))
         if binding == "alias":
             self._tokens_ph, self._pos_ph = self.inputs.tokens, self.inputs.pos
