@@ -343,8 +343,9 @@ def summarize(rows: list[dict], size: str) -> dict:
     return summary
 
 
-def plot():
-    rows = common.read_csv(NAME)
+def plot(device: str | None = None):
+    """Figure from results/<device>/autovm.csv (default: this machine's device)."""
+    rows = common.read_csv(NAME, device)
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = common.new_figure(rows, 1, len(models), figsize=(5.5 * len(models), 4.3), squeeze=False)
     styles = {"paging": ("C3", "o"), "autovm": ("C0", "s"), "autovm_recompute": ("C2", "^")}
@@ -373,4 +374,4 @@ def plot():
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    return common.save_figure(fig, NAME)
+    return common.save_figure(fig, NAME, device)
