@@ -61,8 +61,10 @@ def test_real_gpt2_step_logits_for_every_binding_and_strategy(config, beam, new,
 
 def test_per_length_graphs_cost_driver_memory_one_device_graph_does_not():
     """exact: a graph per length, each holding its own driver memory (~3 KiB a kernel node,
-    DESIGN.md); device: one graph per cache set, below the driver's 2 MiB chunk. Graphs freed
-    by earlier tests leave memory the driver reuses, so the bound is loose: 1 KiB a node."""
+    DESIGN.md); device: one graph per cache set plus one reorder graph per direction, each
+    reading 0 or one 2 MiB driver chunk (cuMemGetInfo's granularity, seen on the H200: 4 MiB
+    for the four). Graphs freed by earlier tests leave memory the driver reuses, so the
+    per-length bound is loose: 1 KiB a node."""
     config = GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=500, n_positions=512)
     model = _model(config, 0, 5)
     with GraphedGPT2(model, batch=5, max_len=512, binding="copy", strategy="exact",
@@ -71,7 +73,7 @@ def test_per_length_graphs_cost_driver_memory_one_device_graph_does_not():
                         build_all=True) as device:
         assert exact.num_graphs == 512 and device.num_graphs == 2
         assert exact.num_nodes == 512 * device.num_nodes // 2
-        assert device.memory_bytes <= 2 << 20
+        assert device.memory_bytes <= (device.num_graphs + device.num_reorder_graphs) * (2 << 20)
         assert exact.memory_bytes >= 1024 * exact.num_nodes
 
 
