@@ -7,6 +7,7 @@ import datetime
 import functools
 import importlib.metadata
 import json
+import os
 import pathlib
 import platform
 import subprocess
@@ -36,17 +37,24 @@ def _version(pkg: str) -> str:
         return "absent"
 
 
-@functools.lru_cache(maxsize=1)
-def provenance() -> dict:
-    """Columns stamped on every row: which device, software and commit produced it, and when."""
+def _git_commit() -> str:
+    """HEAD's short hash, '-dirty' when tracked files differ from it. A copy of the tree
+    without .git (what the GPU machine gets) is told its commit in PROTO_GIT_COMMIT."""
+    if os.environ.get("PROTO_GIT_COMMIT"):
+        return os.environ["PROTO_GIT_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
                                 capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        commit += "-dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
+
+
+@functools.lru_cache(maxsize=1)
+def provenance() -> dict:
+    """Columns stamped on every row: which device, software and commit produced it, and when."""
     return {
         "device": backend.describe(),
         "python": platform.python_version(),
@@ -55,7 +63,7 @@ def provenance() -> dict:
         "numba_cuda": _version("numba-cuda"),
         "cuda_core": _version("cuda-core"),
         "torch": _version("torch"),
-        "git_commit": commit,
+        "git_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
