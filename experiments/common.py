@@ -124,6 +124,23 @@ def save_figure(fig, name: str, device: str | None = None) -> pathlib.Path:
     return path
 
 
+def torch_cuda_graph(fn):
+    """Capture `fn()` (PyTorch ops) as a torch.cuda.CUDAGraph; returns (graph, fn's result).
+
+    Warms up on a side stream first, as torch.cuda.graphs asks: lazy initializations (cuBLAS
+    handles, workspaces) must happen before capture, never inside it."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 def progress(iterable, desc: str, total: int | None = None):
     """A progress bar on stderr (tqdm) for long runs."""
     from tqdm import tqdm

@@ -308,14 +308,7 @@ def _graphed(impl: str, fn: Callable, repeats: int, torch):
     if impl == "ours":  # no warm-up run: the eager timing just ran fn, first-call work included
         graphed = graph.capture(body, {}, binding="alias", warmup=0)
         return graphed.replay, graphed.close
-    side = torch.cuda.Stream()  # warm up on a side stream before capture, as torch.cuda.graphs asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g, _ = common.torch_cuda_graph(body)
     return g.replay, g.reset
 
 

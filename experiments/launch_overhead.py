@@ -62,15 +62,7 @@ def _torch(count: int, threads: int, reps: dict) -> dict:
             x.add_(1.0)
 
     eager = timing.bench_host(launches, **reps)
-    # Warm up on a side stream before capture, as torch.cuda.graphs asks.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        launches()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launches()
+    g, _ = common.torch_cuda_graph(launches)
     replay = timing.bench_host(g.replay, **reps)
     g.reset()
     return {"torch_eager": eager, "torch_graph": replay}

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from experiments import common
 from proto import backend
 from proto.backend import cuda
 from proto.models import generate
@@ -132,15 +133,8 @@ class TorchDecoder:
         B = self.batch
         self._tokens = torch.zeros((B, 1), dtype=torch.int64, device=device)
         self._pos = torch.zeros(1, dtype=torch.int64, device=device)
-        # Warm up on a side stream first (torch.cuda.graphs: lazy inits must not be captured).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.model.forward(self._tokens, self._pos)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._static_logits = self.model.forward(self._tokens, self._pos)
+        self.graph, self._static_logits = common.torch_cuda_graph(
+            lambda: self.model.forward(self._tokens, self._pos))
         self._logits_numba = to_numba(self._static_logits.view(B, 1, -1))
 
     def step(self, tokens, pos, cache):

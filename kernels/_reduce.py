@@ -36,3 +36,22 @@ else:
             v = max(v, w) if use_max else v + w
             off >>= 1
         return v
+
+
+@cuda.jit(device=True)
+def block_reduce(buf, v, use_max):
+    """Max (use_max) or sum of `v` over the block (blockDim.x a power of two <= len(buf)),
+    returned to every thread: a tree in shared memory. Ends with a barrier so `buf` can be
+    reused at once. Every thread of the block must call it."""
+    t = cuda.threadIdx.x
+    buf[t] = v
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if t < step:
+            buf[t] = max(buf[t], buf[t + step]) if use_max else buf[t] + buf[t + step]
+        cuda.syncthreads()
+        step //= 2
+    total = buf[0]
+    cuda.syncthreads()
+    return total

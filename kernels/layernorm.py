@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from kernels import _check
+from kernels._reduce import block_reduce
 from proto import backend
 from proto.backend import cuda, jit, launch
 
@@ -30,24 +31,6 @@ def layernorm_ref(x, gamma, beta, eps: float = 1e-5) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernels
-@cuda.jit(device=True)
-def block_sum(buf, v):
-    """Sum of `v` over the block (blockDim.x a power of two <= len(buf)), returned to every
-    thread. Ends with a barrier so `buf` can be reused at once."""
-    t = cuda.threadIdx.x
-    buf[t] = v
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if t < step:
-            buf[t] += buf[t + step]
-        cuda.syncthreads()
-        step //= 2
-    total = buf[0]
-    cuda.syncthreads()
-    return total
-
-
 @jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)")
 def layernorm_kernel(x, gamma, beta, out, eps):
     buf = cuda.shared.array(MAX_THREADS, np.float32)
@@ -57,12 +40,12 @@ def layernorm_kernel(x, gamma, beta, out, eps):
     s = _ZERO
     for j in range(t, n, step):
         s += x[row, j]
-    mean = block_sum(buf, s) * inv_n
+    mean = block_reduce(buf, s, False) * inv_n
     s = _ZERO
     for j in range(t, n, step):
         d = x[row, j] - mean
         s += d * d
-    rstd = _ONE / math.sqrt(block_sum(buf, s) * inv_n + eps)
+    rstd = _ONE / math.sqrt(block_reduce(buf, s, False) * inv_n + eps)
     # Each element is read and written by the same thread after every reduction, so out may be x.
     for j in range(t, n, step):
         out[row, j] = (x[row, j] - mean) * rstd * gamma[j] + beta[j]

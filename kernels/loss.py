@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from kernels import _check
+from kernels._reduce import block_reduce
 from proto.backend import cuda, jit, launch
 
 MAX_THREADS = 256
@@ -45,29 +46,11 @@ def softmax_xent_kernel(logits, labels, loss, dlogits):
         m = _NEG_INF
         for v in range(t, V, T):
             m = max(m, logits[b, v])
-        red[t] = m
-        cuda.syncthreads()
-        half = T // 2
-        while half > 0:
-            if t < half:
-                red[t] = max(red[t], red[t + half])
-            cuda.syncthreads()
-            half //= 2
-        m = red[0]
-        cuda.syncthreads()                 # everyone has m before red is reused
+        m = block_reduce(red, m, True)
         s = np.float32(0.0)
         for v in range(t, V, T):
             s += math.exp(logits[b, v] - m)
-        red[t] = s
-        cuda.syncthreads()
-        half = T // 2
-        while half > 0:
-            if t < half:
-                red[t] += red[t + half]
-            cuda.syncthreads()
-            half //= 2
-        s = red[0]
-        cuda.syncthreads()
+        s = block_reduce(red, s, False)
         label = labels[b]
         for v in range(t, V, T):
             g = math.exp(logits[b, v] - m) / s
