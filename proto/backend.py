@@ -173,10 +173,6 @@ def recording(recorder):
         _recorders.pop()
 
 
-def is_recording() -> bool:
-    return bool(_recorders)
-
-
 def address(arr) -> int:
     """Device address of the array's first element (the simulator's is a host address)."""
     if SIMULATOR:

@@ -161,9 +161,7 @@ class Binder:
         # held so that memory stays alive while the graph may read it.
         self._bound = {name: address(a) for name, a in placeholders.items()}
         self._held = dict(placeholders)
-
-    def bind(self, inputs: dict) -> int:
-        return getattr(self, f"_{self.mode}")(inputs)
+        self.bind = getattr(self, f"_{mode}")  # bind(inputs) -> bytes copied; chosen once
 
     def _copy(self, inputs: dict) -> int:
         moved = 0
