@@ -8,6 +8,8 @@ after its last use). Policies, each running the same VGG tape (proto.models.vgg)
   autovm            the AutoVM schedule (proto.vm.schedule), timed with op times profiled
                     from the unconstrained step and the measured pinned-link bandwidth
   autovm_recompute  the same, recomputing cheap activations where the link is the bottleneck
+  autovm_graph      (GPU) the AutoVM schedule's whole step, compute and both copy streams,
+                    captured as one CUDA graph (Executor.capture): one launch per step
   torch, torch_save_on_cpu   (GPU) torchvision's VGG with the same weights, plainly and
                     under torch.autograd.graph.save_on_cpu(pin_memory=True): an outside anchor
 The host-link bound of a budget is max(unconstrained step, time the AutoVM plan's copies
@@ -19,7 +21,9 @@ add with atomics, so two unconstrained runs already differ slightly: the CSV has
 Sizes: full = VGG-16 and VGG-19, batch 48 at 128x128 (peak about 1.8 GiB, so managed memory
 stays small; parameters, gradients and momentum are under half of it, so at 50% most of what
 moves is activations, whose copies overlap compute); toy = a tiny VGG-11 on the simulator whose ops run their NumPy references
-(the same tape and tensors; the simulated conv kernels would take a minute per step).
+(the same tape and tensors; the simulated conv kernels would take a minute per step). Host
+math cannot be recorded into a graph, so the toy run has no autovm_graph rows; the tests check
+graphed steps on the simulator with device kernels.
 
     python -c "from experiments import autovm; autovm.run('full'); autovm.plot()"
 """
@@ -33,14 +37,16 @@ import numpy as np
 
 from experiments import common
 from kernels import conv, linear, loss as xent, pool, relu, sgd
-from proto import backend, timing
+from proto import backend, graph, timing
 from proto.models import vgg
 from proto.tape import Tape
 from proto.vm import BudgetError, Executor, Liveness, Link, PagingExecutor, measure_link, plan
 from proto.vm.schedule import estimate_seconds
 
 NAME = "autovm"
-POLICIES = ["unconstrained", "paging", "autovm", "autovm_recompute", "torch", "torch_save_on_cpu"]
+POLICIES = ["unconstrained", "paging", "autovm", "autovm_recompute", "autovm_graph", "torch",
+            "torch_save_on_cpu"]
+CHECKED = POLICIES[:5]   # our policies: their results must equal the unconstrained run's
 SIZES = {
     "toy": {"depths": [11], "fracs": [1.0, 0.5], "page_bytes": 4096, "host_math": True,
             "config": dict(width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32),
@@ -61,6 +67,7 @@ def host_math(tape: Tape, cfg: vgg.VGGConfig) -> Tape:
 
     def host(fn, reads, writes):
         def run(a, stream):
+            graph.require_eager("the toy run's host math")
             outs = fn(*[a[n].copy_to_host() for n in reads])
             for n, v in zip(writes, outs):
                 a[n].copy_to_device(np.ascontiguousarray(v, dtype=a[n].dtype))
@@ -187,16 +194,21 @@ def _paging(case: _Case, frac: float) -> dict:
                         faulted_bytes_per_step=moved[1] // steps, arena_bytes=ex.plan.arena_bytes)
 
 
-def _autovm(case: _Case, frac: float, seconds, link: Link, recompute: bool) -> dict:
+def _autovm(case: _Case, policy: str, frac: float, seconds, link: Link) -> dict:
     budget = int(frac * case.live.peak)
     t0 = time.perf_counter()
-    p = plan(case.tape, budget, op_seconds=seconds, link=link, recompute=recompute)
+    p = plan(case.tape, budget, op_seconds=seconds, link=link, recompute=policy == "autovm_recompute")
     planning = time.perf_counter() - t0
     with Executor(case.tape, p, pinned=case.pinned) as ex:
+        extra = {}
+        if policy == "autovm_graph":
+            t0 = time.perf_counter()
+            desc = ex.capture()
+            extra = {"graph_nodes": len(desc), "capture_seconds": round(time.perf_counter() - t0, 3)}
         t, got = case.measure(ex)
     unconstrained_ms = sum(seconds) * 1e3
     link_ms = p.link_seconds(link) * 1e3
-    return case.row("autovm_recompute" if recompute else "autovm", frac, t, got,
+    return case.row(policy, frac, t, got, **extra,
                     arena_bytes=p.arena_bytes, planned_peak_bytes=p.peak_bytes,
                     d2h_bytes=p.d2h_bytes, h2d_bytes=p.h2d_bytes, offloaded=len(p.offloaded),
                     recomputed=len(p.recomputed), homed=len(p.homed),
@@ -257,7 +269,7 @@ def _torch(case: _Case) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- run / plot
-def run(size: str = "toy", deadline_s: float = 150.0) -> None:
+def run(size: str = "toy", deadline_s: float = 300.0) -> None:
     """Measure every (model, budget, policy); results are written after each model, and
     jobs past `deadline_s` seconds are skipped (recorded as such), so a time-limited GPU run
     always leaves what it measured. The headline model and budget go first."""
@@ -268,7 +280,8 @@ def run(size: str = "toy", deadline_s: float = 150.0) -> None:
                                                  d2h=rates["pinned_d2h_gbps"] * 1e9)
     depths = sorted(spec["depths"], key=lambda d: d != HEADLINE_DEPTH[size])
     fracs = sorted(spec["fracs"], key=lambda f: f != HEADLINE_FRAC)
-    bar = common.progress(range(len(depths) * (3 * len(fracs) + 2)), desc=NAME)
+    policies = ["paging", "autovm", "autovm_recompute"] + ([] if spec["host_math"] else ["autovm_graph"])
+    bar = common.progress(range(len(depths) * (len(policies) * len(fracs) + 2)), desc=NAME)
     rows: list[dict] = []
     for depth in depths:
         case = _Case(depth, size)
@@ -276,7 +289,7 @@ def run(size: str = "toy", deadline_s: float = 150.0) -> None:
         rows.append(row)
         bar.update(1)
         for frac in fracs:
-            for policy in ("paging", "autovm", "autovm_recompute"):
+            for policy in policies:
                 rows.append(_job(case, policy, frac, seconds, link, start + deadline_s))
                 bar.update(1)
         if time.perf_counter() < start + deadline_s:
@@ -296,7 +309,7 @@ def _job(case: _Case, policy: str, frac: float, seconds, link: Link, deadline: f
     try:
         if policy == "paging":
             return _paging(case, frac)
-        return _autovm(case, frac, seconds, link, policy == "autovm_recompute")
+        return _autovm(case, policy, frac, seconds, link)
     except (BudgetError, MemoryError, RuntimeError) as exc:
         print(f"[{NAME}] vgg{case.cfg.depth} {policy} at {frac:.0%}: {exc}", file=sys.stderr)
         return case.row(policy, frac, None, None, error=str(exc)[:200])
@@ -321,7 +334,7 @@ def summarize(rows: list[dict], size: str) -> dict:
     unc, pag, avm, rec = ms("unconstrained", None), ms("paging"), ms("autovm"), ms("autovm_recompute")
     link = [float(r["link_ms"]) for r in mine if r["policy"] == "autovm"
             and r["budget_frac"] == HEADLINE_FRAC and "link_ms" in r]
-    checked = [r for r in rows if "max_rel_diff" in r and r["policy"] in POLICIES[:4]]
+    checked = [r for r in rows if "max_rel_diff" in r and r["policy"] in CHECKED]
     if not checked:
         raise ValueError(f"{NAME}: no policy ran to completion")
     summary = {
@@ -337,8 +350,11 @@ def summarize(rows: list[dict], size: str) -> dict:
         "max_rel_diff_any_policy": max((r["max_rel_diff"] for r in checked), default=float("nan")),
         "pinned_h2d_gbps": rows[0]["pinned_h2d_gbps"], "fault_h2d_gbps": rows[0]["fault_h2d_gbps"],
     }
+    graphed = ms("autovm_graph")
+    if graphed == graphed:   # present (not NaN)
+        summary.update(autovm_graph_step_ms=graphed, autovm_graph_over_autovm_step=graphed / avm)
     for policy in ("torch", "torch_save_on_cpu"):
-        if ms(policy, None) == ms(policy, None):   # present (not NaN)
+        if ms(policy, None) == ms(policy, None):
             summary[f"{policy}_step_ms"] = ms(policy, None)
     return summary
 
@@ -348,7 +364,8 @@ def plot(device: str | None = None):
     rows = common.read_csv(NAME, device)
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = common.new_figure(rows, 1, len(models), figsize=(5.5 * len(models), 4.3), squeeze=False)
-    styles = {"paging": ("C3", "o"), "autovm": ("C0", "s"), "autovm_recompute": ("C2", "^")}
+    styles = {"paging": ("C3", "o"), "autovm": ("C0", "s"), "autovm_recompute": ("C2", "^"),
+              "autovm_graph": ("C5", "D")}
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model]
         for policy, (color, marker) in styles.items():

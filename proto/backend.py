@@ -158,7 +158,7 @@ def launch(kernel, griddim, blockdim, args, stream=0, sharedmem=0):
     and scalars. Launchers validate their inputs before calling this.
     """
     if _recorders:
-        _recorders[-1].record_launch(kernel, griddim, blockdim, tuple(args), sharedmem)
+        _recorders[-1].record_launch(kernel, griddim, blockdim, tuple(args), sharedmem, stream)
         return
     kernel[griddim, blockdim, stream, sharedmem](*args)
 
@@ -174,7 +174,11 @@ def recording(recorder):
 
 
 def address(arr) -> int:
-    """Device address of the array's first element (the simulator's is a host address)."""
+    """Device address of the array's first element (the simulator's is a host address). A
+    host NumPy array (pinned, for copies) gives its host address: with unified addressing
+    the driver tells the two apart."""
+    if isinstance(arr, np.ndarray):
+        return arr.ctypes.data
     if SIMULATOR:
         return arr._ary.__array_interface__["data"][0]
     return arr.device_ctypes_pointer.value or 0

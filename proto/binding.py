@@ -67,10 +67,16 @@ def view_at(base, offset: int, like):
     return DeviceNDArray(like.shape, like.strides, like.dtype, gpu_data=base.gpu_data.view(offset))
 
 
-def device_copy(dst, src) -> None:
-    """Device-to-device copy of equal-shaped C-contiguous arrays, queued on the default stream
-    (the stream every kernel and graph of this project runs on), so it needs no sync."""
-    dst.copy_to_device(src, stream=0 if backend.SIMULATOR else cuda.default_stream())
+def device_copy(dst, src, stream=0) -> None:
+    """Copy equal-shaped C-contiguous arrays, queued on `stream` (0: the default stream, which
+    every kernel and graph of this project runs on unless told otherwise). Device to device,
+    or one side a host array: pinned, so the copy is asynchronous."""
+    if not backend.SIMULATOR and isinstance(stream, int):
+        stream = cuda.default_stream()
+    if is_device_array(dst):
+        dst.copy_to_device(src, stream=stream)
+    else:
+        src.copy_to_host(dst, stream=stream)
 
 
 # ------------------------------------------------------------------------- which slots read an input

@@ -1,7 +1,7 @@
 """Executors: run a graph description (proto.graph) again and again.
 
-Both take the description's node list and offer the same four things:
-  ``launch()``                    run every node once, in order, on the default stream;
+Both take the description's nodes and their dependencies and offer the same four things:
+  ``launch()``                    run every node once, on the default stream;
   ``set_array_args(j, {i: (base, offset)})``
                                   from now on node j's argument i is the array that starts
                                   `offset` bytes into `base` (patch binding's one primitive);
@@ -9,9 +9,9 @@ Both take the description's node list and offer the same four things:
   ``close()``                     release it now, not whenever the garbage collector runs.
 
 `CudaExecutor` lowers the description to a real CUDA graph. It uses cuda.core's explicit
-graph-definition API (``GraphDefinition``: one node per description node, each depending on
-the one before, so the graph keeps the stream order the function was written in), then
-instantiates it. Instantiation is where the driver does the expensive work once: it checks
+graph-definition API (``GraphDefinition``: one node per description node, with the edges the
+description recorded: a chain for work done on one stream, a DAG whose branches overlap for
+work spread over streams and events), then instantiates it. Instantiation is where the driver does the expensive work once: it checks
 every node, copies each kernel's parameter block into its own memory and builds launch
 descriptors, so that a replay is a single ``cuGraphLaunch`` however many kernels it holds.
 Keeping each definition node's handle is what makes patching cheap: ``graph[node].update(...)``
@@ -24,8 +24,8 @@ each scalar into one typed value; the compiled kernel (``dispatcher.overloads[si
 flattening in ``_prepare_args``. We keep that flat list per node and remember where each
 array's ``data`` pointer sits in it: that position is the slot patch binding rewrites.
 
-`WalkExecutor` walks the nodes and launches each kernel through Numba as an ordinary eager
-launch. It is the executor on the simulator (which has no graphs), and on a GPU it is the
+`WalkExecutor` walks the nodes in recording order (every dependency points backwards, so that
+order respects them all) and launches each kernel through Numba as an ordinary eager launch. It is the executor on the simulator (which has no graphs), and on a GPU it is the
 reference the CUDA executor is tested against. Its patch swaps the argument array itself.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class WalkExecutor:
 
     memory_bytes = None
 
-    def __init__(self, nodes):
+    def __init__(self, nodes, deps=None):
         self._nodes = list(nodes)
         self._args = [list(node.args) for node in self._nodes]  # what patch rewrites
         self.closed = False
@@ -112,7 +112,7 @@ def _free_device_memory() -> int:
 class CudaExecutor:
     """The description lowered to one instantiated CUDA graph (cuda.core)."""
 
-    def __init__(self, nodes):
+    def __init__(self, nodes, deps=None):
         from cuda.core import LEGACY_DEFAULT_STREAM, LaunchConfig
         from cuda.core.graph import GraphDefinition
 
@@ -122,22 +122,29 @@ class CudaExecutor:
         self._stream = LEGACY_DEFAULT_STREAM  # the stream Numba launches and copies use
         self._definition = GraphDefinition()
         self._handles, self._params = [], []
-        tail = self._definition  # each node depends on the previous: stream order
-        for node in nodes:
+        if deps is None:  # one stream: each node after the one before
+            deps = [() if j == 0 else (j - 1,) for j in range(len(nodes))]
+        for node, waits in zip(nodes, deps):
+            # A node is added from its first dependency (or the graph: a root); the other
+            # dependencies become extra edges into it.
+            parents = [self._handles[d] for d in waits]
+            start = parents[0] if parents else self._definition
             if node.kind == "kernel":
                 cukernel, flat, data_slots = flatten_args(node.kernel, node.args)
                 config = LaunchConfig(grid=node.griddim, block=node.blockdim,
                                       shmem_size=node.sharedmem)
-                tail = tail.launch(config, cukernel, *flat)
+                handle = start.launch(config, cukernel, *flat)
                 self._params.append(_KernelParams(config, cukernel, flat, data_slots))
-            elif node.kind == "copy":
+            elif node.kind == "copy":  # device or pinned host addresses; the driver tells which
                 dst, src = node.args
                 params = [address(dst), address(src), dst.nbytes]
-                tail = tail.memcpy(*params)
+                handle = start.memcpy(*params)
                 self._params.append(params)
             else:
                 raise NotImplementedError(f"CUDA executor: no lowering for {node.kind!r} nodes")
-            self._handles.append(tail)
+            for parent in parents[1:]:
+                handle.pred.add(parent)
+            self._handles.append(handle)
         free_before = _free_device_memory()
         self._graph = self._definition.instantiate()
         self._graph.upload(self._stream)  # allocate the executable's resources now, not at replay 1

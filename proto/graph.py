@@ -13,8 +13,9 @@ on the device (proto.shapes).
 
 The layers, each small:
   description   plain data: a list of `Node`s (`KernelLaunch`, `Copy`; a later issue adds
-                conditional nodes whose bodies are descriptions themselves). Recorded, not run:
-                inside `record()` every `proto.backend.launch` and every `copy` appends a node.
+                conditional nodes whose bodies are descriptions themselves) and, for each, the
+                earlier nodes it waits for. Recorded, not run: inside `record()` every
+                `proto.backend.launch` and every `copy` appends a node (see "Streams" below).
   executors     turn a description into something that runs (proto.executors): the CUDA
                 executor builds and instantiates a real CUDA graph; the walk executor launches
                 node by node, which is what the simulator (no graphs) can do.
@@ -41,6 +42,17 @@ Usage:
 
 Every array a node references is kept alive by the description until `close()`; closing
 destroys the executable graph and drops those references, so the buffers are freed.
+
+Streams. A graph is not a list but a DAG: each node names the nodes it must wait for, and
+nodes with no path between them may run at once (a copy engine moving data while the SMs
+compute). Recording turns stream order and events into those edges, as CUDA's own stream
+capture does: a node launched on stream S waits for the previous node on S;
+``record_event(e, S)`` remembers S's last node, and ``wait_event(e, T)`` makes T's next node
+wait for it too. So code written for several streams and events (proto.vm's swap schedule:
+compute, device-to-host and host-to-device streams) records into one graph whose branches
+overlap exactly as the streams did. Work on a single stream records as a chain. `races()`
+checks a description the way a race detector would: any two nodes that touch the same bytes,
+one writing, must be ordered by a path of edges.
 """
 from __future__ import annotations
 
@@ -89,27 +101,82 @@ class KernelLaunch(Node):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Copy(Node):
-    """Device-to-device copy; args = (dst, src), equal shapes and dtypes, C-contiguous."""
+    """``dst[...] = src``; args = (dst, src), equal shapes and dtypes, C-contiguous. Device to
+    device, or one side a pinned host array (a swap out to host memory or back in)."""
     kind: ClassVar[str] = "copy"
+
+    @property
+    def direction(self) -> str:
+        dst, src = self.args
+        return {(True, True): "D2D", (True, False): "H2D", (False, True): "D2H"}[
+            (is_device_array(dst), is_device_array(src))]
 
 
 @dataclasses.dataclass
 class GraphDescription:
-    """The nodes in execution order (each depends on the one before, as on one stream)."""
+    """The nodes in recording order and, per node, the indices of earlier nodes it waits for.
+    Without `deps` each node waits for the one before: one stream's order."""
     nodes: list
+    deps: list | None = None
+
+    def __post_init__(self):
+        if self.deps is None:
+            self.deps = [() if j == 0 else (j - 1,) for j in range(len(self.nodes))]
+        if len(self.deps) != len(self.nodes):
+            raise ValueError(f"deps: expected one tuple per node ({len(self.nodes)}), got {len(self.deps)}")
+        for j, deps in enumerate(self.deps):
+            if any(not 0 <= d < j for d in deps):
+                raise ValueError(f"deps[{j}] = {deps}: a node can only wait for earlier nodes")
 
     def __len__(self) -> int:
         return len(self.nodes)
 
+    @property
+    def is_chain(self) -> bool:
+        """True when every node waits for exactly the one before (nothing runs concurrently)."""
+        return all(deps == ((j - 1,) if j else ()) for j, deps in enumerate(self.deps))
+
     def summary(self) -> str:
-        """One line per node: what a student would print to see what was recorded."""
+        """One line per node: what a student would print to see what was recorded. Wait
+        lists are shown where they differ from "the node before"."""
         lines = []
-        for j, node in enumerate(self.nodes):
+        for j, (node, deps) in enumerate(zip(self.nodes, self.deps)):
             arrays = ", ".join(f"{i}:{np.dtype(a.dtype)}{tuple(a.shape)}" for i, a in node.array_args())
             what = f"{node.name} grid={node.griddim} block={node.blockdim}" \
-                if node.kind == "kernel" else node.kind
-            lines.append(f"{j:4d} {what}  [{arrays}]")
+                if node.kind == "kernel" else f"{node.kind} {getattr(node, 'direction', '')}"
+            after = "" if deps == ((j - 1,) if j else ()) else f"  after {list(deps)}"
+            lines.append(f"{j:4d} {what}  [{arrays}]{after}")
         return "\n".join(lines)
+
+
+def races(description: GraphDescription) -> list[tuple[int, int]]:
+    """Pairs of nodes (i < j) that touch overlapping bytes, at least one of them writing, with
+    no path of dependencies between them: on a GPU they may run at once or in either order.
+    A kernel counts as writing every array it takes (a launch does not say which it only
+    reads); a copy reads `src` and writes `dst`. An empty list means the DAG is race-free."""
+    ancestors = []   # bit d of ancestors[j]: node d must finish before node j starts
+    for deps in description.deps:
+        mask = 0
+        for d in deps:
+            mask |= ancestors[d] | (1 << d)
+        ancestors.append(mask)
+    accesses = []    # (lo, hi, node, writes), swept in address order
+    for j, node in enumerate(description.nodes):
+        if node.kind == "copy":
+            dst, src = node.args
+            accesses += [(*extent(dst), j, True), (*extent(src), j, False)]
+        else:
+            accesses += [(*extent(a), j, True) for _, a in node.array_args()]
+    accesses.sort(key=lambda a: a[0])
+    found, open_ = set(), []
+    for lo, hi, j, writes in accesses:
+        open_ = [a for a in open_ if a[1] > lo]
+        for _, _, i, other_writes in open_:
+            a, b = min(i, j), max(i, j)
+            if a != b and (writes or other_writes) and not (ancestors[b] >> a) & 1:
+                found.add((a, b))
+        open_.append((lo, hi, j, writes))
+    return sorted(found)
 
 
 def kernel_name(kernel) -> str:
@@ -123,23 +190,51 @@ def _dim3(dim) -> tuple:
     return tuple(int(d) for d in dim) + (1,) * (3 - len(dim))
 
 
+def _stream_key(stream):
+    """Streams are told apart by identity; 0 and None are the default stream."""
+    return 0 if stream is None or isinstance(stream, int) else id(stream)
+
+
 class Recorder:
-    """Collects nodes; `proto.backend.launch` calls `record_launch` while it is active."""
+    """Collects nodes and their dependencies; `proto.backend.launch` calls `record_launch`
+    while it is active, `copy`, `record_event` and `wait_event` the rest."""
 
     def __init__(self):
         self.nodes: list[Node] = []
+        self.deps: list[tuple[int, ...]] = []
+        self._waits: dict = {}    # stream key -> nodes its next node waits for
+        self._events: dict = {}   # id(event) -> (event, nodes its last record captured)
 
-    def record_launch(self, kernel, griddim, blockdim, args, sharedmem=0) -> None:
+    def _append(self, node: Node, stream) -> None:
+        key = _stream_key(stream)
+        self.deps.append(tuple(sorted(self._waits.get(key, ()))))
+        self._waits[key] = (len(self.nodes),)
+        self.nodes.append(node)
+
+    def record_launch(self, kernel, griddim, blockdim, args, sharedmem=0, stream=0) -> None:
         for i, a in enumerate(args):
             if isinstance(a, np.ndarray):
                 raise TypeError(f"record: kernel {kernel_name(kernel)} argument {i} "
                                 "is a host NumPy array: Numba would copy it at every eager launch, "
                                 "which a graph cannot record; pass a device array")
-        self.nodes.append(KernelLaunch(tuple(args), kernel, _dim3(griddim), _dim3(blockdim),
-                                       int(sharedmem)))
+        self._append(KernelLaunch(tuple(args), kernel, _dim3(griddim), _dim3(blockdim),
+                                  int(sharedmem)), stream)
 
-    def record_copy(self, dst, src) -> None:
-        self.nodes.append(Copy((dst, src)))
+    def record_copy(self, dst, src, stream=0) -> None:
+        self._append(Copy((dst, src)), stream)
+
+    def record_event(self, event, stream=0) -> None:
+        self._events[id(event)] = (event, self._waits.get(_stream_key(stream), ()))
+
+    def wait_event(self, event, stream=0) -> None:
+        if id(event) not in self._events:
+            raise ValueError("wait_event: the event was not recorded earlier in this graph; a "
+                             "graph can only wait for work inside it")
+        key = _stream_key(stream)
+        self._waits[key] = tuple(set(self._waits.get(key, ())) | set(self._events[id(event)][1]))
+
+    def description(self) -> "GraphDescription":
+        return GraphDescription(list(self.nodes), list(self.deps))
 
 
 _recorders: list[Recorder] = []
@@ -147,8 +242,8 @@ _recorders: list[Recorder] = []
 
 @contextlib.contextmanager
 def record():
-    """Inside the block, launches and `copy` calls are recorded, not run. Yields the Recorder;
-    ``GraphDescription(recorder.nodes)`` afterwards."""
+    """Inside the block, launches, `copy` calls and events are recorded, not run. Yields the
+    Recorder; ``recorder.description()`` afterwards."""
     recorder = Recorder()
     _recorders.append(recorder)
     try:
@@ -158,20 +253,57 @@ def record():
         _recorders.pop()
 
 
-def copy(dst, src) -> None:
-    """dst[...] = src on the device (same dtype and shape, C-contiguous); recordable."""
+def recording() -> bool:
+    """True inside `record()`: code that would do eager work (host math) must refuse."""
+    return bool(_recorders)
+
+
+def require_eager(what: str) -> None:
+    """Raise inside `record()`: `what` computes on the host, so it would run once, now, and
+    never at a replay; the graph would silently skip it."""
+    if _recorders:
+        raise RuntimeError(f"record: {what} computes on the host and cannot be recorded into a "
+                           "graph; use device kernels")
+
+
+def copy(dst, src, stream=0) -> None:
+    """dst[...] = src (same dtype and shape, C-contiguous), on `stream`; recordable. Device to
+    device, or one side a host array (pinned, from cuda.pinned_array, for an async copy)."""
     for name, a in (("dst", dst), ("src", src)):
-        if not is_device_array(a):
-            raise TypeError(f"copy: {name}: expected a device array, got {type(a).__name__}")
-        if not a.is_c_contiguous():
+        if isinstance(a, np.ndarray):
+            if not a.flags.c_contiguous:
+                raise ValueError(f"copy: {name}: expected a C-contiguous array, strides {a.strides}")
+        elif not is_device_array(a):
+            raise TypeError(f"copy: {name}: expected a device or host array, got {type(a).__name__}")
+        elif not a.is_c_contiguous():
             raise ValueError(f"copy: {name}: expected a C-contiguous array, strides {a.strides}")
+    if not (is_device_array(dst) or is_device_array(src)):
+        raise TypeError("copy: both arrays are on the host; use NumPy")
     if np.dtype(dst.dtype) != np.dtype(src.dtype) or tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"copy: dst is {np.dtype(dst.dtype)} {tuple(dst.shape)}, "
                          f"src is {np.dtype(src.dtype)} {tuple(src.shape)}: expected them equal")
     if _recorders:
-        _recorders[-1].record_copy(dst, src)
+        _recorders[-1].record_copy(dst, src, stream)
     else:
-        device_copy(dst, src)
+        device_copy(dst, src, stream)
+
+
+def record_event(event, stream=0) -> None:
+    """``event.record(stream)``, or while recording: later waits on `event` wait for the
+    nodes recorded on `stream` so far."""
+    if _recorders:
+        _recorders[-1].record_event(event, stream)
+    else:
+        event.record(stream)
+
+
+def wait_event(event, stream=0) -> None:
+    """``event.wait(stream)``, or while recording: the next node on `stream` waits for what
+    `event` captured."""
+    if _recorders:
+        _recorders[-1].wait_event(event, stream)
+    else:
+        event.wait(stream)
 
 
 # ------------------------------------------------------------------------- capture
@@ -232,12 +364,12 @@ class GraphedFunction:
             self.outputs = self.fn(**self.placeholders)
         if not recorder.nodes:
             raise ValueError("record: the function launched no kernels and made no copies")
-        self.description = GraphDescription(recorder.nodes)
+        self.description = recorder.description()
         if self.binding == "patch":
             self.slots = input_slots([[(i, *extent(a)) for i, a in node.array_args()]
                                  for node in self.description.nodes],
                                      {name: extent(a) for name, a in self.placeholders.items()})
-        self._executable = EXECUTORS[self.executor](self.description.nodes)
+        self._executable = EXECUTORS[self.executor](self.description.nodes, self.description.deps)
         self._binder = Binder(self.binding, self.placeholders, self.slots, self._executable)
 
     def replay(self, **inputs) -> ReplayStats:

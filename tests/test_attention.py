@@ -92,7 +92,7 @@ def test_launch_configuration_does_not_depend_on_pos():
         def __init__(self):
             self.launches = []
 
-        def record_launch(self, kernel, griddim, blockdim, args, sharedmem):
+        def record_launch(self, kernel, griddim, blockdim, args, sharedmem, stream=0):
             self.launches.append((kernel, griddim, blockdim))
 
     B, H, T, Tmax, hd = 2, 2, 1, 300, 8  # several splits both with 32- and 128-position tiles

@@ -97,8 +97,12 @@ def test_record_rejects_host_arrays_and_copy_checks_shapes():
     a, b = dev(np.arange(4, dtype=np.float32)), dev(np.zeros(5, np.float32))
     with pytest.raises(ValueError, match=r"dst is float32 \(5,\), src is float32 \(4,\)"):
         graph.copy(b, a)
-    with pytest.raises(TypeError, match="src: expected a device array"):
-        graph.copy(a, host)
+    with pytest.raises(TypeError, match="src: expected a device or host array"):
+        graph.copy(a, [0.0] * 4)
+    with pytest.raises(TypeError, match="both arrays are on the host"):
+        graph.copy(host, host.copy())
+    with pytest.raises(ValueError, match="C-contiguous"):
+        graph.copy(a, np.zeros(8, np.float32)[::2])
     c = dev(np.zeros(4, np.float32))
     graph.copy(c, a)  # not recording: runs now
     np.testing.assert_array_equal(c.copy_to_host(), np.arange(4))

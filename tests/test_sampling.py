@@ -68,7 +68,7 @@ def test_launch_configuration_depends_on_shape_only():
         def __init__(self):
             self.launches = []
 
-        def record_launch(self, kernel, griddim, blockdim, args, sharedmem):
+        def record_launch(self, kernel, griddim, blockdim, args, sharedmem, stream=0):
             self.launches.append((kernel, griddim, blockdim))
 
     def record(seed):

@@ -13,12 +13,20 @@ GPU needs, which is all CUDA events:
 
 On the simulator streams and events do nothing and copies are synchronous, so the same code
 runs there; freed bytes are poisoned (pool.py), so a wrong plan gives wrong numbers in tests.
+
+One graph per step. Every copy and event goes through proto.graph (`copy`, `record_event`,
+`wait_event`) and every kernel through proto.backend.launch, so `capture()` can record a whole
+step, all three streams, into one graph description: the events become edges between the
+compute chain and the two copy chains, and the CUDA executor instantiates it as one CUDA
+graph whose copy branches overlap compute as the streams did. A step is then one graph
+launch. That works because a plan is static: every step allocates the same offsets, moves the
+same tensors between the same buffers, in the same order.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from proto import backend
+from proto import backend, graph
 from proto.backend import cuda
 from proto.tape import Tape
 from proto.vm.pool import DevicePool
@@ -55,6 +63,7 @@ class Executor:
         self._op_names = [tuple(dict.fromkeys(op.reads + op.writes)) for op in tape.ops]
         self._pending: dict[str, object] = {}    # prefetched views, usable after their wait
         self._events: dict[tuple, object] = {}   # created once, re-recorded every step
+        self.graphed: graph.GraphedFunction | None = None   # set by capture()
 
     # -- host I/O (outside the timed step) ------------------------------------------------
     def load(self, values: dict[str, np.ndarray]) -> None:
@@ -98,7 +107,11 @@ class Executor:
     # -- the step ---------------------------------------------------------------------------
     def step(self, marks: list | None = None) -> None:
         """Enqueue one training step (returns before the GPU is done; synchronize to wait).
-        marks: events to record on the compute stream before each op and after the last."""
+        After `capture()` that is one graph launch. marks: events to record on the compute
+        stream before each op and after the last (an eager step, for profiling)."""
+        if self.graphed is not None and marks is None:
+            self.graphed.replay()
+            return
         for name in [n for n in self.current if n not in self.plan.persistent]:
             self.pool.free(name)          # outputs of the previous step
             del self.current[name]
@@ -116,6 +129,17 @@ class Executor:
             marks[-1].record(self.compute)
         for act in plan.end:
             self._apply(act, len(self.tape.ops), "end")
+
+    def capture(self, executor: str | None = None) -> graph.GraphDescription:
+        """Record one step, all three streams of it, as one graph; later `step()`s launch it.
+
+        Runs the step twice on the way (a warm-up step, then the graph's first replay), so
+        `load` the starting state afterwards. `executor`: "cuda" (a CUDA graph; the default on
+        a GPU) or "walk" (node by node; the simulator's). Returns the recorded description."""
+        if self.graphed is not None:
+            raise RuntimeError("capture: this executor's step is already a graph")
+        self.graphed = graph.capture(self.step, inputs={}, executor=executor)
+        return self.graphed.description
 
     def profile_ops(self) -> list[float]:
         """Seconds each op takes on the compute stream, from events around every op of one
@@ -143,24 +167,24 @@ class Executor:
             del cur[name]
         elif act.kind == "evict":
             ready = self._event(i, slot, name, "computed")
-            ready.record(self.compute)
-            ready.wait(self.d2h)
-            cur[name].copy_to_host(self.pinned[name], stream=self.d2h)
-            self._event(name, "evicted").record(self.d2h)
+            graph.record_event(ready, self.compute)
+            graph.wait_event(ready, self.d2h)
+            graph.copy(self.pinned[name], cur[name], stream=self.d2h)
+            graph.record_event(self._event(name, "evicted"), self.d2h)
         elif act.kind == "release":
-            self._event(name, "evicted").wait(self.compute)
+            graph.wait_event(self._event(name, "evicted"), self.compute)
             self.pool.free(name)
             del cur[name]
         elif act.kind == "prefetch":
             view = self.pool.alloc(spec, act.offset)
             clear = self._event(i, slot, name, "clear")
-            clear.record(self.compute)
-            clear.wait(self.h2d)
-            view.copy_to_device(self.pinned[name], stream=self.h2d)
-            self._event(name, "arrived").record(self.h2d)
+            graph.record_event(clear, self.compute)
+            graph.wait_event(clear, self.h2d)
+            graph.copy(view, self.pinned[name], stream=self.h2d)
+            graph.record_event(self._event(name, "arrived"), self.h2d)
             self._pending[name] = view
         elif act.kind == "wait":
-            self._event(name, "arrived").wait(self.compute)
+            graph.wait_event(self._event(name, "arrived"), self.compute)
             cur[name] = self._pending.pop(name)
         elif act.kind == "recompute":
             cur[name] = self.pool.alloc(spec, act.offset)
@@ -180,6 +204,9 @@ class Executor:
         pass
 
     def close(self) -> None:
+        if self.graphed is not None:
+            self.graphed.close()
+            self.graphed = None
         backend.synchronize()
         self.current.clear()
         self._pending.clear()

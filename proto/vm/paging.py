@@ -196,6 +196,10 @@ class PagingExecutor(Executor):
                       else _CopiedPages(self.pool.arena, page_bytes))
         self.pages.reset()
 
+    def capture(self, executor=None):
+        raise TypeError("capture: demand paging decides on the host, before every op, which "
+                        "pages to push out; a graph replays fixed work and cannot do that")
+
     def _before_op(self, i: int) -> None:
         # The eviction is queued on the compute stream (behind the ops that used those pages)
         # and waited for: compute stalls, as on a real UM eviction.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import elementwise as ew
+from proto import graph
 from proto.tape import Op, Tape, TensorSpec
 
 
@@ -25,6 +26,7 @@ def _op(name, phase, reads, writes, fn_host, fn_dev, host_ops, layer):
     """An Op whose run() reads `reads`, computes, writes `writes`."""
     if host_ops:
         def run(arrays, stream):
+            graph.require_eager(f"op {name!r} (host_ops=True)")
             outs = fn_host(*[arrays[r].copy_to_host() for r in reads])
             for w, value in zip(writes, outs):
                 arrays[w].copy_to_device(np.ascontiguousarray(value, dtype=np.float32))
