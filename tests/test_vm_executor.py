@@ -20,6 +20,7 @@ def _run(executor, init, steps=2, capture=False):
     the step one graph first (which runs it twice, so the state is loaded after)."""
     with executor as ex:
         if capture:
+            ex.load(init)   # the capture's two runs then see real values, not arena garbage
             ex.capture()
         ex.load(init)
         for _ in range(steps):
