@@ -15,8 +15,10 @@ after its last use). Policies, each running the same VGG tape (proto.models.vgg)
 The host-link bound of a budget is max(unconstrained step, time the AutoVM plan's copies
 need at the measured pinned bandwidth): no schedule that moves those bytes can beat it.
 Every policy's loss and gradients after one step from the same state are compared with the
-unconstrained run's (bit-identical on the simulator; on the GPU the weight-gradient kernels
-add with atomics, so two unconstrained runs already differ slightly: the CSV has both).
+unconstrained run's, bit for bit: every kernel is deterministic (the conv weight gradient
+sums its split reduction in a fixed order, no atomics), so a memory policy that leaves the
+math alone gives identical bits, on the simulator and on the GPU. `noise_rel_diff` is the
+difference between two unconstrained runs (0 unless a kernel is not deterministic).
 
 Sizes: full = VGG-16 and VGG-19, batch 48 at 128x128 (peak about 1.8 GiB, so managed memory
 stays small; parameters, gradients and momentum are under half of it, so at 50% most of what

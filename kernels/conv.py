@@ -13,8 +13,11 @@ accumulates a TM x TN micro-tile in registers.
     backward-wt   dw[k,c,r,s]   = sum_{n,p,q} dy[n,k,p,q] * x[n,c,p*st-pad+r,q*st-pad+s]
                   db[k]         = sum_{n,p,q} dy[n,k,p,q]
                   rows: k; columns: c, one filter tap (r,s) per block; the long reduction over
-                  (n,p,q) is split across blocks, each adding its finished tile with one atomic
-                  per output element (not one per product).
+                  (n,p,q) is split across blocks, each storing its finished partial tile in a
+                  workspace, then a second kernel sums the partials in split order. No atomics,
+                  so the gradient is bit-for-bit the same every run (atomics would add the
+                  partials in whatever order blocks finish: float32 sums that differ run to run,
+                  and a memory policy could then never be shown to leave the math unchanged).
 
 The reduction of forward/backward-data runs tap-major ((r,s) outer, channels inner), so the
 tap is uniform across a step and a patch element costs adds and compares, no divisions: each
@@ -252,8 +255,10 @@ def _make_wgrad_kernel(t: Tiles):
     """Backward-weight for tile shape `t`: rows k, columns c, one tap per block.
 
     Grid: (ceil(K/BM), ceil(C/BN), R*S*splits); block z covers tap z % (R*S) and the slice
-    [split*chunk, split*chunk + chunk) of the N*P*Q reduction. Adds into dw and db, which the
-    launcher zeroes first. Blocks of column tile 0 and tap 0 also sum db from the dy tile.
+    [split*chunk, split*chunk + chunk) of the N*P*Q reduction. Stores its partial sums at
+    part_w[split][k, c, r, s] (and, blocks of column tile 0 and tap 0, the bias partial from
+    the dy tile at part_b[split][k]); every element is written by exactly one block. With one
+    split, part_w and part_b are dw and db themselves.
     """
     BM, BN, BK, TM, TN = t
     DX, DY = BM // TM, BN // TN
@@ -264,7 +269,7 @@ def _make_wgrad_kernel(t: Tiles):
     L_SIZE = 2 * BK
 
     @jit(_WGRAD_SIG)
-    def wgrad_kernel(x, dy, dw, db, has_bias, N, C, H, W, K, P, Q, R, S, stride, pad, chunk):
+    def wgrad_kernel(x, dy, part_w, part_b, has_bias, N, C, H, W, K, P, Q, R, S, stride, pad, chunk):
         tid = _u(cuda.threadIdx.x)
         tx, ty = tid % _u(DX), tid // _u(DX)
         k0, c0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
@@ -357,27 +362,33 @@ def _make_wgrad_kernel(t: Tiles):
                         for kk in range(BK):
                             bias_acc[i] += a_tile[buf * _u(BK * BMP) + _u(kk * BMP) + mm]
 
+        w_base = split * K * C * RS
         for i in range(TM):
             k = k0 + tx + _u(DX * i)
             if k < K:
                 for j in range(TN):
                     c = c0 + ty + _u(DY * j)
                     if c < C:
-                        cuda.atomic.add(dw, _u((k * C + c) * RS + rs), acc[i, j])
+                        part_w[_u(w_base + (k * C + c) * RS + rs)] = acc[i, j]
         if sums_bias:
             for i in range(BIAS_ROWS):
                 mm = tid + _u(NT * i)
                 if mm < _u(BM) and k0 + mm < K:
-                    cuda.atomic.add(db, _u(k0 + mm), bias_acc[i])
+                    part_b[_u(split * K + k0 + mm)] = bias_acc[i]
 
     return wgrad_kernel
 
 
-@jit("void(float32[::1])")
-def zero_kernel(a):
+@jit("void(float32[::1], float32[::1], int32)")
+def sum_splits_kernel(part, out, splits):
+    """out[i] = part[0*n + i] + part[1*n + i] + ..., always in that order (n = out.size)."""
     start, stride = cuda.grid(1), cuda.gridsize(1)
-    for i in range(start, a.size, stride):
-        a[i] = 0.0
+    n = out.size
+    for i in range(start, n, stride):
+        acc = np.float32(0.0)
+        for s in range(splits):
+            acc += part[s * n + i]
+        out[i] = acc
 
 
 def _build(tiles, make):
@@ -414,8 +425,8 @@ _sm_count = None
 
 def _wgrad_splits(base_blocks: int, L: int, bk: int) -> int:
     """Split the N*P*Q reduction so the grid fills the GPU (4 blocks per SM), keeping at
-    least 8 steps per block so the final atomics stay a small share. One split in the
-    simulator, where blocks only cost time."""
+    least 8 steps per block so storing and summing the partials stays a small share. One
+    split in the simulator, where blocks only cost time."""
     global _sm_count
     if backend.SIMULATOR:
         return 1
@@ -482,36 +493,62 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, tiles=None, stream=0):
             N, K, P, Q, C, H, W, R, S, stride, pad), stream)
 
 
-def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None, stream=0):
-    """dw (K,C,R,S) and db (K,) or None = gradients of conv2d's weight and bias (overwritten).
-    x (N,C,H,W) is the forward input, dy (N,K,P,Q). `splits` forces the reduction split."""
-    _check.device_array("x", x, ndim=4)
-    _check.device_array("dw", dw, ndim=4)
-    stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(x.shape, dw, stride, pad, "dw")
-    _check.device_array("dy", dy, shape=(N, K, P, Q))
-    if db is not None:
-        _check.device_array("db", db, shape=(K,))
+def _wgrad_split(geometry, tiles, splits) -> tuple[Tiles, int, int]:
+    """(tiles, splits, chunk) of a backward-weight launch: the reduction over L = N*P*Q is cut
+    into `splits` chunks of `chunk` rows (a multiple of the tile's BK)."""
+    N, C, H, W, K, R, S, P, Q = geometry
     t = _tiles_or(tiles, _WGRAD, lambda: _pick_wgrad_tiles(K, C))
     L = N * P * Q
     base = math.ceil(K / t.bm) * math.ceil(C / t.bn) * R * S
     n_split = _wgrad_splits(base, L, t.bk) if splits is None else _check.positive("splits", splits)
     chunk = math.ceil(math.ceil(L / n_split) / t.bk) * t.bk
-    n_split = math.ceil(L / chunk)
-    flat_dw = dw.reshape(dw.size)
-    zero(flat_dw, stream=stream)
+    return t, math.ceil(L / chunk), chunk
+
+
+def wgrad_workspace_size(x_shape, dw_shape, *, stride=1, pad=0, tiles=None, splits=None) -> int:
+    """float32 elements `conv2d_bwd_weight` needs as `workspace` for these shapes on this
+    device (0: the reduction is not split, no workspace). It depends on the GPU's SM count."""
+    K, C, R, S = dw_shape
+    N, _, H, W = x_shape
+    P, Q = conv_out_size(H, R, stride, pad), conv_out_size(W, S, stride, pad)
+    _, n_split, _ = _wgrad_split((N, C, H, W, K, R, S, P, Q), tiles, splits)
+    return 0 if n_split == 1 else n_split * (K * C * R * S + K)
+
+
+def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None, workspace=None,
+                      stream=0):
+    """dw (K,C,R,S) and db (K,) or None = gradients of conv2d's weight and bias (overwritten).
+    x (N,C,H,W) is the forward input, dy (N,K,P,Q). `splits` forces the reduction split.
+    workspace: a 1-D float32 device array of at least `wgrad_workspace_size(...)` elements,
+    where the split partial sums go (not needed when that size is 0)."""
+    _check.device_array("x", x, ndim=4)
+    _check.device_array("dw", dw, ndim=4)
+    stride, pad, geometry = _check_geometry(x.shape, dw, stride, pad, "dw")
+    N, C, H, W, K, R, S, P, Q = geometry
+    _check.device_array("dy", dy, shape=(N, K, P, Q))
     if db is not None:
-        zero(db, stream=stream)
+        _check.device_array("db", db, shape=(K,))
+    t, n_split, chunk = _wgrad_split(geometry, tiles, splits)
+    flat_dw = dw.reshape(dw.size)
+    part_w, part_b = flat_dw, (flat_dw if db is None else db)
+    if n_split > 1:
+        need = n_split * (dw.size + K)
+        if workspace is not None:
+            _check.device_array("workspace", workspace, ndim=1)
+        if workspace is None or workspace.size < need:
+            got = "none" if workspace is None else f"{workspace.size}"
+            raise ValueError(f"workspace: the reduction is split {n_split} ways, so it needs a "
+                             f"float32 device array of at least {need} elements "
+                             f"(wgrad_workspace_size), got {got}")
+        part_w, part_b = workspace[:n_split * dw.size], workspace[n_split * dw.size:need]
     grid = (math.ceil(K / t.bm), math.ceil(C / t.bn), R * S * n_split)
     launch(_WGRAD[t], grid, t.threads,
-           (x.reshape(x.size), dy.reshape(dy.size), flat_dw, flat_dw if db is None else db,
+           (x.reshape(x.size), dy.reshape(dy.size), part_w, part_b,
             int(db is not None), N, C, H, W, K, P, Q, R, S, stride, pad, chunk), stream)
-
-
-def zero(a, *, stream=0):
-    """a[:] = 0 for a 1-D float32 device array, as a kernel (so graph capture records it)."""
-    _check.device_array("a", a, ndim=1)
-    blocks, threads = _check.grid_stride_launch(a.size)
-    launch(zero_kernel, blocks, threads, (a,), stream)
+    if n_split > 1:
+        for part, out in ((part_w, flat_dw),) + (((part_b, db),) if db is not None else ()):
+            blocks, threads = _check.grid_stride_launch(out.size)
+            launch(sum_splits_kernel, blocks, threads, (part, out, n_split), stream)
 
 
 def conv2d_flops(N, C, K, R, S, P, Q) -> float:
@@ -563,10 +600,11 @@ def _main(argv=None):
         bs = cuda.to_device(np.zeros(K, np.float32))
         ys = cuda.device_array((batch, K, S, S), np.float32)
         dxs, dws = cuda.device_array_like(xs), cuda.device_array_like(ws)
+        part = cuda.device_array(max(wgrad_workspace_size(xs.shape, ws.shape, pad=1), 1), np.float32)
         flops = conv2d_flops(batch, C, K, 3, 3, S, S)
         runs = [lambda: conv2d(xs, ws, bs, ys, pad=1, relu=True),
                 lambda: conv2d_bwd_data(ys, ws, dxs, pad=1),
-                lambda: conv2d_bwd_weight(xs, ys, dws, bs, pad=1)]
+                lambda: conv2d_bwd_weight(xs, ys, dws, bs, pad=1, workspace=part)]
         cells = []
         for run in runs:
             t = timing.bench(run, warmup=2, reps=5)

@@ -68,12 +68,42 @@ def test_conv2d_backward_weight_matches_reference(data, splits, scale):
     x, w, _, dy = _arrays(c)
     dw = dev(np.full(w.shape, np.nan, np.float32))    # overwritten, not accumulated into
     db = dev(np.full(c["K"], np.nan, np.float32)) if c["bias"] else None
-    conv.conv2d_bwd_weight(dev(x), dev(dy), dw, db, stride=c["stride"], pad=c["pad"], splits=splits)
+    geometry = dict(stride=c["stride"], pad=c["pad"], splits=splits)
+    part = _workspace(x.shape, w.shape, **geometry)
+    dx_, dy_ = dev(x), dev(dy)
+    conv.conv2d_bwd_weight(dx_, dy_, dw, db, workspace=part, **geometry)
     ref_w, ref_b = conv.conv2d_bwd_weight_ref(x, dy, w.shape, stride=c["stride"], pad=c["pad"])
     length = dy.size // c["K"]
     assert_sum_close(dw, ref_w, length)
     if db is not None:
         assert_sum_close(db, ref_b, length)
+    # The split partials are summed in a fixed order (no atomics): a rerun is bit-identical.
+    first = dw.copy_to_host()
+    conv.conv2d_bwd_weight(dx_, dy_, dw, db, workspace=part, **geometry)
+    assert np.array_equal(dw.copy_to_host(), first)
+
+
+def _workspace(x_shape, w_shape, **geometry):
+    size = conv.wgrad_workspace_size(x_shape, w_shape, **geometry)
+    return cuda.device_array(size, np.float32) if size else None
+
+
+@pytest.mark.gpu
+def test_split_wgrad_at_vgg_size_is_deterministic():
+    # VGG-16's first conv at batch 48, 128x128: 786k pixels reduced, split across many blocks.
+    rng = np.random.default_rng(3)
+    x, dy = rand(rng, 48, 64, 128, 128), rand(rng, 48, 64, 128, 128)
+    size = conv.wgrad_workspace_size(x.shape, (64, 64, 3, 3), pad=1)
+    assert size > 0, "expected the reduction to be split on a GPU"
+    dw, db, part = (cuda.device_array(n, np.float32) for n in ((64, 64, 3, 3), 64, size))
+    with pytest.raises(ValueError, match=f"at least {size} elements"):
+        conv.conv2d_bwd_weight(dev(x), dev(dy), dw, db, pad=1)
+    runs = []
+    for _ in range(3):
+        conv.conv2d_bwd_weight(dev(x), dev(dy), dw, db, pad=1, workspace=part)
+        runs.append((dw.copy_to_host(), db.copy_to_host()))
+    assert np.isfinite(runs[0][0]).all()
+    assert all(np.array_equal(a, runs[0][0]) and np.array_equal(b, runs[0][1]) for a, b in runs)
 
 
 @pytest.mark.parametrize("tiles", conv.GPU_CONV_TILES)
@@ -121,5 +151,7 @@ def test_rejects_bad_input_before_launch():
         conv.conv2d_bwd_data(dev(np.zeros((1, 4, 4, 4), np.float32)), w, x, pad=1)
     with pytest.raises(ValueError, match=r"dw: expected 3 input channels"):
         conv.conv2d_bwd_weight(x, out, dev(np.zeros((4, 1, 3, 3), np.float32)), None, pad=1)
+    with pytest.raises(ValueError, match=r"workspace: the reduction is split 2 ways.*at least 224 elements"):
+        conv.conv2d_bwd_weight(x, out, dev(np.zeros((4, 3, 3, 3), np.float32)), None, pad=1, splits=2)
     with pytest.raises(ValueError, match="tiles: .* is not built"):
         conv.conv2d(x, w, None, out, pad=1, tiles=conv.Tiles(7, 7, 7, 7, 7))

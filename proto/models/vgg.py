@@ -225,14 +225,19 @@ def build_tape(cfg: VGGConfig) -> Tape:
                relu.relu_flops(int(np.prod(shape_of[L.output]))), L.name)
             dy = pre
         w, b = L.params
+        grads = (f"{w}.grad", f"{b}.grad")
         if L.kind == "conv":
             flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size)
-            wgrad, dgrad = _conv_bwd_weight(L, dy), _conv_bwd_data(L, dy)
+            # Where the split weight-gradient reduction keeps its partial sums (none when the
+            # reduction is not split): a tensor of the tape, so the memory policies count it.
+            size = conv.wgrad_workspace_size(shape_of[L.input], tensors[w].shape, pad=1)
+            if size:
+                grads += (tensor(f"{L.name}.wgrad_partials", (size,), "workspace"),)
+            wgrad, dgrad = _conv_bwd_weight(L, dy, grads[2] if size else None), _conv_bwd_data(L, dy)
         else:
             flops = linear.linear_flops(B, L.cin, L.cout)
             wgrad, dgrad = _linear_bwd_weight(L, dy), _linear_bwd_data(L, dy)
-        op(f"{L.name}.bwd_weight", "backward", (L.input, dy), (f"{w}.grad", f"{b}.grad"),
-           wgrad, flops, L.name)
+        op(f"{L.name}.bwd_weight", "backward", (L.input, dy), grads, wgrad, flops, L.name)
         if needs_dx:
             op(f"{L.name}.bwd_data", "backward", (w, dy), (dx,), dgrad, flops, L.name)
 
@@ -253,11 +258,12 @@ def _conv_fwd(L):
     return run
 
 
-def _conv_bwd_weight(L, dy):
+def _conv_bwd_weight(L, dy, partials):
     w, b = L.params
 
     def run(a, stream):
-        conv.conv2d_bwd_weight(a[L.input], a[dy], a[f"{w}.grad"], a[f"{b}.grad"], pad=1, stream=stream)
+        conv.conv2d_bwd_weight(a[L.input], a[dy], a[f"{w}.grad"], a[f"{b}.grad"], pad=1,
+                               workspace=a[partials] if partials else None, stream=stream)
     return run
 
 

@@ -92,9 +92,11 @@ class Liveness:
                                  "first use: it would read uninitialized memory")
         self.uses = {name: u for name, u in uses.items() if u}   # every tensor some op touches
         # A transient whose last use writes it is a result of the step (the loss, say): it stays
-        # resident until the step ends so the caller can read it.
+        # resident until the step ends so the caller can read it. Workspaces are scratch an op
+        # writes for itself: never results.
         self.outputs = frozenset(name for name, u in self.uses.items()
-                                 if name not in self.persistent and name in self.writes[u[-1]])
+                                 if name not in self.persistent and name in self.writes[u[-1]]
+                                 and tape.tensors[name].kind != "workspace")
 
     def nbytes(self, name: str) -> int:
         """Bytes a tensor takes in the arena: its size rounded up to the allocation alignment."""
