@@ -268,7 +268,10 @@ def _make_wgrad_kernel(t: Tiles):
     A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # double-buffered [buf][l][k | c]
     L_SIZE = 2 * BK
 
-    @jit(_WGRAD_SIG)
+    # 128 registers a thread lets two 256-thread blocks share an SM. The wide tile's 64
+    # accumulators sit right at that line (the compiler picks 130 on its own, which leaves
+    # one block per SM and costs 40% of its speed on the H200), so hold it there.
+    @jit(_WGRAD_SIG, max_registers=128)
     def wgrad_kernel(x, dy, part_w, part_b, has_bias, N, C, H, W, K, P, Q, R, S, stride, pad, chunk):
         tid = _u(cuda.threadIdx.x)
         tx, ty = tid % _u(DX), tid // _u(DX)
