@@ -214,6 +214,53 @@ def argmax(x, out, *, stream=0) -> None:
     _launch_topk(x, 1, scratch_values, out.reshape(R, 1), stream)
 
 
+# ---------------------------------------------------------------------------- greedy on the device
+# What the host does after each greedy step (proto.models.generate.greedy), done on the GPU so
+# the whole generation can be one graph (proto.models.greedy_loop): record the step's tokens,
+# mark sequences that produced EOS, advance the position, and decide whether to go on.
+# state = [steps done, max new tokens, eos id or -1].
+def greedy_advance_ref(tokens, done, state):
+    """(emitted (B,), done', steps done', go on?) for next tokens (B,) and done flags (B,)."""
+    t, limit, eos = (int(v) for v in state)
+    emitted = np.where(done != 0, eos, tokens).astype(np.int32)
+    done = ((done != 0) | ((eos >= 0) & (emitted == eos))).astype(np.int32)
+    go = t + 1 < limit and not (eos >= 0 and done.all())
+    return emitted, done, t + 1, go
+
+
+@jit("void(int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], int32[::1])")
+def greedy_advance_kernel(tokens, pos, out, done, state, flag):
+    """One thread: out[:, t] = the step's tokens (eos once a sequence is done), done |= eos
+    seen, pos += 1, state[0] = t + 1, flag = go on. The next step reads tokens unchanged, as
+    the host loop feeds the argmax back."""
+    if cuda.grid(1) != 0:
+        return
+    t, limit, eos = state[0], state[1], state[2]
+    all_done = True
+    for b in range(tokens.shape[0]):
+        tok = eos if done[b] != 0 else tokens[b, 0]
+        if eos >= 0 and tok == eos:
+            done[b] = 1
+        out[b, t] = tok
+        all_done = all_done and done[b] != 0
+    state[0] = t + 1
+    pos[0] += 1
+    flag[0] = 1 if t + 1 < limit and not (eos >= 0 and all_done) else 0
+
+
+def greedy_advance(tokens, pos, out, done, state, flag, *, stream=0) -> None:
+    """See greedy_advance_kernel. tokens (B, 1), out (B, capacity), done (B,), state (3,),
+    pos and flag (1,): int32 device arrays."""
+    _check.device_array("tokens", tokens, dtype=np.int32, shape=(None, 1))
+    B = tokens.shape[0]
+    _check.device_array("out", out, dtype=np.int32, shape=(B, None))
+    _check.device_array("done", done, dtype=np.int32, shape=(B,))
+    _check.device_array("state", state, dtype=np.int32, shape=(3,))
+    for name, a in (("pos", pos), ("flag", flag)):
+        _check.device_array(name, a, dtype=np.int32, shape=(1,))
+    launch(greedy_advance_kernel, 1, 1, (tokens, pos, out, done, state, flag), stream)
+
+
 # ---------------------------------------------------------------------------- check, then time
 if __name__ == "__main__":
     from proto.timing import bench

@@ -30,6 +30,7 @@ reference the CUDA executor is tested against. Its patch swaps the argument arra
 """
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -50,14 +51,18 @@ class WalkExecutor:
     def __init__(self, nodes, deps=None):
         self._nodes = list(nodes)
         self._args = [list(node.args) for node in self._nodes]  # what patch rewrites
+        self._bodies = {j: WalkExecutor(node.body.nodes) for j, node in enumerate(self._nodes)
+                        if node.kind == "conditional"}
         self.closed = False
 
     def launch(self) -> None:
-        for node, args in zip(self._nodes, self._args):
+        for j, (node, args) in enumerate(zip(self._nodes, self._args)):
             if node.kind == "kernel":
                 node.kernel[node.griddim, node.blockdim, 0, node.sharedmem](*args)
             elif node.kind == "copy":
                 device_copy(*args)
+            elif node.kind == "conditional":  # the flag is read where the GPU would test it
+                run_conditional(node, self._bodies[j])
             else:
                 raise NotImplementedError(f"walk executor: no rule for {node.kind!r} nodes")
 
@@ -67,6 +72,16 @@ class WalkExecutor:
 
     def close(self) -> None:
         self._nodes, self._args, self.closed = [], [], True
+
+
+def run_conditional(node, body) -> None:
+    """An IF / WHILE node driven from the host: read the flag, launch the body's executor."""
+    flag = node.args[0]
+    if node.loop:
+        while bool(flag.copy_to_host()[0]):
+            body.launch()
+    elif bool(flag.copy_to_host()[0]):
+        body.launch()
 
 
 def _compiled(kernel):
@@ -120,31 +135,9 @@ class CudaExecutor:
             raise RuntimeError("the CUDA executor needs a GPU; use the walk executor on the simulator")
         cuda.current_context()  # Numba's primary context is the one cuda.core launches into
         self._stream = LEGACY_DEFAULT_STREAM  # the stream Numba launches and copies use
+        self._launch_config = LaunchConfig
         self._definition = GraphDefinition()
-        self._handles, self._params = [], []
-        if deps is None:  # one stream: each node after the one before
-            deps = [() if j == 0 else (j - 1,) for j in range(len(nodes))]
-        for node, waits in zip(nodes, deps):
-            # A node is added from its first dependency (or the graph: a root); the other
-            # dependencies become extra edges into it.
-            parents = [self._handles[d] for d in waits]
-            start = parents[0] if parents else self._definition
-            if node.kind == "kernel":
-                cukernel, flat, data_slots = flatten_args(node.kernel, node.args)
-                config = LaunchConfig(grid=node.griddim, block=node.blockdim,
-                                      shmem_size=node.sharedmem)
-                handle = start.launch(config, cukernel, *flat)
-                self._params.append(_KernelParams(config, cukernel, flat, data_slots))
-            elif node.kind == "copy":  # device or pinned host addresses; the driver tells which
-                dst, src = node.args
-                params = [address(dst), address(src), dst.nbytes]
-                handle = start.memcpy(*params)
-                self._params.append(params)
-            else:
-                raise NotImplementedError(f"CUDA executor: no lowering for {node.kind!r} nodes")
-            for parent in parents[1:]:
-                handle.pred.add(parent)
-            self._handles.append(handle)
+        self._handles, self._params = self._lower(self._definition, nodes, deps)
         free_before = _free_device_memory()
         self._graph = self._definition.instantiate()
         self._graph.upload(self._stream)  # allocate the executable's resources now, not at replay 1
@@ -153,6 +146,63 @@ class CudaExecutor:
         # summed over many graphs it matches the total (H200: 300 graphs, 45150 kernel nodes,
         # 134 MiB, about 3 KiB a node).
         self.memory_bytes = max(free_before - _free_device_memory(), 0)
+
+    def _lower(self, target, nodes, deps) -> tuple[list, list]:
+        """Add `nodes` to the graph definition `target` (the whole graph, or a conditional
+        node's body); returns their node handles and parameters."""
+        handles, all_params = [], []
+        if deps is None:  # one stream: each node after the one before
+            deps = [() if j == 0 else (j - 1,) for j in range(len(nodes))]
+        for node, waits in zip(nodes, deps):
+            # A node is added from its first dependency (or the graph: a root); the other
+            # dependencies become extra edges into its first graph node.
+            parents = [handles[d] for d in waits]
+            start = parents[0] if parents else target
+            if node.kind == "kernel":
+                cukernel, flat, data_slots = flatten_args(node.kernel, node.args)
+                config = self._launch_config(grid=node.griddim, block=node.blockdim,
+                                             shmem_size=node.sharedmem)
+                first = handle = start.launch(config, cukernel, *flat)
+                params = _KernelParams(config, cukernel, flat, data_slots)
+            elif node.kind == "copy":  # device or pinned host addresses; the driver tells which
+                dst, src = node.args
+                params = [address(dst), address(src), dst.nbytes]
+                first = handle = start.memcpy(*params)
+            elif node.kind == "conditional":
+                first, handle = self._lower_conditional(target, start, node)
+                params = None   # bodies are not patched (GraphedFunction refuses patch binding)
+            else:
+                raise NotImplementedError(f"CUDA executor: no lowering for {node.kind!r} nodes")
+            for parent in parents[1:]:
+                first.pred.add(parent)
+            handles.append(handle)
+            all_params.append(params)
+        return handles, all_params
+
+    def _lower_conditional(self, target, start, node):
+        """set-condition kernel -> IF/WHILE node; a WHILE body ends by setting it again.
+        Returns (first graph node, the node successors wait for)."""
+        flag = node.args[0]
+        condition = target.create_condition(default_value=0)
+        setter = start.launch(*self._set_condition(flag, condition))
+        if node.loop:
+            cond_node = setter.while_loop(condition)
+            body = cond_node.body
+        else:
+            cond_node = setter.if_then(condition)
+            body = cond_node.then
+        handles, _ = self._lower(body, node.body.nodes, node.body.deps)
+        if node.loop:   # after every node of the pass: the sinks of the body's DAG
+            waited = {d for deps in node.body.deps for d in deps}
+            sinks = [h for j, h in enumerate(handles) if j not in waited]
+            tail = sinks[0] if len(sinks) == 1 else body.join(*sinks)
+            tail.launch(*self._set_condition(flag, condition))
+        return setter, cond_node
+
+    def _set_condition(self, flag, condition) -> tuple:
+        """(config, kernel, *args) of the one-thread kernel copying flag[0] into `condition`."""
+        cukernel, flat, _ = flatten_args(set_condition_kernel(), (flag, int(condition.handle)))
+        return (self._launch_config(grid=1, block=1), cukernel, *flat)
 
     @property
     def closed(self) -> bool:
@@ -181,7 +231,100 @@ class CudaExecutor:
         self._handles, self._params = [], []
 
 
-EXECUTORS = {"walk": WalkExecutor, "cuda": CudaExecutor}
+class HostDrivenExecutor:
+    """Conditional nodes on a driver without them: CUDA graphs for the stretches between
+    conditional nodes, the host reading each flag in between (as the eager loop would)."""
+
+    memory_bytes = None
+
+    def __init__(self, nodes, deps=None):
+        nodes = list(nodes)
+        if deps is None:
+            deps = [() if j == 0 else (j - 1,) for j in range(len(nodes))]
+        self._parts, start = [], 0
+        # Parts run one after another on one stream, so a dependency on an earlier part
+        # holds already; within a part the indices shift to the part's start.
+        for j, node in enumerate(nodes + [None]):
+            if node is not None and node.kind != "conditional":
+                continue
+            if j > start:
+                self._parts.append(CudaExecutor(
+                    nodes[start:j], [tuple(d - start for d in deps[i] if d >= start)
+                                     for i in range(start, j)]))
+            if node is not None:
+                self._parts.append((node, make_cuda_executor(node.body.nodes, node.body.deps)))
+            start = j + 1
+
+    @property
+    def closed(self) -> bool:
+        return self._parts is None
+
+    def launch(self) -> None:
+        for part in self._parts:
+            if isinstance(part, tuple):
+                run_conditional(*part)
+            else:
+                part.launch()
+
+    def set_array_args(self, j: int, args: dict) -> None:
+        raise NotImplementedError("patch binding needs one graph; conditional nodes without "
+                                  "driver support split it")
+
+    def close(self) -> None:
+        for part in self._parts or []:
+            (part[1] if isinstance(part, tuple) else part).close()
+        self._parts = None
+
+
+def conditional_nodes_supported() -> bool:
+    """Conditional graph nodes (IF, WHILE) need a CUDA 12.4 driver or newer."""
+    from cuda.bindings import driver
+    err, version = driver.cuDriverGetVersion()
+    return int(err) == 0 and version >= 12040
+
+
+def make_cuda_executor(nodes, deps=None):
+    """The CUDA executor, or, for conditional nodes on a driver without them, the host-driven
+    fallback (with a warning: every pass then waits for the host)."""
+    nodes = list(nodes)
+    if any(node.kind == "conditional" for node in nodes) and not conditional_nodes_supported():
+        warnings.warn("this CUDA driver has no conditional graph nodes (CUDA 12.4+): IF/WHILE "
+                      "run as graph segments with the host reading each flag", RuntimeWarning,
+                      stacklevel=3)
+        return HostDrivenExecutor(nodes, deps)
+    return CudaExecutor(nodes, deps)
+
+
+_SET_CONDITION_SRC = r"""
+typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
+    cudaGraphConditionalHandle handle, unsigned int value);
+extern "C" __device__ void proto_set_conditional(unsigned long long handle, unsigned int value) {
+    cudaGraphSetConditional(handle, value);
+}
+"""
+_set_condition_kernel = None
+
+
+def set_condition_kernel():
+    """`kernel(flag, handle)`: the condition `handle` := (flag[0] != 0), from one thread.
+    ``cudaGraphSetConditional`` is a device-runtime builtin Numba cannot call directly, so a
+    few lines of CUDA C wrap it (declare_device). Built on first use: GPU only."""
+    global _set_condition_kernel
+    if _set_condition_kernel is None:
+        set_conditional = cuda.declare_device("proto_set_conditional", "void(uint64, uint32)",
+                                              abi="c", link=[cuda.CUSource(_SET_CONDITION_SRC)])
+
+        @cuda.jit("void(int32[::1], uint64)")
+        def set_condition(flag, handle):
+            if cuda.grid(1) == 0:
+                set_conditional(handle, np.uint32(1 if flag[0] != 0 else 0))
+
+        _set_condition_kernel = set_condition
+    return _set_condition_kernel
+
+
+EXECUTORS = {"walk": WalkExecutor, "cuda": make_cuda_executor}
 
 
 def default_executor() -> str:

@@ -12,9 +12,9 @@ graph looks (proto.binding) and new shapes need new graphs or kernels that read 
 on the device (proto.shapes).
 
 The layers, each small:
-  description   plain data: a list of `Node`s (`KernelLaunch`, `Copy`; a later issue adds
-                conditional nodes whose bodies are descriptions themselves) and, for each, the
-                earlier nodes it waits for. Recorded, not run: inside `record()` every
+  description   plain data: a list of `Node`s (`KernelLaunch`, `Copy`, and `Conditional`: an
+                IF or WHILE on a device flag whose body is a description itself; see
+                proto.control) and, for each, the earlier nodes it waits for. Recorded, not run: inside `record()` every
                 `proto.backend.launch` and every `copy` appends a node (see "Streams" below).
   executors     turn a description into something that runs (proto.executors): the CUDA
                 executor builds and instantiates a real CUDA graph; the walk executor launches
@@ -75,9 +75,7 @@ from proto.executors import EXECUTORS, default_executor
 @dataclasses.dataclass(frozen=True, eq=False)
 class Node:
     """One operation of a graph. `args` lists what it touches, in argument-slot order; the
-    device arrays among them are what binding can rebind. Executors dispatch on `kind`; the
-    conditional nodes to come (IF, WHILE on a device flag) are Nodes whose bodies are
-    GraphDescriptions."""
+    device arrays among them are what binding can rebind. Executors dispatch on `kind`."""
     args: tuple
     kind: ClassVar[str] = "node"
 
@@ -112,6 +110,28 @@ class Copy(Node):
             (is_device_array(dst), is_device_array(src))]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Conditional(Node):
+    """IF (`loop` False) or WHILE (`loop` True) on a device flag: `body`, a GraphDescription,
+    runs once if, or again and again while, flag[0] != 0, as read when the node starts (and,
+    for WHILE, after every pass: the body is what changes the flag). args = (flag,), a
+    1-element int32 device array. Recorded by proto.control."""
+    body: "GraphDescription" = None
+    loop: bool = False
+    kind: ClassVar[str] = "conditional"
+
+    @property
+    def name(self) -> str:
+        return "while" if self.loop else "if"
+
+    def touched(self) -> list:
+        """Every device array the node or its body reaches (for race checks)."""
+        out = [self.args[0]]
+        for node in self.body.nodes:
+            out += node.touched() if node.kind == "conditional" else [a for _, a in node.array_args()]
+        return out
+
+
 @dataclasses.dataclass
 class GraphDescription:
     """The nodes in recording order and, per node, the indices of earlier nodes it waits for.
@@ -142,18 +162,27 @@ class GraphDescription:
         lines = []
         for j, (node, deps) in enumerate(zip(self.nodes, self.deps)):
             arrays = ", ".join(f"{i}:{np.dtype(a.dtype)}{tuple(a.shape)}" for i, a in node.array_args())
-            what = f"{node.name} grid={node.griddim} block={node.blockdim}" \
-                if node.kind == "kernel" else f"{node.kind} {getattr(node, 'direction', '')}"
+            what = {"kernel": lambda: f"{node.name} grid={node.griddim} block={node.blockdim}",
+                    "copy": lambda: f"copy {node.direction}",
+                    "conditional": lambda: f"{node.name} flag[0] != 0: {len(node.body)} nodes"}[node.kind]()
             after = "" if deps == ((j - 1,) if j else ()) else f"  after {list(deps)}"
             lines.append(f"{j:4d} {what}  [{arrays}]{after}")
+            if node.kind == "conditional":
+                lines += ["     | " + line for line in node.body.summary().splitlines()]
         return "\n".join(lines)
+
+    @property
+    def has_conditionals(self) -> bool:
+        return any(node.kind == "conditional" for node in self.nodes)
 
 
 def races(description: GraphDescription) -> list[tuple[int, int]]:
     """Pairs of nodes (i < j) that touch overlapping bytes, at least one of them writing, with
     no path of dependencies between them: on a GPU they may run at once or in either order.
     A kernel counts as writing every array it takes (a launch does not say which it only
-    reads); a copy reads `src` and writes `dst`. An empty list means the DAG is race-free."""
+    reads); a copy reads `src` and writes `dst`; a conditional node counts as one node writing
+    everything its body touches (check a body itself with races(node.body)). An empty list
+    means the DAG is race-free."""
     ancestors = []   # bit d of ancestors[j]: node d must finish before node j starts
     for deps in description.deps:
         mask = 0
@@ -165,6 +194,8 @@ def races(description: GraphDescription) -> list[tuple[int, int]]:
         if node.kind == "copy":
             dst, src = node.args
             accesses += [(*extent(dst), j, True), (*extent(src), j, False)]
+        elif node.kind == "conditional":
+            accesses += [(*extent(a), j, True) for a in node.touched()]
         else:
             accesses += [(*extent(a), j, True) for _, a in node.array_args()]
     accesses.sort(key=lambda a: a[0])
@@ -223,6 +254,9 @@ class Recorder:
     def record_copy(self, dst, src, stream=0) -> None:
         self._append(Copy((dst, src)), stream)
 
+    def record_conditional(self, flag, body: "GraphDescription", loop: bool) -> None:
+        self._append(Conditional((flag,), body, loop), 0)
+
     def record_event(self, event, stream=0) -> None:
         self._events[id(event)] = (event, self._waits.get(_stream_key(stream), ()))
 
@@ -256,6 +290,17 @@ def record():
 def recording() -> bool:
     """True inside `record()`: code that would do eager work (host math) must refuse."""
     return bool(_recorders)
+
+
+def record_conditional(flag, body: Callable[[], None], *, loop: bool) -> None:
+    """While recording: record `body()` into a description of its own and append one
+    Conditional node (IF, or WHILE when `loop`) on `flag`. proto.control is the front end."""
+    with record() as inner:
+        body()
+    if not inner.nodes:
+        raise ValueError(f"{'while_loop' if loop else 'if_then'}: the body launched no kernels "
+                         "and made no copies")
+    _recorders[-1].record_conditional(flag, inner.description(), loop)
 
 
 def require_eager(what: str) -> None:
@@ -365,6 +410,9 @@ class GraphedFunction:
         if not recorder.nodes:
             raise ValueError("record: the function launched no kernels and made no copies")
         self.description = recorder.description()
+        if self.binding == "patch" and self.description.has_conditionals:
+            raise ValueError("binding 'patch' rewrites top-level nodes only, and a conditional "
+                             "body may read the inputs too; use 'copy' or 'alias'")
         if self.binding == "patch":
             self.slots = input_slots([[(i, *extent(a)) for i, a in node.array_args()]
                                  for node in self.description.nodes],

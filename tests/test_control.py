@@ -1,0 +1,146 @@
+"""IF and WHILE on a device flag (proto.control): eager semantics, recording into conditional
+nodes, and replays (the walk executor on the simulator; real conditional nodes on a GPU, plus
+the host-driven fallback for drivers without them)."""
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from proto import backend, control, graph
+from proto.backend import cuda, jit, launch
+from tests.helpers import dev
+
+
+@jit("void(int32[::1], float32[::1], int32[::1])")
+def countdown_kernel(counter, total, flag):
+    """total += counter; counter -= 1; flag = counter > 0 (one thread)."""
+    if cuda.grid(1) == 0:
+        total[0] += counter[0]
+        counter[0] -= 1
+        flag[0] = 1 if counter[0] > 0 else 0
+
+
+@jit("void(float32[::1], float32)")
+def add_kernel(x, v):
+    if cuda.grid(1) == 0:
+        x[0] += v
+
+
+def _i32(v):
+    return dev(np.array([v], np.int32))
+
+
+class Loop:
+    """total = sum of counter, counter-1, ..., 1 by a WHILE on the device, then +1000 if a
+    second flag is set (an IF): the step a graph records."""
+
+    def __init__(self):
+        self.counter, self.flag, self.go = _i32(0), _i32(0), _i32(0)
+        self.total = dev(np.zeros(1, np.float32))
+
+    def step(self):
+        launch(add_kernel, 1, 1, (self.total, np.float32(0.5)))
+        control.while_loop(self.flag, lambda: launch(countdown_kernel, 1, 1,
+                                                     (self.counter, self.total, self.flag)))
+        control.if_then(self.go, lambda: launch(add_kernel, 1, 1, (self.total, np.float32(1000.0))))
+
+    def set(self, n, go):
+        self.counter.copy_to_device(np.array([n], np.int32))
+        self.flag.copy_to_device(np.array([int(n > 0)], np.int32))
+        self.go.copy_to_device(np.array([int(go)], np.int32))
+        self.total.copy_to_device(np.zeros(1, np.float32))
+
+    def result(self):
+        return float(self.total.copy_to_host()[0])
+
+
+def want(n, go):
+    return 0.5 + n * (n + 1) / 2 + (1000.0 if go else 0.0)
+
+
+def test_eager_loop_runs_on_the_host():
+    loop = Loop()
+    loop.set(4, go=True)
+    loop.step()
+    assert loop.result() == want(4, True)
+    assert control.while_loop(loop.flag, lambda: None) == 0   # flag is 0 now: no pass
+
+
+def test_recording_makes_conditional_nodes_with_bodies():
+    loop = Loop()
+    with graph.record() as rec:
+        loop.step()
+    desc = rec.description()
+    assert [n.kind for n in desc.nodes] == ["kernel", "conditional", "conditional"]
+    assert desc.nodes[1].loop and not desc.nodes[2].loop
+    assert [n.name for n in desc.nodes[1].body.nodes] == ["countdown_kernel"]
+    assert "while flag[0] != 0: 1 nodes" in desc.summary()
+    assert "| " in desc.summary() and graph.races(desc) == []
+    assert loop.result() == 0.0   # recording ran nothing
+
+
+@given(n=st.integers(0, 6), go=st.booleans())
+def test_one_graph_replays_every_trip_count(n, go):
+    loop = Loop()
+    loop.set(0, go=False)
+    with graph.capture(loop.step, {}) as g:
+        for m, branch in ((n, go), (n + 1, not go)):   # same graph, data-dependent trips
+            loop.set(m, branch)
+            g.replay()
+            assert loop.result() == want(m, branch)
+
+
+def test_bad_flags_and_empty_bodies_are_refused():
+    with pytest.raises(ValueError, match=r"flag: expected a 1-element int32 .* float32 \(1,\)"):
+        control.while_loop(dev(np.zeros(1, np.float32)), lambda: None)
+    with pytest.raises(TypeError, match="flag: expected a 1-element int32 device array"):
+        control.if_then(np.zeros(1, np.int32), lambda: None)
+    with graph.record(), pytest.raises(ValueError, match="while_loop: the body launched no kernels"):
+        control.while_loop(_i32(1), lambda: None)
+
+
+def test_patch_binding_refuses_conditional_graphs():
+    x = dev(np.zeros(1, np.float32))
+    flag = _i32(0)
+
+    def step(x):
+        control.if_then(flag, lambda: launch(add_kernel, 1, 1, (x, np.float32(1.0))))
+
+    with pytest.raises(ValueError, match="binding 'patch' rewrites top-level nodes only"):
+        graph.capture(step, {"x": x}, binding="patch")
+
+
+@pytest.mark.gpu
+def test_host_driven_fallback_matches():
+    # What a driver without conditional nodes gets: graph segments, the host reading flags.
+    from proto.executors import HostDrivenExecutor, conditional_nodes_supported
+    assert conditional_nodes_supported(), "the H200's driver should have conditional nodes"
+    loop = Loop()
+    with graph.record() as rec:
+        loop.step()
+    desc = rec.description()
+    ex = HostDrivenExecutor(desc.nodes, desc.deps)
+    for n, go in ((3, True), (0, False), (5, False)):
+        loop.set(n, go)
+        ex.launch()
+        assert loop.result() == want(n, go)
+    ex.close()
+    assert ex.closed and not backend.SIMULATOR
+
+
+@pytest.mark.gpu
+def test_a_while_graph_is_one_cuda_graph():
+    # Real conditional nodes: the executable is one CUDA graph (no host-driven segments), and
+    # a replay of 50 passes needs no host decision.
+    from proto.executors import CudaExecutor
+    loop = Loop()
+    loop.set(0, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no fallback warning on this driver
+        g = graph.capture(loop.step, {})
+    assert isinstance(g._executable, CudaExecutor)
+    loop.set(50, True)
+    g.replay()
+    assert loop.result() == want(50, True)
+    g.close()
