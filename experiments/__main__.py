@@ -14,7 +14,7 @@ import time
 
 from proto import backend
 
-EXPERIMENTS = ["launch_overhead", "kernel_speed", "end_to_end", "greedy_loop", "autovm"]
+EXPERIMENTS = ["launch_overhead", "kernel_speed", "end_to_end", "search_loop", "autovm"]
 
 
 def main(argv=None) -> int:

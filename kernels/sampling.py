@@ -216,7 +216,7 @@ def argmax(x, out, *, stream=0) -> None:
 
 # ---------------------------------------------------------------------------- greedy on the device
 # What the host does after each greedy step (proto.models.generate.greedy), done on the GPU so
-# the whole generation can be one graph (proto.models.greedy_loop): record the step's tokens,
+# the whole generation can be one graph (proto.models.search_loop): record the step's tokens,
 # mark sequences that produced EOS, advance the position, and decide whether to go on.
 # state = [steps done, max new tokens, eos id or -1].
 def greedy_advance_ref(tokens, done, state):
@@ -259,6 +259,118 @@ def greedy_advance(tokens, pos, out, done, state, flag, *, stream=0) -> None:
     for name, a in (("pos", pos), ("flag", flag)):
         _check.device_array(name, a, dtype=np.int32, shape=(1,))
     launch(greedy_advance_kernel, 1, 1, (tokens, pos, out, done, state, flag), stream)
+
+
+# ---------------------------------------------------------------------------- beam search on the device
+# The host's choice of beams (proto.models.generate.beam_search), on the GPU, in two launches:
+# `beam_choose` (one thread: walk the top-k candidates in rank order) and `beam_histories`
+# (every thread: copy the chosen beams' token histories, and the best finished one).
+# state = [steps done, max new tokens, eos id or -1, history length, live beams];
+# best_meta = [slot a finished hypothesis came from this step or -1, its last token, its length].
+BEAM_DEAD = np.float32(-1e30)   # generate.DEAD: an empty slot's score
+
+
+def beam_choose_ref(values, indices, vocab, beam, state, best):
+    """(parents, tokens, scores, live, new best score, (src, tok) of a new best finished or
+    None, go on?) for one row of top-k candidates, as generate.beam_search chooses."""
+    t, limit, eos, length, _ = (int(v) for v in state)
+    parents, tokens, scores, new_best = [], [], [], None
+    for value, index in zip(values, indices):
+        b, tok = divmod(int(index), vocab)
+        if tok == eos:
+            if value > best:
+                best, new_best = np.float32(value), (b, tok)
+        elif len(parents) < beam:
+            parents.append(b)
+            tokens.append(tok)
+            scores.append(value)
+    live = len(parents)
+    dead = beam - live
+    scores = np.array(scores + [BEAM_DEAD] * dead, np.float32)
+    go = t + 1 < limit and live > 0 and not best >= scores[0]
+    return (np.array(parents + [0] * dead, np.int32), np.array(tokens + [0] * dead, np.int32),
+            scores, live, best, new_best, go)
+
+
+@jit("void(float32[:, ::1], int32[:, ::1], int32, float32[:, ::1], int32[:, ::1], int32[::1], "
+     "float32[::1], int32[::1], int32[::1], int32[::1], int32[::1])")
+def beam_choose_kernel(values, indices, vocab, scores, tokens, parents, best, best_meta, state,
+                       pos, flag):
+    if cuda.grid(1) != 0:
+        return
+    beam = scores.shape[0]
+    t, limit, eos, length = state[0], state[1], state[2], state[3]
+    best_meta[0] = -1
+    n = 0
+    for r in range(values.shape[1]):
+        b = indices[0, r] // vocab
+        tok = indices[0, r] - b * vocab
+        if tok == eos:
+            if values[0, r] > best[0]:
+                best[0] = values[0, r]
+                best_meta[0] = b
+                best_meta[1] = tok
+                best_meta[2] = length + 1
+        elif n < beam:
+            parents[n] = b
+            tokens[n, 0] = tok
+            scores[n, 0] = values[0, r]
+            n += 1
+    for j in range(n, beam):
+        parents[j] = 0
+        tokens[j, 0] = 0
+        scores[j, 0] = BEAM_DEAD
+    state[0] = t + 1
+    state[3] = length + 1
+    state[4] = n
+    pos[0] += 1
+    flag[0] = 1 if t + 1 < limit and n > 0 and not best[0] >= scores[0, 0] else 0
+
+
+@jit("void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], "
+     "int32[::1])")
+def beam_histories_kernel(src, dst, parents, tokens, best_hist, best_meta, state):
+    """dst[j] = src[parents[j]] + [tokens[j]]; the best finished one likewise into best_hist.
+    Runs after beam_choose (length = state[3] - 1 is the histories' length before it)."""
+    length = state[3] - 1
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    beam = dst.shape[0]
+    for e in range(start, (beam + 1) * (length + 1), stride):
+        j = e // (length + 1)
+        i = e - j * (length + 1)
+        if j < beam:
+            dst[j, i] = tokens[j, 0] if i == length else src[parents[j], i]
+        elif best_meta[0] >= 0:
+            best_hist[i] = best_meta[1] if i == length else src[best_meta[0], i]
+
+
+def beam_advance(values, indices, vocab: int, scores, tokens, parents, hist_src, hist_dst,
+                 best, best_hist, best_meta, state, pos, flag, *, stream=0) -> None:
+    """One beam-search choice on the device (see beam_choose_kernel, beam_histories_kernel):
+    candidates values/indices (1, k) -> next scores (beam, 1), tokens (beam, 1), parents
+    (beam,); histories hist_src -> hist_dst (beam, capacity); best finished score best (1,),
+    its tokens best_hist (capacity,), best_meta (3,); state (5,), pos and flag (1,)."""
+    _check.device_array("values", values, shape=(1, None))
+    k = values.shape[1]
+    _check.device_array("indices", indices, dtype=np.int32, shape=(1, k))
+    _check.device_array("scores", scores, shape=(None, 1))
+    beam = scores.shape[0]
+    _check.device_array("tokens", tokens, dtype=np.int32, shape=(beam, 1))
+    _check.device_array("parents", parents, dtype=np.int32, shape=(beam,))
+    _check.device_array("hist_src", hist_src, dtype=np.int32, shape=(beam, None))
+    cap = hist_src.shape[1]
+    _check.device_array("hist_dst", hist_dst, dtype=np.int32, shape=(beam, cap))
+    _check.device_array("best", best, shape=(1,))
+    _check.device_array("best_hist", best_hist, dtype=np.int32, shape=(cap,))
+    _check.device_array("best_meta", best_meta, dtype=np.int32, shape=(3,))
+    _check.device_array("state", state, dtype=np.int32, shape=(5,))
+    for name, a in (("pos", pos), ("flag", flag)):
+        _check.device_array(name, a, dtype=np.int32, shape=(1,))
+    launch(beam_choose_kernel, 1, 1, (values, indices, np.int32(vocab), scores, tokens, parents,
+                                      best, best_meta, state, pos, flag), stream)
+    blocks, threads = _check.grid_stride_launch((beam + 1) * cap)
+    launch(beam_histories_kernel, blocks, threads,
+           (hist_src, hist_dst, parents, tokens, best_hist, best_meta, state), stream)
 
 
 # ---------------------------------------------------------------------------- check, then time

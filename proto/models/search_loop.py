@@ -1,0 +1,211 @@
+"""A whole generation as ONE graph launch: the decode loop and its stop test on the device.
+
+GraphedGPT2 replays one graph per token, then copies results back so the host can decide:
+greedy tests for EOS, beam search picks the next beams. That is a synchronization per token,
+with the GPU idle while Python looks. Here the loop itself is in the graph
+(proto.control.while_loop) and the decisions are kernels, so one launch generates until the
+search is over:
+
+    GreedyLoop   WHILE flag:  logits = step(tokens, pos, cache)     (position read on device)
+                              argmax(logits) -> tokens              (the next pass's input)
+                              greedy_advance: record tokens, done |= eos, pos += 1, flag
+    BeamLoop     WHILE flag:  logits = step(tokens, pos, cache)
+                              logprobs = log_softmax(logits) + scores;  top-k over beams x vocab
+                              beam_advance: choose beams in rank order (finished on eos), new
+                                            tokens, scores, parents, histories, best finished,
+                                            pos += 1, flag
+                              reorder the KV cache by parents (gather into a scratch set, copy
+                              back: a graph's body is fixed, so it cannot alternate two sets)
+
+Everything the loop changes lives in device buffers recorded once, so the same graph serves
+every prompt, budget and EOS id: a run writes the starting state, launches, and reads the
+result once. The prompt's prefill runs eagerly. Results equal generate.greedy's and
+generate.beam_search's (the same kernels in the same order; the choices follow the same rules).
+
+    with BeamLoop(model, beam=5, max_len=1024) as loop:
+        gen = loop.generate(prompt, max_new_tokens=100, eos=50256)   # == generate.beam_search
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import _check, gemm, sampling, softmax
+from proto import control, graph
+from proto.backend import cuda
+from proto.models import generate
+from proto.models.gpt2 import KVCache
+
+
+def _zeros(*shape, dtype=np.int32):
+    return cuda.to_device(np.zeros(shape, dtype))
+
+
+class _DeviceLoop:
+    """What both searches share: one graph `WHILE flag: body()`, recorded after one eager pass
+    (first-call workspaces, the attention's and the top-k's, must exist before recording)."""
+
+    def __init__(self, model, batch: int, max_len: int):
+        self.model, self.config = model, model.config
+        self.batch = _check.positive("batch", batch)
+        self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
+        self.cache = KVCache(self.config, self.batch, self.max_len)
+        self.tokens, self.pos, self.flag = _zeros(self.batch, 1), _zeros(1), _zeros(1)
+
+    def _capture(self, executor) -> None:
+        self._body()
+        self.flag.copy_to_device(np.zeros(1, np.int32))   # the capture's own replay: no pass
+        self.graph = graph.capture(lambda: control.while_loop(self.flag, self._body), {},
+                                   executor=executor, warmup=0)
+
+    def _body(self) -> None:
+        raise NotImplementedError
+
+    def _check_need(self, T0: int, max_new_tokens: int, eos) -> None:
+        need = generate._check_run(self.model, T0, max_new_tokens, eos)
+        if need > self.max_len:
+            raise ValueError(f"prompt length {T0} + max_new_tokens {max_new_tokens} - 1 "
+                             f"exceeds max_len={self.max_len}")
+
+    def launch(self) -> None:
+        """The whole generation: one graph launch (returns before the GPU is done)."""
+        self.graph.replay()
+
+    def _steps(self) -> generate.PhaseTimes:
+        times = generate.PhaseTimes(synchronized=False)
+        times.steps = int(self.state.copy_to_host()[0])
+        return times
+
+    def close(self) -> None:
+        self.graph.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class GreedyLoop(_DeviceLoop):
+    """Greedy decoding of `batch` rows; `model` has GPT2.step's contract."""
+
+    def __init__(self, model, *, batch: int, max_len: int, executor: str | None = None):
+        super().__init__(model, batch, max_len)
+        self.out = _zeros(self.batch, self.max_len)
+        self.done, self.state = _zeros(self.batch), _zeros(3)
+        self._set(0, 1, -1, go=False)
+        self._capture(executor)
+
+    def _body(self) -> None:
+        logits = self.model.step(self.tokens, self.pos, self.cache)
+        sampling.argmax(logits.reshape(self.batch, self.config.vocab_size),
+                        self.tokens.reshape(self.batch))
+        sampling.greedy_advance(self.tokens, self.pos, self.out, self.done, self.state, self.flag)
+
+    def _set(self, pos: int, limit: int, eos: int, go: bool) -> None:
+        self.pos.copy_to_device(np.array([pos], np.int32))
+        self.done.copy_to_device(np.zeros(self.batch, np.int32))
+        self.state.copy_to_device(np.array([0, limit, eos], np.int32))
+        self.flag.copy_to_device(np.array([int(go)], np.int32))
+
+    def start(self, prompt, *, max_new_tokens: int, eos: int | None = None) -> np.ndarray:
+        """Check the arguments, prefill the prompt (B, T0) eagerly and set the loop's state;
+        `launch()` then runs the generation. Returns the prompt as int32."""
+        prompt = generate._check_prompt(prompt, self.config.vocab_size, ndim=2)
+        if prompt.shape[0] != self.batch:
+            raise ValueError(f"prompt: expected {self.batch} rows (batch), got {prompt.shape[0]}")
+        T0 = prompt.shape[1]
+        self._check_need(T0, max_new_tokens, eos)
+        generate._prefill(self.model.step, prompt, self.pos, self.cache)
+        self.tokens.copy_to_device(np.ascontiguousarray(prompt[:, -1:]))
+        self._set(T0 - 1, max_new_tokens, -1 if eos is None else eos, go=True)
+        return prompt
+
+    def result(self, prompt: np.ndarray) -> generate.Generation:
+        """(B, T0 + n) tokens: the prompt, then the n generated (waits for the GPU)."""
+        times = self._steps()
+        tokens = np.concatenate([prompt, self.out.copy_to_host()[:, :times.steps]], axis=1)
+        return generate.Generation(tokens, 0.0, times)
+
+    def generate(self, prompt, *, max_new_tokens: int, eos: int | None = None) -> generate.Generation:
+        """generate.greedy's result, from one graph launch."""
+        prompt = self.start(prompt, max_new_tokens=max_new_tokens, eos=eos)
+        self.launch()
+        return self.result(prompt)
+
+
+class BeamLoop(_DeviceLoop):
+    """Beam search with `beam` hypotheses from one prompt; `model` has GPT2.step's contract."""
+
+    def __init__(self, model, *, beam: int, max_len: int, executor: str | None = None):
+        if not isinstance(beam, (int, np.integer)) or not 1 <= beam <= generate.MAX_BEAM:
+            raise ValueError(f"beam: expected an integer in 1..{generate.MAX_BEAM}, got {beam!r}")
+        super().__init__(model, beam, max_len)
+        V = self.config.vocab_size
+        self.k = generate.topk_width(beam)
+        if V < self.k:
+            raise ValueError(f"vocab_size {V}: beam search needs at least {self.k} tokens")
+        self.scratch = KVCache(self.config, beam, self.max_len)   # the reorder's target
+        self.scores = _zeros(beam, 1, dtype=np.float32)
+        self.ones = cuda.to_device(np.ones((1, V), np.float32))
+        self.logprobs = _zeros(beam, V, dtype=np.float32)
+        self.values, self.indices = _zeros(1, self.k, dtype=np.float32), _zeros(1, self.k)
+        self.parents = _zeros(beam)
+        cap = self.max_len + 1                 # a history holds the prompt and every new token
+        self.hist, self.hist_next, self.best_hist = _zeros(beam, cap), _zeros(beam, cap), _zeros(cap)
+        self.best, self.best_meta, self.state = _zeros(1, dtype=np.float32), _zeros(3), _zeros(5)
+        self._set(np.zeros(1, np.int32), 1, -1, go=False)
+        self._capture(executor)
+
+    def _body(self) -> None:
+        beam, V = self.batch, self.config.vocab_size
+        logits = self.model.step(self.tokens, self.pos, self.cache)
+        softmax.log_softmax(logits.reshape(beam, V), self.logprobs)
+        gemm.gemm(self.scores, self.ones, self.logprobs, accumulate=True)   # + running scores
+        sampling.topk(self.logprobs.reshape(1, beam * V), self.k, self.values, self.indices)
+        sampling.beam_advance(self.values, self.indices, V, self.scores, self.tokens, self.parents,
+                              self.hist, self.hist_next, self.best, self.best_hist,
+                              self.best_meta, self.state, self.pos, self.flag)
+        self.cache.reorder_into(self.parents, self.scratch)
+        for live, chosen in zip(self.cache.arrays(), self.scratch.arrays()):
+            graph.copy(live, chosen)
+        graph.copy(self.hist, self.hist_next)
+
+    def _set(self, prompt: np.ndarray, limit: int, eos: int, go: bool) -> None:
+        beam, T0 = self.batch, len(prompt)
+        self.tokens.copy_to_device(np.full((beam, 1), prompt[-1], np.int32))
+        self.pos.copy_to_device(np.array([T0 - 1], np.int32))
+        scores = np.full((beam, 1), generate.DEAD, np.float32)
+        scores[0] = 0.0                        # every slot holds the prompt: expand one
+        self.scores.copy_to_device(scores)
+        hist = np.zeros(self.hist.shape, np.int32)
+        hist[:, :T0] = prompt
+        self.hist.copy_to_device(hist)
+        self.best.copy_to_device(np.array([-np.inf], np.float32))
+        self.best_meta.copy_to_device(np.array([-1, 0, 0], np.int32))
+        self.state.copy_to_device(np.array([0, limit, eos, T0, 1], np.int32))
+        self.flag.copy_to_device(np.array([int(go)], np.int32))
+
+    def start(self, prompt, *, max_new_tokens: int, eos: int | None = None) -> np.ndarray:
+        """Check the arguments, prefill the 1-D prompt eagerly and set the loop's state."""
+        prompt = generate._check_prompt(prompt, self.config.vocab_size, ndim=1)
+        self._check_need(len(prompt), max_new_tokens, eos)
+        self.pos.copy_to_device(np.zeros(1, np.int32))
+        generate._prefill(self.model.step, np.tile(prompt, (self.batch, 1)), self.pos, self.cache)
+        self._set(prompt, max_new_tokens, -1 if eos is None else eos, go=True)
+        return prompt
+
+    def result(self) -> generate.Generation:
+        """The best of the finished and live hypotheses, finished first on a tie (waits)."""
+        times = self._steps()
+        state, best_meta = self.state.copy_to_host(), self.best_meta.copy_to_host()
+        best, top_live = float(self.best.copy_to_host()[0]), float(self.scores.copy_to_host()[0, 0])
+        live, length = int(state[4]), int(state[3])
+        if live == 0 or (best_meta[2] > 0 and best >= top_live):
+            return generate.Generation(self.best_hist.copy_to_host()[:best_meta[2]], best, times)
+        return generate.Generation(self.hist.copy_to_host()[0, :length], top_live, times)
+
+    def generate(self, prompt, *, max_new_tokens: int, eos: int | None = None) -> generate.Generation:
+        """generate.beam_search's result, from one graph launch."""
+        self.start(prompt, max_new_tokens=max_new_tokens, eos=eos)
+        self.launch()
+        return self.result()

@@ -1,0 +1,23 @@
+"""The search_loop experiment at toy size: every method gives the eager result for greedy and
+beam search, and the CSV, summary and figure carry what the README quotes. Results go to a
+temporary folder."""
+import pytest
+
+from experiments import common, search_loop
+from proto import backend
+
+
+@pytest.mark.skipif(not backend.SIMULATOR, reason="the toy size is the simulator's")
+def test_search_loop_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    search_loop.run("toy")
+    rows = common.read_csv("search_loop")
+    want = {(s, m, n) for s in search_loop.SEARCHES for m in search_loop.METHODS
+            for n in search_loop.SIZES["toy"]["new"]}
+    assert {(r["search"], r["method"], int(r["new_tokens"])) for r in rows} == want
+    assert all(r["result_equal_eager"] == "True" and float(r["ms_per_token"]) > 0 for r in rows)
+    assert all(r["git_commit"] and r["device"] for r in rows)
+    summary = common.read_summary("search_loop")
+    assert summary["all_results_equal"] is True
+    assert summary["beam_per_step_over_while_per_token"] > 0
+    assert search_loop.plot().exists()
