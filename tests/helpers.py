@@ -19,7 +19,9 @@ def assert_close(actual, expected, kind: str = "reduction"):
 
 
 def dev(x: np.ndarray):
-    return cuda.to_device(np.ascontiguousarray(x))
+    # A fresh C-order copy: NumPy calls x[None] C-contiguous with stride 0 on the new axis
+    # (NumPy 2.5 keeps it through ascontiguousarray), which Numba's contiguity check refuses.
+    return cuda.to_device(np.array(x, order="C"))
 
 
 def rand(rng: np.random.Generator, *shape, scale: float = 1.0, dtype=np.float32) -> np.ndarray:
