@@ -11,12 +11,19 @@ Both take the description's nodes and their dependencies and offer the same four
 `CudaExecutor` lowers the description to a real CUDA graph. It uses cuda.core's explicit
 graph-definition API (``GraphDefinition``: one node per description node, with the edges the
 description recorded: a chain for work done on one stream, a DAG whose branches overlap for
-work spread over streams and events), then instantiates it. Instantiation is where the driver does the expensive work once: it checks
-every node, copies each kernel's parameter block into its own memory and builds launch
-descriptors, so that a replay is a single ``cuGraphLaunch`` however many kernels it holds.
-Keeping each definition node's handle is what makes patching cheap: ``graph[node].update(...)``
-rewrites one node's parameters inside the instantiated graph (cuGraphExecKernelNodeSetParams)
-without instantiating again.
+work spread over streams and events), then instantiates it. Instantiation is where the
+driver does the expensive work once: it checks every node, copies each kernel's parameter
+block into its own memory and builds launch descriptors, so that a replay is a single
+``cuGraphLaunch`` however many kernels it holds. Keeping each definition node's handle is
+what makes patching cheap: ``graph[node].update(...)`` rewrites one node's parameters inside
+the instantiated graph (cuGraphExecKernelNodeSetParams) without instantiating again.
+
+Conditional nodes (proto.control) lower to CUDA's IF/WHILE nodes: the condition is a handle
+the driver owns, so a one-thread kernel copies the device flag into it before the node and,
+for WHILE, again after the last node of each pass of the body (the body is lowered into the
+node's own graph the same way). A driver without conditional nodes (before CUDA 12.4) gets
+`HostDrivenExecutor` instead, with a warning: CUDA graphs for the stretches between
+conditional nodes, the host reading each flag.
 
 A kernel's parameters are not its Python arguments. Numba flattens each array argument into
 ``meminfo, parent, nitems, itemsize, data, shape..., strides...`` (5 + 2*ndim parameters) and
@@ -24,9 +31,11 @@ each scalar into one typed value; the compiled kernel (``dispatcher.overloads[si
 flattening in ``_prepare_args``. We keep that flat list per node and remember where each
 array's ``data`` pointer sits in it: that position is the slot patch binding rewrites.
 
-`WalkExecutor` walks the nodes in recording order (every dependency points backwards, so that
-order respects them all) and launches each kernel through Numba as an ordinary eager launch. It is the executor on the simulator (which has no graphs), and on a GPU it is the
-reference the CUDA executor is tested against. Its patch swaps the argument array itself.
+`WalkExecutor` walks the nodes in recording order (every dependency points backwards, so
+that order respects them all) and launches each kernel through Numba as an ordinary eager
+launch; at a conditional node it reads the flag from device memory. It is the executor on the
+simulator (which has no graphs), and on a GPU the reference the CUDA executor is tested
+against. Its patch swaps the argument array itself.
 """
 from __future__ import annotations
 

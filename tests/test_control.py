@@ -144,3 +144,22 @@ def test_a_while_graph_is_one_cuda_graph():
     g.replay()
     assert loop.result() == want(50, True)
     g.close()
+
+
+def test_a_driver_without_conditional_nodes_gets_the_fallback_and_a_warning(monkeypatch):
+    # The choice itself (the fallback's replays are checked on the GPU above).
+    from proto import executors
+    picked = []
+    monkeypatch.setattr(executors, "conditional_nodes_supported", lambda: False)
+    monkeypatch.setattr(executors, "HostDrivenExecutor", lambda *a: picked.append("host") or "host")
+    monkeypatch.setattr(executors, "CudaExecutor", lambda *a: picked.append("cuda") or "cuda")
+    loop = Loop()
+    with graph.record() as rec:
+        loop.step()
+    with pytest.warns(RuntimeWarning, match="no conditional graph nodes"):
+        assert executors.make_cuda_executor(rec.nodes, rec.deps) == "host"
+    plain = rec.nodes[:1]   # no conditional node: the ordinary executor, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert executors.make_cuda_executor(plain, [()]) == "cuda"
+    assert picked == ["host", "cuda"]
