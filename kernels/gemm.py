@@ -122,13 +122,9 @@ _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
          "int32, int32, int32")
 
 
-def _bounds(threads: int, blocks_per_sm: int) -> dict:
-    """Launch bounds cap registers so that `blocks_per_sm` blocks fit on an SM (the decode
-    kernels need that many loads in flight); the simulator's jit takes no such option."""
-    return {} if backend.SIMULATOR else {"launch_bounds": (threads, blocks_per_sm)}
-
-
-@jit(f"void({_ARGS}, int32, int32)", **_bounds(TPB * TPB, 2))
+# Launch bounds (threads, blocks per SM) cap registers so that many blocks fit on an SM (the
+# decode kernels need that many loads in flight).
+@jit(f"void({_ARGS}, int32, int32)", launch_bounds=(TPB * TPB, 2))
 def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b):
     as_ = cuda.shared.array(_TILE_A, np.float32)  # op(a) tile, k-major
     bs = cuda.shared.array(_TILE_B, np.float32)  # op(b) tile
@@ -185,7 +181,7 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
                 _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
 
 
-@jit(f"void({_ARGS}, int32)", **_bounds(32 * NT_WARPS, 3))
+@jit(f"void({_ARGS}, int32)", launch_bounds=(32 * NT_WARPS, 3))
 def gemm_decode_nt_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
     """out (B, M<=8, N) = op(a) (B, M, K) @ w (B, N, K).T: a warp per NT_COLS output columns,
     its lanes along K (coalesced rows of w), then a reduction across the lanes."""
@@ -244,7 +240,7 @@ def gemm_decode_nt_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
                     _finish(v, out, bz, _u(i // NT_COLS), n, bias, has_bias, act, accumulate)
 
 
-@jit(f"void({_ARGS}, int32)", **_bounds(32 * NN_WARPS, 6))
+@jit(f"void({_ARGS}, int32)", launch_bounds=(32 * NN_WARPS, 6))
 def gemm_decode_nn_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
     """out (B, M<=8, N) = op(a) (B, M, K) @ w (B, K, N): lanes along N (coalesced rows of w),
     the K loop split across the block's warps, partial sums added through shared memory."""

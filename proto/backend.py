@@ -99,6 +99,8 @@ if os.environ.get("PROTO_QUIET") != "1":
 # Every kernel's (python function, signature) pairs, so kernels.compile_check can compile them all
 # for a real GPU even on a machine without one.
 KERNEL_SIGNATURES: list[tuple[object, str]] = []
+# cuda.jit options that only steer the GPU's code generation (registers per thread).
+_GPU_CODEGEN_OPTIONS = ("max_registers", "launch_bounds")
 
 
 def jit(signature, **options):
@@ -109,8 +111,8 @@ def jit(signature, **options):
     needs a driver; `kernels.compile_check` then compiles every registered signature to PTX.
     """
     signatures = [signature] if isinstance(signature, str) else list(signature)
-    if SIMULATOR:   # code-generation limits mean nothing to the simulator, which rejects them
-        options.pop("max_registers", None)
+    if SIMULATOR:   # register limits mean nothing to the simulator, which rejects them
+        options = {k: v for k, v in options.items() if k not in _GPU_CODEGEN_OPTIONS}
 
     def decorate(pyfunc):
         KERNEL_SIGNATURES.extend((pyfunc, sig) for sig in signatures)

@@ -1,6 +1,7 @@
 """Executors: run a graph description (proto.graph) again and again.
 
-Both take the description's nodes and their dependencies and offer the same four things:
+Both take the description's nodes and dependencies (GraphDescription.nodes, .deps) and
+offer the same four things:
   ``launch()``                    run every node once, on the default stream;
   ``set_array_args(j, {i: (base, offset)})``
                                   from now on node j's argument i is the array that starts
@@ -136,15 +137,14 @@ def _free_device_memory() -> int:
 class CudaExecutor:
     """The description lowered to one instantiated CUDA graph (cuda.core)."""
 
-    def __init__(self, nodes, deps=None):
-        from cuda.core import LEGACY_DEFAULT_STREAM, LaunchConfig
+    def __init__(self, nodes, deps):
+        from cuda.core import LEGACY_DEFAULT_STREAM
         from cuda.core.graph import GraphDefinition
 
         if backend.SIMULATOR:
             raise RuntimeError("the CUDA executor needs a GPU; use the walk executor on the simulator")
         cuda.current_context()  # Numba's primary context is the one cuda.core launches into
         self._stream = LEGACY_DEFAULT_STREAM  # the stream Numba launches and copies use
-        self._launch_config = LaunchConfig
         self._definition = GraphDefinition()
         self._handles, self._params = self._lower(self._definition, nodes, deps)
         free_before = _free_device_memory()
@@ -159,9 +159,8 @@ class CudaExecutor:
     def _lower(self, target, nodes, deps) -> tuple[list, list]:
         """Add `nodes` to the graph definition `target` (the whole graph, or a conditional
         node's body); returns their node handles and parameters."""
+        from cuda.core import LaunchConfig
         handles, all_params = [], []
-        if deps is None:  # one stream: each node after the one before
-            deps = [() if j == 0 else (j - 1,) for j in range(len(nodes))]
         for node, waits in zip(nodes, deps):
             # A node is added from its first dependency (or the graph: a root); the other
             # dependencies become extra edges into its first graph node.
@@ -169,8 +168,8 @@ class CudaExecutor:
             start = parents[0] if parents else target
             if node.kind == "kernel":
                 cukernel, flat, data_slots = flatten_args(node.kernel, node.args)
-                config = self._launch_config(grid=node.griddim, block=node.blockdim,
-                                             shmem_size=node.sharedmem)
+                config = LaunchConfig(grid=node.griddim, block=node.blockdim,
+                                      shmem_size=node.sharedmem)
                 first = handle = start.launch(config, cukernel, *flat)
                 params = _KernelParams(config, cukernel, flat, data_slots)
             elif node.kind == "copy":  # device or pinned host addresses; the driver tells which
@@ -210,8 +209,9 @@ class CudaExecutor:
 
     def _set_condition(self, flag, condition) -> tuple:
         """(config, kernel, *args) of the one-thread kernel copying flag[0] into `condition`."""
+        from cuda.core import LaunchConfig
         cukernel, flat, _ = flatten_args(set_condition_kernel(), (flag, int(condition.handle)))
-        return (self._launch_config(grid=1, block=1), cukernel, *flat)
+        return (LaunchConfig(grid=1, block=1), cukernel, *flat)
 
     @property
     def closed(self) -> bool:
@@ -246,10 +246,8 @@ class HostDrivenExecutor:
 
     memory_bytes = None
 
-    def __init__(self, nodes, deps=None):
+    def __init__(self, nodes, deps):
         nodes = list(nodes)
-        if deps is None:
-            deps = [() if j == 0 else (j - 1,) for j in range(len(nodes))]
         self._parts, start = [], 0
         # Parts run one after another on one stream, so a dependency on an earlier part
         # holds already; within a part the indices shift to the part's start.
@@ -292,7 +290,7 @@ def conditional_nodes_supported() -> bool:
     return int(err) == 0 and version >= 12040
 
 
-def make_cuda_executor(nodes, deps=None):
+def make_cuda_executor(nodes, deps):
     """The CUDA executor, or, for conditional nodes on a driver without them, the host-driven
     fallback (with a warning: every pass then waits for the host)."""
     nodes = list(nodes)

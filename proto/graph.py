@@ -132,6 +132,11 @@ class Conditional(Node):
         return out
 
 
+def _after_previous(j: int) -> tuple:
+    """Node j's dependencies on one stream: the node before it."""
+    return (j - 1,) if j else ()
+
+
 @dataclasses.dataclass
 class GraphDescription:
     """The nodes in recording order and, per node, the indices of earlier nodes it waits for.
@@ -141,7 +146,7 @@ class GraphDescription:
 
     def __post_init__(self):
         if self.deps is None:
-            self.deps = [() if j == 0 else (j - 1,) for j in range(len(self.nodes))]
+            self.deps = [_after_previous(j) for j in range(len(self.nodes))]
         if len(self.deps) != len(self.nodes):
             raise ValueError(f"deps: expected one tuple per node ({len(self.nodes)}), got {len(self.deps)}")
         for j, deps in enumerate(self.deps):
@@ -154,7 +159,7 @@ class GraphDescription:
     @property
     def is_chain(self) -> bool:
         """True when every node waits for exactly the one before (nothing runs concurrently)."""
-        return all(deps == ((j - 1,) if j else ()) for j, deps in enumerate(self.deps))
+        return all(deps == _after_previous(j) for j, deps in enumerate(self.deps))
 
     def summary(self) -> str:
         """One line per node: what a student would print to see what was recorded. Wait
@@ -165,7 +170,7 @@ class GraphDescription:
             what = {"kernel": lambda: f"{node.name} grid={node.griddim} block={node.blockdim}",
                     "copy": lambda: f"copy {node.direction}",
                     "conditional": lambda: f"{node.name} flag[0] != 0: {len(node.body)} nodes"}[node.kind]()
-            after = "" if deps == ((j - 1,) if j else ()) else f"  after {list(deps)}"
+            after = "" if deps == _after_previous(j) else f"  after {list(deps)}"
             lines.append(f"{j:4d} {what}  [{arrays}]{after}")
             if node.kind == "conditional":
                 lines += ["     | " + line for line in node.body.summary().splitlines()]

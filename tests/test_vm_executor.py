@@ -192,26 +192,16 @@ def test_pool_enforces_its_budget():
 @pytest.mark.gpu
 def test_streamed_executor_on_cuda_matches_unconstrained(scale):
     # Real streams and events: a missing wait or an early release would race and corrupt data.
+    # Captured: the whole scheduled step as one CUDA graph, copies on their own branches.
     tape, init = cnn_tape(4096 * 64 * scale, "ccpccpc", host_ops=False)
     live = Liveness(tape)
     want = _run(Executor(tape, plan(tape)), init, steps=3)
     for lookahead in (None, 1):
         p = plan(tape, live.budget_between(0.3), lookahead=lookahead)
         assert p.offloaded
-        _assert_identical(_run(Executor(tape, p), init, steps=3), want, f"autovm lookahead={lookahead}")
-
-
-@pytest.mark.gpu
-def test_captured_step_on_cuda_is_one_graph_and_matches(scale):
-    # The whole scheduled step as one CUDA graph: copies on their own branches, events as edges.
-    tape, init = cnn_tape(4096 * 64 * scale, "ccpccpc", host_ops=False)
-    live = Liveness(tape)
-    want = _run(Executor(tape, plan(tape)), init, steps=3)
-    for lookahead in (None, 1):
-        p = plan(tape, live.budget_between(0.3), lookahead=lookahead)
-        ex = Executor(tape, p)
-        got = _run(ex, init, steps=3, capture=True)
-        _assert_identical(got, want, f"graphed autovm lookahead={lookahead}")
+        for capture in (False, True):
+            _assert_identical(_run(Executor(tape, p), init, steps=3, capture=capture), want,
+                              f"autovm lookahead={lookahead} capture={capture}")
 
 
 @pytest.mark.gpu
