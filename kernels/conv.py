@@ -515,7 +515,12 @@ def wgrad_workspace_size(x_shape, dw_shape, *, stride=1, pad=0, tiles=None, spli
     N, _, H, W = x_shape
     P, Q = conv_out_size(H, R, stride, pad), conv_out_size(W, S, stride, pad)
     _, n_split, _ = _wgrad_split((N, C, H, W, K, R, S, P, Q), tiles, splits)
-    return 0 if n_split == 1 else n_split * (K * C * R * S + K)
+    return _partials_size(n_split, K * C * R * S, K)
+
+
+def _partials_size(n_split: int, dw_size: int, K: int) -> int:
+    """Workspace elements for `n_split` partial dw (dw_size each) and db (K each); 0 unsplit."""
+    return 0 if n_split == 1 else n_split * (dw_size + K)
 
 
 def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None, workspace=None,
@@ -535,7 +540,7 @@ def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None
     flat_dw = dw.reshape(dw.size)
     part_w, part_b = flat_dw, (flat_dw if db is None else db)
     if n_split > 1:
-        need = n_split * (dw.size + K)
+        need = _partials_size(n_split, dw.size, K)
         if workspace is not None:
             _check.device_array("workspace", workspace, ndim=1)
         if workspace is None or workspace.size < need:

@@ -70,9 +70,11 @@ class _DeviceLoop:
         """The whole generation: one graph launch (returns before the GPU is done)."""
         self.graph.replay()
 
-    def _steps(self) -> generate.PhaseTimes:
+    @staticmethod
+    def _times(state: np.ndarray) -> generate.PhaseTimes:
+        """The step count (state[0]) in generate's result type; phases are not split here."""
         times = generate.PhaseTimes(synchronized=False)
-        times.steps = int(self.state.copy_to_host()[0])
+        times.steps = int(state[0])
         return times
 
     def close(self) -> None:
@@ -122,7 +124,7 @@ class GreedyLoop(_DeviceLoop):
 
     def result(self, prompt: np.ndarray) -> generate.Generation:
         """(B, T0 + n) tokens: the prompt, then the n generated (waits for the GPU)."""
-        times = self._steps()
+        times = self._times(self.state.copy_to_host())
         tokens = np.concatenate([prompt, self.out.copy_to_host()[:, :times.steps]], axis=1)
         return generate.Generation(tokens, 0.0, times)
 
@@ -196,8 +198,8 @@ class BeamLoop(_DeviceLoop):
 
     def result(self) -> generate.Generation:
         """The best of the finished and live hypotheses, finished first on a tie (waits)."""
-        times = self._steps()
         state, best_meta = self.state.copy_to_host(), self.best_meta.copy_to_host()
+        times = self._times(state)
         best, top_live = float(self.best.copy_to_host()[0]), float(self.scores.copy_to_host()[0, 0])
         live, length = int(state[4]), int(state[3])
         if live == 0 or (best_meta[2] > 0 and best >= top_live):
