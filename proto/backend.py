@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import os
 import sys
+import weakref
 
 import numpy as np
 
@@ -103,24 +105,77 @@ KERNEL_SIGNATURES: list[tuple[object, str]] = []
 _GPU_CODEGEN_OPTIONS = ("max_registers", "launch_bounds")
 
 
-def jit(signature, **options):
+def jit(signature, *, writes=(), in_place=(), **options):
     """`cuda.jit(signature)`: the one kernel decorator of this project.
 
     Kernels get an eager signature (one fixed argument layout, which the graph layer relies
     on). With ``PROTO_BACKEND=ptx`` compilation is deferred, because eager compilation
     needs a driver; `kernels.compile_check` then compiles every registered signature to PTX.
+
+    `writes` names the parameters the kernel writes; `in_place` lists (output, input) pairs
+    that may be the very same array (an elementwise kernel whose thread reads and writes one
+    element). Every launch checks that no written array overlaps another argument except as
+    `in_place` allows (`check_writes`), and graph passes (race checks, the memory planner)
+    read which arguments a node writes from here.
     """
     signatures = [signature] if isinstance(signature, str) else list(signature)
     if SIMULATOR:   # register limits mean nothing to the simulator, which rejects them
         options = {k: v for k, v in options.items() if k not in _GPU_CODEGEN_OPTIONS}
 
     def decorate(pyfunc):
+        params = tuple(inspect.signature(pyfunc).parameters)
+        named = set(writes) | {n for pair in in_place for n in pair}
+        if named - set(params):
+            raise ValueError(f"jit({pyfunc.__name__}): writes/in_place name unknown parameters "
+                             f"{sorted(named - set(params))}; parameters are {list(params)}")
+        if any(out not in writes for out, _ in in_place):
+            raise ValueError(f"jit({pyfunc.__name__}): in_place pairs start with a written parameter")
         KERNEL_SIGNATURES.extend((pyfunc, sig) for sig in signatures)
-        if PTX_ONLY:
-            return cuda.jit(**options)(pyfunc)
-        return cuda.jit(signatures, **options)(pyfunc)
+        kernel = cuda.jit(**options)(pyfunc) if PTX_ONLY else cuda.jit(signatures, **options)(pyfunc)
+        kernel.params = params
+        kernel.writes = tuple(params.index(w) for w in writes)
+        kernel.in_place = frozenset((params.index(o), params.index(i)) for o, i in in_place)
+        return kernel
 
     return decorate
+
+
+def written_args(kernel) -> tuple[int, ...] | None:
+    """Indices of the arguments `kernel` writes, or None when it does not say (then every
+    array argument must be assumed written)."""
+    writes = getattr(kernel, "writes", None)
+    return writes if writes else None
+
+
+def check_writes(kernel, args) -> None:
+    """Raise ValueError, naming both arguments, if an array the kernel writes overlaps any
+    other array argument in device memory, except an exact `in_place` pair. Runs before
+    every launch: a partial overlap is a silently wrong answer, not a GPU fault."""
+    writes = getattr(kernel, "writes", ())
+    if not writes:
+        return
+    spans = [(i, extent(a)) for i, a in enumerate(args) if is_device_array(a)]
+    names = kernel.params
+    for w in writes:
+        lo, hi = extent(args[w])
+        for i, (ilo, ihi) in spans:
+            if i == w or not (lo < ihi and ilo < hi):
+                continue
+            same = (lo, hi) == (ilo, ihi) and tuple(args[w].strides) == tuple(args[i].strides)
+            if same and ((w, i) in kernel.in_place or (i, w) in kernel.in_place):
+                continue
+            kname = kernel_name(kernel)
+            raise ValueError(f"{kname}: output {names[w]!r} (bytes [{lo:#x}, {hi:#x})) overlaps "
+                             f"argument {names[i]!r} (bytes [{ilo:#x}, {ihi:#x})): the kernel "
+                             "would read what it is overwriting; pass separate buffers"
+                             + (" or the same array" if (w, i) in kernel.in_place
+                                or (i, w) in kernel.in_place else ""))
+
+
+def kernel_name(kernel) -> str:
+    """A Numba dispatcher's Python function name (simulator kernels keep it as `fn`)."""
+    return getattr(getattr(kernel, "py_func", None) or getattr(kernel, "fn", None), "__name__",
+                   type(kernel).__name__)
 
 
 def device_name() -> str:
@@ -159,12 +214,52 @@ def launch(kernel, griddim, blockdim, args, stream=0, sharedmem=0):
     """Launch `kernel[griddim, blockdim, stream, sharedmem](*args)`, or record it.
 
     `kernel` is a Numba dispatcher with eager signatures; `args` a tuple of device arrays
-    and scalars. Launchers validate their inputs before calling this.
+    and scalars. Launchers validate their inputs before calling this; the overlap of written
+    arrays with other arguments is checked here, once for every kernel (`check_writes`).
     """
+    args = tuple(args)
+    check_writes(kernel, args)
     if _recorders:
-        _recorders[-1].record_launch(kernel, griddim, blockdim, tuple(args), sharedmem, stream)
+        _recorders[-1].record_launch(kernel, griddim, blockdim, args, sharedmem, stream)
         return
     kernel[griddim, blockdim, stream, sharedmem](*args)
+
+
+_eager_buffers: dict = {}                       # (owner id, name) -> device bytes
+_eager_owned: "weakref.WeakKeyDictionary" = None  # owner -> {name: device bytes}
+
+
+def empty(shape, dtype, name: str, owner=None):
+    """A device array for a temporary of one step: the allocation hook (beside `launch`).
+
+    Eagerly: a view of a buffer kept per (`owner`, `name`), grown when a larger shape asks,
+    so an eager step allocates nothing after its first call and its result stays valid
+    until the owner's next step (kernel scratch passes no owner: it dies inside one
+    launcher call). While recording a graph (proto.graph): a buffer of the description,
+    which the memory planner places in the arena the graph's owner shares between its
+    graphs (the same `name` gets the same address in every graph). `name` must be unique
+    among the temporaries one step allocates.
+    """
+    global _eager_owned
+    shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    dtype = np.dtype(dtype)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"empty: name: expected a non-empty string, got {name!r}")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"empty({name!r}): shape {shape} has a negative dimension")
+    if _recorders and hasattr(_recorders[-1], "record_alloc"):
+        return _recorders[-1].record_alloc(shape, dtype, name, owner)
+    if owner is None:
+        table = _eager_buffers
+    else:
+        if _eager_owned is None:
+            _eager_owned = weakref.WeakKeyDictionary()
+        table = _eager_owned.setdefault(owner, {})
+    nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+    buf = table.get(name)
+    if buf is None or buf.size < nbytes:
+        buf = table[name] = cuda.device_array(nbytes, np.uint8)
+    return buf[:nbytes].view(dtype).reshape(shape) if shape else buf[:nbytes].view(dtype)
 
 
 @contextlib.contextmanager
