@@ -34,12 +34,44 @@ def device_array(name: str, x, *, dtype=np.float32, shape=None, ndim=None):
     return x
 
 
-def positive(name: str, value: int, *, at_most: int | None = None) -> int:
-    if not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+def _kind(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def integer(name: str, value, *, at_least: int | None = None, at_most: int | None = None) -> int:
+    """`value` as a Python int: any integer type (NumPy's too), never a bool, a float or a
+    string, within [at_least, at_most] where given. ValueError names the argument."""
+    if not _is_integer(value):
+        raise ValueError(f"{name}: expected an integer, got {_kind(value)}")
+    if at_least is not None and value < at_least:
+        raise ValueError(f"{name}: expected an integer >= {at_least}, got {value}")
     if at_most is not None and value > at_most:
         raise ValueError(f"{name}: expected at most {at_most}, got {value}")
     return int(value)
+
+
+def positive(name: str, value, *, at_most: int | None = None) -> int:
+    """A positive integer of any integer type (np.int64 too; never a bool), as a Python int."""
+    if not _is_integer(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {_kind(value)}")
+    return integer(name, value, at_most=at_most)
+
+
+def number(name: str, value, *, at_least: float | None = None, positive: bool = False) -> float:
+    """A finite real number of any type (Python or NumPy, integer or float; never a bool),
+    at least `at_least` (or > 0 if `positive`) where given, as a Python float."""
+    kinds = (int, float, np.integer, np.floating)
+    want = "a positive" if positive else "a finite"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds) \
+            or not np.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name}: expected {want} number, got {_kind(value)}")
+    if at_least is not None and value < at_least:
+        raise ValueError(f"{name}: expected a number >= {at_least}, got {value!r}")
+    return float(value)
 
 
 def same_shape(names_arrays) -> None:
@@ -58,6 +90,21 @@ def grid_stride_launch(n: int, threads: int = 256) -> tuple[int, int]:
         return 1, 32
     return max(1, min((n + threads - 1) // threads, 1024)), threads
 
+
+
+def separate(outputs: dict, others: dict) -> None:
+    """Raise ValueError, naming both, if a named output overlaps another output or any array
+    in `others`. For launchers of several kernels: proto.backend.launch checks each launch's
+    own arguments, but an output of one launch can clobber an input of an earlier one (or
+    another output), and all of it must be refused before the first launch."""
+    named = {**others, **outputs}
+    spans = {name: extent(arr) for name, arr in named.items() if is_device_array(arr)}
+    for out in (name for name in outputs if name in spans):   # None: an absent output
+        lo, hi = spans[out]
+        for name, (ilo, ihi) in spans.items():
+            if name != out and lo < ihi and ilo < hi:
+                raise ValueError(f"output {out!r} (bytes [{lo:#x}, {hi:#x})) overlaps {name!r} "
+                                 f"(bytes [{ilo:#x}, {ihi:#x})): pass separate buffers")
 
 
 def no_overlap(named: dict, pairs) -> None:

@@ -26,7 +26,7 @@ def add_ref(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[::1], float32[::1])")
+@jit("void(float32[::1], float32[::1])", writes=("out",), in_place=(("out", "x"),))
 def gelu_kernel(x, out):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, x.size, stride):
@@ -34,7 +34,8 @@ def gelu_kernel(x, out):
         out[i] = 0.5 * v * (1.0 + math.tanh(GELU_C * (v + 0.044715 * v * v * v)))
 
 
-@jit("void(float32[::1], float32[::1], float32[::1])")
+@jit("void(float32[::1], float32[::1], float32[::1])", writes=("out",),
+     in_place=(("out", "a"), ("out", "b")))
 def add_kernel(a, b, out):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, a.size, stride):

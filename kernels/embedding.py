@@ -34,7 +34,7 @@ def embed_ref(tokens, wte, wpe=None, pos0: int = 0) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- kernel
 @jit("void(int32[:, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, ::1], int32[::1], "
-     "int32, int32)")
+     "int32, int32)", writes=("out",))
 def embed_kernel(tokens, wte, out, wpe, pos0, has_wpe, has_pos0):
     t, b = cuda.blockIdx.x, cuda.blockIdx.y
     tok = tokens[b, t]

@@ -31,7 +31,7 @@ def linear_bwd_ref(x, w, dy):
 
 
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[:,::1], float32[::1])")
+@jit("void(float32[:,::1], float32[::1])", writes=("db",))
 def bias_grad_kernel(dy, db):
     """db[o] = sum_b dy[b, o]: a thread per column, rows walked in order (coalesced)."""
     start, stride = cuda.grid(1), cuda.gridsize(1)
@@ -73,6 +73,7 @@ def linear_bwd_weight(x, dy, dw, db, *, stream=0):
     _check.device_array("dy", dy, shape=(x.shape[0], O))
     if db is not None:
         _check.device_array("db", db, shape=(O,))
+    _check.separate({"dw": dw, "db": db}, {"x": x, "dy": dy})   # two launches: check both
     gemm(dy, x, dw, trans_a=True, stream=stream)
     if db is not None:
         threads = 32 if backend.SIMULATOR else 128

@@ -36,7 +36,8 @@ def _sigmoid(z):
     return HALF * math.tanh(HALF * z) + HALF
 
 
-@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1])")
+@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1])",
+     writes=("h_out", "c_out"), in_place=(("c_out", "c_prev"),))
 def lstm_cell_kernel(gates, c_prev, h_out, c_out):
     B, H = c_prev.shape
     for e in range(cuda.grid(1), B * H, cuda.gridsize(1)):
@@ -56,15 +57,13 @@ def lstm_cell(gates, c_prev, h_out, c_out, *, stream=0) -> None:
     """c_out = sigmoid(f)*c_prev + sigmoid(i)*tanh(g), h_out = sigmoid(o)*tanh(c_out).
 
     gates (B, 4H) in PyTorch order i | f | g | o; c_prev, h_out, c_out (B, H). c_out may be
-    c_prev (in place: each element is read and written by one thread); h_out and c_out must
-    not overlap gates or each other.
+    c_prev (in place: each element is read and written by one thread); no other overlap of
+    an output with any argument is allowed (checked at launch, proto.backend.check_writes).
     """
     _check.device_array("c_prev", c_prev, ndim=2)
     B, H = c_prev.shape
     _check.device_array("gates", gates, shape=(B, 4 * H))
     _check.device_array("h_out", h_out, shape=(B, H))
     _check.device_array("c_out", c_out, shape=(B, H))
-    _check.no_overlap({"h_out": h_out, "c_out": c_out, "gates": gates},
-                 (("h_out", "gates"), ("c_out", "gates"), ("h_out", "c_out")))
     launch(lstm_cell_kernel, min(math.ceil(B * H / THREADS), 1024), THREADS,
            (gates, c_prev, h_out, c_out), stream)

@@ -19,7 +19,8 @@ def sgd_ref(param, grad, velocity, *, lr, momentum, weight_decay=0.0):
     return (param - lr * v).astype(np.float32), v.astype(np.float32)
 
 
-@jit("void(float32[::1], float32[::1], float32[::1], float32, float32, float32)")
+@jit("void(float32[::1], float32[::1], float32[::1], float32, float32, float32)",
+     writes=("param", "velocity"))
 def sgd_kernel(param, grad, velocity, lr, momentum, weight_decay):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, param.size, stride):
@@ -30,13 +31,13 @@ def sgd_kernel(param, grad, velocity, lr, momentum, weight_decay):
 
 
 def sgd_step(param, grad, velocity, *, lr, momentum, weight_decay=0.0, stream=0):
-    """Update `param` and `velocity` in place from `grad` (all the same shape)."""
+    """Update `param` and `velocity` in place from `grad` (all the same shape, three separate
+    arrays: an overlap is refused at launch). lr, momentum, weight_decay: finite, >= 0."""
     for name, arr in (("param", param), ("grad", grad), ("velocity", velocity)):
         _check.device_array(name, arr)
     _check.same_shape([("param", param), ("grad", grad), ("velocity", velocity)])
     for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-        if not isinstance(value, (int, float, np.floating)) or not np.isfinite(value) or value < 0:
-            raise ValueError(f"{name}: expected a finite non-negative number, got {value!r}")
+        _check.number(name, value, at_least=0)
     blocks, threads = _check.grid_stride_launch(param.size)
     launch(sgd_kernel, blocks, threads,
            (param.reshape(param.size), grad.reshape(grad.size), velocity.reshape(velocity.size),

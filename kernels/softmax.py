@@ -71,7 +71,7 @@ def _row_max_sumexp(x, row, length, buf_m, buf_s):
     return m, s
 
 
-@jit("void(float32[:, ::1], int32[::1], float32[:, ::1])")
+@jit("void(float32[:, ::1], int32[::1], float32[:, ::1])", writes=("out",), in_place=(("out", "x"),))
 def masked_softmax_kernel(x, length, out):
     buf_m = cuda.shared.array(MAX_THREADS, np.float32)
     buf_s = cuda.shared.array(MAX_THREADS, np.float32)
@@ -85,7 +85,7 @@ def masked_softmax_kernel(x, length, out):
         out[row, j] = math.exp(x[row, j] - m) * inv if j < valid else _ZERO
 
 
-@jit("void(float32[:, ::1], float32[:, ::1])")
+@jit("void(float32[:, ::1], float32[:, ::1])", writes=("out",), in_place=(("out", "x"),))
 def log_softmax_kernel(x, out):
     buf_m = cuda.shared.array(MAX_THREADS, np.float32)
     buf_s = cuda.shared.array(MAX_THREADS, np.float32)

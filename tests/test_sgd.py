@@ -33,5 +33,15 @@ def test_rejects_bad_input_before_launch():
     a = dev(np.zeros(4, np.float32))
     with pytest.raises(ValueError, match=r"grad: expected the shape of param \(4,\)"):
         sgd.sgd_step(a, dev(np.zeros(5, np.float32)), a, lr=0.1, momentum=0.9)
-    with pytest.raises(ValueError, match="lr: expected a finite non-negative number"):
+    with pytest.raises(ValueError, match="lr: expected a finite number"):
         sgd.sgd_step(a, a, a, lr=float("nan"), momentum=0.9)
+    with pytest.raises(ValueError, match="momentum: expected a number >= 0"):
+        sgd.sgd_step(a, a, a, lr=0.1, momentum=-0.5)
+    with pytest.raises(ValueError, match=r"lr: expected a finite number, got '0.1' \(str\)"):
+        sgd.sgd_step(a, a, a, lr="0.1", momentum=0.9)
+
+
+def test_numpy_scalars_are_numbers():
+    p, g, v = (dev(np.ones(3, np.float32)) for _ in range(3))
+    sgd.sgd_step(p, g, v, lr=np.float32(0.5), momentum=np.int64(0))
+    assert_close(p, np.full(3, 0.5, np.float32), "elementwise")
