@@ -129,7 +129,7 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
     BNP = BN + 1                       # +1 column: the k-fastest staging hits distinct banks
     A_SIZE, B_SIZE = 2 * BK * BM, 2 * BK * BNP   # double-buffered [buf][ci][pixel | co]
 
-    @jit(_CONV_SIG)
+    @jit(_CONV_SIG, writes=("dst",))
     def conv_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S, stride, pad):
         tid = _u(cuda.threadIdx.x)
         tx, ty = tid % _u(DX), tid // _u(DX)
@@ -240,8 +240,8 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
                         v = acc[i, j]
                         if has_bias != 0:
                             v += bias[_u(co)]
-                        if relu != 0:
-                            v = max(v, np.float32(0.0))
+                        if relu != 0 and v < np.float32(0.0):   # not max(): keeps NaN
+                            v = np.float32(0.0)
                         dst[_u(out_base + co * HWO)] = v
 
     return conv_kernel
@@ -271,7 +271,9 @@ def _make_wgrad_kernel(t: Tiles):
     # 128 registers a thread lets two 256-thread blocks share an SM. The wide tile's 64
     # accumulators sit right at that line (the compiler picks 130 on its own, which leaves
     # one block per SM and costs 40% of its speed on the H200), so hold it there.
-    @jit(_WGRAD_SIG, max_registers=128)
+    # part_b is part_w itself when there is no bias (has_bias 0: never written).
+    @jit(_WGRAD_SIG, writes=("part_w", "part_b"), in_place=(("part_b", "part_w"),),
+         max_registers=128)
     def wgrad_kernel(x, dy, part_w, part_b, has_bias, N, C, H, W, K, P, Q, R, S, stride, pad, chunk):
         tid = _u(cuda.threadIdx.x)
         tx, ty = tid % _u(DX), tid // _u(DX)
@@ -382,7 +384,7 @@ def _make_wgrad_kernel(t: Tiles):
     return wgrad_kernel
 
 
-@jit("void(float32[::1], float32[::1], int32)")
+@jit("void(float32[::1], float32[::1], int32)", writes=("out",))
 def sum_splits_kernel(part, out, splits):
     """out[i] = part[0*n + i] + part[1*n + i] + ..., always in that order (n = out.size)."""
     start, stride = cuda.grid(1), cuda.gridsize(1)
@@ -442,8 +444,7 @@ def _wgrad_splits(base_blocks: int, L: int, bk: int) -> int:
 # ---------------------------------------------------------------------------- launchers
 def _check_geometry(x_shape, w, stride, pad, w_name="w"):
     stride = _check.positive("stride", stride)
-    if not isinstance(pad, (int, np.integer)) or pad < 0:
-        raise ValueError(f"pad: expected a non-negative integer, got {pad!r}")
+    pad = _check.integer("pad", pad, at_least=0)
     _check.device_array(w_name, w, ndim=4)
     N, C, H, W = x_shape
     K, Cw, R, S = w.shape
@@ -549,6 +550,9 @@ def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None
                              f"float32 device array of at least {need} elements "
                              f"(wgrad_workspace_size), got {got}")
         part_w, part_b = workspace[:n_split * dw.size], workspace[n_split * dw.size:need]
+    # Split, the launches below write the workspace, then dw and db from it: check all at once.
+    _check.separate({"dw": dw, "db": db, "workspace": workspace if n_split > 1 else None},
+                    {"x": x, "dy": dy})
     grid = (math.ceil(K / t.bm), math.ceil(C / t.bn), R * S * n_split)
     launch(_WGRAD[t], grid, t.threads,
            (x.reshape(x.size), dy.reshape(dy.size), part_w, part_b,

@@ -3,7 +3,8 @@
 Odd heights/widths drop the last row/column (floor, as PyTorch). Backward recomputes each
 window's argmax from the pooling *input* instead of saving indices: VGG keeps that input
 anyway (it is the in-place ReLU output that ReLU backward reads), so saving indices would
-only add a tensor. Ties go to the first maximum in row-major window order, as PyTorch.
+only add a tensor. Ties go to the first maximum in row-major window order, as PyTorch; a NaN
+in a window is its maximum (the first NaN, for the gradient), as NumPy and PyTorch.
 """
 from __future__ import annotations
 
@@ -32,7 +33,15 @@ def maxpool2x2_bwd_ref(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[:,:,:,::1], float32[:,:,:,::1])")
+@cuda.jit(device=True)
+def _beats(v, best):
+    """v replaces the running maximum `best`: larger, or the first NaN (NaN wins, as in
+    np.max and np.argmax; max() would drop it: fmaxf on the GPU, Python's order on the
+    simulator)."""
+    return v > best or (v != v and best == best)
+
+
+@jit("void(float32[:,:,:,::1], float32[:,:,:,::1])", writes=("out",))
 def maxpool_kernel(x, out):
     N, C, P, Q = out.shape
     start, stride = cuda.grid(1), cuda.gridsize(1)
@@ -42,11 +51,15 @@ def maxpool_kernel(x, out):
         nc = i // (P * Q)
         n, c = nc // C, nc % C
         h, w = 2 * p, 2 * q
-        out[n, c, p, q] = max(max(x[n, c, h, w], x[n, c, h, w + 1]),
-                              max(x[n, c, h + 1, w], x[n, c, h + 1, w + 1]))
+        best = x[n, c, h, w]
+        for k in range(1, 4):
+            v = x[n, c, h + k // 2, w + k % 2]
+            if _beats(v, best):
+                best = v
+        out[n, c, p, q] = best
 
 
-@jit("void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1])")
+@jit("void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1])", writes=("dx",))
 def maxpool_bwd_kernel(x, dy, dx):
     """One thread per input element: it receives dy if it is its window's first maximum."""
     N, C, H, W = x.shape
@@ -65,7 +78,7 @@ def maxpool_bwd_kernel(x, dy, dx):
             best = x[n, c, h0, w0]
             for k in range(1, 4):
                 hh, ww = h0 + k // 2, w0 + k % 2
-                if x[n, c, hh, ww] > best:
+                if _beats(x[n, c, hh, ww], best):
                     best = x[n, c, hh, ww]
                     best_h, best_w = hh, ww
             if best_h == h and best_w == w:

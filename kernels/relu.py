@@ -21,14 +21,16 @@ def relu_bwd_ref(y: np.ndarray, dy: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[::1], float32[::1])")
+@jit("void(float32[::1], float32[::1])", writes=("out",), in_place=(("out", "x"),))
 def relu_kernel(x, out):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, x.size, stride):
-        out[i] = max(x[i], np.float32(0.0))
+        v = x[i]
+        # Not max(v, 0): on the GPU that is fmaxf, which turns NaN into 0 (NumPy keeps it).
+        out[i] = np.float32(0.0) if v < np.float32(0.0) else v
 
 
-@jit("void(float32[::1], float32[::1], float32[::1])")
+@jit("void(float32[::1], float32[::1], float32[::1])", writes=("dx",), in_place=(("dx", "dy"),))
 def relu_bwd_kernel(y, dy, dx):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, y.size, stride):

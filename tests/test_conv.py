@@ -155,3 +155,14 @@ def test_rejects_bad_input_before_launch():
         conv.conv2d_bwd_weight(x, out, dev(np.zeros((4, 3, 3, 3), np.float32)), None, pad=1, splits=2)
     with pytest.raises(ValueError, match="tiles: .* is not built"):
         conv.conv2d(x, w, None, out, pad=1, tiles=conv.Tiles(7, 7, 7, 7, 7))
+
+
+def test_fused_relu_keeps_nan():
+    """The fused ReLU must not be max(v, 0): on the GPU that is fmaxf, which turns NaN into 0."""
+    x = np.ones((1, 1, 3, 3), np.float32)
+    x[0, 0, 0, 0] = np.nan                                # reaches output pixel (0, 0) only
+    w = np.array([[[[1.0]]], [[[-1.0]]]], np.float32)     # 1x1, K=2: one positive, one negative
+    out = cuda.device_array((1, 2, 3, 3), np.float32)
+    conv.conv2d(dev(x), dev(w), None, out, relu=True)
+    np.testing.assert_array_equal(out.copy_to_host(), conv.conv2d_ref(x, w, relu=True))
+    assert np.isnan(out.copy_to_host()[0, :, 0, 0]).all()

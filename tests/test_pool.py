@@ -55,3 +55,21 @@ def test_rejects_bad_input_before_launch():
     with pytest.raises(ValueError, match=r"dx: expected shape \(1, 2, 5, 4\)"):
         pool.maxpool2x2_bwd(x, dev(np.zeros((1, 2, 2, 2), np.float32)),
                             dev(np.zeros((1, 2, 4, 4), np.float32)))
+
+
+def test_nan_in_a_window_is_its_maximum_as_in_the_reference():
+    """max() would drop a NaN (fmaxf on the GPU, Python's argument order on the simulator);
+    the kernels keep it, forward, and route the gradient to the window's first NaN."""
+    x = np.arange(1 * 2 * 4 * 4, dtype=np.float32).reshape(1, 2, 4, 4)
+    # NaN at each window position k = 0..3; the last window holds three (the first is k = 1)
+    for n, c, h, w in ((0, 0, 0, 0), (0, 0, 1, 3), (0, 1, 1, 0), (0, 1, 3, 0), (0, 1, 3, 1),
+                       (0, 1, 2, 1)):
+        x[n, c, h, w] = np.nan
+    dy = np.arange(1, 9, dtype=np.float32).reshape(1, 2, 2, 2)
+    out, dx = cuda.device_array((1, 2, 2, 2), np.float32), cuda.device_array(x.shape, np.float32)
+    pool.maxpool2x2(dev(x), out)
+    pool.maxpool2x2_bwd(dev(x), dev(dy), dx)
+    want = pool.maxpool2x2_ref(x)
+    assert np.isnan(want).sum() == 4
+    np.testing.assert_array_equal(out.copy_to_host(), want)          # NaN where NaN, equal elsewhere
+    np.testing.assert_array_equal(dx.copy_to_host(), pool.maxpool2x2_bwd_ref(x, dy))

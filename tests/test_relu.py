@@ -36,3 +36,11 @@ def test_rejects_bad_input_before_launch():
         rl.relu(x, dev(np.zeros((3, 2), np.float32)))
     with pytest.raises(TypeError, match="dy: expected dtype float32"):
         rl.relu_bwd(x, dev(np.zeros((2, 3), np.float64)), x)
+
+
+def test_nan_stays_nan_as_in_the_reference():
+    """max(x, 0) would be fmaxf on the GPU, which turns NaN into 0; NumPy keeps NaN."""
+    x = np.array([np.nan, -1.0, 2.0, -np.inf, np.inf, -0.0], np.float32)
+    out = cuda.device_array_like(x)
+    rl.relu(dev(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), rl.relu_ref(x))
