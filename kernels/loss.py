@@ -7,6 +7,9 @@ One block walks the rows in order; per row its threads reduce the max, then the 
 exp, through a shared-memory tree. Thread 0 adds the row losses in row order, so the loss is
 deterministic and needs no zeroed accumulator. Logits of a training batch (B x classes, a
 few hundred thousand values at most) are far too small to need more than one block.
+
+Labels live on the device, so one outside [0, V) cannot be rejected before the launch: its
+row's gradient is NaN and so is the loss (visible, and never an out-of-bounds read).
 """
 from __future__ import annotations
 
@@ -20,21 +23,27 @@ from proto.backend import cuda, jit, launch
 
 MAX_THREADS = 256
 _NEG_INF = np.float32(-np.inf)
+_NAN = np.float32(np.nan)
 
 
 def softmax_xent_ref(logits: np.ndarray, labels: np.ndarray):
-    """-> (loss float32 scalar, dlogits (B, V) float32)."""
+    """-> (loss float32 scalar, dlogits (B, V) float32). A label outside [0, V) makes its
+    row of dlogits NaN, and the loss."""
     z = logits.astype(np.float64)
     z = z - z.max(axis=1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-    B = z.shape[0]
-    loss = -logp[np.arange(B), labels].mean()
+    B, V = z.shape
+    labels = np.asarray(labels)
+    ok = (labels >= 0) & (labels < V)
+    rows, safe = np.arange(B), np.where(ok, labels, 0)
+    loss = -np.where(ok, logp[rows, safe], np.nan).mean()
     d = np.exp(logp)
-    d[np.arange(B), labels] -= 1.0
+    d[rows[ok], labels[ok]] -= 1.0
+    d[~ok] = np.nan
     return np.float32(loss), (d / B).astype(np.float32)
 
 
-@jit("void(float32[:,::1], int32[::1], float32[::1], float32[:,::1])")
+@jit("void(float32[:,::1], int32[::1], float32[::1], float32[:,::1])", writes=("loss", "dlogits"))
 def softmax_xent_kernel(logits, labels, loss, dlogits):
     B, V = logits.shape
     t = cuda.threadIdx.x
@@ -52,20 +61,25 @@ def softmax_xent_kernel(logits, labels, loss, dlogits):
             s += math.exp(logits[b, v] - m)
         s = block_reduce(red, s, False)
         label = labels[b]
+        ok = 0 <= label < V                # else: NaN, and logits[b, label] is never read
         for v in range(t, V, T):
             g = math.exp(logits[b, v] - m) / s
             if v == label:
                 g -= np.float32(1.0)
-            dlogits[b, v] = g * inv_b
-        if t == 0 and 0 <= label < V:      # an out-of-range label adds nothing (no fault)
-            total += (m + math.log(s) - logits[b, label]) * inv_b
+            dlogits[b, v] = g * inv_b if ok else _NAN
+        if t == 0:
+            if ok:
+                total += (m + math.log(s) - logits[b, label]) * inv_b
+            else:
+                total = _NAN
     if t == 0:
         loss[0] = total
 
 
 def softmax_xent(logits, labels, loss, dlogits, *, stream=0):
     """logits (B, V), labels int32 (B,) with values in [0, V), loss (1,), dlogits (B, V).
-    Writes the batch-mean loss into loss[0] and its gradient into dlogits."""
+    Writes the batch-mean loss into loss[0] and its gradient into dlogits; a label outside
+    [0, V) gives a NaN loss and a NaN row of dlogits."""
     _check.device_array("logits", logits, ndim=2)
     B, V = logits.shape
     _check.device_array("labels", labels, dtype=np.int32, shape=(B,))

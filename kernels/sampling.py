@@ -124,7 +124,8 @@ def _merge_block(tv, ti, k, out_v, out_i):
 
 
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[:, ::1], int32, float32[:, :, ::1], int32[:, :, ::1])")
+@jit("void(float32[:, ::1], int32, float32[:, :, ::1], int32[:, :, ::1])",
+     writes=("cand_v", "cand_i"))
 def topk_blocks_kernel(x, k, cand_v, cand_i):
     """Grid (NB, R). Block `blk` of row r ranks x[r, blk*T + tid :: NB*T] into cand[r, blk, :k]."""
     r = cuda.blockIdx.y
@@ -143,7 +144,8 @@ def topk_blocks_kernel(x, k, cand_v, cand_i):
     _merge_block(tv, ti, k, cand_v[r, blk], cand_i[r, blk])
 
 
-@jit("void(float32[:, :, ::1], int32[:, :, ::1], int32, float32[:, ::1], int32[:, ::1])")
+@jit("void(float32[:, :, ::1], int32[:, :, ::1], int32, float32[:, ::1], int32[:, ::1])",
+     writes=("values", "indices"))
 def topk_merge_kernel(cand_v, cand_i, k, values, indices):
     """Grid (R,). Merges the NB*k block candidates of row r into values/indices[r, :k]."""
     r = cuda.blockIdx.x
@@ -202,6 +204,7 @@ def topk(x, k: int, values, indices, *, stream=0) -> None:
     k = _check.positive("k", k, at_most=min(KMAX, V))
     _check.device_array("values", values, shape=(R, k))
     _check.device_array("indices", indices, dtype=np.int32, shape=(R, k))
+    _check.separate({"values": values, "indices": indices}, {"x": x})   # two launches
     _launch_topk(x, k, values, indices, stream)
 
 
@@ -210,6 +213,7 @@ def argmax(x, out, *, stream=0) -> None:
     _check.device_array("x", x, ndim=2)
     R, V = x.shape
     _check.device_array("out", out, dtype=np.int32, shape=(R,))
+    _check.separate({"out": out}, {"x": x})   # two launches
     _, _, scratch_values = _candidates(R, _stage1_config(V)[0])
     _launch_topk(x, 1, scratch_values, out.reshape(R, 1), stream)
 
@@ -218,7 +222,10 @@ def argmax(x, out, *, stream=0) -> None:
 # What the host does after each greedy step (proto.models.generate.greedy), done on the GPU so
 # the whole generation can be one graph (proto.models.search_loop): record the step's tokens,
 # mark sequences that produced EOS, advance the position, and decide whether to go on.
-# state = [steps done, max new tokens, eos id or -1].
+# state = [steps done, max new tokens, eos id or -1]. State lives on the device, so a step
+# index outside `out` cannot be rejected before the launch: the kernel then writes nothing,
+# stops the loop (flag 0) and sets state[0] = STEP_ERROR for the host to see.
+STEP_ERROR = -1
 def greedy_advance_ref(tokens, done, state):
     """(emitted (B,), done', steps done', go on?) for next tokens (B,) and done flags (B,)."""
     t, limit, eos = (int(v) for v in state)
@@ -228,14 +235,20 @@ def greedy_advance_ref(tokens, done, state):
     return emitted, done, t + 1, go
 
 
-@jit("void(int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], int32[::1])")
+@jit("void(int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], int32[::1])",
+     writes=("pos", "out", "done", "state", "flag"))
 def greedy_advance_kernel(tokens, pos, out, done, state, flag):
     """One thread: out[:, t] = the step's tokens (eos once a sequence is done), done |= eos
     seen, pos += 1, state[0] = t + 1, flag = go on. The next step reads tokens unchanged, as
-    the host loop feeds the argmax back."""
+    the host loop feeds the argmax back. t outside [0, capacity): only flag = 0 and
+    state[0] = STEP_ERROR."""
     if cuda.grid(1) != 0:
         return
     t, limit, eos = state[0], state[1], state[2]
+    if t < 0 or t >= out.shape[1]:
+        state[0] = STEP_ERROR
+        flag[0] = 0
+        return
     all_done = True
     for b in range(tokens.shape[0]):
         tok = eos if done[b] != 0 else tokens[b, 0]
@@ -267,6 +280,9 @@ def greedy_advance(tokens, pos, out, done, state, flag, *, stream=0) -> None:
 # (every thread: copy the chosen beams' token histories, and the best finished one).
 # state = [steps done, max new tokens, eos id or -1, history length, live beams];
 # best_meta = [slot a finished hypothesis came from this step or -1, its last token, its length].
+# Device-side guards, as greedy_advance's: a history length with no room left for a token
+# stops the loop with state[0] = STEP_ERROR and nothing else written; a candidate whose index
+# names no beam (indices from a row other than beams x vocab) is skipped, never followed.
 BEAM_DEAD = np.float32(-1e30)   # generate.DEAD: an empty slot's score
 
 
@@ -292,19 +308,27 @@ def beam_choose_ref(values, indices, vocab, beam, state, best):
             scores, live, best, new_best, go)
 
 
-@jit("void(float32[:, ::1], int32[:, ::1], int32, float32[:, ::1], int32[:, ::1], int32[::1], "
-     "float32[::1], int32[::1], int32[::1], int32[::1], int32[::1])")
-def beam_choose_kernel(values, indices, vocab, scores, tokens, parents, best, best_meta, state,
-                       pos, flag):
+@jit("void(float32[:, ::1], int32[:, ::1], int32, int32, float32[:, ::1], int32[:, ::1], "
+     "int32[::1], float32[::1], int32[::1], int32[::1], int32[::1], int32[::1])",
+     writes=("scores", "tokens", "parents", "best", "best_meta", "state", "pos", "flag"))
+def beam_choose_kernel(values, indices, vocab, capacity, scores, tokens, parents, best, best_meta,
+                       state, pos, flag):
     if cuda.grid(1) != 0:
         return
     beam = scores.shape[0]
     t, limit, eos, length = state[0], state[1], state[2], state[3]
     best_meta[0] = -1
+    if length < 0 or length >= capacity:
+        state[0] = STEP_ERROR
+        flag[0] = 0
+        return
     n = 0
     for r in range(values.shape[1]):
-        b = indices[0, r] // vocab
-        tok = indices[0, r] - b * vocab
+        index = indices[0, r]
+        if index < 0 or index >= beam * vocab:
+            continue
+        b = index // vocab
+        tok = index - b * vocab
         if tok == eos:
             if values[0, r] > best[0]:
                 best[0] = values[0, r]
@@ -328,20 +352,33 @@ def beam_choose_kernel(values, indices, vocab, scores, tokens, parents, best, be
 
 
 @jit("void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], "
-     "int32[::1])")
+     "int32[::1])", writes=("dst", "best_hist"))
 def beam_histories_kernel(src, dst, parents, tokens, best_hist, best_meta, state):
     """dst[j] = src[parents[j]] + [tokens[j]]; the best finished one likewise into best_hist.
-    Runs after beam_choose (length = state[3] - 1 is the histories' length before it)."""
+    Runs after beam_choose (length = state[3] - 1 is the histories' length before it).
+    Nothing is written when beam_choose stopped on an error; a parent that names no row of
+    src gives a row of -1 (never an out-of-bounds read)."""
     length = state[3] - 1
+    if state[0] == STEP_ERROR or length < 0 or length >= dst.shape[1]:
+        return
     start, stride = cuda.grid(1), cuda.gridsize(1)
     beam = dst.shape[0]
     for e in range(start, (beam + 1) * (length + 1), stride):
         j = e // (length + 1)
         i = e - j * (length + 1)
+        row = parents[j] if j < beam else best_meta[0]
+        if j == beam and row < 0:
+            continue                         # no new best finished hypothesis this step
+        if i == length:
+            v = tokens[j, 0] if j < beam else best_meta[1]
+        elif 0 <= row < src.shape[0]:
+            v = src[row, i]
+        else:
+            v = np.int32(-1)                 # names no beam: visible, never read out of bounds
         if j < beam:
-            dst[j, i] = tokens[j, 0] if i == length else src[parents[j], i]
-        elif best_meta[0] >= 0:
-            best_hist[i] = best_meta[1] if i == length else src[best_meta[0], i]
+            dst[j, i] = v
+        else:
+            best_hist[i] = v
 
 
 def beam_advance(values, indices, vocab: int, scores, tokens, parents, hist_src, hist_dst,
@@ -366,8 +403,13 @@ def beam_advance(values, indices, vocab: int, scores, tokens, parents, hist_src,
     _check.device_array("state", state, dtype=np.int32, shape=(5,))
     for name, a in (("pos", pos), ("flag", flag)):
         _check.device_array(name, a, dtype=np.int32, shape=(1,))
-    launch(beam_choose_kernel, 1, 1, (values, indices, np.int32(vocab), scores, tokens, parents,
-                                      best, best_meta, state, pos, flag), stream)
+    vocab = _check.positive("vocab", vocab, at_most=(2**31 - 1) // beam)
+    _check.separate(dict(scores=scores, tokens=tokens, parents=parents, hist_dst=hist_dst,
+                         best=best, best_hist=best_hist, best_meta=best_meta, state=state,
+                         pos=pos, flag=flag),
+                    dict(values=values, indices=indices, hist_src=hist_src))   # two launches
+    launch(beam_choose_kernel, 1, 1, (values, indices, np.int32(vocab), np.int32(cap), scores,
+                                      tokens, parents, best, best_meta, state, pos, flag), stream)
     blocks, threads = _check.grid_stride_launch((beam + 1) * cap)
     launch(beam_histories_kernel, blocks, threads,
            (hist_src, hist_dst, parents, tokens, best_hist, best_meta, state), stream)

@@ -36,3 +36,19 @@ def test_rejects_bad_input_before_launch():
         xent.softmax_xent(logits, dev(np.zeros(2, np.int32)), dev(np.zeros(2, np.float32)), logits)
     with pytest.raises(ValueError, match=r"dlogits: expected shape \(2, 5\)"):
         xent.softmax_xent(logits, dev(np.zeros(2, np.int32)), loss, dev(np.zeros((2, 4), np.float32)))
+
+
+def test_labels_outside_the_classes_give_nan_never_a_finite_loss():
+    """Labels live on the device: -1 or >= V cannot be refused before the launch, so the loss
+    and that row's gradient are NaN (the rule of kernels/__init__.py), as in the reference."""
+    rng = np.random.default_rng(0)
+    logits = rand(rng, 3, 5)
+    for bad in (-1, 5, 2**31 - 1):
+        labels = np.int32([1, bad, 4])
+        loss, d = cuda.device_array(1, np.float32), cuda.device_array((3, 5), np.float32)
+        xent.softmax_xent(dev(logits), dev(labels), loss, d)
+        ref_loss, ref_d = xent.softmax_xent_ref(logits, labels)
+        assert np.isnan(loss.copy_to_host()[0]) and np.isnan(ref_loss)
+        got = d.copy_to_host()
+        assert np.isnan(got[1]).all() and np.isnan(ref_d[1]).all()
+        assert_close(got[[0, 2]], ref_d[[0, 2]], "softmax")   # the other rows are unharmed

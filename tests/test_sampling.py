@@ -62,7 +62,7 @@ def test_nan_and_infinities_rank_as_documented(small_blocks):
     np.testing.assert_array_equal(out.copy_to_host(), [3, 0, 0])
 
 
-def test_launch_configuration_depends_on_shape_only():
+def test_launch_configuration_depends_on_shape_only(monkeypatch):
     """The grids come from (R, V) alone, so a graph captured once replays for any scores."""
     class Recorder:
         def __init__(self):
@@ -74,7 +74,9 @@ def test_launch_configuration_depends_on_shape_only():
     def record(seed):
         x = dev(np.random.default_rng(seed).standard_normal((2, 300)).astype(np.float32))
         values, indices = cuda.device_array((2, 4), np.float32), cuda.device_array((2, 4), np.int32)
-        with backend.recording(Recorder()) as rec:
+        rec = Recorder()
+        with monkeypatch.context() as m:      # launches go to the recorder, not the device
+            m.setattr(backend, "_recorder", rec)
             sampling.topk(x, 4, values, indices)
         return rec.launches
 
@@ -116,3 +118,78 @@ def test_rejects_bad_input_before_launch():
         sampling.argmax(dev(np.zeros(10, np.float32)), cuda.device_array(1, np.int32))
     with pytest.raises(ValueError, match=r"out: expected shape \(2,\)"):
         sampling.argmax(x, cuda.device_array(3, np.int32))
+
+
+# ---------------------------------------------------------------------------- device-side guards
+def _greedy_buffers(t: int, B: int = 2, capacity: int = 4):
+    return dict(tokens=dev(np.full((B, 1), 3, np.int32)), pos=dev(np.int32([5])),
+                out=dev(np.full((B, capacity), -7, np.int32)), done=dev(np.zeros(B, np.int32)),
+                state=dev(np.int32([t, 99, -1])), flag=dev(np.int32([1])))
+
+
+@pytest.mark.parametrize("t", [-1, 4, 2**31 - 1])
+def test_greedy_advance_outside_its_buffer_writes_nothing_and_stops(t):
+    """A step index outside out[:, 0:capacity] (state lives on the device, so the host cannot
+    refuse it): no write anywhere (never Python's wrap-around for -1), flag 0, and
+    state[0] = STEP_ERROR for the host to see."""
+    d = _greedy_buffers(t)
+    sampling.greedy_advance(d["tokens"], d["pos"], d["out"], d["done"], d["state"], d["flag"])
+    assert (d["out"].copy_to_host() == -7).all() and (d["done"].copy_to_host() == 0).all()
+    assert d["pos"].copy_to_host()[0] == 5 and d["flag"].copy_to_host()[0] == 0
+    assert d["state"].copy_to_host().tolist() == [sampling.STEP_ERROR, 99, -1]
+
+
+def _beam_buffers(beam=2, vocab=5, cap=4, length=2, indices=(0, 6, 1, 7)):
+    k = len(indices)
+    hist = np.arange(beam * cap, dtype=np.int32).reshape(beam, cap)
+    return dict(
+        values=dev(np.linspace(-1, -2, k, dtype=np.float32)[None]),
+        indices=dev(np.array(indices, np.int32)[None]), vocab=vocab,
+        scores=dev(np.zeros((beam, 1), np.float32)), tokens=dev(np.zeros((beam, 1), np.int32)),
+        parents=dev(np.zeros(beam, np.int32)), hist_src=dev(hist),
+        hist_dst=dev(np.full((beam, cap), -7, np.int32)), best=dev(np.float32([-np.inf])),
+        best_hist=dev(np.full(cap, -7, np.int32)), best_meta=dev(np.int32([-1, 0, 0])),
+        state=dev(np.int32([0, 9, -1, length, beam])), pos=dev(np.int32([3])),
+        flag=dev(np.int32([1])))
+
+
+def _beam_advance(d):
+    sampling.beam_advance(*(d[n] for n in ("values", "indices", "vocab", "scores", "tokens",
+                                           "parents", "hist_src", "hist_dst", "best", "best_hist",
+                                           "best_meta", "state", "pos", "flag")))
+
+
+def test_beam_advance_refuses_an_empty_vocabulary():
+    for vocab in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="vocab: expected a positive integer"):
+            _beam_advance({**_beam_buffers(), "vocab": vocab})
+
+
+def test_beam_advance_with_a_full_history_writes_nothing_and_stops():
+    d = _beam_buffers(cap=4, length=4)     # no column left for this step's token
+    _beam_advance(d)
+    assert (d["hist_dst"].copy_to_host() == -7).all() and (d["best_hist"].copy_to_host() == -7).all()
+    assert d["flag"].copy_to_host()[0] == 0 and d["pos"].copy_to_host()[0] == 3
+    assert d["state"].copy_to_host().tolist() == [sampling.STEP_ERROR, 9, -1, 4, 2]
+
+
+def test_beam_advance_skips_candidates_that_name_no_beam():
+    # beam 2 x vocab 5: indices 10 and -1 name no beam; 6 = beam 1 token 1, 1 = beam 0 token 1
+    d = _beam_buffers(indices=(10, 6, -1, 1))
+    _beam_advance(d)
+    assert d["parents"].copy_to_host().tolist() == [1, 0]
+    assert d["tokens"].copy_to_host()[:, 0].tolist() == [1, 1]
+    np.testing.assert_array_equal(d["hist_dst"].copy_to_host()[:, :3], [[4, 5, 1], [0, 1, 1]])
+
+
+def test_beam_histories_give_minus_one_for_a_parent_that_names_no_row():
+    """Called alone with a corrupt parent (beam_choose never makes one): a row of -1 and the
+    new token, never a read outside hist_src."""
+    src = dev(np.arange(8, dtype=np.int32).reshape(2, 4))
+    dst, best_hist = dev(np.full((2, 4), -7, np.int32)), dev(np.full(4, -7, np.int32))
+    args = (src, dst, dev(np.int32([1, 99])), dev(np.int32([[3], [4]])), best_hist,
+            dev(np.int32([-5, 0, 0])), dev(np.int32([1, 9, -1, 3, 2])))   # length 2, no best
+    blocks, threads = 1, 32
+    backend.launch(sampling.beam_histories_kernel, blocks, threads, args)
+    np.testing.assert_array_equal(dst.copy_to_host(), [[4, 5, 3, -7], [-1, -1, 4, -7]])
+    assert (best_hist.copy_to_host() == -7).all()
