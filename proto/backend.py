@@ -12,7 +12,6 @@ Choice, in order:
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import inspect
 import os
@@ -207,7 +206,14 @@ def synchronize() -> None:
 # Launch hook. Every kernel launcher in kernels/ launches through `launch`, so a recorder
 # (proto.graph) can intercept launches and turn them into graph nodes instead of running them.
 # ---------------------------------------------------------------------------------------------
-_recorders: list = []
+_recorder = None   # what intercepts launches and allocations; set by proto.graph.record
+
+
+def set_recorder(recorder) -> None:
+    """Point `launch` and `empty` at `recorder` (None: run eagerly). Only proto.graph.record,
+    which keeps the stack of nested recordings, calls this."""
+    global _recorder
+    _recorder = recorder
 
 
 def launch(kernel, griddim, blockdim, args, stream=0, sharedmem=0):
@@ -219,8 +225,8 @@ def launch(kernel, griddim, blockdim, args, stream=0, sharedmem=0):
     """
     args = tuple(args)
     check_writes(kernel, args)
-    if _recorders:
-        _recorders[-1].record_launch(kernel, griddim, blockdim, args, sharedmem, stream)
+    if _recorder is not None:
+        _recorder.record_launch(kernel, griddim, blockdim, args, sharedmem, stream)
         return
     kernel[griddim, blockdim, stream, sharedmem](*args)
 
@@ -247,8 +253,8 @@ def empty(shape, dtype, name: str, owner=None):
         raise ValueError(f"empty: name: expected a non-empty string, got {name!r}")
     if any(s < 0 for s in shape):
         raise ValueError(f"empty({name!r}): shape {shape} has a negative dimension")
-    if _recorders and hasattr(_recorders[-1], "record_alloc"):
-        return _recorders[-1].record_alloc(shape, dtype, name, owner)
+    if _recorder is not None:
+        return _recorder.record_alloc(shape, dtype, name, owner)
     if owner is None:
         table = _eager_buffers
     else:
@@ -260,16 +266,6 @@ def empty(shape, dtype, name: str, owner=None):
     if buf is None or buf.size < nbytes:
         buf = table[name] = cuda.device_array(nbytes, np.uint8)
     return buf[:nbytes].view(dtype).reshape(shape) if shape else buf[:nbytes].view(dtype)
-
-
-@contextlib.contextmanager
-def recording(recorder):
-    """Route every `launch` inside the block to `recorder.record_launch` instead of the GPU."""
-    _recorders.append(recorder)
-    try:
-        yield recorder
-    finally:
-        _recorders.pop()
 
 
 def address(arr) -> int:
@@ -295,3 +291,28 @@ def extent(arr) -> tuple[int, int]:
 def is_device_array(x) -> bool:
     """True for a Numba device array (real or simulated); False for NumPy and anything else."""
     return cuda.devicearray.is_cuda_ndarray(x)
+
+
+def view_at(base, offset: int, like):
+    """An array shaped and strided like `like`, starting `offset` bytes into the device
+    array `base`: how a graph's argument is moved onto other memory (patch binding, the
+    memory planner's arena)."""
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(np.ndarray(like.shape, like.dtype, buffer=base._ary, offset=offset,
+                                        strides=like.strides))
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    return DeviceNDArray(like.shape, like.strides, like.dtype, gpu_data=base.gpu_data.view(offset))
+
+
+def device_copy(dst, src, stream=0) -> None:
+    """Copy equal-shaped C-contiguous arrays, queued on `stream` (0: the default stream, which
+    every kernel and graph of this project runs on unless told otherwise). Device to device,
+    or one side a host array: pinned, so the copy is asynchronous."""
+    if not SIMULATOR and isinstance(stream, int):
+        stream = cuda.default_stream()
+    if is_device_array(dst):
+        dst.copy_to_device(src, stream=stream)
+    else:
+        src.copy_to_host(dst, stream=stream)
+

@@ -24,12 +24,18 @@ tensor the same address in every graph; it is also why graphs are captured large
 when built eagerly.
 
     graphs = ShapeDispatcher(build, strategy="bucket", max_length=1024, dynamic=("x",))
-    stats = graphs.replay(length, x=x_buffer, n=n_device)   # build(key) made each graph
+    y = graphs.replay(length, x=x_buffer, n=n_device)   # build(key) -> a captured Graph
+
+Graphs are built on first use, or all at construction (`eager=True`), largest first either
+way when `largest_first` (the first graph built is then the largest): graphs whose
+temporaries share one memory tape (proto.graph.plan.Tape) must be planned largest first.
 """
 from __future__ import annotations
 
 import bisect
 from typing import Callable, Sequence
+
+import numpy as np
 
 STRATEGIES = ("exact", "bucket", "device")
 
@@ -47,14 +53,18 @@ def graph_keys(strategy: str, max_length: int, buckets: Sequence[int] | None) ->
     """Every key a dispatcher can build, ascending. `device` without buckets: one graph."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
-    if not isinstance(max_length, int) or max_length < 1:
+    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) \
+            or max_length < 1:
         raise ValueError(f"max_length: expected a positive integer, got {max_length!r}")
+    max_length = int(max_length)
     if strategy == "exact":
         return list(range(1, max_length + 1))
     if buckets is None:
         return power_of_two_buckets(max_length) if strategy == "bucket" else [max_length]
+    if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in buckets):
+        raise ValueError(f"buckets: expected integer sizes, got {list(buckets)}")
     keys = sorted(set(int(b) for b in buckets))
-    if keys[0] < 1 or keys[-1] != max_length:
+    if not keys or keys[0] < 1 or keys[-1] != max_length:
         raise ValueError(f"buckets: expected positive sizes whose largest is max_length "
                          f"{max_length}, got {list(buckets)}")
     return keys
@@ -62,7 +72,8 @@ def graph_keys(strategy: str, max_length: int, buckets: Sequence[int] | None) ->
 
 def key_for(length: int, keys: Sequence[int]) -> int:
     """The smallest key >= length (keys ascending): the graph that serves `length`."""
-    if not 1 <= length <= keys[-1]:
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) \
+            or not 1 <= length <= keys[-1]:
         raise ValueError(f"length: expected 1..{keys[-1]}, got {length}")
     return keys[bisect.bisect_left(keys, length)]
 
@@ -70,32 +81,41 @@ def key_for(length: int, keys: Sequence[int]) -> int:
 class ShapeDispatcher:
     """Map a length to its graph; build graphs lazily (on first use) or eagerly (largest first).
 
-    `build(key)` returns a captured proto.graph.GraphedFunction whose dynamic inputs have
-    `key` rows (leading axis). `dynamic` names those inputs; the others (weights, a device
-    length) pass through unchanged.
+    `build(key)` returns a captured proto.graph.Graph whose dynamic inputs have `key` rows
+    (leading axis). `dynamic` names those inputs; the others (weights, a device length) pass
+    through unchanged.
     """
 
     def __init__(self, build: Callable[[int], object], *, strategy: str, max_length: int,
                  dynamic: Sequence[str], buckets: Sequence[int] | None = None,
-                 eager: bool = False):
+                 eager: bool = False, largest_first: bool = True):
         self.strategy = strategy
         self.keys = graph_keys(strategy, max_length, buckets)
         self.dynamic = tuple(dynamic)
         self._build = build
+        self.largest_first = largest_first
         self.graphs: dict[int, object] = {}
         if eager:
             for key in reversed(self.keys):  # largest first (see the module docstring)
                 self.graphs[key] = build(key)
 
     def graph(self, length: int):
+        """The graph serving `length`, built now if it is the first use of its key."""
         key = key_for(length, self.keys)
         if key not in self.graphs:
+            if self.largest_first and not self.graphs and key != self.keys[-1]:
+                self.graphs[self.keys[-1]] = self._build(self.keys[-1])
             self.graphs[key] = self._build(key)
         return self.graphs[key]
 
     def replay(self, length: int, **inputs):
-        """Replay the graph serving `length` on the first `key` rows of each dynamic input."""
+        """Replay the graph serving `length` on the first `key` rows of each dynamic input;
+        returns the graph's outputs."""
         key = key_for(length, self.keys)
+        missing = [name for name in self.dynamic if name not in inputs]
+        if missing:
+            raise TypeError(f"replay: missing dynamic input(s) {missing}; this dispatcher "
+                            f"slices {list(self.dynamic)} to each graph's rows")
         graph = self.graph(length)
         for name in self.dynamic:
             x = inputs[name]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from proto import binding, graph
-from proto.backend import launch
-from proto.binding import MODES, ReplayStats, Slot, input_slots
-from proto.executors import default_executor
+from proto import graph
+from proto.backend import address, launch
+from proto.graph import binding, default_executor
+from proto.graph.binding import MODES, ReplayStats, Slot, input_slots
 from tests.helpers import dev, rand
 from tests.test_graph import THREADS, axpy_kernel, blocks, make_step, run_replay
 
@@ -56,13 +56,15 @@ def test_bytes_copied_per_mode(mode):
                        binding=mode) as g:
         assert g.stats == ReplayStats()  # capture's own runs are not counted
         for _ in range(3):
-            stats = run_replay(g, mode, rand(rng, n), rand(rng, n))
+            run_replay(g, mode, rand(rng, n), rand(rng, n))
+            stats = g.last_stats
             assert stats.bytes_copied == (2 * n * 4 if mode == "copy" else 0)
             assert stats.bind_s > 0
         assert g.stats.replays == 3
         assert g.stats.bytes_copied == (3 * 2 * n * 4 if mode == "copy" else 0)
         # Passing the placeholders themselves moves nothing in any mode.
-        assert g.replay(**g.placeholders).bytes_copied == 0
+        g.replay(**g.placeholders)
+        assert g.last_stats.bytes_copied == 0
 
 
 def test_alias_rejects_an_array_that_is_not_the_placeholder():
@@ -70,12 +72,13 @@ def test_alias_rejects_an_array_that_is_not_the_placeholder():
     x_ph, y_ph = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
     with graph.capture(make_step(n), {"x": x_ph, "y": y_ph}, binding="alias") as g:
         same_values = dev(np.ones(n, np.float32))  # equal contents, other address
-        want = f"{binding.address(x_ph):#x}"
+        want = f"{address(x_ph):#x}"
         with pytest.raises(ValueError, match=rf"'x': alias binding needs the graph's placeholder "
                                              rf"itself \(device address {want}\), got a different"):
             g.replay(x=same_values, y=y_ph)
         x_view = x_ph[:]  # a view of the placeholder starts at its address: accepted
-        assert g.replay(x=x_view, y=y_ph).bytes_copied == 0
+        g.replay(x=x_view, y=y_ph)
+        assert g.last_stats.bytes_copied == 0
 
 
 def test_patch_rebinds_views_at_offsets_and_skips_unchanged_inputs(monkeypatch):

@@ -1,13 +1,15 @@
-"""IF and WHILE on a device flag (proto.control): eager semantics, recording into conditional
-nodes, and replays (the walk executor on the simulator; real conditional nodes on a GPU, plus
-the host-driven fallback for drivers without them)."""
+"""IF and WHILE on a device flag (proto.graph.while_loop / if_then): eager semantics,
+recording into conditional nodes, the bound on a loop's passes, and replays (the walk
+executor on the simulator; real conditional nodes on a GPU, plus the host-driven fallback for
+drivers without them)."""
 import warnings
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from proto import backend, control, graph
+from proto import backend, graph
+from proto.graph.ir import Conditional, KernelLaunch
 from proto.backend import cuda, jit, launch
 from tests.helpers import dev
 
@@ -41,9 +43,9 @@ class Loop:
 
     def step(self):
         launch(add_kernel, 1, 1, (self.total, np.float32(0.5)))
-        control.while_loop(self.flag, lambda: launch(countdown_kernel, 1, 1,
+        graph.while_loop(self.flag, lambda: launch(countdown_kernel, 1, 1,
                                                      (self.counter, self.total, self.flag)))
-        control.if_then(self.go, lambda: launch(add_kernel, 1, 1, (self.total, np.float32(1000.0))))
+        graph.if_then(self.go, lambda: launch(add_kernel, 1, 1, (self.total, np.float32(1000.0))))
 
     def set(self, n, go):
         self.counter.copy_to_device(np.array([n], np.int32))
@@ -64,7 +66,7 @@ def test_eager_loop_runs_on_the_host():
     loop.set(4, go=True)
     loop.step()
     assert loop.result() == want(4, True)
-    assert control.while_loop(loop.flag, lambda: None) == 0   # flag is 0 now: no pass
+    assert graph.while_loop(loop.flag, lambda: None) == 0   # flag is 0 now: no pass
 
 
 def test_recording_makes_conditional_nodes_with_bodies():
@@ -72,7 +74,7 @@ def test_recording_makes_conditional_nodes_with_bodies():
     with graph.record() as rec:
         loop.step()
     desc = rec.description()
-    assert [n.kind for n in desc.nodes] == ["kernel", "conditional", "conditional"]
+    assert [type(n) for n in desc.nodes] == [KernelLaunch, Conditional, Conditional]
     assert desc.nodes[1].loop and not desc.nodes[2].loop
     assert [n.name for n in desc.nodes[1].body.nodes] == ["countdown_kernel"]
     assert "while flag[0] != 0: 1 nodes" in desc.summary()
@@ -93,11 +95,12 @@ def test_one_graph_replays_every_trip_count(n, go):
 
 def test_bad_flags_and_empty_bodies_are_refused():
     with pytest.raises(ValueError, match=r"flag: expected a 1-element int32 .* float32 \(1,\)"):
-        control.while_loop(dev(np.zeros(1, np.float32)), lambda: None)
+        graph.while_loop(dev(np.zeros(1, np.float32)), lambda: None)
     with pytest.raises(TypeError, match="flag: expected a 1-element int32 device array"):
-        control.if_then(np.zeros(1, np.int32), lambda: None)
+        graph.if_then(np.zeros(1, np.int32), lambda: None)
+    flag = _i32(1)
     with graph.record(), pytest.raises(ValueError, match="while_loop: the body launched no kernels"):
-        control.while_loop(_i32(1), lambda: None)
+        graph.while_loop(flag, lambda: None)
 
 
 def test_patch_binding_refuses_conditional_graphs():
@@ -105,7 +108,7 @@ def test_patch_binding_refuses_conditional_graphs():
     flag = _i32(0)
 
     def step(x):
-        control.if_then(flag, lambda: launch(add_kernel, 1, 1, (x, np.float32(1.0))))
+        graph.if_then(flag, lambda: launch(add_kernel, 1, 1, (x, np.float32(1.0))))
 
     with pytest.raises(ValueError, match="binding 'patch' rewrites top-level nodes only"):
         graph.capture(step, {"x": x}, binding="patch")
@@ -114,13 +117,13 @@ def test_patch_binding_refuses_conditional_graphs():
 @pytest.mark.gpu
 def test_host_driven_fallback_matches():
     # What a driver without conditional nodes gets: graph segments, the host reading flags.
-    from proto.executors import HostDrivenExecutor, conditional_nodes_supported
+    from proto.graph.cuda import HostDrivenExecutor, conditional_nodes_supported
     assert conditional_nodes_supported(), "the H200's driver should have conditional nodes"
     loop = Loop()
     with graph.record() as rec:
         loop.step()
     desc = rec.description()
-    ex = HostDrivenExecutor(desc.nodes, desc.deps)
+    ex = HostDrivenExecutor(desc)
     for n, go in ((3, True), (0, False), (5, False)):
         loop.set(n, go)
         ex.launch()
@@ -133,7 +136,7 @@ def test_host_driven_fallback_matches():
 def test_a_while_graph_is_one_cuda_graph():
     # Real conditional nodes: the executable is one CUDA graph (no host-driven segments), and
     # a replay of 50 passes needs no host decision.
-    from proto.executors import CudaExecutor
+    from proto.graph.cuda import CudaExecutor
     loop = Loop()
     loop.set(0, False)
     with warnings.catch_warnings():
@@ -148,7 +151,8 @@ def test_a_while_graph_is_one_cuda_graph():
 
 def test_a_driver_without_conditional_nodes_gets_the_fallback_and_a_warning(monkeypatch):
     # The choice itself (the fallback's replays are checked on the GPU above).
-    from proto import executors
+    from proto.graph import cuda as executors
+    from proto.graph.ir import Description
     picked = []
     monkeypatch.setattr(executors, "conditional_nodes_supported", lambda: False)
     monkeypatch.setattr(executors, "HostDrivenExecutor", lambda *a: picked.append("host") or "host")
@@ -157,9 +161,67 @@ def test_a_driver_without_conditional_nodes_gets_the_fallback_and_a_warning(monk
     with graph.record() as rec:
         loop.step()
     with pytest.warns(RuntimeWarning, match="no conditional graph nodes"):
-        assert executors.make_cuda_executor(rec.nodes, rec.deps) == "host"
-    plain = rec.nodes[:1]   # no conditional node: the ordinary executor, no warning
+        assert executors.make_cuda_executor(rec.description()) == "host"
+    plain = Description(rec.nodes[:1])   # no conditional node: the ordinary executor, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert executors.make_cuda_executor(plain, [()]) == "cuda"
+        assert executors.make_cuda_executor(plain) == "cuda"
     assert picked == ["host", "cuda"]
+
+
+# ------------------------------------------------------------------------- loop bounds
+@jit("void(int32[::1], int32[::1])")
+def forever_kernel(flag, count):
+    """count += 1 and leave the flag set: a body that never ends its loop."""
+    if cuda.grid(1) == 0:
+        count[0] += 1
+        flag[0] = 1
+
+
+def test_a_loop_that_never_clears_its_flag_stops_at_its_bound_eagerly():
+    flag, count = _i32(1), _i32(0)
+    with pytest.raises(graph.LoopBoundError, match="still set after max_passes=7"):
+        graph.while_loop(flag, lambda: launch(forever_kernel, 1, 1, (flag, count)), max_passes=7)
+    assert int(count.copy_to_host()[0]) == 7
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_passes: expected a positive integer"):
+            graph.while_loop(flag, lambda: None, max_passes=bad)
+
+
+def test_a_replayed_loop_stops_at_its_bound_and_the_replay_says_so():
+    flag, count = _i32(0), _i32(0)
+    g = graph.capture(lambda: graph.while_loop(
+        flag, lambda: launch(forever_kernel, 1, 1, (flag, count)), max_passes=5), {}, warmup=0)
+    flag.copy_to_device(np.array([1], np.int32))
+    with pytest.raises(graph.LoopBoundError, match="max_passes=5"):
+        g.replay()
+    assert int(count.copy_to_host()[0]) == 5   # stopped after exactly the bound: no more passes
+    flag.copy_to_device(np.array([0], np.int32))
+    count.copy_to_device(np.zeros(1, np.int32))
+    g.replay()                                 # flag clear: no pass, no error
+    assert int(count.copy_to_host()[0]) == 0
+    g.close()
+
+
+# ------------------------------------------------------------------------- what cannot be recorded
+def test_recording_refuses_host_transfers_and_nesting():
+    x = dev(np.zeros(4, np.float32))
+    with graph.record():
+        with pytest.raises(RuntimeError, match=r"copy_to_host\(\) inside a recorded function"):
+            x.copy_to_host()
+        with pytest.raises(RuntimeError, match=r"to_device\(\) inside a recorded function"):
+            cuda.to_device(np.ones(4, np.float32))
+        with pytest.raises(RuntimeError, match=r"copy_to_device\(\) inside a recorded function"):
+            x.copy_to_device(np.ones(4, np.float32))
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with graph.record():
+                pass
+        with pytest.raises(RuntimeError, match="captures cannot nest"):
+            graph.capture(lambda: launch(add_kernel, 1, 1, (x, np.float32(1.0))), {})
+    np.testing.assert_array_equal(x.copy_to_host(), 0)   # transfers work again afterwards
+
+    def step_reading_the_host(x):
+        launch(add_kernel, 1, 1, (x, np.float32(1.0)))
+        return float(x.copy_to_host()[0])     # would freeze this value into every replay
+    with pytest.raises(RuntimeError, match="stale data"):
+        graph.capture(step_reading_the_host, {"x": x}, warmup=0)

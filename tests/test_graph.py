@@ -1,4 +1,4 @@
-"""Graph description, recording, the capture state machine and release (simulator lane).
+"""Graph description, recording, capture's phases and release (simulator lane).
 
 The workload `make_step` is shared with test_binding and test_graph_gpu: two kernels and a
 copy node, one kernel reading both inputs, the copy reading an input (so patch binding
@@ -13,8 +13,9 @@ from hypothesis import given, strategies as st
 
 from proto import graph
 from proto.backend import cuda, jit, launch
-from proto.binding import MODES
-from proto.executors import default_executor
+from proto.graph import default_executor
+from proto.graph.binding import MODES
+from proto.graph.ir import Copy, KernelLaunch
 from tests.helpers import dev, rand
 
 
@@ -79,21 +80,22 @@ def test_record_describes_launches_without_running_them():
     step = make_step(n)
     with graph.record() as recorder:
         out, y_copy = step(x=x, y=y)
-    nodes = graph.GraphDescription(recorder.nodes).nodes
-    assert [node.kind for node in nodes] == ["kernel", "kernel", "copy"]
+    nodes = graph.Description(recorder.nodes).nodes
+    assert [type(node) for node in nodes] == [KernelLaunch, KernelLaunch, Copy]
     assert [node.name for node in nodes[:2]] == ["axpy_kernel", "square_kernel"]
     assert nodes[0].griddim == (1, 1, 1) and nodes[0].blockdim == (THREADS, 1, 1)
     assert [i for i, _ in nodes[0].array_args()] == [1, 2, 3]  # argument 0 is the scalar
     assert nodes[2].args == (y_copy, y)
-    assert "square_kernel" in graph.GraphDescription(nodes).summary()
+    assert "square_kernel" in graph.Description(nodes).summary()
     # Recording ran nothing: a real launch would have written (2*1 + 2)^2 = 16 into `out`.
     assert not np.any(out.copy_to_host())
 
 
 def test_record_rejects_host_arrays_and_copy_checks_shapes():
     host = np.zeros(4, np.float32)
+    out = dev(host)
     with graph.record(), pytest.raises(TypeError, match="argument 0 is a host NumPy array"):
-        launch(square_kernel, 1, THREADS, (host, dev(host)))
+        launch(square_kernel, 1, THREADS, (host, out))
     a, b = dev(np.arange(4, dtype=np.float32)), dev(np.zeros(5, np.float32))
     with pytest.raises(ValueError, match=r"dst is float32 \(5,\), src is float32 \(4,\)"):
         graph.copy(b, a)
@@ -108,22 +110,26 @@ def test_record_rejects_host_arrays_and_copy_checks_shapes():
     np.testing.assert_array_equal(c.copy_to_host(), np.arange(4))
 
 
-def test_capture_walks_warmup_record_replay():
+def test_capture_warms_up_records_and_replays():
     n = 5
     x, y = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
-    g = graph.GraphedFunction(make_step(n), {"x": x, "y": y}, warmup=1)
-    assert g.phase is graph.Phase.WARMUP
-    with pytest.raises(RuntimeError, match="phase 'warm-up'"):
-        g.replay(x=x, y=y)
-    assert g(x=x, y=y).replays == 0          # warm-up: eager, no graph yet
-    assert g.phase is graph.Phase.RECORD and g.description is None
-    assert g(x=x, y=y).replays == 1          # record, then the first replay
-    assert g.phase is graph.Phase.REPLAY and len(g.description) == 3
+    step, calls = make_step(n), []
+
+    def counted(x, y):
+        calls.append(1)
+        return step(x=x, y=y)
+
+    g = graph.capture(counted, {"x": x, "y": y}, warmup=2)
+    assert len(calls) == 3                    # two eager warm-ups, one recording
+    assert len(g.description) == 3 and g.stats.replays == 0
     out, _ = g.outputs
+    out.copy_to_device(np.zeros(n, np.float32))
+    assert g.replay(x=x, y=y) is g.outputs    # a replay returns the outputs it rewrote
+    assert len(calls) == 3 and g.stats.replays == 1
     np.testing.assert_array_equal(out.copy_to_host(), eager(n, np.ones(n, np.float32), np.ones(n, np.float32))[0])
     g.close()
-    assert g.phase is graph.Phase.CLOSED
-    with pytest.raises(RuntimeError, match="phase 'closed'"):
+    assert g.closed
+    with pytest.raises(RuntimeError, match="the graph is closed"):
         g.replay(x=x, y=y)
 
 
@@ -135,6 +141,9 @@ def test_capture_rejects_functions_that_launch_nothing_and_bad_options():
         graph.capture(make_step(3), {"x": x, "y": x}, binding="borrow")
     with pytest.raises(ValueError, match="placeholders 'x' and 'y' overlap"):
         graph.capture(make_step(3), {"x": x, "y": x})
+    for warmup in (1.5, -1, True):
+        with pytest.raises(ValueError, match="warmup: expected a non-negative integer"):
+            graph.capture(make_step(3), {"x": x, "y": dev(np.zeros(3, np.float32))}, warmup=warmup)
 
 
 @pytest.mark.parametrize("binding", MODES)
@@ -195,7 +204,7 @@ def test_close_releases_graph_and_buffers():
     with graph.capture(step, {"x": x, "y": y}) as g:
         executable = g._executable
         assert captured["tmp"]() is g.outputs  # the recorded call's buffer is the output
-    assert g.phase is graph.Phase.CLOSED and executable.closed
+    assert g.closed and executable.closed
     assert g.description is None and g.placeholders == {}
     gc.collect()
     assert captured["tmp"]() is None

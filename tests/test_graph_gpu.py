@@ -11,8 +11,8 @@ from hypothesis import given, strategies as st
 
 from proto import graph, shapes
 from proto.backend import cuda, launch
-from proto.binding import MODES, Slot
-from proto.executors import CudaExecutor
+from proto.graph.binding import MODES, Slot
+from proto.graph.cuda import CudaExecutor, SharedExecutables
 from tests.helpers import assert_close, dev, rand
 from tests.test_graph import THREADS, axpy_kernel, blocks, eager, make_step, run_replay
 from tests.test_shapes import Workload, softmax_ref
@@ -40,8 +40,8 @@ def test_replay_matches_eager_on_the_gpu(executor, binding, n, seed, scale):
         assert isinstance(g._executable, CudaExecutor) == (executor == "cuda")
         for _ in range(2):
             x, y = rand(rng, n, scale=2.0), rand(rng, n)
-            stats = run_replay(g, binding, x, y)
-            assert stats.bytes_copied == (2 * n * 4 if binding == "copy" else 0)
+            run_replay(g, binding, x, y)
+            assert g.last_stats.bytes_copied == (2 * n * 4 if binding == "copy" else 0)
             want_out, want_copy = eager(n, x, y)
             np.testing.assert_array_equal(g.outputs[0].copy_to_host(), want_out)
             np.testing.assert_array_equal(g.outputs[1].copy_to_host(), want_copy)
@@ -65,7 +65,8 @@ def test_patch_rewrites_real_kernel_and_memcpy_nodes():
         assert g.slots == [Slot(0, 1, "x", 4), Slot(0, 2, "x", 0), Slot(1, 1, "x", 0)]
         for seed in range(3):
             x = rand(np.random.default_rng(seed), rows, cols)
-            assert g.replay(x=dev(x)).bytes_copied == 0
+            g.replay(x=dev(x))
+            assert g.last_stats.bytes_copied == 0
             flat = x.reshape(n)
             # The GPU fuses a*x + y into one FMA (one rounding), NumPy rounds twice.
             assert_close(out, 3 * flat[1:] + flat[:-1], "elementwise")
@@ -131,3 +132,70 @@ def test_shapes_on_cuda_graphs(strategy, binding):
             assert_close(got, softmax_ref(x.astype(np.float64)), "softmax")
         assert d.num_graphs == {"exact": 5, "bucket": 10, "device": 1}[strategy]
         assert d.memory_bytes >= 0
+
+
+def test_graphs_of_one_topology_share_an_executable_retargeted_by_update():
+    """Eight graphs that differ only in their pointers (an offset baked per graph, as the
+    per-length decode graphs bake their position), one executable: each replay retargets it
+    with executable update and computes what its own graph would."""
+    n, k = 4096, 8
+    x, y = dev(np.arange(n, dtype=np.float32)), dev(np.ones(n, np.float32))
+    outs = [dev(np.zeros(n, np.float32)) for _ in range(k)]
+
+    def build(j):
+        scale = np.float32(j + 1)
+        return graph.capture(lambda x, y: launch(axpy_kernel, blocks(n), THREADS,
+                                                 (scale, x, y, outs[j])),
+                             {"x": x, "y": y}, binding="alias", warmup=0, shared=pool)
+
+    pool = SharedExecutables(capacity=1)
+    graphs = [build(j) for j in range(k)]
+    assert pool.instantiations == 0 and all(g.memory_bytes == 0 for g in graphs)
+    for rounds in range(2):
+        for j in (3, 0, 7, 7, 5, 1, 2, 6, 4):
+            graphs[j].replay(x=x, y=y)
+            cuda.synchronize()
+            np.testing.assert_array_equal(outs[j].copy_to_host(), (j + 1) * np.arange(n) + 1)
+            outs[j].copy_to_device(np.zeros(n, np.float32))
+    assert pool.instantiations == 1           # one executable served every graph
+    assert pool.updates == 2 * 9 - 2 - 1      # a miss per switch (7 then 7 is a hit; so is the
+                                              # first launch, which instantiates)
+    assert pool.update_us_per_switch > 0
+    for g in graphs:
+        g.close()
+    pool.close()
+
+
+def test_a_planned_graph_shares_its_tape_and_equals_an_unplanned_one():
+    """Temporaries from `empty` placed in one arena: the same name has one address in every
+    graph of the tape, the arena is what the largest graph needs, and replays equal private
+    buffers bit for bit."""
+    from proto.backend import empty
+    from kernels import elementwise
+
+    def fn(x, rows):
+        t = empty((rows, 64), np.float32, "t")
+        elementwise.add(x[:rows], x[:rows], t)
+        u = empty((rows, 64), np.float32, "u")
+        elementwise.add(t, x[:rows], u)
+        v = empty((rows, 64), np.float32, "v")   # t is dead: v can take its bytes
+        elementwise.add(u, u, v)
+        return v
+
+    x = dev(np.random.default_rng(0).standard_normal((512, 64)).astype(np.float32))
+    tape = graph.Tape("test")
+    planned = {r: graph.capture(lambda x, r=r: fn(x, r), {"x": x}, warmup=0, tape=tape)
+               for r in (512, 100, 7)}            # largest first
+    private = {r: graph.capture(lambda x, r=r: fn(x, r), {"x": x}, warmup=0, planned=False)
+               for r in (512, 100, 7)}
+    big = planned[512].plan
+    assert tape.arena_bytes == big.arena_bytes <= 1.10 * big.peak_live_bytes
+    assert big.arena_bytes < big.total_bytes      # t and v share bytes
+    for r in (7, 100, 512):
+        got, want = planned[r].replay(x=x).copy_to_host(), private[r].replay(x=x).copy_to_host()
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, 6 * x.copy_to_host()[:r])
+        assert planned[r].plan.offsets == {k: big.offsets[k] for k in planned[r].plan.offsets}
+    for g in list(planned.values()) + list(private.values()):
+        g.close()
+    tape.close()

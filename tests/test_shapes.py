@@ -13,8 +13,8 @@ from hypothesis import given, strategies as st
 
 from proto import graph, shapes
 from proto.backend import cuda, jit, launch
-from proto.binding import MODES
-from proto.executors import default_executor
+from proto.graph import default_executor
+from proto.graph.binding import MODES
 from tests.helpers import assert_close, dev, rand
 
 C = 3  # columns = threads per launch
@@ -86,8 +86,8 @@ class Workload:
         self.x.copy_to_device(padded)
         self.n.copy_to_device(np.array([length], np.int32))
         extra = {"n": self.n} if self.strategy == "device" else {}
-        stats = dispatcher.replay(length, x=self.x, **extra)
-        return stats, self.out.copy_to_host()[:length]
+        dispatcher.replay(length, x=self.x, **extra)
+        return dispatcher.graph(length).last_stats, self.out.copy_to_host()[:length]
 
 
 @given(max_length=st.integers(1, 7), seed=st.integers(0, 2**16), data=st.data())
@@ -106,8 +106,10 @@ def test_every_strategy_and_binding_gives_the_eager_result(strategy, binding, ma
             stats, got = w.step(d, x)
             assert_close(got, softmax_ref(x.astype(np.float64)), "softmax")
             assert stats.bytes_copied == 0 or binding == "copy"
-        keys = {shapes.key_for(n, d.keys) for n in lengths}
+        # built on first use, the largest first (graphs sharing a memory tape need that)
+        keys = {shapes.key_for(n, d.keys) for n in lengths} | {d.keys[-1]}
         assert d.num_graphs == len(keys) and sorted(d.graphs) == sorted(keys)
+        assert w.built[0] == max_length
         if strategy == "device":
             assert d.num_graphs == 1  # one graph serves every length
 
@@ -139,6 +141,16 @@ def test_bad_lengths_buckets_and_buffers_are_rejected():
         with pytest.raises(ValueError, match=r"'x': the graph for length 3 reads 8 rows, got a "
                                              r"buffer of 4"):
             d.replay(3, x=w.x[:4])
+        with pytest.raises(TypeError, match=r"missing dynamic input\(s\) \['x'\]"):
+            d.replay(3, y=w.x)
+    with pytest.raises(ValueError, match="buckets: expected positive sizes"):
+        shapes.graph_keys("bucket", 8, [])
+    with pytest.raises(ValueError, match="buckets: expected integer sizes"):
+        shapes.graph_keys("bucket", 8, [2.5, 8])
+    with pytest.raises(ValueError, match="max_length: expected a positive integer"):
+        shapes.graph_keys("exact", 8.0, None)
+    assert shapes.graph_keys("exact", np.int64(3), None) == [1, 2, 3]   # NumPy integers work
+    assert shapes.key_for(np.int32(2), keys) == 2
 
 
 def test_eager_building_captures_largest_first_and_close_releases():
@@ -152,4 +164,4 @@ def test_eager_building_captures_largest_first_and_close_releases():
     else:
         assert d.memory_bytes >= 0
     d.close()
-    assert d.num_graphs == 0 and all(g.phase is graph.Phase.CLOSED for g in graphs)
+    assert d.num_graphs == 0 and all(g.closed for g in graphs)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import backend, graph
+from proto.graph.ir import Copy
 from proto.tape import TensorSpec
 from proto.vm import BudgetError, Executor, Liveness, Link, PagingExecutor, PlanError, plan
 from proto.vm.pool import DevicePool, OutOfBudget
@@ -17,10 +18,10 @@ from proto.vm.synthetic import cnn_tape
 
 def _run(executor, init, steps=2, capture=False):
     """Load, run `steps` steps, return the loss and every persistent tensor. capture: make
-    the step one graph first (which runs it twice, so the state is loaded after)."""
+    the step one graph first (which runs it once, eagerly, so the state is loaded after)."""
     with executor as ex:
         if capture:
-            ex.load(init)   # the capture's two runs then see real values, not arena garbage
+            ex.load(init)   # the capture's warm-up then sees real values, not arena garbage
             ex.capture()
         ex.load(init)
         for _ in range(steps):
@@ -76,20 +77,20 @@ def test_real_kernels_under_a_tight_budget_match_unconstrained():
     _assert_identical(_run(PagingExecutor(tape, budget, page_bytes=256), init, steps=1), want, "paging")
 
 
-def _record_step(ex) -> graph.GraphDescription:
+def _record_step(ex) -> graph.Description:
     with graph.record() as rec:
         ex.step()
     return rec.description()
 
 
-def _cut(desc, cut) -> graph.GraphDescription:
+def _cut(desc, cut) -> graph.Description:
     """The description without the edges (d -> j) for which cut(from node, to node) holds."""
-    return graph.GraphDescription(desc.nodes, [tuple(d for d in deps if not cut(desc.nodes[d], node))
-                                               for node, deps in zip(desc.nodes, desc.deps)])
+    return graph.Description(desc.nodes, [tuple(d for d in deps if not cut(desc.nodes[d], node))
+                                         for node, deps in zip(desc.nodes, desc.deps)])
 
 
 def _direction(node) -> str:
-    return node.direction if node.kind == "copy" else "compute"
+    return node.direction if isinstance(node, Copy) else "compute"
 
 
 @given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc"]), width=st.integers(1, 3),

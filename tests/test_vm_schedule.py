@@ -8,7 +8,7 @@ from hypothesis import assume, given, strategies as st
 from proto.tape import Op, Tape, TensorSpec
 from proto.vm import BudgetError, Liveness, Link, PlanError, plan, validate
 from proto.vm.schedule import estimate_seconds
-from proto.vm.pool import place, Block
+from proto.graph.plan import Block, place
 from proto.vm.synthetic import cnn_tape
 
 

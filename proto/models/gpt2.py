@@ -1,13 +1,16 @@
-"""GPT-2-style decoder with a KV cache, on device buffers fixed at construction.
+"""GPT-2-style decoder with a KV cache.
 
     model = GPT2(config, state_dict, max_batch=5, max_tokens=8)
     cache = KVCache(config, batch=5, max_len=64)
-    logits = model.step(tokens, pos, cache)          # (B, T, V) view of a fixed buffer
+    logits = model.step(tokens, pos, cache)          # (B, T, V), valid until the next step
 
-A step only launches kernels on buffers allocated in `__init__` (no allocation, no host sync,
-no host read of a device value), so a graph recorder can capture `step` as it is. The
-position is a device int32 (1,) array that the embedding and attention kernels read on the
-device: one captured step serves every position.
+A step launches kernels and allocates its temporaries through ``proto.backend.empty`` under
+names unique within the step ("h3.qkv", "logits"): eagerly those are buffers kept per name,
+and while a graph records the step they become buffers the memory planner places (one arena
+shared by every graph of the model, the same address for a name in each). The step makes no
+host sync and reads no device value on the host, so a graph recorder can capture it as it
+is. The position is a device int32 (1,) array that the embedding and attention kernels read
+on the device: one captured step serves every position.
 
 Weights: a Hugging Face `GPT2LMHeadModel.state_dict()` as NumPy arrays. Conv1D stores its
 weight [in, out], so every projection is `x @ W + b` with no transpose; the output head is
@@ -20,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check, attention, embedding, gemm, layernorm
-from proto.backend import cuda
+from proto.backend import cuda, empty
 from proto.models import checked_params, zeros
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
@@ -150,21 +153,6 @@ class _Layer:
     mlp_proj_b: object
 
 
-@dataclasses.dataclass(frozen=True)
-class _Views:
-    """The fixed buffers cut to one (B, T): views, no device memory of their own."""
-    x: object       # (N, C) residual stream, N = B*T
-    x3: object      # (B, T, C) the same memory
-    ln: object      # (N, C)
-    qkv: object     # (N, 3C)
-    qkv3: object    # (B, T, 3C)
-    att: object     # (N, C)
-    att3: object    # (B, T, C)
-    h: object       # (N, 4C)
-    logits: object  # (N, V)
-    logits3: object  # (B, T, V)
-
-
 class GPT2:
     """GPT-2 forward over `max_batch` sequences of up to `max_tokens` new tokens per step."""
 
@@ -182,25 +170,9 @@ class GPT2:
                 "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
                 "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")))
             for i in range(config.n_layer)]
-        C, V, N = config.n_embd, config.vocab_size, max_batch * max_tokens
-        self._x = cuda.device_array((N, C), np.float32)
-        self._ln = cuda.device_array((N, C), np.float32)
-        self._qkv = cuda.device_array((N, 3 * C), np.float32)
-        self._att = cuda.device_array((N, C), np.float32)
-        self._h = cuda.device_array((N, 4 * C), np.float32)
-        self._logits = cuda.device_array((N, V), np.float32)
-        self._views: dict[tuple[int, int], _Views] = {}
 
-    def _views_for(self, B: int, T: int) -> _Views:
-        views = self._views.get((B, T))
-        if views is None:
-            C, V, N = self.config.n_embd, self.config.vocab_size, B * T
-            x, qkv, att, logits = self._x[:N], self._qkv[:N], self._att[:N], self._logits[:N]
-            views = _Views(x, x.reshape(B, T, C), self._ln[:N], qkv, qkv.reshape(B, T, 3 * C),
-                           att, att.reshape(B, T, C), self._h[:N], logits,
-                           logits.reshape(B, T, V))
-            self._views[(B, T)] = views
-        return views
+    def _empty(self, name: str, *shape):
+        return empty(shape, np.float32, name, owner=self)
 
     def step(self, tokens, pos, cache: KVCache, stream=0):
         """Run T new tokens of B sequences; return their logits.
@@ -209,9 +181,8 @@ class GPT2:
         pos:    device int32 (1,): absolute position of tokens[:, 0]; read on the device.
         cache:  KVCache with batch B; positions pos..pos+T-1 are written, 0..pos-1 are read.
                 The caller keeps pos + T <= cache.max_len (the step never reads pos on the host).
-        Returns a device float32 (B, T, V) view of the model's logits buffer, overwritten by
-        the next step: logits[:, -1] are the next-token scores. For T = 1 it reshapes to a
-        contiguous (B, V).
+        Returns device float32 (B, T, V) logits, overwritten by the model's next step:
+        logits[:, -1] are the next-token scores. For T = 1 it reshapes to a contiguous (B, V).
         """
         _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
         _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
@@ -222,19 +193,28 @@ class GPT2:
             raise ValueError(f"cache: expected a KVCache of this model's config with batch {B}")
         if T > cache.max_len:
             raise ValueError(f"tokens: {T} new tokens exceed cache.max_len={cache.max_len}")
-        v = self._views_for(B, T)
-        embedding.embed(tokens, self.wte, v.x3, wpe=self.wpe, pos0=pos, stream=stream)
+        C, V, N = self.config.n_embd, self.config.vocab_size, B * T
+        x = self._empty("x", B, T, C)               # the residual stream, updated in place
+        x2 = x.reshape(N, C)
+        embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
         for i, L in enumerate(self.layers):
-            layernorm.layernorm(v.x, L.ln_1_w, L.ln_1_b, v.ln, eps=LN_EPS, stream=stream)
-            gemm.gemm(v.ln, L.attn_w, v.qkv, bias=L.attn_b, stream=stream)
-            attention.attention(v.qkv3, cache.k[i], cache.v[i], pos, v.att3,
+            ln = self._empty(f"h{i}.ln_1", N, C)
+            layernorm.layernorm(x2, L.ln_1_w, L.ln_1_b, ln, eps=LN_EPS, stream=stream)
+            qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
+            gemm.gemm(ln, L.attn_w, qkv.reshape(N, 3 * C), bias=L.attn_b, stream=stream)
+            att = self._empty(f"h{i}.att", B, T, C)
+            attention.attention(qkv, cache.k[i], cache.v[i], pos, att,
                                 n_head=self.config.n_head, stream=stream)
             # x += att @ W + b: accumulate fuses the residual add into the projection
-            gemm.gemm(v.att, L.attn_proj_w, v.x, bias=L.attn_proj_b, accumulate=True,
-                      stream=stream)
-            layernorm.layernorm(v.x, L.ln_2_w, L.ln_2_b, v.ln, eps=LN_EPS, stream=stream)
-            gemm.gemm(v.ln, L.fc_w, v.h, bias=L.fc_b, act="gelu", stream=stream)
-            gemm.gemm(v.h, L.mlp_proj_w, v.x, bias=L.mlp_proj_b, accumulate=True, stream=stream)
-        layernorm.layernorm(v.x, self.ln_f_w, self.ln_f_b, v.ln, eps=LN_EPS, stream=stream)
-        gemm.gemm(v.ln, self.wte, v.logits, trans_b=True, stream=stream)  # tied head
-        return v.logits3
+            gemm.gemm(att.reshape(N, C), L.attn_proj_w, x2, bias=L.attn_proj_b,
+                      accumulate=True, stream=stream)
+            ln = self._empty(f"h{i}.ln_2", N, C)
+            layernorm.layernorm(x2, L.ln_2_w, L.ln_2_b, ln, eps=LN_EPS, stream=stream)
+            h = self._empty(f"h{i}.fc", N, 4 * C)
+            gemm.gemm(ln, L.fc_w, h, bias=L.fc_b, act="gelu", stream=stream)
+            gemm.gemm(h, L.mlp_proj_w, x2, bias=L.mlp_proj_b, accumulate=True, stream=stream)
+        ln = self._empty("ln_f", N, C)
+        layernorm.layernorm(x2, self.ln_f_w, self.ln_f_b, ln, eps=LN_EPS, stream=stream)
+        logits = self._empty("logits", B, T, V)
+        gemm.gemm(ln, self.wte, logits.reshape(N, V), trans_b=True, stream=stream)  # tied head
+        return logits

@@ -3,6 +3,7 @@
     g = GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="device")
     out = g.beam_search(prompt, max_new_tokens=1000)   # generate.beam_search, graphed steps
     g.stats(), g.num_graphs, g.memory_bytes            # bytes bound, graphs, driver memory
+    g.arena_bytes                                      # the memory tape every graph shares
     g.close()
 
 `GraphedGPT2.step(tokens, pos, cache)` has GPT2.step's signature, so proto.models.generate
@@ -38,11 +39,16 @@ Shapes: the context length grows by one every step (proto.shapes):
   device  one graph for every length: the position lives in device memory and every kernel
           reads it there (kernels.attention, kernels.embedding). The capacity cache max_len.
 
-Warm-up: the first graph built for a cache capacity warms up (runs the step eagerly once) so
-that the attention's per-shape workspace exists before recording; later graphs of the same
-capacity record at once. Graphs are built on first use (the first call of a lazily built
-graph IS the step: eagerly for a warm-up, recorded and replayed otherwise), or all at
-construction with `build_all=True`, largest first, so a timed run excludes capture.
+Memory: the step's temporaries (proto.backend.empty) are planned into one arena, a memory
+tape shared by every graph of this object (`planned=True`, the default): the arena is what
+the largest graph needs and a tensor has the same address in every graph. `planned=False`
+gives every graph private buffers instead (what graphs without a planner hold). Executables:
+each graph instantiates its own, or, with `shared_executables=K`, the graphs share K of them,
+retargeted with executable update when a graph of another length is launched (CUDA only).
+
+Graphs are recorded without a warm-up (the step has no first-call path: its scratch comes
+from `empty`), on first use, largest first; or all at construction with `build_all=True`, so a
+timed run excludes capture.
 """
 from __future__ import annotations
 
@@ -51,10 +57,10 @@ import functools
 import numpy as np
 
 from kernels import _check, sampling
-from proto import graph, shapes
+from proto import shapes
 from proto.backend import cuda
-from proto.binding import MODES, ReplayStats, address
-from proto.executors import default_executor
+from proto.graph import Tape, capture, copy, default_executor
+from proto.graph.binding import MODES, ReplayStats
 from proto.models import generate
 from proto.models.gpt2 import KVCache
 from proto.models.lstm import LSTMState
@@ -89,7 +95,8 @@ class GraphedGPT2:
 
     def __init__(self, model, *, batch: int, max_len: int, binding: str = "alias",
                  strategy: str = "device", executor: str | None = None, buckets=None,
-                 build_all: bool = False):
+                 build_all: bool = False, planned: bool = True,
+                 shared_executables: int | None = None):
         if binding not in MODES:
             raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
         self.model, self.config = model, model.config
@@ -97,33 +104,35 @@ class GraphedGPT2:
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
         self.binding, self.strategy = binding, strategy
         self.executor = executor or default_executor()
+        self.tape = Tape("gpt2-decode") if planned else None
+        self.shared = None
+        if shared_executables is not None and self.executor == "cuda":
+            from proto.graph.cuda import SharedExecutables
+            self.shared = SharedExecutables(shared_executables)
         # The search's input buffers. alias: they are the placeholders (producers write here);
         # copy/patch: ordinary buffers whose contents (copy) or addresses (patch) get bound.
         self.inputs = generate.DecodeInputs(cuda.to_device(np.zeros((batch, 1), np.int32)),
                                             cuda.to_device(np.array([-1], np.int32)))
         if binding == "alias":
             self._tokens_ph, self._pos_ph = self.inputs.tokens, self.inputs.pos
-        else:  # pos -1 until bound: a warm-up before the first copy writes nothing (guard)
+        else:  # pos -1 until bound: a replay before the first copy writes nothing (guard)
             self._tokens_ph = cuda.to_device(np.zeros((batch, 1), np.int32))
             self._pos_ph = cuda.to_device(np.array([-1], np.int32))
         self._cache_names = [f"{kv}{i}" for kv in "kv" for i in range(self.config.n_layer)]
         self._sets: dict[int, tuple[KVCache, KVCache]] = {}  # capacity -> (set 0, set 1)
-        self._reorders: dict[tuple[int, int], graph.GraphedFunction] = {}  # (capacity, src set)
-        self._warmed: set[int] = set()  # capacities whose attention workspace exists
+        self._reorders: dict[tuple[int, int], object] = {}  # (capacity, src set) -> Graph
+        self._positions: dict[int, object] = {}  # exact: the constant position of each graph
         self.caches = (_SearchCache(self, 0), _SearchCache(self, 1))
         self.repad_bytes = 0
         self._position = 0         # host mirror of the next position (picks exact/bucket graphs)
         self._capacity = None      # capacity the search caches hold now
         self._pending = False      # copy: the reorder left the live cache in R, not S
-        self._logits = None        # the model's logits view, set by every step run
         self.keys = shapes.graph_keys(strategy, max_len, buckets)  # every graph a set can have
-        self._building_all = build_all
         n_graph_sets = 2 if binding == "alias" else 1
         self._graphs = [shapes.ShapeDispatcher(functools.partial(self._build, i),
                                                strategy=strategy, max_length=max_len,
                                                dynamic=(), buckets=buckets, eager=build_all)
                         for i in range(n_graph_sets)]
-        self._building_all = False
         self.reset()
 
     # ------------------------------------------------------------------ caches
@@ -150,7 +159,7 @@ class GraphedGPT2:
                 for src, dst in zip(old_set.arrays(), new_set.arrays()):
                     for b in range(self.batch):  # (B, H, old, hd) -> first rows of (B, H, new, hd)
                         for h in range(self.config.n_head):
-                            graph.copy(dst[b, h, :self._capacity], src[b, h])
+                            copy(dst[b, h, :self._capacity], src[b, h])
                     self.repad_bytes += src.nbytes
         for cache, live in zip(self.caches, new):
             cache.k, cache.v = live.k, live.v
@@ -170,11 +179,11 @@ class GraphedGPT2:
         key = (self._capacity, src.index)
         if key not in self._reorders:
             source, target = sets[src.index], sets[dst.index]
-            self._reorders[key] = graph.GraphedFunction(
+            self._reorders[key] = capture(
                 lambda index: KVCache.reorder_into(source, index, target),
                 {"index": cuda.device_array(self.batch, np.int32)}, binding="patch",
-                executor=self.executor, warmup=0)  # gathers have no first-call allocation
-        self._reorders[key](index=index)
+                executor=self.executor, warmup=0)  # gathers have no first-call path
+        self._reorders[key].replay(index=index)
 
     def reset(self, prompt_len: int = 1) -> None:
         """Start a generation from a prompt of `prompt_len` tokens: position 0, the smallest
@@ -197,24 +206,18 @@ class GraphedGPT2:
         capacity = self._capacity_for(key)
         cache = self._set(capacity)[set_index]
         placeholders = self._inputs(self._tokens_ph, self._pos_ph, cache)
-        # exact: this graph's own position, a constant only it reads
-        baked = cuda.to_device(np.array([key - 1], np.int32)) if self.strategy == "exact" else None
+        if self.strategy == "exact":   # this graph's own position, a constant only it reads
+            baked = self._positions.setdefault(key, cuda.to_device(np.array([key - 1], np.int32)))
         L, B = self.config.n_layer, self.batch
 
         def step(tokens, pos=None, **kv):
             view = _CacheView(self.config, B, [kv[f"k{i}"] for i in range(L)],
                               [kv[f"v{i}"] for i in range(L)])
-            self._logits = self.model.step(tokens, baked if pos is None else pos, view)
-            return self._logits
+            return self.model.step(tokens, baked if pos is None else pos, view)
 
-        warmup = 0 if capacity in self._warmed else 1
-        self._warmed.add(capacity)
-        if self._building_all:  # nothing is live yet: warm up and record on the placeholders
-            return graph.capture(step, placeholders, binding=self.binding,
-                                 executor=self.executor, warmup=warmup)
-        # Built mid-generation: its first call runs with the live inputs (see module doc).
-        return graph.GraphedFunction(step, placeholders, binding=self.binding,
-                                     executor=self.executor, warmup=warmup)
+        return capture(step, placeholders, binding=self.binding, executor=self.executor,
+                       warmup=0, planned=self.tape is not None, tape=self.tape,
+                       shared=self.shared)
 
     def step(self, tokens, pos, cache):
         """GPT2.step's contract on `cache`, one of `self.caches`. The first call after
@@ -248,17 +251,9 @@ class GraphedGPT2:
         else:
             live = cache
         g = self._graphs[cache.index if self.binding == "alias" else 0].graph(length)
-        inputs = self._inputs(tokens, pos, live)
-        if self.binding == "copy" and g.phase is graph.Phase.WARMUP:
-            # A warm-up runs eagerly on what it is given: give it the placeholders, filled as
-            # a replay's copy would, so the step updates the static cache the search reads.
-            for name, x in inputs.items():
-                if address(x) != address(g.placeholders[name]):
-                    graph.copy(g.placeholders[name], x)
-            inputs = g.placeholders
-        g(**inputs)  # warm-up, record and replay, or replay
+        logits = g.replay(**self._inputs(tokens, pos, live))
         self._position = length
-        return self._logits
+        return logits
 
     # ------------------------------------------------------------------ searches
     def greedy(self, prompt, *, max_new_tokens: int, eos: int | None = None, timed=False):
@@ -284,8 +279,6 @@ class GraphedGPT2:
         self.inputs.pos.copy_to_device(np.array([position], np.int32))
         inputs = self._inputs(self.inputs.tokens, self.inputs.pos, self.caches[0])
         g = self._graphs[0].graph(position + 1)
-        while g.phase is not graph.Phase.REPLAY:
-            g(**inputs)
         return lambda: g.replay(**inputs)
 
     # ------------------------------------------------------------------ accounting
@@ -314,15 +307,33 @@ class GraphedGPT2:
 
     @property
     def memory_bytes(self) -> int | None:
-        sizes = [d.memory_bytes for d in self._graphs]
-        return None if any(s is None for s in sizes) else sum(sizes)
+        """Driver memory of every executable: the step graphs' (their own, or the shared
+        pool's) and the reorder graphs'. None where unmeasurable (the simulator)."""
+        sizes = [g.memory_bytes for g in self._all_graphs() + list(self._reorders.values())]
+        if any(s is None for s in sizes):
+            return None
+        return sum(sizes) + (self.shared.memory_bytes if self.shared is not None else 0)
+
+    @property
+    def arena_bytes(self) -> int:
+        """The memory tape's arena (0 without the planner)."""
+        return self.tape.arena_bytes if self.tape is not None else 0
+
+    @property
+    def private_bytes(self) -> int:
+        """Temporaries in private memory, summed over graphs (0 with the planner)."""
+        return sum(g.private_bytes for g in self._all_graphs())
 
     def close(self) -> None:
         for d in self._graphs:
             d.close()
         for g in self._reorders.values():
             g.close()
-        self._sets, self._reorders, self._logits = {}, {}, None
+        if self.shared is not None:
+            self.shared.close()
+        if self.tape is not None:
+            self.tape.close()
+        self._sets, self._reorders, self._positions = {}, {}, {}
         for cache in self.caches:
             cache.k, cache.v = [], []
 
@@ -355,20 +366,20 @@ class GraphedLSTM:
     """
 
     def __init__(self, model, *, max_batch: int, binding: str = "alias",
-                 strategy: str = "device", executor: str | None = None, buckets=None):
+                 strategy: str = "device", executor: str | None = None, buckets=None,
+                 planned: bool = True):
         if binding not in MODES:
             raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
         self.model, self.config = model, model.config
         self.max_batch = _check.positive("max_batch", max_batch, at_most=model.max_batch)
         self.binding, self.executor = binding, executor or default_executor()
+        self.tape = Tape("lstm-step") if planned else None
         self.state = LSTMState(self.config, max_batch)
         self.tokens = cuda.to_device(np.zeros(max_batch, np.int32))  # where producers write
         self._tokens_ph = self.tokens if binding == "alias" else \
             cuda.to_device(np.zeros(max_batch, np.int32))
         self._names = [f"h{k}" for k in range(self.config.n_layer)] + \
                       [f"c{k}" for k in range(self.config.n_layer)]
-        self._logits = {}
-        self._warm = False
         self._graphs = shapes.ShapeDispatcher(self._build, strategy=strategy,
                                               max_length=max_batch,
                                               dynamic=("tokens", *self._names), buckets=buckets)
@@ -381,12 +392,12 @@ class GraphedLSTM:
         def step(tokens, **hc):
             state = _StateView(self.config, [hc[f"h{k}"] for k in range(L)],
                                [hc[f"c{k}"] for k in range(L)])
-            self._logits[key] = self.model.step(tokens, state)
-            return self._logits[key]
+            return self.model.step(tokens, state)
 
-        warmup, self._warm = (0 if self._warm else 1), True
-        return graph.GraphedFunction(step, placeholders, binding=self.binding,
-                                     executor=self.executor, warmup=warmup)
+        # No warm-up: the step updates the state in place, so an extra eager run would
+        # advance every sequence one token too far.
+        return capture(step, placeholders, binding=self.binding, executor=self.executor,
+                       warmup=0, planned=self.tape is not None, tape=self.tape)
 
     def step(self, tokens, batch: int):
         """Logits (batch, V) of the next token for rows [:batch]; `tokens` device int32
@@ -396,8 +407,7 @@ class GraphedLSTM:
         key = shapes.key_for(batch, self._graphs.keys)
         inputs = {"tokens": tokens[:key],
                   **{n: a[:key] for n, a in zip(self._names, self.state.arrays())}}
-        self._graphs.graph(batch)(**inputs)
-        return self._logits[key][:batch]
+        return self._graphs.graph(batch).replay(**inputs)[:batch]
 
     def stats(self) -> ReplayStats:
         total = ReplayStats()
@@ -409,17 +419,42 @@ class GraphedLSTM:
     def num_graphs(self) -> int:
         return self._graphs.num_graphs
 
+    @property
+    def arena_bytes(self) -> int:
+        return self.tape.arena_bytes if self.tape is not None else 0
+
+    @property
+    def private_bytes(self) -> int:
+        return sum(g.private_bytes for g in self._graphs.graphs.values())
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return self._graphs.memory_bytes
+
     def close(self) -> None:
         self._graphs.close()
-        self._logits = {}
+        if self.tape is not None:
+            self.tape.close()
+
+    def __enter__(self) -> "GraphedLSTM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def lstm_greedy(step, tokens, prompt, max_new_tokens: int) -> np.ndarray:
+def lstm_greedy(step, tokens, prompt, max_new_tokens: int, *, vocab: int) -> np.ndarray:
     """Greedy decoding of `prompt` (B, T0) with an LSTM step: `step(tokens) -> logits (B, V)`
     reads the token buffer `tokens` (device int32, at least B rows) and advances its state.
     The argmax writes each next token straight into `tokens`. Returns (B, T0 + n) ids."""
-    prompt = np.asarray(prompt, np.int32)
+    prompt = generate._check_prompt(prompt, _check.positive("vocab", vocab), ndim=2)
+    _check.device_array("tokens", tokens, dtype=np.int32, ndim=1)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: expected a non-negative integer, got {max_new_tokens!r}")
     B, T0 = prompt.shape
+    if B > tokens.shape[0]:
+        raise ValueError(f"prompt: {B} rows, but the token buffer holds {tokens.shape[0]}")
     padded = np.zeros(tokens.shape[0], np.int32)
     for t in range(T0 - 1):
         padded[:B] = prompt[:, t]

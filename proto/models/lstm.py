@@ -2,11 +2,12 @@
 
     model = LSTMLM(config, state_dict, max_batch=8)
     state = LSTMState(config, batch=8)               # h, c per layer, zeros
-    logits = model.step(tokens, state)               # (B, V) view of a fixed buffer
+    logits = model.step(tokens, state)               # (B, V), valid until the next step
 
-Like GPT2.step, a step only launches kernels on buffers fixed at construction, so a graph
-recorder can capture it. The state is updated in place, so the same step (and graph) runs
-again on its own output.
+Like GPT2.step, a step launches kernels and takes its temporaries from
+``proto.backend.empty`` (named, so the memory planner can place them when a graph records
+the step). The state is updated in place, so the same step (and graph) runs again on its
+own output.
 
 Weights: the `state_dict()` of a PyTorch module with `embedding` (nn.Embedding), `lstm`
 (nn.LSTM, gates in PyTorch's order i, f, g, o) and `decoder` (nn.Linear), as NumPy arrays.
@@ -18,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check, embedding, gemm, lstm
-from proto.backend import cuda
+from proto.backend import cuda, empty
 from proto.models import checked_params, zeros
 
 
@@ -90,33 +91,29 @@ class LSTMLM:
         self.layers = [tuple(w[f"lstm.{name}_l{k}"] for name in (
             "weight_ih", "bias_ih", "weight_hh", "bias_hh")) for k in range(config.n_layer)]
         self.decoder_w, self.decoder_b = w["decoder.weight"], w["decoder.bias"]
-        B, E, H, V = max_batch, config.n_embd, config.n_hidden, config.vocab_size
-        self._x = cuda.device_array((B, E), np.float32)
-        self._gates = cuda.device_array((B, 4 * H), np.float32)
-        self._logits = cuda.device_array((B, V), np.float32)
 
     def step(self, tokens, state: LSTMState, stream=0):
         """Advance every sequence by one token; return the next-token logits.
 
         tokens: device int32 (B,), B <= max_batch, values in [0, vocab).
         state:  LSTMState of batch B, read and updated in place (h, c of every layer).
-        Returns a device float32 (B, V) view of the model's logits buffer, overwritten by the
-        next step.
+        Returns device float32 (B, V) logits, overwritten by the model's next step.
         """
         _check.device_array("tokens", tokens, dtype=np.int32, ndim=1)
         B = _check.positive("tokens.shape[0] (batch)", tokens.shape[0], at_most=self.max_batch)
         if not isinstance(state, LSTMState) or state.config != self.config or state.batch != B:
             raise ValueError(f"state: expected an LSTMState of this model's config with batch {B}")
-        E = self.config.n_embd
-        x, gates = self._x[:B], self._gates[:B]
+        E, H, V = self.config.n_embd, self.config.n_hidden, self.config.vocab_size
+        x = empty((B, E), np.float32, "x", owner=self)
         embedding.embed(tokens.reshape(B, 1), self.embedding, x.reshape(B, 1, E), stream=stream)
         for k, (w_ih, b_ih, w_hh, b_hh) in enumerate(self.layers):
             # gates = x @ W_ih.T + b_ih + h @ W_hh.T + b_hh, the second gemm accumulating
+            gates = empty((B, 4 * H), np.float32, f"l{k}.gates", owner=self)
             gemm.gemm(x, w_ih, gates, bias=b_ih, trans_b=True, stream=stream)
             gemm.gemm(state.h[k], w_hh, gates, bias=b_hh, trans_b=True, accumulate=True,
                       stream=stream)
             lstm.lstm_cell(gates, state.c[k], state.h[k], state.c[k], stream=stream)
             x = state.h[k]  # (B, H): the next layer's input
-        logits = self._logits[:B]
+        logits = empty((B, V), np.float32, "logits", owner=self)
         gemm.gemm(x, self.decoder_w, logits, bias=self.decoder_b, trans_b=True, stream=stream)
         return logits

@@ -3,7 +3,7 @@
 GraphedGPT2 replays one graph per token, then copies results back so the host can decide:
 greedy tests for EOS, beam search picks the next beams. That is a synchronization per token,
 with the GPU idle while Python looks. Here the loop itself is in the graph
-(proto.control.while_loop) and the decisions are kernels, so one launch generates until the
+(proto.graph.while_loop) and the decisions are kernels, so one launch generates until the
 search is over:
 
     GreedyLoop   WHILE flag:  logits = step(tokens, pos, cache)     (position read on device)
@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check, gemm, sampling, softmax
-from proto import control, graph
 from proto.backend import cuda
+from proto.graph import capture, copy, while_loop
 from proto.models import generate
 from proto.models.gpt2 import KVCache
 
@@ -41,8 +41,8 @@ def _zeros(*shape, dtype=np.int32):
 
 
 class _DeviceLoop:
-    """What both searches share: one graph `WHILE flag: body()`, recorded after one eager pass
-    (first-call workspaces, the attention's and the top-k's, must exist before recording)."""
+    """What both searches share: one graph `WHILE flag: body()`, its temporaries planned into
+    the graph's own arena. The loop's bound is the most tokens a generation can make."""
 
     def __init__(self, model, batch: int, max_len: int):
         self.model, self.config = model, model.config
@@ -52,10 +52,8 @@ class _DeviceLoop:
         self.tokens, self.pos, self.flag = _zeros(self.batch, 1), _zeros(1), _zeros(1)
 
     def _capture(self, executor) -> None:
-        self._body()
-        self.flag.copy_to_device(np.zeros(1, np.int32))   # the capture's own replay: no pass
-        self.graph = graph.capture(lambda: control.while_loop(self.flag, self._body), {},
-                                   executor=executor, warmup=0)
+        self.graph = capture(lambda: while_loop(self.flag, self._body, max_passes=self.max_len),
+                             {}, executor=executor, warmup=0)
 
     def _body(self) -> None:
         raise NotImplementedError
@@ -169,8 +167,8 @@ class BeamLoop(_DeviceLoop):
                               self.best_meta, self.state, self.pos, self.flag)
         self.cache.reorder_into(self.parents, self.scratch)
         for live, chosen in zip(self.cache.arrays(), self.scratch.arrays()):
-            graph.copy(live, chosen)
-        graph.copy(self.hist, self.hist_next)
+            copy(live, chosen)
+        copy(self.hist, self.hist_next)
 
     def _set(self, prompt: np.ndarray, limit: int, eos: int, go: bool) -> None:
         beam, T0 = self.batch, len(prompt)

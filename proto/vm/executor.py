@@ -63,7 +63,7 @@ class Executor:
         self._op_names = [tuple(dict.fromkeys(op.reads + op.writes)) for op in tape.ops]
         self._pending: dict[str, object] = {}    # prefetched views, usable after their wait
         self._events: dict[tuple, object] = {}   # created once, re-recorded every step
-        self.graphed: graph.GraphedFunction | None = None   # set by capture()
+        self.graphed: graph.Graph | None = None   # set by capture()
 
     # -- host I/O (outside the timed step) ------------------------------------------------
     def load(self, values: dict[str, np.ndarray]) -> None:
@@ -130,10 +130,10 @@ class Executor:
         for act in plan.end:
             self._apply(act, len(self.tape.ops), "end")
 
-    def capture(self, executor: str | None = None) -> graph.GraphDescription:
+    def capture(self, executor: str | None = None) -> graph.Description:
         """Record one step, all three streams of it, as one graph; later `step()`s launch it.
 
-        Runs the step twice on the way (a warm-up step, then the graph's first replay), so
+        Runs the step once on the way (a warm-up, outside the graph), so
         `load` the starting state afterwards. `executor`: "cuda" (a CUDA graph; the default on
         a GPU) or "walk" (node by node; the simulator's). Returns the recorded description."""
         if self.graphed is not None:

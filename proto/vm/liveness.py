@@ -16,13 +16,8 @@ import bisect
 import functools
 from typing import NamedTuple
 
+from proto.graph.plan import ALIGN, align_up  # noqa: F401 (the pool's alignment, re-exported)
 from proto.tape import Tape
-
-ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects it to
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
 
 
 PERSISTENT_KINDS = frozenset({"input", "param", "grad", "state"})

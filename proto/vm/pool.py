@@ -1,13 +1,11 @@
 """Budgeted device memory: one arena, blocks at planned offsets, a hard byte budget.
 
 The schedule knows every block's lifetime before the step runs, so offsets are planned once
-(`place`, a greedy interval packing in the manner of tinygrad's memory planner) and the pool
-only hands out views. Going past the budget is an error, never a silent cudaMalloc: a policy
+(proto.graph.plan.place: the same greedy interval packing that places a graph's temporaries)
+and the pool only hands out views. Going past the budget is an error, never a silent cudaMalloc: a policy
 must make room first (evict, release, free).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
@@ -19,58 +17,6 @@ from proto.vm.liveness import ALIGN, align_up, fmt_bytes
 
 class OutOfBudget(MemoryError):
     """An allocation would pass the pool's byte budget."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """`nbytes` held from the start of op `first` to the end of op `last` (inclusive)."""
-    key: object
-    first: int
-    last: int
-    nbytes: int
-
-
-def _fit(blocks: list[Block], align: int, best: bool) -> tuple[dict[object, int], int]:
-    """Place blocks in the given order, each in a hole clear of the placed blocks it meets in
-    time: the lowest such hole (first fit) or the tightest one (best fit)."""
-    offsets: dict[object, int] = {}
-    placed: list[tuple[Block, int]] = []
-    arena = 0
-    for blk in blocks:
-        size = align_up(blk.nbytes, align)
-        busy = sorted((off, off + align_up(other.nbytes, align)) for other, off in placed
-                      if other.first <= blk.last and blk.first <= other.last)
-        holes, cursor = [], 0
-        for start, end in busy:
-            if start - cursor >= size:
-                holes.append((start - cursor, cursor))
-            cursor = max(cursor, end)
-        top = cursor                       # above every busy block: always fits
-        if holes and best:
-            offset = min(holes)[1]
-        elif holes:
-            offset = holes[0][1]
-        else:
-            offset = top
-        offsets[blk.key] = offset
-        placed.append((blk, offset))
-        arena = max(arena, offset + size)
-    return offsets, arena
-
-
-def place(blocks: list[Block], align: int = ALIGN) -> tuple[dict[object, int], int]:
-    """Offsets such that blocks alive during a common op never overlap; returns (offsets, arena bytes).
-
-    Greedy placement in a few orders (largest first, longest-lived first, most byte-ops
-    first, earliest first), each by first fit and by best fit; the smallest arena wins. Not
-    optimal (that problem is NP-hard) but tight on layer-ordered nets.
-    """
-    orders = (lambda b: (-b.nbytes, b.first, b.last),
-              lambda b: (-(b.last - b.first), -b.nbytes, b.first),
-              lambda b: (-(b.last - b.first + 1) * b.nbytes, b.first),
-              lambda b: (b.first, -b.nbytes, b.last))
-    return min((_fit(sorted(blocks, key=order), align, best) for order in orders for best in (False, True)),
-               key=lambda result: result[1])
 
 
 def managed_bytes(nbytes: int):

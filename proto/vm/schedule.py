@@ -39,7 +39,7 @@ from typing import Literal
 
 from proto.tape import Tape
 from proto.vm.liveness import BudgetError, Gap, Liveness, align_up, fmt_bytes
-from proto.vm.pool import Block, place
+from proto.graph.plan import Block, place
 
 ActionKind = Literal["alloc", "free", "evict", "discard", "release", "prefetch", "wait", "drop",
                      "recompute"]

@@ -17,11 +17,11 @@ to get new data in front of the graph, and Grape's first contribution is the thi
           into the placeholder. Binding moves no bytes and patches nothing; it only verifies
           that the caller really passed the placeholder (same device address).
 
-This module holds the parts that do not depend on how the graph is executed: device
-addresses, the pure function that finds which (node, argument) slots read which input
-(`input_slots`), the input checks every replay runs before any launch (`check_inputs`), and
-the binding step itself (`Binder`), whose patch loop calls the executor's
-``set_array_args``. Every replay reports a `ReplayStats`.
+This module holds the parts that do not depend on how the graph is executed: the pure
+function that finds which (node, argument) slots read which input (`input_slots`), the input
+checks every replay runs before any launch (`check_inputs`), and the binding step itself
+(`Binder`), whose patch loop calls the executor's ``set_array_args``. Every replay reports a
+`ReplayStats`, whose bytes are counted from the copies binding actually issued.
 """
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from proto import backend
-from proto.backend import address, cuda, extent, is_device_array  # noqa: F401 (address re-exported)
+from proto.backend import address, device_copy, extent, is_device_array
 
 MODES = ("copy", "patch", "alias")
 
@@ -53,30 +52,6 @@ class ReplayStats:
     @property
     def bind_us_per_replay(self) -> float:
         return 1e6 * self.bind_s / max(self.replays, 1)
-
-
-# ------------------------------------------------------------------------- device addresses
-def view_at(base, offset: int, like):
-    """An array shaped and strided like `like`, starting `offset` bytes into `base`: the
-    argument a node gets when its input is rebound to `base` (walk executor's patch)."""
-    if backend.SIMULATOR:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        return FakeCUDAArray(np.ndarray(like.shape, like.dtype, buffer=base._ary, offset=offset,
-                                        strides=like.strides))
-    from numba.cuda.cudadrv.devicearray import DeviceNDArray
-    return DeviceNDArray(like.shape, like.strides, like.dtype, gpu_data=base.gpu_data.view(offset))
-
-
-def device_copy(dst, src, stream=0) -> None:
-    """Copy equal-shaped C-contiguous arrays, queued on `stream` (0: the default stream, which
-    every kernel and graph of this project runs on unless told otherwise). Device to device,
-    or one side a host array: pinned, so the copy is asynchronous."""
-    if not backend.SIMULATOR and isinstance(stream, int):
-        stream = cuda.default_stream()
-    if is_device_array(dst):
-        dst.copy_to_device(src, stream=stream)
-    else:
-        src.copy_to_host(dst, stream=stream)
 
 
 # ------------------------------------------------------------------------- which slots read an input
@@ -154,7 +129,7 @@ def check_disjoint(arrays: dict) -> None:
 
 # ------------------------------------------------------------------------- binding
 class Binder:
-    """Bring a replay's inputs to the graph in one of `MODES`; returns bytes copied."""
+    """Bring a replay's inputs to the graph in one of `MODES`."""
 
     def __init__(self, mode: str, placeholders: dict, slots: list[Slot], executable):
         if mode not in MODES:
@@ -167,28 +142,35 @@ class Binder:
         # held so that memory stays alive while the graph may read it.
         self._bound = {name: address(a) for name, a in placeholders.items()}
         self._held = dict(placeholders)
-        self.bind = getattr(self, f"_{mode}")  # bind(inputs) -> bytes copied; chosen once
+        self.bytes_issued = 0   # every byte a binding copy has moved, counted as issued
+        self._bind = getattr(self, f"_{mode}")  # chosen once
 
-    def _copy(self, inputs: dict) -> int:
-        moved = 0
+    def bind(self, inputs: dict) -> int:
+        """Bring `inputs` to the graph; returns the bytes this binding copied."""
+        before = self.bytes_issued
+        self._bind(inputs)
+        return self.bytes_issued - before
+
+    def _issue_copy(self, dst, src) -> None:
+        device_copy(dst, src)
+        self.bytes_issued += src.nbytes
+
+    def _copy(self, inputs: dict) -> None:
         for name, x in inputs.items():
             placeholder = self.placeholders[name]
             if address(x) != address(placeholder):
-                device_copy(placeholder, x)
-                moved += x.nbytes
-        return moved
+                self._issue_copy(placeholder, x)
 
-    def _alias(self, inputs: dict) -> int:
+    def _alias(self, inputs: dict) -> None:
         for name, x in inputs.items():
             want, got = address(self.placeholders[name]), address(x)
             if got != want:
                 raise ValueError(
                     f"replay: input {name!r}: alias binding needs the graph's placeholder itself "
                     f"(device address {want:#x}), got a different array at {got:#x}; have the "
-                    f"producer write into graphed.placeholders[{name!r}]")
-        return 0
+                    f"producer write into graph.placeholders[{name!r}]")
 
-    def _patch(self, inputs: dict) -> int:
+    def _patch(self, inputs: dict) -> None:
         by_node = defaultdict(dict)
         for name, x in inputs.items():
             if address(x) == self._bound[name]:
@@ -198,4 +180,3 @@ class Binder:
             self._bound[name], self._held[name] = address(x), x
         for node, args in by_node.items():  # one driver call per node, however many slots
             self._executable.set_array_args(node, args)
-        return 0

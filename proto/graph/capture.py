@@ -1,0 +1,202 @@
+"""Capture: a function's launches recorded once, planned, instantiated, then replayed.
+
+Why graphs. An eager kernel launch costs the host 5-30 us (Python, Numba's argument
+flattening, the driver), while a small decode-step kernel runs for a few microseconds, so a
+step of hundreds of kernels is bound by the CPU. A CUDA graph is the list of launches (and
+copies) with their dependencies, handed to the driver once: *instantiation* validates it and
+prepares every launch, and from then on one ``cuGraphLaunch`` replays all of it for about
+1 us per kernel. What a graph freezes is everything a launch is made of: the kernels, grid and
+block sizes, and every argument, including the device address of every array. Replaying
+therefore reruns the same arithmetic on the same buffers; new data must be placed where the
+graph looks (proto.graph.binding) and new shapes need new graphs or kernels that read their
+length on the device (proto.shapes).
+
+``capture(fn, inputs)`` goes through the phases once (as tinygrad's TinyJit and
+torch.cuda.graphs do):
+
+  WARM-UP  run `fn` eagerly `warmup` times (default 1), so that whatever it does only on its
+           first call (load a table, fill a cache) happens outside the graph: a graph must
+           never record a one-off first-call path. Kernels that allocate their scratch
+           through ``proto.backend.empty`` need no warm-up for it; pass ``warmup=0`` when
+           running `fn` once more would change state the caller cares about.
+  RECORD   run `fn` on the placeholders (`inputs`) with every launch, copy and allocation
+           recorded (proto.graph.record): nothing runs.
+  PLAN     place every temporary `fn` allocated in an arena (proto.graph.plan): the
+           graph's own, or a `Tape` shared by every graph of one owner, so a tensor has one
+           address in all of them. ``planned=False`` keeps each temporary in private memory
+           (what a graph without a planner holds). A description recorded on several streams
+           is checked for races (proto.graph.ir.races) before it goes further.
+  BUILD    lower the description to an executable: a CUDA graph (proto.graph.cuda; its own,
+           or one of a SharedExecutables pool's) or, on the simulator, the walk executor.
+
+and returns a `Graph`:
+
+    graph = capture(step, inputs={"x": x_placeholder}, binding="copy")
+    y = graph.replay(x=x_new)    # check inputs, bind, launch; returns fn's outputs (arrays
+                                 # the replay writes again: graph.outputs)
+    graph.stats                  # ReplayStats summed over replays: bytes copied, bind time
+    graph.close()                # or: with capture(...) as graph: ...
+
+Every array a node references is kept alive by the description until `close()`; closing
+destroys the executable and drops those references, so the buffers are freed.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from proto import backend
+from proto.backend import extent
+from proto.graph import plan as planner
+from proto.graph.binding import (MODES, Binder, ReplayStats, check_disjoint, check_inputs,
+                                 input_slots)
+from proto.graph.ir import Description, races
+from proto.graph.record import record, recording
+from proto.graph.walk import WalkExecutor
+
+
+def _cuda_executor(description, shared=None):
+    from proto.graph.cuda import make_cuda_executor
+    return make_cuda_executor(description, shared)
+
+
+def _walk_executor(description, shared=None):
+    return WalkExecutor(description)   # no executables to share on a walk
+
+
+EXECUTORS = {"walk": _walk_executor, "cuda": _cuda_executor}
+
+
+def default_executor() -> str:
+    return "walk" if backend.SIMULATOR else "cuda"
+
+
+class Graph:
+    """A captured function: `replay(**inputs)` runs it again on new inputs. Made by `capture`."""
+
+    def __init__(self, description: Description, outputs, placeholders: dict, *, binding: str,
+                 executor: str, plan, tape, own_tape: bool, shared):
+        self.description, self.outputs, self.placeholders = description, outputs, placeholders
+        self.binding, self.executor, self.plan = binding, executor, plan
+        self._tape, self._own_tape = tape, own_tape
+        self.slots = []  # patch binding: which (node, argument) reads which input
+        if binding == "patch":
+            self.slots = input_slots([[(i, *extent(a)) for i, a in node.array_args()]
+                                      for node in description.nodes],
+                                     {name: extent(a) for name, a in placeholders.items()})
+        self._executable = EXECUTORS[executor](description, shared)
+        self._binder = Binder(binding, placeholders, self.slots, self._executable)
+        self.stats = ReplayStats()  # accumulated over replays
+        self.last_stats = ReplayStats()
+
+    @property
+    def closed(self) -> bool:
+        return self._executable is None
+
+    def replay(self, **inputs):
+        """Check the inputs (names, device, dtype, shape, layout) before anything moves, bind
+        them, launch. Returns `outputs`. A graph with a WHILE loop waits for the GPU after the
+        launch to read its loops' pass counters (LoopBoundError if one hit its bound)."""
+        if self.closed:
+            raise RuntimeError("replay: the graph is closed")
+        t0 = time.perf_counter()
+        check_inputs(self.placeholders, inputs)
+        moved = self._binder.bind(inputs)
+        bind_s = time.perf_counter() - t0
+        self._executable.launch()
+        self._executable.finish()
+        self.last_stats = ReplayStats(1, moved, bind_s)
+        self.stats += self.last_stats
+        return self.outputs
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Device memory the executable took at instantiation (None: unmeasurable; 0 for a
+        graph whose executable is shared)."""
+        return None if self.closed else self._executable.memory_bytes
+
+    @property
+    def private_bytes(self) -> int:
+        """Bytes of temporaries held in private memory (an unplanned graph's buffers)."""
+        return 0 if self.plan is not None else sum(b.nbytes for b in self.description.buffers)
+
+    def close(self) -> None:
+        """Destroy the executable and drop every buffer reference the graph holds."""
+        if self._executable is not None:
+            backend.synchronize()  # a replay in flight must finish before its graph goes
+            self._executable.close()
+        if self._own_tape and self._tape is not None:
+            self._tape.close()
+        self._executable = self._binder = self.description = self.outputs = self._tape = None
+        self.placeholders, self.slots = {}, []
+
+    def __enter__(self) -> "Graph":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str | None = None,
+            warmup: int = 1, planned: bool = True, tape: planner.Tape | None = None,
+            shared=None) -> Graph:
+    """Warm up `fn` on `inputs`, record it with `inputs` as placeholders, plan its
+    temporaries, build the executable; see the module doc. `fn` takes the inputs as keyword
+    arguments and launches through proto.backend.launch / proto.graph.copy; what it returns
+    becomes `outputs`.
+
+    binding: one of proto.graph.binding.MODES. executor: "cuda" (default on a GPU) or "walk".
+    planned: place temporaries in an arena (`tape`'s, shared with the other graphs of its
+    owner, or the graph's own) or keep them private. shared: a proto.graph.cuda
+    SharedExecutables pool this graph's executable comes from (CUDA executor only).
+    """
+    if recording():
+        raise RuntimeError("capture: called while recording a graph; captures cannot nest")
+    if binding not in MODES:
+        raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
+    executor = executor or default_executor()
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor: expected one of {sorted(EXECUTORS)}, got {executor!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
+        raise ValueError(f"warmup: expected a non-negative integer, got {warmup!r}")
+    if tape is not None and not planned:
+        raise ValueError("tape: a tape places temporaries; it needs planned=True")
+    if not isinstance(inputs, dict):
+        raise TypeError(f"inputs: expected a dict of name -> device array, got {type(inputs).__name__}")
+    check_inputs(inputs, inputs, where="placeholders")
+    check_disjoint(inputs)
+    placeholders = dict(inputs)
+
+    for _ in range(int(warmup)):      # WARM-UP
+        fn(**placeholders)
+    backend.synchronize()
+    with record() as recorder:        # RECORD
+        outputs = fn(**placeholders)
+    if not recorder.nodes:
+        raise ValueError("record: the function launched no kernels and made no copies")
+    description = recorder.description()
+    if not description.is_chain:
+        found = races(description)
+        if found:
+            raise ValueError(f"capture: nodes {found[:5]} touch the same bytes with no order "
+                             "between them (a missing event wait between streams)")
+    if binding == "patch" and description.has_conditionals:
+        raise ValueError("binding 'patch' rewrites top-level nodes only, and a conditional "
+                         "body may read the inputs too; use 'copy' or 'alias'")
+    plan = None
+    own_tape = planned and tape is None
+    if planned:                       # PLAN
+        tape = tape or planner.Tape("graph")
+        plan = tape.plan_graph(description, planner.leaves(outputs))
+        description, outputs = planner.apply(description, plan, tape.arena, outputs)
+        if not description.is_chain:
+            planner.check_race_free(description)
+    try:                              # BUILD
+        return Graph(description, outputs, placeholders, binding=binding, executor=executor,
+                     plan=plan, tape=tape, own_tape=own_tape, shared=shared)
+    except BaseException:
+        if own_tape:
+            tape.close()
+        raise

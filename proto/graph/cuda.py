@@ -1,0 +1,429 @@
+"""The CUDA executor: a description lowered to a real CUDA graph (cuda.core).
+
+It uses cuda.core's explicit graph-definition API (``GraphDefinition``: one node per
+description node, with the edges the description recorded: a chain for work done on one
+stream, a DAG whose branches overlap for work spread over streams and events), then
+instantiates it. Instantiation is where the driver does the expensive work once: it checks
+every node, copies each kernel's parameter block into its own memory and builds launch
+descriptors, so that a replay is a single ``cuGraphLaunch`` however many kernels it holds.
+Keeping each definition node's handle is what makes patching cheap: ``graph[node].update(...)``
+rewrites one node's parameters inside the instantiated graph (cuGraphExecKernelNodeSetParams)
+without instantiating again.
+
+Executables cost device memory (the driver's copy of every node's parameters and launch
+descriptors, a few KiB a kernel node, reserved in 2 MiB chunks). Graphs of one topology (the
+per-length decode graphs of a model differ only in pointers) can share executables:
+`SharedExecutables` keeps at most K of them and retargets one to another graph's definition
+with ``cuGraphExecUpdate`` (cuda.core's ``Graph.update``) when that graph is launched: the
+definitions stay on the host, the device holds K executables. An update takes effect at the
+next launch and leaves launches in flight alone, so the host may retarget while the GPU runs.
+
+Conditional nodes lower to CUDA's IF/WHILE nodes: the condition is a handle the driver owns,
+so a one-thread kernel copies the device flag into it before the node and, for WHILE, again
+after the last node of each pass of the body (the body is lowered into the node's own graph
+the same way). That WHILE kernel also counts passes and stops the loop at its bound, setting a
+device flag the host reads after the replay (`finish`). A driver without conditional nodes
+(before CUDA 12.4) gets `HostDrivenExecutor` instead, with a warning: CUDA graphs for the
+stretches between conditional nodes, the host reading each flag.
+
+A kernel's parameters are not its Python arguments. Numba flattens each array argument into
+``meminfo, parent, nitems, itemsize, data, shape..., strides...`` (5 + 2*ndim parameters) and
+each scalar into one typed value; the compiled kernel (``dispatcher.overloads[sig]``) does the
+flattening in ``_prepare_args``. We keep that flat list per node and remember where each
+array's ``data`` pointer sits in it: that position is the slot patch binding rewrites.
+"""
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+from proto import backend
+from proto.backend import address, cuda, is_device_array
+from proto.graph.ir import Conditional, Copy, Description, KernelLaunch
+from proto.graph.record import LoopBoundError
+from proto.graph.walk import run_conditional
+
+# Numba's flattened array argument: meminfo, parent, nitems, itemsize, then the data pointer.
+_DATA_SLOT = 4
+
+
+def _compiled(kernel):
+    """The one compiled overload of an eager-signature kernel (proto.backend.jit)."""
+    overloads = list(kernel.overloads.values())
+    if len(overloads) != 1:
+        raise TypeError(f"kernel {kernel.py_func.__name__}: graphs need exactly one eager "
+                        f"signature (proto.backend.jit), found {len(overloads)}")
+    return overloads[0]
+
+
+def flatten_args(kernel, args) -> tuple[object, list, dict]:
+    """(cuda.core Kernel, flat parameter list, {argument index: position of its data pointer})."""
+    compiled = _compiled(kernel)
+    types = compiled.argument_types
+    name = kernel.py_func.__name__
+    if len(args) != len(types):
+        raise TypeError(f"kernel {name}: expected {len(types)} arguments, got {len(args)}")
+    flat, data_slots = [], {}
+    for i, (ty, value) in enumerate(zip(types, args)):
+        if is_device_array(value):
+            want = (str(ty.dtype), ty.ndim)
+            got = (str(np.dtype(value.dtype)), value.ndim)
+            if want != got or (ty.layout == "C" and not value.is_c_contiguous()):
+                raise TypeError(f"kernel {name} argument {i}: expected {ty}, got {got[0]} "
+                                f"{got[1]}-d array with strides {tuple(value.strides)}")
+            data_slots[i] = len(flat) + _DATA_SLOT
+        compiled._prepare_args(ty, value, 0, [], flat)
+    return compiled._codelibrary.get_cufunc().kernel, flat, data_slots
+
+
+class _KernelParams(NamedTuple):
+    config: object
+    kernel: object  # cuda.core Kernel
+    flat: list  # Numba's flattened parameters, rewritten in place by patch
+    data_slots: dict  # argument index -> position of its data pointer in `flat`
+
+
+def free_device_memory() -> int:
+    return cuda.current_context().get_memory_info()[0]
+
+
+def topology(description: Description) -> tuple:
+    """What must match for one executable to be updated into another graph: node kinds and
+    kernels, copy directions, and the edges (cuGraphExecUpdate's rules, kept strict)."""
+    key = []
+    for node, deps in zip(description.nodes, description.deps):
+        if isinstance(node, KernelLaunch):
+            key.append(("kernel", id(node.kernel), deps))
+        elif isinstance(node, Copy):
+            key.append(("copy", node.direction, deps))
+        else:
+            key.append(("conditional", id(node), deps))  # never shared: unique per graph
+    return tuple(key)
+
+
+class _Lowered:
+    """A description as a cuda.core GraphDefinition, with every node's handle and parameters
+    and the pass counters of its WHILE nodes."""
+
+    def __init__(self, description: Description):
+        from cuda.core.graph import GraphDefinition
+        cuda.current_context()  # Numba's primary context is the one cuda.core launches into
+        self.definition = GraphDefinition()
+        self.loops: list[Conditional] = []
+        self.handles, self.params = self._lower(self.definition, description)
+
+    def _lower(self, target, description: Description) -> tuple[list, list]:
+        """Add the description's nodes to `target` (the whole graph, or a conditional node's
+        body); returns their node handles and parameters."""
+        from cuda.core import LaunchConfig
+        handles, all_params = [], []
+        for node, waits in zip(description.nodes, description.deps):
+            # A node is added from its first dependency (or the graph: a root); the other
+            # dependencies become extra edges into its first graph node.
+            parents = [handles[d] for d in waits]
+            start = parents[0] if parents else target
+            if isinstance(node, KernelLaunch):
+                cukernel, flat, data_slots = flatten_args(node.kernel, node.args)
+                config = LaunchConfig(grid=node.griddim, block=node.blockdim,
+                                      shmem_size=node.sharedmem)
+                first = handle = start.launch(config, cukernel, *flat)
+                params = _KernelParams(config, cukernel, flat, data_slots)
+            elif isinstance(node, Copy):  # device or pinned host addresses; the driver tells which
+                dst, src = node.args
+                params = [address(dst), address(src), dst.nbytes]
+                first = handle = start.memcpy(*params)
+            elif isinstance(node, Conditional):
+                first, handle = self._lower_conditional(target, start, node)
+                params = None   # bodies are not patched (capture refuses patch binding)
+            else:
+                raise NotImplementedError(f"CUDA executor: no lowering for {type(node).__name__}")
+            for parent in parents[1:]:
+                first.pred.add(parent)
+            handles.append(handle)
+            all_params.append(params)
+        return handles, all_params
+
+    def _lower_conditional(self, target, start, node: Conditional):
+        """set-condition kernel -> IF/WHILE node; a WHILE body ends by setting it again.
+        Returns (first graph node, the node successors wait for)."""
+        flag = node.args[0]
+        condition = target.create_condition(default_value=0)
+        handle = int(condition.handle)
+        if node.loop:
+            self.loops.append(node)
+            setter = start.launch(*_condition_launch("start", flag, node.passes, 0, handle))
+            cond_node = setter.while_loop(condition)
+            body = cond_node.body
+        else:
+            setter = start.launch(*_condition_launch("if", flag, None, 0, handle))
+            cond_node = setter.if_then(condition)
+            body = cond_node.then
+        handles, _ = self._lower(body, node.body)
+        if node.loop:   # after every node of the pass: the sinks of the body's DAG
+            waited = {d for deps in node.body.deps for d in deps}
+            sinks = [h for j, h in enumerate(handles) if j not in waited]
+            tail = sinks[0] if len(sinks) == 1 else body.join(*sinks)
+            tail.launch(*_condition_launch("continue", flag, node.passes, node.max_passes, handle))
+        return setter, cond_node
+
+    def close(self) -> None:
+        self.definition, self.handles, self.params = None, [], []
+
+
+def check_loops(loops) -> None:
+    """Raise LoopBoundError if a WHILE of the last replay stopped at its bound (waits)."""
+    for node in loops:
+        made, hit = node.passes.copy_to_host()
+        if hit:
+            raise LoopBoundError(f"while_loop: the flag was still set after max_passes="
+                                 f"{node.max_passes} passes; the loop stopped there and the "
+                                 "results are incomplete")
+
+
+def _instantiate(definition, stream) -> tuple[object, int]:
+    """(executable, device bytes it took: the drop in free memory, in 2 MiB steps)."""
+    free_before = free_device_memory()
+    executable = definition.instantiate()
+    executable.upload(stream)  # allocate the executable's resources now, not at replay 1
+    stream.sync()
+    return executable, max(free_before - free_device_memory(), 0)
+
+
+class CudaExecutor:
+    """The description lowered to a CUDA graph: its own executable, or (with `shared`) one of
+    a SharedExecutables pool's, retargeted to it when it is launched."""
+
+    def __init__(self, description: Description, shared: "SharedExecutables | None" = None):
+        from cuda.core import LEGACY_DEFAULT_STREAM
+        if backend.SIMULATOR:
+            raise RuntimeError("the CUDA executor needs a GPU; use the walk executor on the simulator")
+        self._stream = LEGACY_DEFAULT_STREAM  # the stream Numba launches and copies use
+        self._lowered = _Lowered(description)
+        self._shared = shared
+        self.memory_bytes = 0
+        self._graph = None
+        if shared is None:
+            self._graph, self.memory_bytes = _instantiate(self._lowered.definition, self._stream)
+        else:
+            if description.has_conditionals:
+                raise ValueError("shared executables: graphs with conditional nodes cannot be "
+                                 "retargeted with executable update; give them their own")
+            self.topology = topology(description)
+        self.closed = False
+
+    def launch(self) -> None:
+        if self.closed:
+            raise RuntimeError("launch: the graph is closed")
+        graph = self._graph if self._shared is None else self._shared.acquire(self)
+        graph.launch(self._stream)
+
+    def finish(self) -> None:
+        """After a replay: raise if one of its WHILE loops stopped at its bound (waits for
+        the GPU; a no-op without loops)."""
+        if self._lowered.loops:
+            check_loops(self._lowered.loops)
+
+    def set_array_args(self, j: int, args: dict) -> None:
+        if self._shared is not None:
+            raise ValueError("patch binding rewrites one executable; shared executables are "
+                             "retargeted with executable update instead (use copy or alias)")
+        handle, params = self._lowered.handles[j], self._lowered.params[j]
+        if isinstance(params, _KernelParams):  # rewrite data pointers in the flat parameters
+            for i, (base, offset) in args.items():
+                params.flat[params.data_slots[i]] = address(base) + offset
+            self._graph[handle].update(config=params.config, kernel=params.kernel,
+                                       args=params.flat)
+        else:  # copy node: [dst address, src address, size]
+            for i, (base, offset) in args.items():
+                params[i] = address(base) + offset
+            dst, src, size = params
+            self._graph[handle].update(dst=dst, src=src, size=size)
+
+    def close(self) -> None:
+        if self._graph is not None:
+            self._graph.close()
+        if self._shared is not None:
+            self._shared.forget(self)
+        self._graph = None
+        self._lowered.close()
+        self.closed = True
+
+
+class SharedExecutables:
+    """At most `capacity` executables shared by graphs of one topology; an LRU, retargeted
+    with executable update on a miss. `capacity` 1: one executable for every length."""
+
+    def __init__(self, capacity: int = 1):
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive integer, got {capacity!r}")
+        self.capacity = int(capacity)
+        self._slots: collections.OrderedDict = collections.OrderedDict()  # executable -> holder
+        self.instantiations = self.updates = 0
+        self.update_s = 0.0
+        self.memory_bytes = 0
+
+    def acquire(self, executor: CudaExecutor):
+        """The executable to launch for `executor`, retargeted to it if it holds another graph."""
+        for graph, (holder, top) in self._slots.items():
+            if holder is executor:
+                self._slots.move_to_end(graph)
+                return graph
+        victim = next((g for g, (_, top) in self._slots.items() if top == executor.topology), None)
+        if victim is not None and len(self._slots) >= self.capacity:
+            t0 = time.perf_counter()
+            victim.update(executor._lowered.definition)
+            self.update_s += time.perf_counter() - t0
+            self.updates += 1
+            self._slots[victim] = (executor, executor.topology)
+            self._slots.move_to_end(victim)
+            return victim
+        if len(self._slots) >= self.capacity:   # full of other topologies: drop the oldest
+            oldest, _ = self._slots.popitem(last=False)
+            backend.synchronize()
+            oldest.close()
+        graph, nbytes = _instantiate(executor._lowered.definition, executor._stream)
+        self.instantiations += 1
+        self.memory_bytes += nbytes
+        self._slots[graph] = (executor, executor.topology)
+        return graph
+
+    def forget(self, executor: CudaExecutor) -> None:
+        """`executor` closes: an executable holding it stays, holding nothing."""
+        for graph, (holder, top) in list(self._slots.items()):
+            if holder is executor:
+                self._slots[graph] = (None, top)
+
+    @property
+    def update_us_per_switch(self) -> float:
+        return 1e6 * self.update_s / max(self.updates, 1)
+
+    def close(self) -> None:
+        backend.synchronize()
+        for graph in self._slots:
+            graph.close()
+        self._slots.clear()
+
+
+class HostDrivenExecutor:
+    """Conditional nodes on a driver without them: CUDA graphs for the stretches between
+    conditional nodes, the host reading each flag in between (as the eager loop would)."""
+
+    memory_bytes = None
+
+    def __init__(self, description: Description):
+        nodes, deps = list(description.nodes), description.deps
+        self._parts, start = [], 0
+        # Parts run one after another on one stream, so a dependency on an earlier part
+        # holds already; within a part the indices shift to the part's start.
+        for j, node in enumerate(nodes + [None]):
+            if node is not None and not isinstance(node, Conditional):
+                continue
+            if j > start:
+                self._parts.append(CudaExecutor(Description(
+                    nodes[start:j], [tuple(d - start for d in deps[i] if d >= start)
+                                     for i in range(start, j)])))
+            if node is not None:
+                self._parts.append((node, make_cuda_executor(node.body)))
+            start = j + 1
+        self.closed = False
+
+    def launch(self) -> None:
+        for part in self._parts:
+            if isinstance(part, tuple):
+                run_conditional(*part)
+            else:
+                part.launch()
+
+    def finish(self) -> None:
+        """Loops past their bound raised during `launch`."""
+
+    def set_array_args(self, j: int, args: dict) -> None:
+        raise NotImplementedError("patch binding needs one graph; conditional nodes without "
+                                  "driver support split it")
+
+    def close(self) -> None:
+        for part in self._parts or []:
+            (part[1] if isinstance(part, tuple) else part).close()
+        self._parts, self.closed = None, True
+
+
+def conditional_nodes_supported() -> bool:
+    """Conditional graph nodes (IF, WHILE) need a CUDA 12.4 driver or newer."""
+    from cuda.bindings import driver
+    err, version = driver.cuDriverGetVersion()
+    return int(err) == 0 and version >= 12040
+
+
+def make_cuda_executor(description: Description, shared: SharedExecutables | None = None):
+    """The CUDA executor, or, for conditional nodes on a driver without them, the host-driven
+    fallback (with a warning: every pass then waits for the host)."""
+    if description.has_conditionals and not conditional_nodes_supported():
+        warnings.warn("this CUDA driver has no conditional graph nodes (CUDA 12.4+): IF/WHILE "
+                      "run as graph segments with the host reading each flag", RuntimeWarning,
+                      stacklevel=3)
+        return HostDrivenExecutor(description)
+    return CudaExecutor(description, shared)
+
+
+# ------------------------------------------------------------------------- condition kernels
+_SET_CONDITION_SRC = r"""
+typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
+    cudaGraphConditionalHandle handle, unsigned int value);
+extern "C" __device__ void proto_set_conditional(unsigned long long handle, unsigned int value) {
+    cudaGraphSetConditional(handle, value);
+}
+"""
+_condition_kernels: dict = {}
+
+
+def condition_kernels() -> dict:
+    """The one-thread kernels that set a conditional node's handle from a device flag:
+    ``if``       handle := flag[0] != 0;
+    ``start``    before a WHILE: passes := (0, 0); handle := flag[0] != 0;
+    ``continue`` after each pass: passes[0] += 1; once passes[0] reaches the bound with the
+                 flag still set, passes[1] := 1 and the handle 0 (the loop stops there).
+    ``cudaGraphSetConditional`` is a device-runtime builtin Numba cannot call directly, so a
+    few lines of CUDA C wrap it (declare_device). Built on first use: GPU only."""
+    if not _condition_kernels:
+        set_conditional = cuda.declare_device("proto_set_conditional", "void(uint64, uint32)",
+                                              abi="c", link=[cuda.CUSource(_SET_CONDITION_SRC)])
+
+        @cuda.jit("void(int32[::1], uint64)")
+        def set_if(flag, handle):
+            if cuda.grid(1) == 0:
+                set_conditional(handle, np.uint32(1 if flag[0] != 0 else 0))
+
+        @cuda.jit("void(int32[::1], int32[::1], uint64)")
+        def start_loop(flag, passes, handle):
+            if cuda.grid(1) == 0:
+                passes[0] = 0
+                passes[1] = 0
+                set_conditional(handle, np.uint32(1 if flag[0] != 0 else 0))
+
+        @cuda.jit("void(int32[::1], int32[::1], int32, uint64)")
+        def continue_loop(flag, passes, max_passes, handle):
+            if cuda.grid(1) == 0:
+                made = passes[0] + 1
+                passes[0] = made
+                go = flag[0] != 0
+                if go and made >= max_passes:
+                    passes[1] = 1
+                    go = False
+                set_conditional(handle, np.uint32(1 if go else 0))
+
+        _condition_kernels.update({"if": set_if, "start": start_loop, "continue": continue_loop})
+    return _condition_kernels
+
+
+def _condition_launch(which: str, flag, passes, max_passes: int, handle: int) -> tuple:
+    """(config, kernel, *args) of one condition kernel."""
+    from cuda.core import LaunchConfig
+    args = {"if": (flag, handle), "start": (flag, passes, handle),
+            "continue": (flag, passes, np.int32(max_passes), handle)}[which]
+    cukernel, flat, _ = flatten_args(condition_kernels()[which], args)
+    return (LaunchConfig(grid=1, block=1), cukernel, *flat)

@@ -1,0 +1,325 @@
+"""The memory planner: every temporary of a graph at an offset in one arena.
+
+A recorded function allocates its temporaries through ``proto.backend.empty``; recording
+turns each into a buffer of the description (proto.graph.ir.Buffer). A buffer is *live* from
+the first node that touches it to the last (to the end of the graph if the function returns
+it); two buffers whose lifetimes do not meet can share bytes. Planning is a pure function of
+the description:
+
+  lifetimes   first and last use of every buffer, in node order (a buffer used inside a WHILE
+              body is live for the whole loop: the next pass comes back to it);
+  place       offsets such that no two buffers alive at once overlap: greedy interval
+              packing (largest first, longest-lived first, ..., each by first fit and best
+              fit; the smallest arena wins). This is the one offset-assignment core of the
+              project: AutoVM's device pool is placed by the same function;
+  Plan        plain data: offsets, the arena's size, the sum of buffer sizes (what private
+              buffers would take) and the peak of live bytes (the lower bound for any arena).
+              `validate(plan)` re-checks it with no GPU.
+
+The memory tape (Grape's). The graphs of one model, one per length, bucket or batch size,
+record the same temporaries under the same names. A `Tape` keeps one arena for all of them and
+the offset it gave each name: planned largest first, every later graph finds its buffers
+where the first put them, and new names are placed around those. So the arena is what the
+largest graph needs, not the sum over graphs, and one logical tensor has one address in every
+graph: an alias-bound input produced by one graph is where the next graph reads it.
+
+`apply` then moves the description onto the arena: every node argument inside a buffer
+becomes the same view at the buffer's offset in the arena (and so do the function's outputs),
+and the buffers' private memory is dropped.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from proto import backend
+from proto.backend import address, cuda, extent, view_at
+from proto.graph.ir import Conditional, Description, races
+
+ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects it to
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class PlanError(AssertionError):
+    """A plan that breaks one of its invariants (validate)."""
+
+
+# ------------------------------------------------------------------------- the offset core
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """`nbytes` held from the start of step `first` to the end of step `last` (inclusive)."""
+    key: object
+    first: int
+    last: int
+    nbytes: int
+
+
+def _meets(a: Block, b: Block) -> bool:
+    return a.first <= b.last and b.first <= a.last
+
+
+def _fit(blocks: list[Block], align: int, best: bool, fixed) -> tuple[dict, int]:
+    """Place blocks in the given order, each in a hole clear of the placed blocks it meets in
+    time: the lowest such hole (first fit) or the tightest one (best fit)."""
+    offsets: dict = {}
+    placed: list[tuple[Block, int]] = list(fixed)
+    arena = max((off + align_up(b.nbytes, align) for b, off in fixed), default=0)
+    for blk in blocks:
+        size = align_up(blk.nbytes, align)
+        busy = sorted((off, off + align_up(other.nbytes, align)) for other, off in placed
+                      if _meets(other, blk))
+        holes, cursor = [], 0
+        for start, end in busy:
+            if start - cursor >= size:
+                holes.append((start - cursor, cursor))
+            cursor = max(cursor, end)
+        if holes and best:
+            offset = min(holes)[1]
+        elif holes:
+            offset = holes[0][1]
+        else:
+            offset = cursor                # above every busy block: always fits
+        offsets[blk.key] = offset
+        placed.append((blk, offset))
+        arena = max(arena, offset + size)
+    return offsets, arena
+
+
+ORDERS = {
+    "largest first": lambda b: (-b.nbytes, b.first, b.last),
+    "longest-lived first": lambda b: (-(b.last - b.first), -b.nbytes, b.first),
+    "most byte-steps first": lambda b: (-(b.last - b.first + 1) * b.nbytes, b.first),
+    "earliest first": lambda b: (b.first, -b.nbytes, b.last),
+}
+
+
+def place(blocks: list[Block], align: int = ALIGN, fixed=()) -> tuple[dict, int]:
+    """Offsets such that blocks alive during a common step never overlap; returns
+    (offsets by key, arena bytes). `fixed` lists (Block, offset) already placed.
+
+    Greedy placement in a few orders, each by first fit and by best fit; the smallest arena
+    wins (ties: the first order tried, so the result is deterministic). Not optimal (the
+    problem is NP-hard) but tight on layer-ordered programs."""
+    fixed = list(fixed)
+    results = [_fit(sorted(blocks, key=order), align, best, fixed)
+               for order in ORDERS.values() for best in (False, True)]
+    return min(results, key=lambda result: result[1])
+
+
+# ------------------------------------------------------------------------- lifetimes
+def lifetimes(description: Description, outputs=()) -> dict[int, tuple[int, int]]:
+    """Buffer index -> (first, last) step that touches it. Steps number the nodes in order,
+    a conditional's body nodes in place; every use inside a WHILE body covers the loop's
+    whole range; a buffer holding one of `outputs` lives to the end. A description that is
+    not a chain (several streams) keeps every buffer live throughout: node order is not
+    time order there."""
+    buffers = description.buffers
+    starts = sorted((address(b.array), i) for i, b in enumerate(buffers))
+    ends = {i: address(b.array) + max(b.nbytes, 1) for i, b in enumerate(buffers)}
+
+    def owner(arr) -> int | None:
+        lo, hi = extent(arr)
+        k = bisect.bisect_right(starts, (lo, len(buffers))) - 1
+        if k >= 0:
+            start, i = starts[k]
+            if hi <= ends[i]:
+                return i
+        return None
+
+    spans: dict[int, tuple[int, int]] = {}
+
+    def use(i, first, last):
+        old = spans.get(i, (first, last))
+        spans[i] = (min(old[0], first), max(old[1], last))
+
+    def walk(nodes, step) -> int:
+        for node in nodes:
+            if isinstance(node, Conditional):
+                begin = step
+                step = walk(node.body.nodes, step)
+                if node.loop:   # a loop comes back: everything it touches spans all of it
+                    for a, _ in node.accesses():
+                        i = owner(a)
+                        if i is not None:
+                            use(i, begin, step)
+            else:
+                for a, _ in node.accesses():
+                    i = owner(a)
+                    if i is not None:
+                        use(i, step, step)
+                step += 1
+        return step
+
+    end = max(walk(description.nodes, 0) - 1, 0)
+    for arr in outputs:
+        i = owner(arr)
+        if i is not None:
+            use(i, spans.get(i, (end, end))[0], end)
+    for i in range(len(buffers)):
+        if i not in spans:                  # allocated, never touched: give it one step
+            spans[i] = (end, end)
+    if not description.is_chain:
+        spans = {i: (0, end) for i in spans}
+    return spans
+
+
+# ------------------------------------------------------------------------- the plan
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where every buffer of one graph lives in its arena."""
+    blocks: tuple            # Block per buffer (key = the buffer's tape key)
+    offsets: dict            # tape key -> byte offset in the arena
+    arena_bytes: int         # the arena this graph needs (the tape's may be larger)
+
+    @property
+    def total_bytes(self) -> int:
+        """What private buffers would take: the sum of every buffer's aligned size."""
+        return sum(align_up(b.nbytes) for b in self.blocks)
+
+    @property
+    def peak_live_bytes(self) -> int:
+        """The most bytes alive at one step: no arena can be smaller."""
+        steps = {s for b in self.blocks for s in (b.first, b.last)}
+        return max((sum(align_up(b.nbytes) for b in self.blocks if b.first <= s <= b.last)
+                    for s in steps), default=0)
+
+    def summary(self) -> str:
+        return (f"{len(self.blocks)} buffers, {self.total_bytes} bytes private, arena "
+                f"{self.arena_bytes} bytes, peak live {self.peak_live_bytes} bytes")
+
+
+def validate(plan: Plan) -> None:
+    """Raise PlanError unless every block is aligned, inside the arena, and clear of every
+    block alive at the same time."""
+    placed = []
+    for blk in plan.blocks:
+        off = plan.offsets.get(blk.key)
+        if off is None:
+            raise PlanError(f"buffer {blk.key}: no offset")
+        if off < 0 or off % ALIGN or off + blk.nbytes > plan.arena_bytes:
+            raise PlanError(f"buffer {blk.key} at [{off}, {off + blk.nbytes}) is misaligned or "
+                            f"outside the arena of {plan.arena_bytes} bytes")
+        for other, other_off in placed:
+            if _meets(blk, other) and off < other_off + max(other.nbytes, 1) \
+                    and other_off < off + max(blk.nbytes, 1):
+                raise PlanError(f"buffers {blk.key} and {other.key} are alive at once (steps "
+                                f"{blk.first}-{blk.last}, {other.first}-{other.last}) and overlap "
+                                f"at offsets {off} and {other_off}")
+        placed.append((blk, off))
+
+
+def plan(description: Description, outputs=(), fixed: dict | None = None) -> Plan:
+    """Plan the description's buffers; `fixed` maps tape keys to the offsets an earlier graph
+    gave them (the tape), which they keep."""
+    spans = lifetimes(description, outputs)
+    blocks = tuple(Block(b.key, *spans[i], b.nbytes) for i, b in enumerate(description.buffers))
+    fixed = fixed or {}
+    pinned = [(blk, fixed[blk.key]) for blk in blocks if blk.key in fixed]
+    free = [blk for blk in blocks if blk.key not in fixed]
+    offsets, arena = place(free, fixed=pinned)
+    offsets.update({blk.key: off for blk, off in pinned})
+    result = Plan(blocks, offsets, arena)
+    validate(result)
+    return result
+
+
+# ------------------------------------------------------------------------- applying it
+def _rebase(arr, moves):
+    """`arr` moved to the arena if it lies inside a buffer; else unchanged."""
+    if not backend.is_device_array(arr):
+        return arr
+    lo = address(arr)
+    for start, end, arena, offset in moves:
+        if start <= lo < end:
+            return view_at(arena, offset + (lo - start), arr)
+    return arr
+
+
+def _moved(description: Description, moves) -> Description:
+    nodes = []
+    for node in description.nodes:
+        changes = {"args": tuple(_rebase(a, moves) for a in node.args)}
+        if isinstance(node, Conditional):
+            changes["body"] = _moved(node.body, moves)
+        nodes.append(dataclasses.replace(node, **changes))
+    return Description(nodes, list(description.deps))
+
+
+def apply(description: Description, plan_: Plan, arena, outputs):
+    """(the description on the arena, the outputs on the arena). The description's buffers
+    keep their keys and sizes; their arrays become their place in the arena."""
+    moves = [(address(b.array), address(b.array) + max(b.nbytes, 1), arena, plan_.offsets[b.key])
+             for b in description.buffers]
+    moved = _moved(description, moves)
+    moved.buffers = [dataclasses.replace(b, array=arena[plan_.offsets[b.key]:][:max(b.nbytes, 1)])
+                     for b in description.buffers]
+    return moved, map_arrays(outputs, lambda a: _rebase(a, moves))
+
+
+def map_arrays(tree, fn):
+    """Apply `fn` to every device array in a nest of tuples, lists and dicts."""
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_arrays(t, fn) for t in tree)
+    if isinstance(tree, dict):
+        return {k: map_arrays(v, fn) for k, v in tree.items()}
+    return fn(tree) if backend.is_device_array(tree) else tree
+
+
+def leaves(tree) -> list:
+    out = []
+    map_arrays(tree, lambda a: out.append(a) or a)
+    return out
+
+
+# ------------------------------------------------------------------------- the tape
+class Tape:
+    """One arena for every graph of one owner, and the offset each tensor got in it.
+
+    `plan_graph(description, outputs)` plans a graph's buffers keeping the offsets earlier
+    graphs gave the same keys; the first graph planned sizes the arena (plan largest first).
+    A later graph that needs a larger arena, or a tensor larger than where the tape put it,
+    raises: its addresses could not match the graphs already built."""
+
+    def __init__(self, name: str = "tape"):
+        self.name = name
+        self.offsets: dict = {}       # tape key -> offset
+        self.sizes: dict = {}         # tape key -> bytes reserved there
+        self.arena = None
+        self.arena_bytes = 0
+        self.plans: list[Plan] = []
+
+    def plan_graph(self, description: Description, outputs=()) -> Plan:
+        for b in description.buffers:
+            if b.key in self.sizes and b.nbytes > self.sizes[b.key]:
+                raise ValueError(f"tape {self.name!r}: buffer {b.name!r} needs {b.nbytes} bytes but "
+                                 f"the tape placed it with {self.sizes[b.key]} from an earlier, "
+                                 "smaller graph; capture the largest shape first")
+        fixed = {k: off for k, off in self.offsets.items()
+                 if any(b.key == k for b in description.buffers)}
+        # the fixed blocks are sized as the tape reserved them, so new ones stay clear of all
+        result = plan(description, outputs, fixed)
+        if self.arena is None:
+            self.arena_bytes = max(align_up(result.arena_bytes), ALIGN)
+            self.arena = cuda.device_array(self.arena_bytes, "u1")
+        elif result.arena_bytes > self.arena_bytes:
+            raise ValueError(f"tape {self.name!r}: this graph needs an arena of "
+                             f"{result.arena_bytes} bytes, the tape has {self.arena_bytes} "
+                             "(sized by the first graph planned); capture the largest shape first")
+        for blk in result.blocks:
+            if blk.key not in self.offsets:
+                self.offsets[blk.key], self.sizes[blk.key] = result.offsets[blk.key], blk.nbytes
+        self.plans.append(result)
+        return result
+
+    def close(self) -> None:
+        self.arena, self.offsets, self.sizes, self.plans = None, {}, {}, []
+
+
+def check_race_free(description: Description) -> None:
+    """Planning must not add races: two buffers that share bytes are used in order."""
+    found = races(description)
+    if found:
+        raise PlanError(f"planned description has unordered nodes touching shared bytes: {found[:5]}")
