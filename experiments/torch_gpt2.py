@@ -1,4 +1,5 @@
-"""GPT-2 decode in plain PyTorch with a static KV cache: the PyTorch baselines of end_to_end.
+"""GPT-2 decode in plain PyTorch with a static KV cache: the PyTorch baselines of end_to_end
+and graph_memory.
 
 Same weights (our state dict, Hugging Face names), float32 with TF32 off, and a static cache
 as Hugging Face's StaticCache keeps it: k, v of every layer preallocated as (L, B, H, Tmax, hd),
@@ -12,6 +13,11 @@ on the host, so one CUDA graph serves every length. Two ways to run a decode ste
           in beam search the reordered cache (index_select's fresh result, as Hugging Face's
           `_reorder_cache`) is copied into the static cache: the standard PyTorch way, the
           "PtGraph" baseline.
+
+`PerLengthDecoder` is PtGraph as Grape measured it: one CUDA graph per length, each step
+attending to its live prefix ``k[..., :length]`` with the length a Python int baked into the
+graph, and its memory pool private per graph (PyTorch's default) or shared by all
+(``graph_pool_handle``, as vLLM and torch.compile do).
 
 `TorchDecoder` plugs into proto.models.generate: tokens and position arrive as Numba device
 arrays (viewed as torch tensors through the CUDA array interface, no copy) and the logits go
@@ -86,6 +92,29 @@ class TorchGPT2:
             x = x + torch.addmm(w["mlp.c_proj.bias"], h, w["mlp.c_proj.weight"]).view(B, T, C)
         x = F.layer_norm(x, (C,), *self.ln_f, LN_EPS)
         return x @ self.wte.T                                          # tied head, (B, T, V)
+
+    @torch.no_grad()
+    def decode_at(self, tokens, length: int, out) -> None:
+        """One decode step (T = 1) at position length-1 attending to the live prefix only:
+        tokens (B, 1) int64; logits (B, V) written into `out`. `length` is a Python int, so a
+        captured graph bakes it in: one graph per length."""
+        B, C, H, hd = tokens.shape[0], self.config.n_embd, self.config.n_head, self.config.head_dim
+        p = length - 1
+        x = self.wte[tokens[:, 0]] + self.wpe[p]                        # (B, C)
+        for l, w in enumerate(self.layers):
+            h = F.layer_norm(x, (C,), w["ln_1.weight"], w["ln_1.bias"], LN_EPS)
+            qkv = torch.addmm(w["attn.c_attn.bias"], h, w["attn.c_attn.weight"])
+            q, k, v = qkv.view(B, 3, H, hd).unbind(1)                   # each (B, H, hd)
+            self.k[l][:, :, p] = k
+            self.v[l][:, :, p] = v
+            att = F.scaled_dot_product_attention(q[:, :, None], self.k[l][:, :, :length],
+                                                 self.v[l][:, :, :length])  # (B, H, 1, hd)
+            x = x + torch.addmm(w["attn.c_proj.bias"], att.reshape(B, C), w["attn.c_proj.weight"])
+            h = F.layer_norm(x, (C,), w["ln_2.weight"], w["ln_2.bias"], LN_EPS)
+            h = F.gelu(torch.addmm(w["mlp.c_fc.bias"], h, w["mlp.c_fc.weight"]), approximate="tanh")
+            x = x + torch.addmm(w["mlp.c_proj.bias"], h, w["mlp.c_proj.weight"])
+        x = F.layer_norm(x, (C,), *self.ln_f, LN_EPS)
+        torch.matmul(x, self.wte.T, out=out)                           # tied head
 
 
 # ------------------------------------------------------------------------- Numba <-> torch
@@ -179,6 +208,74 @@ class TorchDecoder:
             torch.cuda.synchronize()
             self.graph.reset()
         self.model = self._fresh = self._logits = None
+
+
+class PerLengthDecoder:
+    """PtGraph in real PyTorch (see the module doc): a proto.models.generate step whose decode
+    steps replay the graph of their length. Inputs are copied into static tensors before a
+    replay; the beam reorder gathers the live prefix (index_select, a fresh tensor) and copies
+    it back into the static cache, eagerly. `pool`: "private" or "shared"."""
+
+    def __init__(self, config: GPT2Config, state_dict, *, batch: int, max_len: int, pool: str):
+        if pool not in ("private", "shared"):
+            raise ValueError(f"pool: expected 'private' or 'shared', got {pool!r}")
+        self.config, self.batch, self.max_len, self.pool = config, batch, max_len, pool
+        self.model = TorchGPT2(config, state_dict, batch=batch, max_len=max_len)
+        self.inputs = generate.DecodeInputs.allocate(batch)
+        self.caches = (_TorchCache(self), _TorchCache(self))
+        self._tokens = torch.zeros((batch, 1), dtype=torch.int64, device="cuda")
+        self._logits = torch.zeros((batch, config.vocab_size), device="cuda")
+        self._logits_numba = to_numba(self._logits.view(batch, 1, -1))
+        self._handle = torch.cuda.graph_pool_handle() if pool == "shared" else None
+        self._views = {id(x): (x, to_torch(x)) for x in (self.inputs.tokens, self.inputs.pos)}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._length = 0     # live positions in the cache (host mirror)
+        self._eager = None
+
+    def capture(self, length: int) -> None:
+        """The graph of `length` (a warm-up on a side stream first, as torch.cuda.graphs asks).
+        With a shared pool, graphs must replay in the order they were captured: capture in
+        ascending length, the order a generation replays them."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.model.decode_at(self._tokens, length, self._logits)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._handle):
+            self.model.decode_at(self._tokens, length, self._logits)
+        self.graphs[length] = graph
+
+    def step(self, tokens, pos, cache):
+        """generate's step: a prefill runs eagerly; a decode step replays its length's graph."""
+        T = tokens.shape[1]
+        tok = self._views[id(tokens)][1] if id(tokens) in self._views else to_torch(tokens)
+        if T == 1 and self._length + 1 in self.graphs:
+            self._length += 1
+            self._tokens.copy_(tok)
+            self.graphs[self._length].replay()
+            return self._logits_numba
+        p = to_torch(pos).long() if id(pos) not in self._views else self._views[id(pos)][1].long()
+        self._eager = self.model.forward(tok.long(), p)
+        self._length += T
+        return to_numba(self._eager)
+
+    def _reorder(self, index) -> None:
+        parents, n = to_torch(index).long(), self._length
+        for cache in (self.model.k, self.model.v):           # (L, B, H, Tmax, hd)
+            cache[:, :, :, :n].copy_(cache[:, :, :, :n].index_select(1, parents))
+
+    def beam_search(self, prompt, *, max_new_tokens: int, timed: bool = False):
+        self._length = 0
+        return generate.beam_search(self, prompt, beam=self.batch, max_new_tokens=max_new_tokens,
+                                    step=self.step, caches=self.caches, inputs=self.inputs,
+                                    timed=timed)
+
+    def close(self) -> None:
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs, self.model, self._eager = {}, None, None
 
 
 def check_logits(model, state_dict, steps: int = 3, seed: int = 0) -> float:

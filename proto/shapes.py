@@ -96,8 +96,13 @@ class ShapeDispatcher:
         self.largest_first = largest_first
         self.graphs: dict[int, object] = {}
         if eager:
-            for key in reversed(self.keys):  # largest first (see the module docstring)
-                self.graphs[key] = build(key)
+            self.build_all()
+
+    def build_all(self) -> None:
+        """Build every graph not built yet, largest first (see the module docstring)."""
+        for key in reversed(self.keys):
+            if key not in self.graphs:
+                self.graphs[key] = self._build(key)
 
     def graph(self, length: int):
         """The graph serving `length`, built now if it is the first use of its key."""

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
 from proto.models.graphed import GraphedGPT2, GraphedLSTM, lstm_greedy
 from proto.models.lstm import LSTMConfig, LSTMLM, LSTMState, random_state_dict as lstm_weights
@@ -85,12 +86,48 @@ def test_graphed_lstm_for_every_binding_and_strategy(n_layer, n_hidden, vocab, b
     model = LSTMLM(config, lstm_weights(config, seed), max_batch=8)
     prompt = np.random.default_rng(seed).integers(0, vocab, (batch, 3))
     state = LSTMState(config, batch)
-    want = lstm_greedy(lambda t: model.step(t, state), dev(np.zeros(batch, np.int32)), prompt, 5)
+    want = lstm_greedy(lambda t: model.step(t, state), dev(np.zeros(batch, np.int32)), prompt, 5,
+                       vocab=vocab)
     for binding, strategy in COMBOS:
         g = GraphedLSTM(model, max_batch=8, binding=binding, strategy=strategy, executor="cuda")
-        got = lstm_greedy(lambda t: g.step(t, batch), g.tokens, prompt, 5)
+        got = lstm_greedy(lambda t: g.step(t, batch), g.tokens, prompt, 5, vocab=vocab)
         np.testing.assert_array_equal(got, want, err_msg=f"{binding} {strategy}")
         g.close()
+
+
+@pytest.mark.parametrize("binding", ["copy", "alias"])
+def test_planner_tape_and_shared_executables_change_no_bit(binding):
+    """Per-length graphs with private buffers, with the planner and tape, and with one
+    executable retargeted by executable update: the same tokens, score and step logits, bit
+    for bit, as eager."""
+    config = GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=1000, n_positions=64)
+    model = _model(config, 11, 5)
+    prompt = np.array([5, 9, 2, 7, 1])
+    want = generate.beam_search(model, prompt, beam=5, max_new_tokens=20)
+    memory = {}
+    for planned, shared in ((False, None), (True, None), (True, 1)):
+        with GraphedGPT2(model, batch=5, max_len=24, binding=binding, strategy="exact",
+                         planned=planned, shared_executables=shared, build_all=True) as g:
+            got = g.beam_search(prompt, max_new_tokens=20)
+            np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"{planned} {shared}")
+            assert got.score == want.score
+            memory[planned, shared] = (g.arena_bytes, g.private_bytes)
+            if shared:
+                assert g.shared.instantiations == 1 and g.shared.updates >= 19
+    check_gpt2_step_logits(model, prompt, 5, 6, combos=[(binding, "exact")], executor="cuda")
+    (_, private), (arena, none) = memory[False, None], memory[True, None]
+    assert none == 0 and arena > 0 and private >= 24 * arena   # 24 graphs' private buffers
+
+
+def test_gpt2_small_decode_arena_is_within_ten_percent_of_the_peak():
+    """The planner on GPT-2 small's decode step (12 layers, d=768, vocab 50257, beam 5)."""
+    config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+    model = _model(config, 0, 5)
+    with GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="device",
+                     build_all=True) as g:
+        plan = g.tape.plans[0]
+        assert plan.arena_bytes <= 1.10 * plan.peak_live_bytes, plan.summary()
+        assert plan.arena_bytes < plan.total_bytes / 2
 
 
 def test_torch_baseline_is_the_same_model():
@@ -98,7 +135,6 @@ def test_torch_baseline_is_the_same_model():
     graph) finds our tokens."""
     pytest.importorskip("torch")
     from experiments.torch_gpt2 import TorchDecoder, check_logits
-    from proto.models import generate
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)
     sd = random_state_dict(config, 3)
     model = GPT2(config, sd, max_batch=5, max_tokens=4)

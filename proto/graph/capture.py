@@ -111,6 +111,13 @@ class Graph:
         self.stats += self.last_stats
         return self.outputs
 
+    def prepare(self) -> None:
+        """Get the executable ready for the next replay ahead of time (a shared executable is
+        retargeted to this graph now, while the GPU may still be busy); optional."""
+        if self.closed:
+            raise RuntimeError("prepare: the graph is closed")
+        self._executable.prepare()
+
     @property
     def memory_bytes(self) -> int | None:
         """Device memory the executable took at instantiation (None: unmeasurable; 0 for a

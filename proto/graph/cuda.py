@@ -221,6 +221,13 @@ class CudaExecutor:
         graph = self._graph if self._shared is None else self._shared.acquire(self)
         graph.launch(self._stream)
 
+    def prepare(self) -> None:
+        """Make a shared executable hold this graph now (an update, if it held another), so
+        that the next `launch` finds it ready: the host retargets while the GPU still runs
+        what was launched before (an update leaves launches in flight alone)."""
+        if self._shared is not None and not self.closed:
+            self._shared.acquire(self)
+
     def finish(self) -> None:
         """After a replay: raise if one of its WHILE loops stopped at its bound (waits for
         the GPU; a no-op without loops)."""
@@ -262,7 +269,7 @@ class SharedExecutables:
             raise ValueError(f"capacity: expected a positive integer, got {capacity!r}")
         self.capacity = int(capacity)
         self._slots: collections.OrderedDict = collections.OrderedDict()  # executable -> holder
-        self.instantiations = self.updates = 0
+        self.instantiations = self.updates = self.update_failures = 0
         self.update_s = 0.0
         self.memory_bytes = 0
 
@@ -275,12 +282,16 @@ class SharedExecutables:
         victim = next((g for g, (_, top) in self._slots.items() if top == executor.topology), None)
         if victim is not None and len(self._slots) >= self.capacity:
             t0 = time.perf_counter()
-            victim.update(executor._lowered.definition)
-            self.update_s += time.perf_counter() - t0
-            self.updates += 1
-            self._slots[victim] = (executor, executor.topology)
-            self._slots.move_to_end(victim)
-            return victim
+            try:
+                victim.update(executor._lowered.definition)
+            except Exception:   # the driver refused this retarget: instantiate instead
+                self.update_failures += 1
+            else:
+                self.update_s += time.perf_counter() - t0
+                self.updates += 1
+                self._slots[victim] = (executor, executor.topology)
+                self._slots.move_to_end(victim)
+                return victim
         if len(self._slots) >= self.capacity:   # full of other topologies: drop the oldest
             oldest, _ = self._slots.popitem(last=False)
             backend.synchronize()
@@ -337,6 +348,9 @@ class HostDrivenExecutor:
                 run_conditional(*part)
             else:
                 part.launch()
+
+    def prepare(self) -> None:
+        """Nothing to get ready ahead: every part owns its executable."""
 
     def finish(self) -> None:
         """Loops past their bound raised during `launch`."""

@@ -144,7 +144,7 @@ def lifetimes(description: Description, outputs=()) -> dict[int, tuple[int, int]
                     for a, _ in node.accesses():
                         i = owner(a)
                         if i is not None:
-                            use(i, begin, step)
+                            use(i, begin, step - 1)
             else:
                 for a, _ in node.accesses():
                     i = owner(a)
@@ -228,12 +228,15 @@ def plan(description: Description, outputs=(), fixed: dict | None = None) -> Pla
 
 # ------------------------------------------------------------------------- applying it
 def _rebase(arr, moves):
-    """`arr` moved to the arena if it lies inside a buffer; else unchanged."""
+    """`arr` moved to the arena if it lies inside a buffer; else unchanged. `moves`: sorted
+    (start address, end address, arena, offset) of every buffer."""
     if not backend.is_device_array(arr):
         return arr
     lo = address(arr)
-    for start, end, arena, offset in moves:
-        if start <= lo < end:
+    k = bisect.bisect_right(moves, (lo, float("inf"))) - 1
+    if k >= 0:
+        start, end, arena, offset = moves[k]
+        if lo < end:
             return view_at(arena, offset + (lo - start), arr)
     return arr
 
@@ -251,8 +254,8 @@ def _moved(description: Description, moves) -> Description:
 def apply(description: Description, plan_: Plan, arena, outputs):
     """(the description on the arena, the outputs on the arena). The description's buffers
     keep their keys and sizes; their arrays become their place in the arena."""
-    moves = [(address(b.array), address(b.array) + max(b.nbytes, 1), arena, plan_.offsets[b.key])
-             for b in description.buffers]
+    moves = sorted((address(b.array), address(b.array) + max(b.nbytes, 1), arena,
+                    plan_.offsets[b.key]) for b in description.buffers)
     moved = _moved(description, moves)
     moved.buffers = [dataclasses.replace(b, array=arena[plan_.offsets[b.key]:][:max(b.nbytes, 1)])
                      for b in description.buffers]

@@ -55,6 +55,9 @@ class WalkExecutor:
             else:
                 raise NotImplementedError(f"walk executor: no rule for {type(node).__name__}")
 
+    def prepare(self) -> None:
+        """Nothing to get ready: the walk has no executables."""
+
     def finish(self) -> None:
         """Nothing to check: a loop past its bound raised during `launch`."""
 

@@ -44,7 +44,8 @@ tape shared by every graph of this object (`planned=True`, the default): the are
 the largest graph needs and a tensor has the same address in every graph. `planned=False`
 gives every graph private buffers instead (what graphs without a planner hold). Executables:
 each graph instantiates its own, or, with `shared_executables=K`, the graphs share K of them,
-retargeted with executable update when a graph of another length is launched (CUDA only).
+retargeted with executable update (CUDA only); a step retargets one to the next step's graph
+right after launching its own, so the update overlaps the GPU's work.
 
 Graphs are recorded without a warm-up (the step has no first-call path: its scratch comes
 from `empty`), on first use, largest first; or all at construction with `build_all=True`, so a
@@ -131,9 +132,25 @@ class GraphedGPT2:
         n_graph_sets = 2 if binding == "alias" else 1
         self._graphs = [shapes.ShapeDispatcher(functools.partial(self._build, i),
                                                strategy=strategy, max_length=max_len,
-                                               dynamic=(), buckets=buckets, eager=build_all)
+                                               dynamic=(), buckets=buckets)
                         for i in range(n_graph_sets)]
         self.reset()
+        if build_all:
+            self.build_all()
+
+    def build_all(self, after_each=None) -> None:
+        """Build every graph a generation can use now, largest first: the step graphs of every
+        length (or bucket) on every cache set, and the reorder graphs of every capacity.
+        `after_each(lengths built)`, if given, is called after each length's graphs."""
+        for n, key in enumerate(reversed(self.keys), 1):
+            for dispatcher in self._graphs:
+                dispatcher.graph(key)
+            if after_each is not None:
+                after_each(n)
+        if self.binding != "copy":
+            for capacity in sorted({self._capacity_for(k) for k in self.keys}, reverse=True):
+                for src in (0, 1):
+                    self._reorder_graph(capacity, src)
 
     # ------------------------------------------------------------------ caches
     def _capacity_for(self, length: int) -> int:
@@ -176,14 +193,19 @@ class GraphedGPT2:
         # A/B: the gathers run as a graph of their own per direction (2L eager launches cost
         # ~0.6 ms of host time a step); its `index` input is patched to the search's parents
         # buffer, once per buffer address.
-        key = (self._capacity, src.index)
+        self._reorder_graph(self._capacity, src.index).replay(index=index)
+
+    def _reorder_graph(self, capacity: int, src: int):
+        """The gathers from cache set `src` into the other set at `capacity`, as one graph
+        whose `index` input is patched to the search's parents buffer."""
+        key = (capacity, src)
         if key not in self._reorders:
-            source, target = sets[src.index], sets[dst.index]
+            source, target = self._set(capacity)[src], self._set(capacity)[1 - src]
             self._reorders[key] = capture(
                 lambda index: KVCache.reorder_into(source, index, target),
                 {"index": cuda.device_array(self.batch, np.int32)}, binding="patch",
                 executor=self.executor, warmup=0)  # gathers have no first-call path
-        self._reorders[key].replay(index=index)
+        return self._reorders[key]
 
     def reset(self, prompt_len: int = 1) -> None:
         """Start a generation from a prompt of `prompt_len` tokens: position 0, the smallest
@@ -253,7 +275,17 @@ class GraphedGPT2:
         g = self._graphs[cache.index if self.binding == "alias" else 0].graph(length)
         logits = g.replay(**self._inputs(tokens, pos, live))
         self._position = length
+        if self.shared is not None and length < self.max_len:
+            self._prepare_next(cache, length + 1)
         return logits
+
+    def _prepare_next(self, cache, length: int) -> None:
+        """Shared executables: retarget one to the next step's graph (the other cache set
+        under alias binding) while the GPU runs this step, if that graph is built."""
+        dispatcher = self._graphs[1 - cache.index if self.binding == "alias" else 0]
+        key = shapes.key_for(length, dispatcher.keys)
+        if key in dispatcher.graphs:
+            dispatcher.graphs[key].prepare()
 
     # ------------------------------------------------------------------ searches
     def greedy(self, prompt, *, max_new_tokens: int, eos: int | None = None, timed=False):
@@ -367,13 +399,17 @@ class GraphedLSTM:
 
     def __init__(self, model, *, max_batch: int, binding: str = "alias",
                  strategy: str = "device", executor: str | None = None, buckets=None,
-                 planned: bool = True):
+                 planned: bool = True, shared_executables: int | None = None):
         if binding not in MODES:
             raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
         self.model, self.config = model, model.config
         self.max_batch = _check.positive("max_batch", max_batch, at_most=model.max_batch)
         self.binding, self.executor = binding, executor or default_executor()
         self.tape = Tape("lstm-step") if planned else None
+        self.shared = None
+        if shared_executables is not None and self.executor == "cuda":
+            from proto.graph.cuda import SharedExecutables
+            self.shared = SharedExecutables(shared_executables)
         self.state = LSTMState(self.config, max_batch)
         self.tokens = cuda.to_device(np.zeros(max_batch, np.int32))  # where producers write
         self._tokens_ph = self.tokens if binding == "alias" else \
@@ -397,7 +433,15 @@ class GraphedLSTM:
         # No warm-up: the step updates the state in place, so an extra eager run would
         # advance every sequence one token too far.
         return capture(step, placeholders, binding=self.binding, executor=self.executor,
-                       warmup=0, planned=self.tape is not None, tape=self.tape)
+                       warmup=0, planned=self.tape is not None, tape=self.tape,
+                       shared=self.shared)
+
+    def build_all(self, after_each=None) -> None:
+        """Build every batch size's graph now, largest first (`after_each(n built)`)."""
+        for n, key in enumerate(reversed(self._graphs.keys), 1):
+            self._graphs.graph(key)
+            if after_each is not None:
+                after_each(n)
 
     def step(self, tokens, batch: int):
         """Logits (batch, V) of the next token for rows [:batch]; `tokens` device int32
@@ -429,10 +473,17 @@ class GraphedLSTM:
 
     @property
     def memory_bytes(self) -> int | None:
-        return self._graphs.memory_bytes
+        sizes = self._graphs.memory_bytes
+        return None if sizes is None else sizes + (self.shared.memory_bytes if self.shared else 0)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(len(g.description) for g in self._graphs.graphs.values())
 
     def close(self) -> None:
         self._graphs.close()
+        if self.shared is not None:
+            self.shared.close()
         if self.tape is not None:
             self.tape.close()
 

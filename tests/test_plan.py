@@ -1,0 +1,246 @@
+"""The memory planner (proto.graph.plan): offsets, lifetimes, the tape across graphs, and the
+models planned against private buffers (simulator lane; GPU tests in test_graph_gpu and
+test_graphed_models_gpu).
+
+The reference for "no two live buffers overlap" is restated here by brute force over every
+step, not read from the planner's own `validate`.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from proto import graph
+from proto.backend import address, cuda, empty, jit, launch
+from proto.graph import plan as planner
+from proto.graph.plan import ALIGN, Block, Plan, PlanError, place, validate
+from tests.helpers import dev
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+blocks_strategy = st.lists(
+    st.tuples(st.integers(0, 30), st.integers(0, 10), st.integers(1, 5000)), min_size=1,
+    max_size=25).map(lambda spec: [Block(i, first, first + length, size)
+                                   for i, (first, length, size) in enumerate(spec)])
+
+
+def _brute_force_check(blocks, offsets, arena):
+    """Every step: the blocks alive then occupy disjoint byte ranges inside the arena."""
+    steps = range(min(b.first for b in blocks), max(b.last for b in blocks) + 1)
+    peak = 0
+    for s in steps:
+        alive = sorted((offsets[b.key], offsets[b.key] + b.nbytes) for b in blocks
+                       if b.first <= s <= b.last)
+        for (_, end), (start, _) in zip(alive, alive[1:]):
+            assert end <= start, f"step {s}: overlap"
+        assert all(0 <= lo and hi <= arena and lo % ALIGN == 0 for lo, hi in alive)
+        peak = max(peak, sum(_aligned(hi - lo) for lo, hi in alive))
+    return peak
+
+
+@given(blocks=blocks_strategy)
+def test_live_buffers_never_overlap_and_the_arena_is_at_least_the_peak(blocks):
+    offsets, arena = place(blocks)
+    peak = _brute_force_check(blocks, offsets, arena)
+    assert arena >= peak
+    assert arena <= sum(_aligned(b.nbytes) for b in blocks)   # never worse than private
+    assert place(blocks) == (offsets, arena)                  # deterministic
+    p = Plan(tuple(blocks), offsets, arena)
+    assert p.peak_live_bytes == peak
+    validate(p)
+
+
+@given(blocks=blocks_strategy, data=st.data())
+def test_validate_catches_a_moved_block(blocks, data):
+    offsets, arena = place(blocks)
+    # move one block onto another that is alive at the same time, if any pair is
+    pairs = [(a, b) for a in blocks for b in blocks
+             if a.key != b.key and a.first <= b.last and b.first <= a.last]
+    if not pairs:
+        return
+    a, b = data.draw(st.sampled_from(pairs))
+    bad = {**offsets, a.key: offsets[b.key]}
+    with pytest.raises(PlanError, match="alive at once"):
+        validate(Plan(tuple(blocks), bad, max(arena, offsets[b.key] + a.nbytes)))
+    with pytest.raises(PlanError, match="outside the arena"):
+        validate(Plan(tuple(blocks), offsets, arena - ALIGN if arena > ALIGN else 0))
+
+
+@given(blocks=blocks_strategy, data=st.data())
+def test_fixed_blocks_keep_their_offsets_and_new_ones_avoid_them(blocks, data):
+    k = data.draw(st.integers(0, len(blocks)))
+    first, _ = place(blocks[:k])
+    fixed = [(b, first[b.key]) for b in blocks[:k]]
+    offsets, arena = place(blocks[k:], fixed=fixed)
+    offsets.update({b.key: off for b, off in fixed})
+    _brute_force_check(blocks, offsets, arena)
+
+
+# ------------------------------------------------------------------------- recorded programs
+@jit("void(float32[::1], float32[::1], float32)", writes=("out",))
+def scale_kernel(x, out, a):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = a * x[i]
+
+
+@jit("void(float32[::1], float32[::1], float32[::1])", writes=("out",))
+def add_kernel(x, y, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = x[i] + y[i]
+
+
+def chain_program(n, ops):
+    """A function of x: temporaries t0, t1, ... from `empty`, each made from x and earlier
+    ones (ops[i] = index of the earlier temporary it adds, or -1 for x alone); the last is
+    the output. Returns (fn, numpy reference)."""
+    def fn(x):
+        ts = []
+        for i, j in enumerate(ops):
+            t = empty(n, np.float32, f"t{i}")
+            if j < 0:
+                launch(scale_kernel, 1, 32, (x, t, np.float32(i + 1)))
+            else:
+                launch(add_kernel, 1, 32, (x, ts[j % len(ts)], t))
+            ts.append(t)
+        return ts[-1]
+
+    def ref(x):
+        ts = []
+        for i, j in enumerate(ops):
+            ts.append((i + 1) * x if j < 0 else x + ts[j % len(ts)])
+        return ts[-1]
+    return fn, ref
+
+
+ops_strategy = st.lists(st.integers(-1, 8), min_size=1, max_size=10).map(
+    lambda ops: [-1] + ops[1:])
+
+
+@given(ops=ops_strategy, n=st.integers(1, 32))
+def test_planned_graphs_equal_private_ones_and_are_race_free(ops, n):
+    fn, ref = chain_program(n, ops)
+    x = np.random.default_rng(len(ops)).standard_normal(n).astype(np.float32)
+    planned = graph.capture(fn, {"x": dev(x)}, warmup=0)
+    private = graph.capture(fn, {"x": dev(x)}, warmup=0, planned=False)
+    try:
+        assert graph.races(planned.description) == []
+        p = planned.plan
+        validate(p)
+        assert p.arena_bytes <= p.total_bytes == sum(_aligned(n * 4) for _ in ops)
+        assert private.plan is None and private.private_bytes == 4 * n * len(ops)
+        want = ref(x.astype(np.float64))
+        got = planned.replay(x=planned.placeholders["x"]).copy_to_host()
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_array_equal(got, private.replay(x=private.placeholders["x"]).copy_to_host())
+        # the output's bytes are no other buffer's at the end: reading it after is safe
+        out_key = (None, f"t{len(ops) - 1}", 0)
+        assert next(b for b in p.blocks if b.key == out_key).last == max(b.last for b in p.blocks)
+    finally:
+        planned.close()
+        private.close()
+
+
+@given(ops=ops_strategy, lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4))
+def test_a_tape_gives_a_name_one_address_in_every_graph(ops, lengths):
+    """A family of graphs of one program at several sizes, planned largest first on one tape:
+    every name has the same address in every graph, and the arena is the largest's."""
+    sizes = sorted(set(lengths), reverse=True)
+    tape = graph.Tape("family")
+    x = dev(np.ones(max(sizes), np.float32))
+    graphs = []
+    try:
+        for n in sizes:
+            fn, _ = chain_program(n, ops)
+            graphs.append(graph.capture(lambda x, fn=fn, n=n: fn(x[:n]), {"x": x}, warmup=0,
+                                        tape=tape))
+        assert tape.arena_bytes == _aligned(graphs[0].plan.arena_bytes)
+        where = {}
+        for g in graphs:
+            for blk, buf in zip(g.plan.blocks, g.description.buffers):
+                where.setdefault(blk.key, address(buf.array))
+                assert address(buf.array) == where[blk.key]
+                assert address(buf.array) == address(tape.arena) + tape.offsets[blk.key]
+    finally:
+        for g in graphs:
+            g.close()
+        tape.close()
+
+
+def test_a_tape_refuses_a_larger_graph_after_a_smaller_one():
+    tape = graph.Tape("grow")
+    x = dev(np.ones(64, np.float32))
+    small, _ = chain_program(8, [-1, 0])
+    big, _ = chain_program(64, [-1, 0])
+    g = graph.capture(small, {"x": x[:8]}, warmup=0, tape=tape)
+    with pytest.raises(ValueError, match="capture the largest shape first"):
+        graph.capture(big, {"x": x}, warmup=0, tape=tape)
+    g.close()
+    with pytest.raises(ValueError, match="needs planned=True"):
+        graph.capture(small, {"x": x[:8]}, planned=False, tape=tape)
+
+
+def test_names_of_one_owner_must_be_unique_in_a_graph():
+    owner = object.__new__(type("Owner", (), {}))
+
+    def fn(x):
+        for _ in range(2):
+            t = empty(4, np.float32, "t", owner=owner)
+            launch(scale_kernel, 1, 32, (x, t, np.float32(2)))
+    with pytest.raises(ValueError, match="'t' is allocated twice in one graph"):
+        graph.capture(fn, {"x": dev(np.ones(4, np.float32))}, warmup=0)
+
+
+def test_a_buffer_used_in_a_loop_lives_through_the_whole_loop():
+    """Inside a WHILE body, a temporary written at the end of one pass may be read at the
+    start of the next: the planner must not reuse its bytes within the loop."""
+    flag = dev(np.zeros(1, np.int32))
+    x = dev(np.ones(8, np.float32))
+
+    def fn(x):
+        a = empty(8, np.float32, "a")
+        launch(scale_kernel, 1, 32, (x, a, np.float32(1)))
+
+        def body():
+            b = empty(8, np.float32, "b")
+            launch(scale_kernel, 1, 32, (a, b, np.float32(2)))
+            c = empty(8, np.float32, "c")
+            launch(scale_kernel, 1, 32, (b, c, np.float32(3)))
+        graph.while_loop(flag, body)
+        d = empty(8, np.float32, "d")
+        launch(scale_kernel, 1, 32, (x, d, np.float32(4)))
+        return d
+    g = graph.capture(fn, {"x": x}, warmup=0)
+    spans = {b.key[1]: (b.first, b.last) for b in g.plan.blocks}
+    assert spans["a"] == (0, 2) and spans["b"] == spans["c"] == (1, 2)   # the loop is steps 1-2
+    offs = {k[1]: off for k, off in g.plan.offsets.items()}
+    assert len({offs["a"], offs["b"], offs["c"]}) == 3
+    g.close()
+
+
+def test_the_planner_switch_and_the_summary():
+    fn, _ = chain_program(16, [-1, 0, 0, 1])
+    g = graph.capture(fn, {"x": dev(np.ones(16, np.float32))}, warmup=0)
+    assert "4 buffers" in g.plan.summary() and "peak live" in g.plan.summary()
+    assert g.private_bytes == 0
+    g.close()
+    assert planner.lifetimes(graph.Description([])) == {}
+
+
+@pytest.mark.parametrize("n_layer,n_embd,vocab", [(2, 32, 1000), (3, 16, 50)])
+def test_the_gpt2_decode_arena_is_within_ten_percent_of_the_peak(n_layer, n_embd, vocab):
+    """Recorded, not run (no simulator cost): the planner on the real model's decode step."""
+    from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
+    from proto.models.graphed import GraphedGPT2
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=vocab,
+                        n_positions=16)
+    model = GPT2(config, random_state_dict(config, 0), max_batch=5, max_tokens=1)
+    with GraphedGPT2(model, batch=5, max_len=16, build_all=True) as g:
+        plan = g.tape.plans[0]
+        assert plan.arena_bytes <= 1.10 * plan.peak_live_bytes, plan.summary()
+        assert plan.arena_bytes < plan.total_bytes
+        # every graph of the object (one per cache set) found its buffers where the first put them
+        assert all(p.offsets == plan.offsets for p in g.tape.plans)
