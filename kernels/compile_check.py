@@ -35,7 +35,15 @@ def main(cc=(9, 0)) -> int:
         except Exception as exc:  # report every failure, not just the first
             failures += 1
             print(f"FAIL {name}\n     {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    print(f"{len(backend.KERNEL_SIGNATURES) - failures} compiled, {failures} failed")
+    # The graph layer's own kernels: the conditional nodes' setters and their CUDA C shim.
+    from proto.graph import cuda as graph_cuda
+    graph_failures = graph_cuda.compile_check(cc)
+    for line in graph_failures:
+        print(f"FAIL {line}")
+    failures += len(graph_failures)
+    total = len(backend.KERNEL_SIGNATURES) + len(graph_cuda.CONDITION_KERNELS) + 1
+    print(f"{total - failures} compiled, {failures} failed "
+          f"(every kernel, the graph layer's condition setters and their CUDA C)")
     return 1 if failures else 0
 
 

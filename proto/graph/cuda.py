@@ -392,46 +392,84 @@ extern "C" __device__ void proto_set_conditional(unsigned long long handle, unsi
     cudaGraphSetConditional(handle, value);
 }
 """
+_set_conditional = None   # the declared CUDA C device function, made on first use
+
+
+def _declare_set_conditional() -> None:
+    global _set_conditional
+    if _set_conditional is None:
+        _set_conditional = cuda.declare_device("proto_set_conditional", "void(uint64, uint32)",
+                                               abi="c", link=[cuda.CUSource(_SET_CONDITION_SRC)])
+
+
+def set_if(flag, handle):
+    """IF: handle := flag[0] != 0."""
+    if cuda.grid(1) == 0:
+        _set_conditional(handle, np.uint32(1 if flag[0] != 0 else 0))
+
+
+def start_loop(flag, passes, handle):
+    """Before a WHILE: passes := (0, 0); handle := flag[0] != 0."""
+    if cuda.grid(1) == 0:
+        passes[0] = 0
+        passes[1] = 0
+        _set_conditional(handle, np.uint32(1 if flag[0] != 0 else 0))
+
+
+def continue_loop(flag, passes, max_passes, handle):
+    """After each pass: passes[0] += 1; once it reaches the bound with the flag still set,
+    passes[1] := 1 and the handle 0 (the loop stops there)."""
+    if cuda.grid(1) == 0:
+        made = passes[0] + 1
+        passes[0] = made
+        go = flag[0] != 0
+        if go and made >= max_passes:
+            passes[1] = 1
+            go = False
+        _set_conditional(handle, np.uint32(1 if go else 0))
+
+
+CONDITION_KERNELS = {"if": (set_if, "void(int32[::1], uint64)"),
+                     "start": (start_loop, "void(int32[::1], int32[::1], uint64)"),
+                     "continue": (continue_loop, "void(int32[::1], int32[::1], int32, uint64)")}
 _condition_kernels: dict = {}
 
 
 def condition_kernels() -> dict:
-    """The one-thread kernels that set a conditional node's handle from a device flag:
-    ``if``       handle := flag[0] != 0;
-    ``start``    before a WHILE: passes := (0, 0); handle := flag[0] != 0;
-    ``continue`` after each pass: passes[0] += 1; once passes[0] reaches the bound with the
-                 flag still set, passes[1] := 1 and the handle 0 (the loop stops there).
-    ``cudaGraphSetConditional`` is a device-runtime builtin Numba cannot call directly, so a
-    few lines of CUDA C wrap it (declare_device). Built on first use: GPU only."""
+    """The one-thread kernels that set a conditional node's handle from a device flag
+    (CONDITION_KERNELS). ``cudaGraphSetConditional`` is a device-runtime builtin Numba cannot
+    call directly, so a few lines of CUDA C wrap it (declare_device). Built on first use:
+    GPU only."""
     if not _condition_kernels:
-        set_conditional = cuda.declare_device("proto_set_conditional", "void(uint64, uint32)",
-                                              abi="c", link=[cuda.CUSource(_SET_CONDITION_SRC)])
-
-        @cuda.jit("void(int32[::1], uint64)")
-        def set_if(flag, handle):
-            if cuda.grid(1) == 0:
-                set_conditional(handle, np.uint32(1 if flag[0] != 0 else 0))
-
-        @cuda.jit("void(int32[::1], int32[::1], uint64)")
-        def start_loop(flag, passes, handle):
-            if cuda.grid(1) == 0:
-                passes[0] = 0
-                passes[1] = 0
-                set_conditional(handle, np.uint32(1 if flag[0] != 0 else 0))
-
-        @cuda.jit("void(int32[::1], int32[::1], int32, uint64)")
-        def continue_loop(flag, passes, max_passes, handle):
-            if cuda.grid(1) == 0:
-                made = passes[0] + 1
-                passes[0] = made
-                go = flag[0] != 0
-                if go and made >= max_passes:
-                    passes[1] = 1
-                    go = False
-                set_conditional(handle, np.uint32(1 if go else 0))
-
-        _condition_kernels.update({"if": set_if, "start": start_loop, "continue": continue_loop})
+        _declare_set_conditional()
+        _condition_kernels.update({name: cuda.jit(sig)(fn)
+                                   for name, (fn, sig) in CONDITION_KERNELS.items()})
     return _condition_kernels
+
+
+def compile_check(cc=(9, 0)) -> list[str]:
+    """Compile the condition kernels and their CUDA C for compute capability `cc` with no
+    GPU (kernels.compile_check); returns one line per failure."""
+    from cuda.bindings import nvrtc
+    failures = []
+    _declare_set_conditional()
+    for name, (fn, sig) in CONDITION_KERNELS.items():
+        try:
+            cuda.compile_ptx(fn, sig, cc=cc)
+        except Exception as exc:   # report every failure, not just the first
+            failures.append(f"proto.graph.cuda.{fn.__name__}{sig}: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0]}")
+    err, prog = nvrtc.nvrtcCreateProgram(_SET_CONDITION_SRC.encode(), b"set_conditional.cu", 0,
+                                         [], [])
+    options = [f"-arch=compute_{cc[0]}{cc[1]}".encode(), b"-rdc=true"]
+    err, = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        failures.append(f"proto.graph.cuda set_conditional.cu: {log.decode(errors='replace').strip()}")
+    nvrtc.nvrtcDestroyProgram(prog)
+    return failures
 
 
 def _condition_launch(which: str, flag, passes, max_passes: int, handle: int) -> tuple:
