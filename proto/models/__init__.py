@@ -13,12 +13,15 @@ from proto.backend import cuda
 
 
 def checked_params(shapes: dict[str, tuple[int, ...]], state_dict, *, what: str,
-                   ignored=lambda key: False) -> dict[str, np.ndarray]:
+                   ignored=lambda key: False, allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
     """float32 C-contiguous copies of `state_dict[k]` for every k in `shapes`.
 
-    Raises ValueError naming the key when one is missing, misshaped, or unexpected (an extra
-    key usually means the config does not match the checkpoint, e.g. fewer layers);
-    `ignored(key)` marks extra keys that carry no weights (buffers such as causal masks).
+    Raises ValueError naming the key when one is missing, misshaped, not numeric (a string,
+    an object), holds a NaN or an infinity (also one float32 cannot hold: 1e39), or is
+    unexpected (an extra key usually means the config does not match the checkpoint, e.g.
+    fewer layers); `ignored(key)` marks extra keys that carry no weights (buffers such as
+    causal masks). A non-finite weight would make every output NaN without a word, so it is
+    refused unless `allow_nonfinite=True` (to study exactly that).
     """
     missing = [k for k in shapes if k not in state_dict]
     if missing:
@@ -30,10 +33,20 @@ def checked_params(shapes: dict[str, tuple[int, ...]], state_dict, *, what: str,
     params = {}
     for key, shape in shapes.items():
         value = np.asarray(state_dict[key])  # also takes CPU torch tensors
+        if not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+            raise ValueError(f"{what} state_dict[{key!r}]: expected a numeric array, got "
+                             f"{type(state_dict[key]).__name__} of dtype {value.dtype}")
         if value.shape != shape:
             raise ValueError(f"{what} state_dict[{key!r}]: expected shape {shape}, "
                              f"got {tuple(value.shape)}")
-        params[key] = np.ascontiguousarray(value, dtype=np.float32)
+        with np.errstate(over="ignore"):   # too large for float32: inf, refused below
+            params[key] = np.ascontiguousarray(value, dtype=np.float32)
+        bad = ~np.isfinite(params[key])
+        if bad.any() and not allow_nonfinite:
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"{what} state_dict[{key!r}]: {int(bad.sum())} non-finite value(s) "
+                             f"as float32, first at {first}: {value[first]!r}; pass "
+                             "allow_nonfinite=True to load them anyway")
     return params
 
 

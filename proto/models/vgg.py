@@ -36,7 +36,7 @@ from typing import Literal
 
 import numpy as np
 
-from kernels import conv, linear, loss as xent, pool, relu, sgd
+from kernels import _check, conv, linear, loss as xent, pool, relu, sgd
 from proto.models import checked_params
 from proto.tape import Op, Tape, TensorSpec
 
@@ -64,17 +64,23 @@ class VGGConfig:
     hidden: int | None = None   # classifier width; default 4096 * width
 
     def __post_init__(self):
-        if self.depth not in CONFIGS:
+        # NumPy scalars are accepted and stored as Python numbers; bools and strings are not.
+        def keep(name, value):
+            object.__setattr__(self, name, value)
+
+        if not _check._is_integer(self.depth) or self.depth not in CONFIGS:
             raise ValueError(f"depth: expected one of {sorted(CONFIGS)}, got {self.depth!r}")
-        if not self.width > 0:
-            raise ValueError(f"width: expected a positive multiplier, got {self.width!r}")
+        keep("depth", int(self.depth))
+        keep("width", _check.number("width", self.width, positive=True))
+        keep("image_size", _check.positive("image_size", self.image_size))
         if self.image_size < 32 or self.image_size % 32:
             raise ValueError(f"image_size: expected a multiple of 32 (five 2x2 pools), got {self.image_size!r}")
-        if self.hidden is not None and (not isinstance(self.hidden, int) or self.hidden < 1):
-            raise ValueError(f"hidden: expected a positive integer or None, got {self.hidden!r}")
+        if self.hidden is not None:
+            keep("hidden", _check.positive("hidden", self.hidden))
         for name in ("batch", "num_classes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+            keep(name, _check.positive(name, getattr(self, name)))
+        for name in ("lr", "momentum", "weight_decay"):
+            keep(name, _check.number(name, getattr(self, name), at_least=0))
 
     def channels(self, c: int) -> int:
         return max(1, int(round(c * self.width)))
@@ -152,11 +158,14 @@ def random_state_dict(cfg: VGGConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return state
 
 
-def load_state_dict(cfg: VGGConfig, state_dict) -> dict[str, np.ndarray]:
+def load_state_dict(cfg: VGGConfig, state_dict, *, allow_nonfinite: bool = False
+                    ) -> dict[str, np.ndarray]:
     """float32 copies of a torchvision-named state dict (NumPy arrays or CPU tensors); a
-    missing, unexpected or misshaped key raises ValueError naming it. A torchvision VGG of the
-    same depth loads at width 1, image_size 224."""
-    return checked_params(param_shapes(cfg), state_dict, what=f"VGG-{cfg.depth}")
+    missing, unexpected, misshaped, non-numeric or (unless `allow_nonfinite`) non-finite
+    entry raises ValueError naming it (proto.models.checked_params). A torchvision VGG of
+    the same depth loads at width 1, image_size 224."""
+    return checked_params(param_shapes(cfg), state_dict, what=f"VGG-{cfg.depth}",
+                          allow_nonfinite=allow_nonfinite)
 
 
 # ---------------------------------------------------------------------------- the tape
@@ -336,16 +345,27 @@ def _sgd(p, cfg):
 
 
 def initial_values(cfg: VGGConfig, state: dict, images: np.ndarray, labels: np.ndarray,
-                   momentum: dict | None = None) -> dict[str, np.ndarray]:
+                   momentum: dict | None = None, *, allow_nonfinite: bool = False
+                   ) -> dict[str, np.ndarray]:
     """Host values of every persistent tensor before the step: the batch, the parameters,
-    zero gradients and the momentum buffers (zero unless given: a fresh optimizer)."""
+    zero gradients and the momentum buffers (zero unless given: a fresh optimizer). Weights,
+    momentum and images must be finite unless `allow_nonfinite`."""
     B, S = cfg.batch, cfg.image_size
-    if images.shape != (B, 3, S, S):
-        raise ValueError(f"images: expected shape {(B, 3, S, S)}, got {images.shape}")
-    if labels.shape != (B,) or labels.min() < 0 or labels.max() >= cfg.num_classes:
-        raise ValueError(f"labels: expected {B} class indices in [0, {cfg.num_classes}), "
-                         f"got shape {labels.shape}, range [{labels.min()}, {labels.max()}]")
-    params = load_state_dict(cfg, state)
+    images, labels = np.asarray(images), np.asarray(labels)
+    if images.shape != (B, 3, S, S) or not np.issubdtype(images.dtype, np.floating):
+        raise ValueError(f"images: expected floats of shape {(B, 3, S, S)}, got "
+                         f"{images.dtype} {images.shape}")
+    if not allow_nonfinite and not np.isfinite(images).all():
+        raise ValueError("images: non-finite values; pass allow_nonfinite=True to use them")
+    if labels.shape != (B,) or not np.issubdtype(labels.dtype, np.integer) \
+            or labels.min() < 0 or labels.max() >= cfg.num_classes:
+        raise ValueError(f"labels: expected {B} integer class indices in [0, {cfg.num_classes}), "
+                         f"got {labels.dtype} {labels.shape}"
+                         + (f", range [{labels.min()}, {labels.max()}]" if labels.size else ""))
+    params = load_state_dict(cfg, state, allow_nonfinite=allow_nonfinite)
+    if momentum is not None:
+        momentum = checked_params(param_shapes(cfg), momentum, what=f"VGG-{cfg.depth} momentum",
+                                  allow_nonfinite=allow_nonfinite)
     values = {"images": np.ascontiguousarray(images, np.float32),
               "labels": np.ascontiguousarray(labels, np.int32)}
     for name, p in params.items():
