@@ -93,6 +93,25 @@ def test_beam_search_matches_reference(config, beam, prompt_len, new, eos_rank, 
     assert got.score == pytest.approx(want.score, abs=1e-4)  # float32 sums of <= 3 log-probs
 
 
+def test_beam_search_ranks_twice_the_beam_width_of_candidates():
+    """Which candidates a step examines (top 2 * beam) decides the result here: after the
+    prompt, eos ranks third, so with beam 2 only a search that looks at more than two
+    candidates finishes on it; every continuation after that is worse. A Markov table of
+    logits (row = last token), checked against the reference's independent restatement."""
+    V, eos = 5, 4
+    table = np.zeros((V, V))                      # after tokens 1..4: uniform, all bad
+    table[0] = [-3.0, -1.0, -1.1, -3.0, -1.2]     # after the prompt: 1, 2, eos, ...
+    logits_fn = lambda tokens: table[tokens]      # noqa: E731
+    cache_config = GPT2Config(n_layer=1, n_embd=1, n_head=1, vocab_size=V, n_positions=8)
+    model = SimpleNamespace(config=cache_config)
+    want = reference.beam(logits_fn, [0], 2, 3, eos)
+    assert want.tokens.tolist() == [0, eos]       # what ranking 4 candidates finds
+    got = generate.beam_search(model, [0], beam=2, max_new_tokens=3, eos=eos,
+                               step=HistoryStep(logits_fn))
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.score == pytest.approx(want.score, abs=1e-5)
+
+
 def test_beam_of_one_is_greedy():
     config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=8)
     prompt, logits_fn, step, model = _search_setup(config, 3, (2,))
@@ -136,3 +155,61 @@ def test_generation_rejects_bad_arguments():
     with pytest.raises(ValueError, match="caches: expected batch 2"):
         generate.beam_search(model, [1, 2], beam=2, max_new_tokens=2,
                              caches=(KVCache(config, 1, 4), KVCache(config, 1, 4)))
+
+
+def test_arguments_are_checked_before_any_cache_is_allocated(monkeypatch):
+    """Wrong types name the argument; a batch or prompt past the model's limits is refused
+    before caches are allocated (not by the model step, after them)."""
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
+    model = GPT2(config, random_state_dict(config, 0), max_batch=2, max_tokens=2)
+
+    def no_cache(*args, **kwargs):
+        raise AssertionError("a cache was allocated before the arguments were checked")
+
+    monkeypatch.setattr(generate, "KVCache", no_cache)
+    cases = [
+        (dict(prompt=[[1, 2]], max_new_tokens=2, eos="3"), r"eos: expected an id in \[0, 11\)"),
+        (dict(prompt=[[1, 2]], max_new_tokens=2, eos=True), "eos: expected an id"),
+        (dict(prompt=[[1, 2]], max_new_tokens=-1), "max_new_tokens: expected a positive integer"),
+        (dict(prompt=[[1, 2]], max_new_tokens=1.5), "max_new_tokens: expected a positive integer"),
+        (dict(prompt=[[1, 2]], max_new_tokens=True), "max_new_tokens: expected a positive integer"),
+        (dict(prompt=[[1.0, 2.0]], max_new_tokens=2), "prompt: expected a non-empty 2-D integer"),
+        (dict(prompt=[[1, 2], [3]], max_new_tokens=2), "prompt: expected a 2-D integer array"),
+        (dict(prompt=[[1, -1]], max_new_tokens=2), r"prompt: token ids must lie in \[0, 11\)"),
+        (dict(prompt=[[1, 2]] * 3, max_new_tokens=2), "batch 3 exceeds the model's max_batch=2"),
+        (dict(prompt=[[1, 2, 3, 4]], max_new_tokens=2), "prefill of 3 tokens exceeds the "
+                                                         "model's max_tokens=2"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            generate.greedy(model, **kwargs)
+    with pytest.raises(ValueError, match="batch 3 exceeds the model's max_batch=2"):
+        generate.beam_search(model, [1, 2], beam=3, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"beam: expected an integer in 1\.\.8"):
+        generate.beam_search(model, [1, 2], beam=True, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"inputs: expected tokens \(1, 1\)"):
+        generate.greedy(model, [[1, 2]], max_new_tokens=2, inputs=generate.DecodeInputs.allocate(2))
+
+
+@pytest.mark.parametrize("rows", ["all", "one"])
+def test_non_finite_logits_are_an_error_not_an_eos(rows):
+    """NaN logits rank as -inf, so argmax would pick token 0 (here also eos) and stop as if
+    the model had finished; top-k would go on with -inf scores. Both searches say so."""
+    V = 6
+
+    def logits_fn(tokens):
+        out = np.zeros((*tokens.shape, V))
+        out[..., 3] = 1.0
+        if rows == "all":
+            out[:] = np.nan
+        else:
+            out[0, -1] = np.nan                    # one row of the batch (or the first beam)
+        return out
+
+    model = SimpleNamespace(config=GPT2Config(n_layer=1, n_embd=1, n_head=1, vocab_size=V,
+                                              n_positions=8))
+    with pytest.raises(FloatingPointError, match="row 0 at step 0 have no finite maximum"):
+        generate.greedy(model, [[1], [2]], max_new_tokens=3, eos=0, step=HistoryStep(logits_fn))
+    with pytest.raises(FloatingPointError, match="beam_search: step 0: top-4 candidate"):
+        generate.beam_search(model, [1], beam=2, max_new_tokens=3, eos=0,
+                             step=HistoryStep(logits_fn))

@@ -11,6 +11,10 @@ Rules (proto.models.reference implements the same ones independently):
   each step's logits are contiguous (B, V) rows and one step shape serves the whole search.
 - Greedy: next token = argmax (ties: lowest id). A row that emitted `eos` is done and padded
   with `eos`; generation stops when every row is done or after `max_new_tokens`.
+- Non-finite scores are an error, not a token: a greedy row whose largest logit is not finite
+  (all NaN, say) or a beam step whose top k candidates are not all finite raises
+  FloatingPointError (top-k ranks NaN as -inf, so the search would otherwise go on, or stop
+  on an `eos` chosen from garbage, without a word).
 - Beam search (one prompt, `beam` hypotheses, scores = summed log-probabilities):
   candidates are the top k = min(2*beam, 8) of score[b] + log_softmax(logits[b])[v] over all
   (b, v) (ties: lower b*V + v first). In rank order, a candidate ending in `eos` becomes a
@@ -33,7 +37,7 @@ import time
 
 import numpy as np
 
-from kernels import gemm, sampling, softmax
+from kernels import _check, gemm, sampling, softmax
 from proto import backend
 from proto.backend import cuda
 from proto.models.gpt2 import KVCache
@@ -93,7 +97,10 @@ class Generation:
 
 
 def _check_prompt(prompt, vocab: int, ndim: int, name: str = "prompt") -> np.ndarray:
-    prompt = np.asarray(prompt)
+    try:
+        prompt = np.asarray(prompt)
+    except ValueError:   # ragged nested lists
+        raise ValueError(f"{name}: expected a {ndim}-D integer array, got ragged rows") from None
     if prompt.ndim != ndim or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
         raise ValueError(f"{name}: expected a non-empty {ndim}-D integer array, "
                          f"got {prompt.dtype} shape {prompt.shape}")
@@ -103,18 +110,33 @@ def _check_prompt(prompt, vocab: int, ndim: int, name: str = "prompt") -> np.nda
     return prompt.astype(np.int32)
 
 
-def _check_run(model, prompt_len: int, max_new_tokens: int, eos) -> int:
-    """Validate the common arguments; return the cache length the run needs."""
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
-    if eos is not None and not 0 <= eos < model.config.vocab_size:
-        raise ValueError(f"eos: expected an id in [0, {model.config.vocab_size}), got {eos}")
+def _check_run(model, prompt_len: int, max_new_tokens: int, eos, batch: int | None = None) -> int:
+    """Validate the common arguments (before anything is allocated); return the cache length
+    the run needs. `batch`: rows per step, checked against the model's `max_batch` (and the
+    prefill's prompt_len - 1 tokens against its `max_tokens`) where it has them."""
+    _check.positive("max_new_tokens", max_new_tokens)
+    V = model.config.vocab_size
+    if eos is not None and not (_check._is_integer(eos) and 0 <= eos < V):
+        raise ValueError(f"eos: expected an id in [0, {V}) or None, got {eos!r}")
     # the last generated token is never fed back, so the cache holds prompt + new - 1 positions
     need = prompt_len + max_new_tokens - 1
     if need > model.config.n_positions:
         raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} - 1 "
                          f"exceeds n_positions={model.config.n_positions}")
+    max_batch, max_tokens = getattr(model, "max_batch", None), getattr(model, "max_tokens", None)
+    if batch is not None and max_batch is not None and batch > max_batch:
+        raise ValueError(f"batch {batch} exceeds the model's max_batch={max_batch}")
+    if max_tokens is not None and prompt_len - 1 > max_tokens:
+        raise ValueError(f"prompt length {prompt_len}: its prefill of {prompt_len - 1} tokens "
+                         f"exceeds the model's max_tokens={max_tokens}")
     return need
+
+
+def _check_inputs(inputs, batch: int) -> None:
+    if inputs is not None and (tuple(inputs.tokens.shape) != (batch, 1)
+                               or tuple(inputs.pos.shape) != (1,)):
+        raise ValueError(f"inputs: expected tokens ({batch}, 1) and pos (1,), got "
+                         f"{tuple(inputs.tokens.shape)} and {tuple(inputs.pos.shape)}")
 
 
 def _check_caches(caches, batch: int, need: int) -> None:
@@ -142,16 +164,21 @@ def greedy(model, prompt, *, max_new_tokens: int, eos: int | None = None, step=N
     V = model.config.vocab_size
     prompt = _check_prompt(prompt, V, ndim=2)
     B, T0 = prompt.shape
-    need = _check_run(model, T0, max_new_tokens, eos)
+    need = _check_run(model, T0, max_new_tokens, eos, batch=B)
+    if cache is not None:
+        _check_caches([cache], B, need)
+    _check_inputs(inputs, B)
     cache = cache or KVCache(model.config, B, need)
-    _check_caches([cache], B, need)
     step = step or model.step
     inputs = inputs or DecodeInputs.allocate(B)
     times = PhaseTimes(synchronized=timed)
+    # Each step's largest logit per row, kept on the device and read once at the end: a
+    # non-finite one means the argmax chose from garbage (no per-step transfer added).
+    best = cuda.device_array((max_new_tokens, B), np.float32)
 
     _prefill(step, prompt, inputs.pos, cache)
     inputs.tokens.copy_to_device(np.ascontiguousarray(prompt[:, -1:]))
-    next_tokens = inputs.tokens.reshape(B)  # (B,) view the argmax writes into
+    next_tokens = inputs.tokens  # (B, 1): the argmax writes the next step's input
     out, done = [prompt], np.zeros(B, dtype=bool)
     clock = _Clock(times)
     for t in range(max_new_tokens):
@@ -159,8 +186,8 @@ def greedy(model, prompt, *, max_new_tokens: int, eos: int | None = None, step=N
         clock.lap("prep_s")
         logits = step(inputs.tokens, inputs.pos, cache)  # (B, 1, V)
         clock.lap("model_s")
-        sampling.argmax(logits.reshape(B, V), next_tokens)
-        tok = next_tokens.copy_to_host()
+        sampling.topk(logits.reshape(B, V), 1, best[t].reshape(B, 1), next_tokens)  # argmax
+        tok = next_tokens.copy_to_host()[:, 0]
         if eos is not None:
             tok = np.where(done, eos, tok)
             done |= tok == eos
@@ -169,6 +196,12 @@ def greedy(model, prompt, *, max_new_tokens: int, eos: int | None = None, step=N
         times.steps += 1
         if eos is not None and done.all():
             break
+    top = best[:times.steps].copy_to_host()
+    if not np.isfinite(top).all():
+        t, row = (int(i) for i in np.argwhere(~np.isfinite(top))[0])
+        raise FloatingPointError(f"greedy: the logits of row {row} at step {t} have no finite "
+                                 f"maximum ({top[t, row]}): the model computes NaN or infinity "
+                                 "(check its weights); its tokens mean nothing")
     return Generation(np.concatenate(out, axis=1), 0.0, times)
 
 
@@ -194,15 +227,20 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
     """
     V = model.config.vocab_size
     prompt = _check_prompt(prompt, V, ndim=1)
-    if not isinstance(beam, (int, np.integer)) or not 1 <= beam <= MAX_BEAM:
+    if not _check._is_integer(beam) or not 1 <= beam <= MAX_BEAM:
         raise ValueError(f"beam: expected an integer in 1..{MAX_BEAM}, got {beam!r}")
     k = topk_width(beam)
     if V < k:
         raise ValueError(f"vocab_size {V}: beam search needs at least {k} tokens")
     T0 = len(prompt)
-    need = _check_run(model, T0, max_new_tokens, eos)
+    need = _check_run(model, T0, max_new_tokens, eos, batch=beam)
+    if caches is not None:
+        if len(caches) != 2:
+            raise ValueError(f"caches: expected two KVCache (read one, reorder into the other), "
+                             f"got {len(caches)}")
+        _check_caches(caches, beam, need)
+    _check_inputs(inputs, beam)
     caches = caches or (KVCache(model.config, beam, need), KVCache(model.config, beam, need))
-    _check_caches(caches, beam, need)
     step = step or model.step
     inputs = inputs or DecodeInputs.allocate(beam)
     buf = _BeamBuffers(beam, V, k)
@@ -233,6 +271,13 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
         gemm.gemm(buf.scores, buf.ones, buf.logprobs, accumulate=True)
         sampling.topk(buf.logprobs.reshape(1, beam * V), k, buf.values, buf.indices)
         values, indices = buf.values.copy_to_host()[0], buf.indices.copy_to_host()[0]
+        # Finite logits give k finite candidates from live beams. NaN ranks as -inf, so a
+        # NaN row lets -inf, or an empty slot's DEAD + log-prob, into the top k.
+        if not (np.isfinite(values) & (values > DEAD / 2)).all():
+            raise FloatingPointError(f"beam_search: step {t}: top-{k} candidate scores "
+                                     f"{values.tolist()} are not all finite scores of live "
+                                     "beams: the model computes NaN or infinity (check its "
+                                     "weights)")
         nxt, parent_list, token_list, score_list = [], [], [], []
         for value, index in zip(values, indices):
             b, tok = divmod(int(index), V)

@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 
-from proto.models.generate import MAX_BEAM, topk_width
 from proto.models.gpt2 import LN_EPS, GPT2Config, load_state_dict as load_gpt2
 from proto.models.lstm import LSTMConfig, load_state_dict as load_lstm
 
@@ -126,10 +125,13 @@ def greedy(logits_fn, prompt, max_new_tokens: int, eos: int | None = None) -> Se
 
 def beam(logits_fn, prompt, beam_width: int, max_new_tokens: int,
          eos: int | None = None) -> SearchRef:
-    """Beam search from a 1-D prompt under the rules of proto.models.generate.beam_search."""
-    if not 1 <= beam_width <= MAX_BEAM:
-        raise ValueError(f"beam_width: expected 1..{MAX_BEAM}, got {beam_width}")
-    k = topk_width(beam_width)
+    """Beam search from a 1-D prompt under the rules of proto.models.generate.beam_search,
+    restated here rather than imported, so a change there shows up as a difference: each step
+    ranks the top k = min(2 * beam_width, 8) candidates (room for an eos per beam; top-k
+    returns at most 8), so beam_width is at most 8."""
+    if not 1 <= beam_width <= 8:
+        raise ValueError(f"beam_width: expected 1..8, got {beam_width}")
+    k = min(2 * beam_width, 8)
     live = [list(prompt)]                  # live hypotheses, best first
     live_scores = [0.0]
     finished: list[tuple[float, list]] = []
