@@ -101,12 +101,13 @@ def test_a_recorded_step_is_a_race_free_graph(layers, width, frac, lookahead, re
     # touching the same bytes (a kernel and the copy evicting or prefetching its tensor, two
     # tensors sharing arena bytes at different times, a pinned buffer written then read) must
     # be ordered by the edges the events became.
-    tape, _ = cnn_tape(64 * 4 * width, layers, host_ops=False, seed=width)
+    tape, init = cnn_tape(64 * 4 * width, layers, host_ops=False, seed=width)
     budget = Liveness(tape).budget_between(0.2 + 0.8 * frac)
     p = plan(tape, budget, lookahead=lookahead, recompute=recompute,
              op_seconds=_cheap_pools(tape) if recompute else None,
              link=Link(1e6, 1e6) if recompute else Link())
     with Executor(tape, p) as ex:
+        ex.load(init)   # a step, even one recorded, needs its state
         desc = _record_step(ex)
     moves = [a.kind for _, _, a in p.actions() if a.kind in ("evict", "prefetch")]
     directions = [_direction(node) for node in desc.nodes]
@@ -133,8 +134,9 @@ def test_captured_step_matches_unconstrained():
 
 
 def test_capture_refuses_host_math_and_demand_paging():
-    tape, _ = cnn_tape(256, "cc")
+    tape, init = cnn_tape(256, "cc")
     with Executor(tape, plan(tape)) as ex, pytest.raises(RuntimeError, match="computes on the host"):
+        ex.load(init)
         ex.capture()
     with PagingExecutor(tape, Liveness(tape).peak, page_bytes=256) as ex:
         with pytest.raises(TypeError, match="demand paging decides on the host"):

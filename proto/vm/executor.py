@@ -61,13 +61,31 @@ class Executor:
         for name in sorted(on_host - set(self.pinned)):
             self.pinned[name] = cuda.pinned_array(tape.tensors[name].shape, tape.tensors[name].dtype)
         self._op_names = [tuple(dict.fromkeys(op.reads + op.writes)) for op in tape.ops]
+        # Persistent tensors the step reads before it writes them: their arena bytes (or pinned
+        # buffers) hold garbage until `load` gives them values.
+        self._unloaded = {name for name in self._persistent if tape.uses(name)
+                          and name in tape.ops[tape.uses(name)[0]].reads}
+        self._closed = False
         self._pending: dict[str, object] = {}    # prefetched views, usable after their wait
         self._events: dict[tuple, object] = {}   # created once, re-recorded every step
         self.graphed: graph.Graph | None = None   # set by capture()
 
     # -- host I/O (outside the timed step) ------------------------------------------------
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}: this executor is closed (its arena, pinned buffers and "
+                               "graph were given back); make a new one")
+
+    def _require_loaded(self, what: str, names) -> None:
+        never = sorted(self._unloaded.intersection(names))
+        if never:
+            raise RuntimeError(f"{what}: {len(never)} persistent tensor(s) the step reads before "
+                               f"writing were never loaded, first: {never[:4]}; their memory "
+                               "holds garbage: load() them first")
+
     def load(self, values: dict[str, np.ndarray]) -> None:
         """Write persistent tensors from host arrays (initial weights, the input batch)."""
+        self._require_open("load")
         for name, value in values.items():
             if name not in self._persistent:
                 raise ValueError(f"load: {name!r} is not a persistent tensor of the tape")
@@ -83,6 +101,7 @@ class Executor:
                 continue
             self._touch([name])
             self.current[name].copy_to_device(np.ascontiguousarray(value, dtype=spec.dtype))
+        self._unloaded.difference_update(values)
         backend.synchronize()
         self._after_io()
 
@@ -91,6 +110,8 @@ class Executor:
         return self.read_many([name])[name]
 
     def read_many(self, names) -> dict[str, np.ndarray]:
+        self._require_open("read")
+        self._require_loaded("read", names)
         backend.synchronize()
         out = {}
         for name in names:
@@ -109,6 +130,8 @@ class Executor:
         """Enqueue one training step (returns before the GPU is done; synchronize to wait).
         After `capture()` that is one graph launch. marks: events to record on the compute
         stream before each op and after the last (an eager step, for profiling)."""
+        self._require_open("step")
+        self._require_loaded("step", self._unloaded)
         if self.graphed is not None and marks is None:
             self.graphed.replay()
             return
@@ -134,8 +157,10 @@ class Executor:
         """Record one step, all three streams of it, as one graph; later `step()`s launch it.
 
         Runs the step once on the way (a warm-up, outside the graph), so
-        `load` the starting state afterwards. `executor`: "cuda" (a CUDA graph; the default on
-        a GPU) or "walk" (node by node; the simulator's). Returns the recorded description."""
+        `load` the starting state afterwards (and before: the warm-up reads it). `executor`:
+        "cuda" (a CUDA graph; the default on a GPU) or "walk" (node by node; the simulator's).
+        Returns the recorded description."""
+        self._require_open("capture")
         if self.graphed is not None:
             raise RuntimeError("capture: this executor's step is already a graph")
         self.graphed = graph.capture(self.step, inputs={}, executor=executor)
@@ -204,6 +229,11 @@ class Executor:
         pass
 
     def close(self) -> None:
+        """Give the arena, pinned buffers, graph and streams back; closing twice is harmless,
+        any other use afterwards raises RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
         if self.graphed is not None:
             self.graphed.close()
             self.graphed = None

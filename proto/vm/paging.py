@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels import _check
 from proto import backend
 from proto.backend import cuda
 from proto.tape import Tape
@@ -32,7 +33,10 @@ class PageTable:
     """LRU residency of the pages of one arena under a byte budget (pure bookkeeping)."""
 
     def __init__(self, arena_bytes: int, budget: int, page_bytes: int = PAGE):
-        if page_bytes <= 0 or budget < page_bytes:
+        # A NaN budget would compare False with everything: no page would ever be evicted.
+        budget = _check.positive("budget", budget)
+        page_bytes = _check.positive("page_bytes", page_bytes)
+        if budget < page_bytes:
             raise BudgetError(f"budget {fmt_bytes(budget)} holds no page of {fmt_bytes(page_bytes)}")
         self.page_bytes = page_bytes
         self.n_pages = -(-arena_bytes // page_bytes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels import _check
 from proto import backend
 from proto.backend import cuda
 from proto.tape import TensorSpec
@@ -39,6 +40,9 @@ class DevicePool:
     """
 
     def __init__(self, budget: int, capacity: int, *, managed: bool = False):
+        # A NaN budget would compare False with everything and enforce nothing.
+        budget = _check.positive("budget", budget)
+        capacity = _check.integer("capacity", capacity, at_least=0)
         if capacity > budget:
             raise OutOfBudget(f"arena of {fmt_bytes(capacity)} passes the budget {fmt_bytes(budget)}")
         self.budget, self.capacity = int(budget), int(capacity)
@@ -50,6 +54,8 @@ class DevicePool:
         self._views: dict[tuple, object] = {}        # views are cached: they cost ~30 us to make
 
     def view(self, spec: TensorSpec, offset: int):
+        if self.arena is None:
+            raise RuntimeError(f"{spec.name}: the pool is closed (its arena was given back)")
         key = (offset, spec.shape, np.dtype(spec.dtype).str)
         v = self._views.get(key)
         if v is None:

@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 from typing import Literal
 
+from kernels import _check
 from proto.tape import Tape
 from proto.vm.liveness import BudgetError, Gap, Liveness, align_up, fmt_bytes
 from proto.graph.plan import Block, place
@@ -60,6 +61,10 @@ class Link:
     """Host-link bandwidth in bytes/s, per direction (pinned memory)."""
     h2d: float = 54e9     # measured on the H200 (shared/DESIGN.md)
     d2h: float = 55e9
+
+    def __post_init__(self):   # copy times divide by these: 0, NaN or inf would mislead
+        for name in ("h2d", "d2h"):
+            _check.number(f"Link.{name}", getattr(self, name), positive=True)
 
 
 @dataclasses.dataclass
@@ -123,6 +128,8 @@ class _Planner:
         self.op_seconds = list(op_seconds) if op_seconds is not None else estimate_op_seconds(tape)
         if len(self.op_seconds) != n:
             raise ValueError(f"op_seconds: expected {n} values (one per op), got {len(self.op_seconds)}")
+        for i, s in enumerate(self.op_seconds):
+            _check.number(f"op_seconds[{i}] ({tape.ops[i].name})", s, at_least=0)
         # start[i]: when op i begins, for this step and the next (i up to 2n)
         self.start = list(itertools.accumulate(self.op_seconds * 2, initial=0.0))
         self._dirty_memo: dict = {}
@@ -342,13 +349,14 @@ def plan(tape: Tape, budget: int | None = None, *, op_seconds=None, link: Link =
     """
     if order not in ("gap", "bytes_x_gap", "per_traffic"):
         raise ValueError(f"order: expected 'gap', 'bytes_x_gap' or 'per_traffic', got {order!r}")
-    if lookahead is not None and lookahead < 1:
-        raise ValueError(f"lookahead: expected a positive number of ops, got {lookahead}")
+    if lookahead is not None:
+        lookahead = _check.positive("lookahead", lookahead)
+    if not isinstance(link, Link):
+        raise ValueError(f"link: expected a Link, got {type(link).__name__}")
     planner = _Planner(tape, op_seconds, link, lookahead)
     if budget is None:
         return _build(Liveness(tape), {}, planner, budget=None)[0]
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"budget: expected a positive number of bytes, got {budget!r}")
+    budget = _check.positive("budget", budget)
     Liveness(tape).check_budget(budget)
     # Placement can fragment: the arena then needs more than the profile's peak. Lower the
     # target of the ops where it overflows (never below what they must hold) and plan again;
@@ -580,6 +588,8 @@ def validate(tape: Tape, plan: Plan) -> None:
     before its next use; at the end only outputs remain, and homed tensors are back home.
     """
     n = len(tape.ops)
+    if not _check._is_integer(plan.budget) or plan.budget <= 0:   # NaN would pass every check
+        raise PlanError(f"plan.budget: expected a positive integer number of bytes, got {plan.budget!r}")
     if len(plan.before) != n or len(plan.after) != n:
         raise PlanError(f"plan has {len(plan.before)}/{len(plan.after)} action lists for {n} ops")
     if plan.arena_bytes > plan.budget:
