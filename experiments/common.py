@@ -1,7 +1,12 @@
 """What every experiment shares: where results go (results/<device>/, figures/<device>/), the provenance stamped on every CSV row,
-the summary file, and the simulator warning on figures (STYLE.md #12)."""
+the summary file, and the simulator warning on figures (STYLE.md #12).
+
+Every result file is written whole or not at all: to a temporary name in the same folder,
+then renamed over the old one (`_atomic`), so a run interrupted mid-write (Ctrl-C, a crash,
+a time limit) leaves the previous results intact rather than a truncated CSV."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import functools
@@ -68,13 +73,26 @@ def provenance() -> dict:
     }
 
 
+@contextlib.contextmanager
+def _atomic(path: pathlib.Path):
+    """Yield a temporary path beside `path`; only when the block completes is it renamed over
+    `path` (one rename within a folder: atomic). Otherwise it is removed and `path` is left
+    as it was."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_csv(name: str, rows: list[dict]) -> pathlib.Path:
     """Write rows (dicts with the same keys) plus provenance columns to results/<device>/<name>.csv."""
     if not rows:
         raise ValueError(f"{name}: no rows to write")
     path = results_dir() / f"{name}.csv"
     stamped = [{**row, **provenance()} for row in rows]
-    with path.open("w", newline="") as f:
+    with _atomic(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(stamped[0].keys()))
         writer.writeheader()
         writer.writerows(stamped)
@@ -88,7 +106,8 @@ def read_csv(name: str, device: str | None = None) -> list[dict]:
 
 def write_summary(name: str, summary: dict) -> pathlib.Path:
     path = results_dir() / f"{name}.summary.json"
-    path.write_text(json.dumps({**summary, "provenance": provenance()}, indent=2) + "\n")
+    with _atomic(path) as tmp:
+        tmp.write_text(json.dumps({**summary, "provenance": provenance()}, indent=2) + "\n")
     return path
 
 
@@ -117,10 +136,13 @@ def new_figure(rows: list[dict], *args, **kwargs):
 
 def save_figure(fig, name: str, device: str | None = None) -> pathlib.Path:
     path = figures_dir(device) / f"{name}.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
     import matplotlib.pyplot as plt
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        with _atomic(path) as tmp:
+            fig.savefig(tmp, dpi=130, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 

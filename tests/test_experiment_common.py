@@ -1,0 +1,60 @@
+"""Result files are written whole or not at all: an interrupted write leaves the previous
+results in place and no temporary file behind."""
+import pathlib
+
+import pytest
+
+from experiments import common
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    return tmp_path
+
+
+def _leftovers(folder: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if p.name.endswith(".tmp"))
+
+
+def test_an_interrupted_csv_keeps_the_previous_one(results):
+    path = common.write_csv("demo", [{"a": 1}, {"a": 2}])
+    before = path.read_text()
+    with pytest.raises(ValueError, match="fields not in fieldnames"):
+        common.write_csv("demo", [{"a": 3}, {"b": 4}])   # fails after a row is written
+    assert path.read_text() == before and not _leftovers(results)
+    common.write_csv("demo", [{"a": 5}])
+    assert [r["a"] for r in common.read_csv("demo")] == ["5"] and not _leftovers(results)
+
+
+def test_an_interrupted_summary_keeps_the_previous_one(results, monkeypatch):
+    path = common.write_summary("demo", {"ratio": 1.5})
+    before = path.read_text()
+    real_write = pathlib.Path.write_text
+
+    def write_half_then_stop(self, text, *args, **kwargs):
+        real_write(self, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(pathlib.Path, "write_text", write_half_then_stop)
+        common.write_summary("demo", {"ratio": 2.5})
+    assert path.read_text() == before and common.read_summary("demo")["ratio"] == 1.5
+    assert not _leftovers(results)
+
+
+def test_an_interrupted_figure_keeps_the_previous_one(results):
+    rows = [{"device": "test device"}]
+    fig, _ = common.new_figure(rows)
+    path = common.save_figure(fig, "demo")
+    before = path.read_bytes()
+    fig, _ = common.new_figure(rows)
+
+    def savefig_half_then_stop(target, **kwargs):
+        pathlib.Path(target).write_bytes(b"\x89PNG truncated")
+        raise KeyboardInterrupt
+
+    fig.savefig = savefig_half_then_stop
+    with pytest.raises(KeyboardInterrupt):
+        common.save_figure(fig, "demo")
+    assert path.read_bytes() == before and not _leftovers(results)
