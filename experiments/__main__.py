@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import time
 
 from proto import backend
 
-EXPERIMENTS = ["launch_overhead", "kernel_speed", "end_to_end", "search_loop", "autovm"]
+EXPERIMENTS = ["launch_overhead", "kernel_speed", "end_to_end", "search_loop", "graph_memory",
+               "autovm"]
 
 
 def main(argv=None) -> int:
@@ -54,10 +54,4 @@ def _fmt(v):
 
 
 if __name__ == "__main__":
-    code = main()
-    # torch.profiler (end_to_end's kernel-time sums) loads CUPTI beside Numba's CUDA context;
-    # on the H200 their teardown at interpreter exit aborts ("free(): invalid pointer") after
-    # every result is written. Leave without running that teardown: the OS reclaims the GPU.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

@@ -20,16 +20,26 @@ identical for every method):
 Per method: a short warm-up generation (first-call costs), one untimed generation timed end to
 end (-> ms per token), one generation with every phase synchronized (-> input preparation,
 model, search per token; the second figure). Graphs are all captured before timing
-(largest first), and capture time and driver memory are recorded. On the GPU the decode step
-alone is also timed at the middle position: our alias graph's replay against the sum of its
-kernels' GPU times (torch.profiler, which sees Numba kernels inside graph replays) and
-against PyTorch's CUDA-graphed step. Toy size: a tiny model, 2 tokens, simulator.
+(largest first), and capture time and driver memory are recorded. The decode step alone is
+also timed at the middle position: our alias graph's replay, on the GPU against the sum of
+its kernels' GPU times (torch.profiler, which sees Numba kernels inside graph replays) and
+against PyTorch's CUDA-graphed step. That runs in a child process (`step_timings`): the
+profiler's CUPTI beside Numba's CUDA context made the whole process abort at interpreter
+exit, so only the child ever loads it. Toy size: a tiny model, 2 tokens, simulator.
 
     python -c "from experiments import end_to_end as e; e.run('full'); e.plot()"
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 import time
+import traceback
 
 import numpy as np
 
@@ -42,14 +52,16 @@ from proto.models.graphed import GraphedGPT2
 NAME = "end_to_end"
 METHODS = ["numba_eager", "graph_copy_exact", "graph_alias_device", "torch_eager", "torch_graph"]
 SIZES = {
-    # (label, config, positions generated to)
+    # (label, config, positions generated to); step: how the decode step alone is timed
+    # (replays per sample: the host's checks overlap the GPU's work)
     "toy": dict(setups=[("toy-1L-d8", GPT2Config(1, 8, 2, 13, 8), 2)], beam=2, prompt_len=1,
-                build_all=False, untimed=False),
+                build_all=False, untimed=False, step=dict(replays=1, warmup=1, reps=2)),
     "full": dict(setups=[("4L-d256", GPT2Config(4, 256, 4, 50257, 1024), 1024),
                          ("12L-d768", GPT2Config(12, 768, 12, 50257, 1024), 256)],
-                 beam=5, prompt_len=5, build_all=True, untimed=True),
+                 beam=5, prompt_len=5, build_all=True, untimed=True,
+                 step=dict(replays=10, warmup=3, reps=20)),
 }
-STEP_REPLAYS = 10  # replays per timed sample: the host's checks overlap the GPU's work
+_REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------- methods
@@ -126,7 +138,7 @@ def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bo
     return _Torch(model.config, state_dict, beam, max_len, graphed=method == "torch_graph")
 
 
-# ------------------------------------------------------------------------- step timing (GPU)
+# ------------------------------------------------------------------------- step timing (child)
 def _kernels(replay, n: int = 20) -> dict[str, tuple[float, float]]:
     """{kernel name: (GPU us per replay, launches per replay)} of `replay`, by torch.profiler
     (CUPTI sees every kernel of the process, Numba's and those inside graph replays)."""
@@ -148,28 +160,71 @@ def _kernels(replay, n: int = 20) -> dict[str, tuple[float, float]]:
     return per
 
 
-def _replay_us(replay) -> float:
-    t = timing.bench(lambda: [replay() for _ in range(STEP_REPLAYS)], warmup=3, reps=20)
-    return t.median_us / STEP_REPLAYS
+def _replay_us(replay, replays: int, warmup: int, reps: int) -> float:
+    t = timing.bench(lambda: [replay() for _ in range(replays)], warmup=warmup, reps=reps)
+    return t.median_us / replays
 
 
-def _step_timings(label: str, position: int, alias, torch_graph, kernel_rows: list) -> dict:
-    """Our alias graph's replay, its kernels' sum, and PyTorch's graphed step, at `position`;
-    appends each kernel's share of a step to `kernel_rows`."""
+def _step_timings(label: str, position: int, alias, torch_graph, kernel_rows: list, *,
+                  step: dict, profile: bool) -> dict:
+    """Our alias graph's replay, its kernels' sum (`profile`), and PyTorch's graphed step, at
+    `position`; appends each kernel's share of a step to `kernel_rows`."""
     row = {"setup": label, "position": position}
     replays = {"ours": alias.g.replayer(position)}
     if torch_graph is not None:
         replays["torch"] = torch_graph.dec.replayer(position)
     for who, replay in replays.items():
-        kernels = _kernels(replay)
-        row.update({f"{who}_step_us": round(_replay_us(replay), 2),
-                    f"{who}_kernel_sum_us": round(sum(us for us, _ in kernels.values()), 2),
-                    f"{who}_kernels_per_step": round(sum(c for _, c in kernels.values()), 2)})
-        for name, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        kernels = _kernels(replay) if profile else None
+        row[f"{who}_step_us"] = round(_replay_us(replay, **step), 2)
+        row[f"{who}_kernel_sum_us"] = None if kernels is None else \
+            round(sum(us for us, _ in kernels.values()), 2)
+        row[f"{who}_kernels_per_step"] = None if kernels is None else \
+            round(sum(c for _, c in kernels.values()), 2)
+        for name, (us, count) in sorted((kernels or {}).items(), key=lambda kv: -kv[1][0]):
             kernel_rows.append({"setup": label, "who": who, "kernel": name[:90],
                                 "us_per_step": round(us, 2), "launches_per_step": count})
     row["ours_graph_nodes"] = alias.g.num_nodes // max(alias.g.num_graphs, 1)
     return row
+
+
+def _measure_step(spec: dict) -> dict:
+    """In the child: the setup's model (same weights), our alias graph and, with torch,
+    PyTorch's graphed step, built afresh; the decode step at spec["position"] timed, and
+    profiled where torch is present. Returns {"row": ..., "kernels": [...]}."""
+    config, beam, max_len = GPT2Config(**spec["config"]), spec["beam"], spec["max_len"]
+    state_dict = random_state_dict(config, seed=0)
+    model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(spec["prompt_len"] - 1, 1))
+    methods = ["graph_alias_device"] + (["torch_graph"] if spec["torch"] else [])
+    live = {m: _make(m, model, state_dict, beam, max_len, build_all=False) for m in methods}
+    kernel_rows: list = []
+    try:
+        row = _step_timings(spec["label"], spec["position"], live["graph_alias_device"],
+                            live.get("torch_graph"), kernel_rows, step=spec["step"],
+                            profile=spec["torch"])
+    finally:
+        for m in live.values():
+            m.close()
+    return {"row": row, "kernels": kernel_rows}
+
+
+def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max_len: int,
+                 position: int, step: dict, use_torch: bool) -> tuple[dict, list[dict]]:
+    """(step row, kernel rows) from `_measure_step` in a child process
+    (`python -m experiments.end_to_end --step SPEC OUT`), so this process never loads CUPTI."""
+    spec = dict(label=label, config=dataclasses.asdict(config), beam=beam, prompt_len=prompt_len,
+                max_len=max_len, position=position, step=step, torch=use_torch)
+    with tempfile.TemporaryDirectory() as folder:
+        spec_path, out_path = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        path = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
+        child = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
+                                str(spec_path), str(out_path)], cwd=_REPO,
+                               env={**os.environ, "PYTHONPATH": path, "PROTO_QUIET": "1"})
+        if child.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"{NAME}: the step-timing child process failed (exit status "
+                               f"{child.returncode}); its traceback is above")
+        out = json.loads(out_path.read_text())
+    return out["row"], out["kernels"]
 
 
 # ------------------------------------------------------------------------- run
@@ -216,15 +271,16 @@ def run(size: str = "toy") -> None:
                          "torch_logit_error": round(torch_error, 8)
                          if "torch_eager" in methods else None})
             bar.update(1)
-        if not backend.SIMULATOR:
-            step_rows.append(_step_timings(label, max_len // 2, live["graph_alias_device"],
-                                           live.get("torch_graph"), kernel_rows))
-        for m in live.values():
+        for m in live.values():   # give their device memory back before the child runs
             m.close()
+        row, kernels = step_timings(label, config, beam, prompt_len, max_len, max_len // 2,
+                                    cfg["step"], use_torch="torch_graph" in methods)
+        step_rows.append(row)
+        kernel_rows.extend(kernels)
     bar.close()
     common.write_csv(NAME, rows)
-    if step_rows:
-        common.write_csv(NAME + "_step", step_rows)
+    common.write_csv(NAME + "_step", step_rows)
+    if kernel_rows:
         common.write_csv(NAME + "_kernels", kernel_rows)
     common.write_summary(NAME, summarize(rows, step_rows))
 
@@ -259,10 +315,11 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
     step = next((r for r in step_rows if r["setup"] == label), None)
     if step is not None:
         summary["ours_step_us"] = float(step["ours_step_us"])
-        summary["ours_kernel_sum_us"] = float(step["ours_kernel_sum_us"])
-        if float(step["ours_kernel_sum_us"]) > 0:
-            summary["graphed_step_over_kernel_sum"] = \
-                float(step["ours_step_us"]) / float(step["ours_kernel_sum_us"])
+        if step.get("ours_kernel_sum_us") is not None:   # profiled (torch present)
+            summary["ours_kernel_sum_us"] = float(step["ours_kernel_sum_us"])
+            if float(step["ours_kernel_sum_us"]) > 0:
+                summary["graphed_step_over_kernel_sum"] = \
+                    float(step["ours_step_us"]) / float(step["ours_kernel_sum_us"])
         if step.get("torch_step_us") is not None:
             summary["torch_graph_step_us"] = float(step["torch_step_us"])
             summary["torch_graph_kernel_sum_us"] = float(step["torch_kernel_sum_us"])
@@ -319,3 +376,25 @@ def plot():
         ax.legend(fontsize=8)
     common.save_figure(fig, NAME + "_phases")
     return path
+
+
+# ------------------------------------------------------------------------- the child's entry
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "--step":
+        sys.exit("usage: python -m experiments.end_to_end --step SPEC.json OUT.json "
+                 "(run() starts this itself)")
+    try:
+        result = _measure_step(json.loads(pathlib.Path(sys.argv[2]).read_text()))
+        pathlib.Path(sys.argv[3]).write_text(json.dumps(result))
+        status = 0
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    if "torch.profiler" in sys.modules:
+        # CUPTI (loaded by the profiler) beside Numba's context aborts in the interpreter's
+        # teardown, after the results above are written: leave without it. This process
+        # exists to contain that; the parent checks the status and the file.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

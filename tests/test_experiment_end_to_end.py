@@ -1,11 +1,17 @@
 """The end_to_end experiment at toy size: it runs, every method generates the eager tokens,
 the CSV, summary and both figures are written, and the summary carries the headline keys the
-README quotes. Results go to a temporary folder (a GPU test run never overwrites full results)."""
+README quotes. Results go to a temporary folder (a GPU test run never overwrites full results).
+The decode step alone is timed (and on a GPU profiled) in a child process: this one must never
+start torch.profiler, whose CUPTI beside Numba's context aborted the interpreter at exit."""
 from experiments import common, end_to_end
 
 
 def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
+    def no_profiling_here(replay, n=20):
+        raise AssertionError("torch.profiler ran in the test process, not in the child")
+
     monkeypatch.setattr(common, "ROOT", tmp_path)
+    monkeypatch.setattr(end_to_end, "_kernels", no_profiling_here)
     end_to_end.run("toy")
     rows = common.read_csv("end_to_end")
     methods = [r["method"] for r in rows]
@@ -13,9 +19,11 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     for r in rows:
         assert float(r["ms_per_token"]) > 0 and int(r["tokens"]) == 2
         assert r["same_tokens_as_eager"] == "True"
-        assert abs(sum(float(r[k]) for k, _ in end_to_end.PHASES)
-                   - float(r["ms_per_token"])) < 1e-3 + 1e-3 * float(r["ms_per_token"])
+        assert float(r["model_ms"]) > 0 and min(float(r[k]) for k, _ in end_to_end.PHASES) >= 0
         assert r["git_commit"] and r["device"]  # provenance on every row
+    step = common.read_csv("end_to_end_step")   # measured by the child process
+    assert [r["setup"] for r in step] == ["toy-1L-d8"] and float(step[0]["ours_step_us"]) > 0
+    assert int(step[0]["ours_graph_nodes"]) > 0
     by = {r["method"]: r for r in rows}
     assert int(by["graph_alias_device"]["bytes_copied_per_step"]) == 0
     # PtGraph copies the reordered KV cache (1 layer, k and v, beam 2, 8 wide, 2 positions)
