@@ -12,6 +12,7 @@ lives before an op runs, never what the op computes.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Callable, Literal
 
 import numpy as np
@@ -20,12 +21,28 @@ TensorKind = Literal["input", "param", "grad", "activation", "workspace", "state
 Phase = Literal["forward", "loss", "backward", "update"]
 
 
+def _names(what: str, names) -> None:
+    # A bare string would be read as its characters: ("x") is "x", not ("x",).
+    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{what}: expected a tuple of tensor names, got {names!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
     kind: TensorKind
     dtype: np.dtype = np.dtype(np.float32)
+
+    def __post_init__(self):
+        if self.kind not in typing.get_args(TensorKind):
+            raise ValueError(f"tensor {self.name!r}: kind must be one of "
+                             f"{typing.get_args(TensorKind)}, got {self.kind!r}")
+        if not isinstance(self.shape, tuple) or not all(
+                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0
+                for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: shape must be a tuple of positive "
+                             f"integers, got {self.shape!r}")
 
     @property
     def nbytes(self) -> int:
@@ -52,6 +69,13 @@ class Tape:
 
     def __post_init__(self):
         for op in self.ops:
+            _names(f"op {op.name!r}: reads", op.reads)
+            _names(f"op {op.name!r}: writes", op.writes)
+            if op.phase not in typing.get_args(Phase):
+                raise ValueError(f"op {op.name!r}: phase must be one of "
+                                 f"{typing.get_args(Phase)}, got {op.phase!r}")
+            if not callable(op.run):
+                raise ValueError(f"op {op.name!r}: run must be callable, got {op.run!r}")
             for name in op.reads + op.writes:
                 if name not in self.tensors:
                     raise ValueError(f"op {op.name!r} touches undeclared tensor {name!r}")

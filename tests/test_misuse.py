@@ -152,3 +152,25 @@ def test_state_never_loaded_is_an_error_not_garbage():
     tape = vgg.build_tape(cfg)
     momentum = next(n for n, t in tape.tensors.items() if t.kind == "state")
     assert momentum in tape.ops[tape.uses(momentum)[0]].reads
+
+
+def test_a_tape_refuses_what_it_would_misread():
+    from proto.tape import Op, Tape
+    x = TensorSpec("x", (4,), "input")
+    y = TensorSpec("y", (4,), "activation")
+
+    def run(arrays, stream):
+        pass
+
+    for bad, message in ((dict(reads="x"), r"reads: expected a tuple of tensor names, got 'x'"),
+                         (dict(writes=["y"]), "writes: expected a tuple of tensor names"),
+                         (dict(phase="fwd"), "phase must be one of"),
+                         (dict(run=None), "run must be callable")):
+        op = dict(name="f", phase="forward", reads=("x",), writes=("y",), run=run) | bad
+        with pytest.raises(ValueError, match=message):
+            Tape({"x": x, "y": y}, [Op(**op)])
+    with pytest.raises(ValueError, match="shape must be a tuple of positive integers"):
+        TensorSpec("z", (0, 3), "activation")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        TensorSpec("z", (3,), "weights")
+    assert TensorSpec("z", (np.int64(3),), "param").nbytes == 12
