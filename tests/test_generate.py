@@ -213,3 +213,16 @@ def test_non_finite_logits_are_an_error_not_an_eos(rows):
     with pytest.raises(FloatingPointError, match="beam_search: step 0: top-4 candidate"):
         generate.beam_search(model, [1], beam=2, max_new_tokens=3, eos=0,
                              step=HistoryStep(logits_fn))
+
+
+def test_a_step_that_breaks_its_contract_is_named():
+    model = SimpleNamespace(config=GPT2Config(n_layer=1, n_embd=1, n_head=1, vocab_size=6,
+                                              n_positions=8))
+
+    def wrong_vocab(tokens, pos, cache):
+        return cuda.to_device(np.zeros((tokens.shape[0], 1, 5), np.float32))
+
+    with pytest.raises(ValueError, match=r"step: expected float32 logits of shape \(2, 1, 6\)"):
+        generate.greedy(model, [[1], [2]], max_new_tokens=2, step=wrong_vocab)
+    with pytest.raises(ValueError, match=r"step: expected float32 logits of shape \(2, 1, 6\)"):
+        generate.beam_search(model, [1], beam=2, max_new_tokens=2, step=wrong_vocab)

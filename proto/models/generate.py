@@ -146,6 +146,16 @@ def _check_caches(caches, batch: int, need: int) -> None:
                              f"{cache.batch} max_len {cache.max_len}")
 
 
+def _logits(step, tokens, pos, cache, batch: int, vocab: int):
+    """step(...)'s logits as (batch, vocab) rows, after checking the step kept its contract."""
+    logits = step(tokens, pos, cache)
+    if getattr(logits, "shape", None) != (batch, 1, vocab) or logits.dtype != np.float32:
+        raise ValueError(f"step: expected float32 logits of shape ({batch}, 1, {vocab}), got "
+                         f"{type(logits).__name__} {getattr(logits, 'dtype', '')} "
+                         f"{getattr(logits, 'shape', '')}")
+    return logits.reshape(batch, vocab)
+
+
 def _prefill(step, prompt_rows: np.ndarray, pos, cache) -> None:
     """Run prompt[:, :-1] from position 0 (nothing when the prompt is one token)."""
     if prompt_rows.shape[1] > 1:
@@ -184,9 +194,9 @@ def greedy(model, prompt, *, max_new_tokens: int, eos: int | None = None, step=N
     for t in range(max_new_tokens):
         inputs.pos.copy_to_device(np.array([T0 - 1 + t], np.int32))
         clock.lap("prep_s")
-        logits = step(inputs.tokens, inputs.pos, cache)  # (B, 1, V)
+        logits = _logits(step, inputs.tokens, inputs.pos, cache, B, V)  # (B, V)
         clock.lap("model_s")
-        sampling.topk(logits.reshape(B, V), 1, best[t].reshape(B, 1), next_tokens)  # argmax
+        sampling.topk(logits, 1, best[t].reshape(B, 1), next_tokens)  # argmax
         tok = next_tokens.copy_to_host()[:, 0]
         if eos is not None:
             tok = np.where(done, eos, tok)
@@ -264,9 +274,9 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
             caches[cur].reorder_into(buf.parents, caches[1 - cur])
             cur = 1 - cur
         clock.lap("prep_s")
-        logits = step(inputs.tokens, inputs.pos, caches[cur])  # (B, 1, V)
+        logits = _logits(step, inputs.tokens, inputs.pos, caches[cur], beam, V)  # (B, V)
         clock.lap("model_s")
-        softmax.log_softmax(logits.reshape(beam, V), buf.logprobs)
+        softmax.log_softmax(logits, buf.logprobs)
         # logprobs += scores (B, 1) @ ones (1, V): the running score added to its beam's row
         gemm.gemm(buf.scores, buf.ones, buf.logprobs, accumulate=True)
         sampling.topk(buf.logprobs.reshape(1, beam * V), k, buf.values, buf.indices)
