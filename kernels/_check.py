@@ -74,6 +74,13 @@ def number(name: str, value, *, at_least: float | None = None, positive: bool = 
     return float(value)
 
 
+def flag(name: str, value) -> bool:
+    """A bool (Python's or NumPy's): a string such as "no" would otherwise read as True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}: expected True or False, got {_kind(value)}")
+    return bool(value)
+
+
 def same_shape(names_arrays) -> None:
     (n0, a0), *rest = names_arrays
     for n, a in rest:

@@ -474,6 +474,7 @@ def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, stream=0
     _check.device_array("x", x, ndim=4)
     stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(x.shape, w, stride, pad)
     _check.device_array("out", out, shape=(N, K, P, Q))
+    relu = _check.flag("relu", relu)
     if bias is not None:
         _check.device_array("bias", bias, shape=(K,))
     t = _tiles_or(tiles, _FWD, lambda: _pick_conv_tiles(K))

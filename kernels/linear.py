@@ -55,6 +55,7 @@ def linear(x, w, b, out, *, relu=False, stream=0):
     _check.device_array("x", x, ndim=2)
     O = _check_weight("w", w, x.shape[1], "x")
     _check.device_array("out", out, shape=(x.shape[0], O))
+    relu = _check.flag("relu", relu)
     gemm(x, w, out, bias=b, act="relu" if relu else None, trans_b=True, stream=stream)
 
 

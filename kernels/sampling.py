@@ -194,13 +194,20 @@ def _launch_topk(x, k: int, values, indices, stream) -> None:
            (cand_v, cand_i, np.int32(k), values, indices), stream)
 
 
+def _check_x(x) -> tuple[int, int]:
+    _check.device_array("x", x, ndim=2)
+    if x.shape[0] > 65535:   # rows are the stage-1 grid's y dimension
+        raise ValueError(f"x: {x.shape[0]} rows exceed the grid limit 65535")
+    return x.shape
+
+
 def topk(x, k: int, values, indices, *, stream=0) -> None:
     """values/indices[r] = the k largest entries of x[r] (R, V), descending, ties -> lower index.
 
-    x (R, V) float32; values (R, k) float32; indices (R, k) int32; 1 <= k <= min(8, V).
+    x (R, V) float32, at most 65535 rows; values (R, k) float32; indices (R, k) int32;
+    1 <= k <= min(8, V).
     """
-    _check.device_array("x", x, ndim=2)
-    R, V = x.shape
+    R, V = _check_x(x)
     k = _check.positive("k", k, at_most=min(KMAX, V))
     _check.device_array("values", values, shape=(R, k))
     _check.device_array("indices", indices, dtype=np.int32, shape=(R, k))
@@ -210,8 +217,7 @@ def topk(x, k: int, values, indices, *, stream=0) -> None:
 
 def argmax(x, out, *, stream=0) -> None:
     """out[r] = index of the largest entry of x[r] (R, V); ties -> lower index. out (R,) int32."""
-    _check.device_array("x", x, ndim=2)
-    R, V = x.shape
+    R, V = _check_x(x)
     _check.device_array("out", out, dtype=np.int32, shape=(R,))
     _check.separate({"out": out}, {"x": x})   # two launches
     _, _, scratch_values = _candidates(R, _stage1_config(V)[0])

@@ -143,6 +143,10 @@ def test_rejects_bad_input_before_launch():
         conv.conv2d(x, w, None, out, pad=0)            # no padding: 3x3 output
     with pytest.raises(ValueError, match=r"bias: expected shape \(4,\)"):
         conv.conv2d(x, w, dev(np.zeros(3, np.float32)), out, pad=1)
+    with pytest.raises(ValueError, match=r"relu: expected True or False, got 'no' \(str\)"):
+        conv.conv2d(x, w, None, dev(np.zeros((1, 4, 3, 3), np.float32)), relu="no")
+    with pytest.raises(ValueError, match=r"pad: expected an integer, got True"):
+        conv.conv2d(x, w, None, dev(np.zeros((1, 4, 3, 3), np.float32)), pad=True)
     with pytest.raises(ValueError, match="stride: expected a positive integer"):
         conv.conv2d(x, w, None, out, stride=0, pad=1)
     with pytest.raises(ValueError, match="does not fit"):

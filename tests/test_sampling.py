@@ -118,6 +118,11 @@ def test_rejects_bad_input_before_launch():
         sampling.argmax(dev(np.zeros(10, np.float32)), cuda.device_array(1, np.int32))
     with pytest.raises(ValueError, match=r"out: expected shape \(2,\)"):
         sampling.argmax(x, cuda.device_array(3, np.int32))
+    tall = cuda.device_array((65536, 1), np.float32)
+    with pytest.raises(ValueError, match="x: 65536 rows exceed the grid limit 65535"):
+        sampling.argmax(tall, cuda.device_array(65536, np.int32))
+    with pytest.raises(ValueError, match="k: expected a positive integer, got True"):
+        sampling.topk(x, True, cuda.device_array((2, 1), np.float32), cuda.device_array((2, 1), np.int32))
 
 
 # ---------------------------------------------------------------------------- device-side guards
