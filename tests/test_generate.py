@@ -226,3 +226,10 @@ def test_a_step_that_breaks_its_contract_is_named():
         generate.greedy(model, [[1], [2]], max_new_tokens=2, step=wrong_vocab)
     with pytest.raises(ValueError, match=r"step: expected float32 logits of shape \(2, 1, 6\)"):
         generate.beam_search(model, [1], beam=2, max_new_tokens=2, step=wrong_vocab)
+
+
+def test_caches_that_are_not_caches_are_named():
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
+    model = GPT2(config, random_state_dict(config, 0), max_batch=2, max_tokens=2)
+    with pytest.raises(ValueError, match="caches: expected KVCache objects, got str"):
+        generate.greedy(model, [[1, 2]], max_new_tokens=2, cache="cache")

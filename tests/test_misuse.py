@@ -174,3 +174,13 @@ def test_a_tape_refuses_what_it_would_misread():
     with pytest.raises(ValueError, match="kind must be one of"):
         TensorSpec("z", (3,), "weights")
     assert TensorSpec("z", (np.int64(3),), "param").nbytes == 12
+
+
+def test_executor_load_and_budget_fractions_name_the_problem():
+    from proto.vm import Liveness
+    tape, _ = cnn_tape(256, "c")
+    with Executor(tape, plan(tape)) as ex, pytest.raises(ValueError, match="load: 'x' expected numbers"):
+        ex.load({"x": np.array(["a"] * 256)})
+    for frac in (math.nan, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"frac: expected a number in \[0, 1\]"):
+            Liveness(tape).budget_between(frac)

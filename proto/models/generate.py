@@ -141,6 +141,8 @@ def _check_inputs(inputs, batch: int) -> None:
 
 def _check_caches(caches, batch: int, need: int) -> None:
     for cache in caches:
+        if not (hasattr(cache, "batch") and hasattr(cache, "max_len")):
+            raise ValueError(f"caches: expected KVCache objects, got {type(cache).__name__}")
         if cache.batch != batch or cache.max_len < need:
             raise ValueError(f"caches: expected batch {batch} and max_len >= {need}, got batch "
                              f"{cache.batch} max_len {cache.max_len}")

@@ -90,6 +90,8 @@ class Executor:
             if name not in self._persistent:
                 raise ValueError(f"load: {name!r} is not a persistent tensor of the tape")
             spec = self.tape.tensors[name]
+            if not np.issubdtype(np.asarray(value).dtype, np.number):
+                raise ValueError(f"load: {name!r} expected numbers, got {np.asarray(value).dtype}")
             value = np.ascontiguousarray(value, dtype=spec.dtype)
             if value.shape != spec.shape:
                 raise ValueError(f"load: {name!r} expected shape {spec.shape}, got {value.shape}")

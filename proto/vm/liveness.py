@@ -181,6 +181,8 @@ class Liveness:
 
     def budget_between(self, frac: float) -> int:
         """The budget `frac` of the way from the smallest possible one to the unconstrained peak."""
+        if not 0 <= frac <= 1:   # also NaN
+            raise ValueError(f"frac: expected a number in [0, 1], got {frac!r}")
         return int(self.min_budget + frac * max(self.peak - self.min_budget, 0))
 
     def check_budget(self, budget: int) -> None:
