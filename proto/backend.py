@@ -134,9 +134,48 @@ def jit(signature, *, writes=(), in_place=(), **options):
         kernel.params = params
         kernel.writes = tuple(params.index(w) for w in writes)
         kernel.in_place = frozenset((params.index(o), params.index(i)) for o, i in in_place)
+        kernel.source = (pyfunc, signatures, options, tuple(writes), tuple(in_place))
         return kernel
 
     return decorate
+
+
+_predicated: dict = {}
+
+
+def predicated(kernel):
+    """The kernel's predicated twin (Grape's predication): ``twin[grid, block](pred, *args)``
+    runs the kernel only where the 1-element int32 device array `pred` holds a non-zero
+    value, read on the device; otherwise every thread returns at once and nothing is written.
+
+    One mechanism for every kernel: the twin is built once, from the kernel's Python source,
+    as a kernel that tests `pred` and calls the original as a device function. It has the
+    same writes (and in-place pairs) and one eager signature, ``pred`` first."""
+    twin = _predicated.get(id(kernel))
+    if twin is not None:
+        return twin
+    source = getattr(kernel, "source", None)
+    if source is None:
+        raise TypeError(f"predicated: {kernel_name(kernel)} was not made by proto.backend.jit")
+    pyfunc, signatures, options, writes, in_place = source
+    if len(signatures) != 1:
+        raise TypeError(f"predicated: {pyfunc.__name__} has {len(signatures)} signatures; "
+                        "graph kernels have one")
+    if "pred" in kernel.params:
+        raise ValueError(f"predicated: {pyfunc.__name__} already has a parameter named 'pred'")
+    body = cuda.jit(device=True)(pyfunc)
+    params = ", ".join(kernel.params)
+    name = f"predicated_{pyfunc.__name__}"
+    namespace = {"body": body}
+    exec(f"def {name}(pred, {params}):\n    if pred[0] != 0:\n        body({params})\n",
+         namespace)
+    fn = namespace[name]
+    fn.__module__, fn.__qualname__ = pyfunc.__module__, name
+    signature = signatures[0].replace("void(", "void(int32[::1], ", 1)
+    twin = jit(signature, writes=writes, in_place=in_place, **options)(fn)
+    twin.predicate_of = kernel
+    _predicated[id(kernel)] = twin
+    return twin
 
 
 def written_args(kernel) -> tuple[int, ...] | None:

@@ -149,24 +149,25 @@ def test_a_while_graph_is_one_cuda_graph():
     g.close()
 
 
-def test_a_driver_without_conditional_nodes_gets_the_fallback_and_a_warning(monkeypatch):
-    # The choice itself (the fallback's replays are checked on the GPU above).
+def test_a_driver_without_conditional_nodes_gets_predication_and_a_warning(monkeypatch):
+    # The choice itself (predication's replays are checked in test_predicate, GPU included).
     from proto.graph import cuda as executors
     from proto.graph.ir import Description
+    from proto.graph.predicate import PredicatedExecutor
     picked = []
     monkeypatch.setattr(executors, "conditional_nodes_supported", lambda: False)
-    monkeypatch.setattr(executors, "HostDrivenExecutor", lambda *a: picked.append("host") or "host")
     monkeypatch.setattr(executors, "CudaExecutor", lambda *a: picked.append("cuda") or "cuda")
     loop = Loop()
     with graph.record() as rec:
         loop.step()
-    with pytest.warns(RuntimeWarning, match="no conditional graph nodes"):
-        assert executors.make_cuda_executor(rec.description()) == "host"
+    with pytest.warns(RuntimeWarning, match="no conditional graph nodes.*predication"):
+        assert isinstance(executors.make_cuda_executor(rec.description()), PredicatedExecutor)
     plain = Description(rec.nodes[:1])   # no conditional node: the ordinary executor, no warning
+    picked.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert executors.make_cuda_executor(plain) == "cuda"
-    assert picked == ["host", "cuda"]
+    assert picked == ["cuda"]
 
 
 # ------------------------------------------------------------------------- loop bounds

@@ -135,3 +135,23 @@ def test_real_gpt2_beam_search_in_one_graph_matches_eager():
         got = loop.generate(prompt, max_new_tokens=3)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert got.score == want.score
+
+
+@pytest.mark.parametrize("control,unroll", [("predicated", 1), ("predicated", 3), ("host", 16)])
+def test_every_control_generates_what_the_host_search_does(control, unroll):
+    """WHILE node, predicated unroll (a K that divides the passes and one that does not) and
+    the host loop: tokens, steps and beam scores equal the eager searches'."""
+    config = GPT2Config(n_layer=1, n_embd=2, n_head=1, vocab_size=11, n_positions=8)
+    model = HistoryDecoder(config, 3, 8)
+    prompt = np.array([[4, 1], [2, 9], [7, 7]], np.int32)
+    with GreedyLoop(model, batch=3, max_len=8, control=control, unroll=unroll) as loop:
+        for new, eos in ((5, None), (4, 3)):
+            want = generate.greedy(model, prompt, max_new_tokens=new, eos=eos)
+            got = loop.generate(prompt, max_new_tokens=new, eos=eos)
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            assert got.times.steps == want.times.steps
+    with BeamLoop(model, beam=3, max_len=8, control=control, unroll=unroll) as loop:
+        want = generate.beam_search(model, prompt[0], beam=3, max_new_tokens=5)
+        got = loop.generate(prompt[0], max_new_tokens=5)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        assert got.score == want.score and got.times.steps == want.times.steps

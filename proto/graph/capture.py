@@ -53,20 +53,29 @@ from proto.graph import plan as planner
 from proto.graph.binding import (MODES, Binder, ReplayStats, check_disjoint, check_inputs,
                                  input_slots)
 from proto.graph.ir import Description, races
+from proto.graph.predicate import PredicatedExecutor
 from proto.graph.record import record, recording
 from proto.graph.walk import WalkExecutor
 
 
-def _cuda_executor(description, shared=None):
-    from proto.graph.cuda import make_cuda_executor
-    return make_cuda_executor(description, shared)
+def _cuda_executor(description, shared=None, control="conditional", unroll=16):
+    from proto.graph import cuda
+    if control == "predicated" and description.has_conditionals:
+        return PredicatedExecutor(description, cuda.CudaExecutor, unroll)
+    if control == "host" and description.has_conditionals:
+        return cuda.HostDrivenExecutor(description)
+    return cuda.make_cuda_executor(description, shared, unroll)
 
 
-def _walk_executor(description, shared=None):
-    return WalkExecutor(description)   # no executables to share on a walk
+def _walk_executor(description, shared=None, control="conditional", unroll=16):
+    # no executables to share on a walk; its conditional nodes are host-driven already
+    if control == "predicated" and description.has_conditionals:
+        return PredicatedExecutor(description, WalkExecutor, unroll)
+    return WalkExecutor(description)
 
 
 EXECUTORS = {"walk": _walk_executor, "cuda": _cuda_executor}
+CONTROLS = ("conditional", "predicated", "host")
 
 
 def default_executor() -> str:
@@ -77,7 +86,7 @@ class Graph:
     """A captured function: `replay(**inputs)` runs it again on new inputs. Made by `capture`."""
 
     def __init__(self, description: Description, outputs, placeholders: dict, *, binding: str,
-                 executor: str, plan, tape, own_tape: bool, shared):
+                 executor: str, plan, tape, own_tape: bool, shared, control: str, unroll: int):
         self.description, self.outputs, self.placeholders = description, outputs, placeholders
         self.binding, self.executor, self.plan = binding, executor, plan
         self._tape, self._own_tape = tape, own_tape
@@ -86,7 +95,8 @@ class Graph:
             self.slots = input_slots([[(i, *extent(a)) for i, a in node.array_args()]
                                       for node in description.nodes],
                                      {name: extent(a) for name, a in placeholders.items()})
-        self._executable = EXECUTORS[executor](description, shared)
+        self.control = control
+        self._executable = EXECUTORS[executor](description, shared, control, unroll)
         self._binder = Binder(binding, placeholders, self.slots, self._executable)
         self.stats = ReplayStats()  # accumulated over replays
         self.last_stats = ReplayStats()
@@ -148,7 +158,7 @@ class Graph:
 
 def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str | None = None,
             warmup: int = 1, planned: bool = True, tape: planner.Tape | None = None,
-            shared=None) -> Graph:
+            shared=None, control: str = "conditional", unroll: int = 16) -> Graph:
     """Warm up `fn` on `inputs`, record it with `inputs` as placeholders, plan its
     temporaries, build the executable; see the module doc. `fn` takes the inputs as keyword
     arguments and launches through proto.backend.launch / proto.graph.copy; what it returns
@@ -158,6 +168,10 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
     planned: place temporaries in an arena (`tape`'s, shared with the other graphs of its
     owner, or the graph's own) or keep them private. shared: a proto.graph.cuda
     SharedExecutables pool this graph's executable comes from (CUDA executor only).
+    control: how IF/WHILE nodes run: "conditional" (CUDA conditional graph nodes; on a driver
+    without them, predication, with a warning), "predicated" (proto.graph.predicate: kernels
+    test a device flag, a WHILE unrolled `unroll` passes per launch) or "host" (graph
+    segments, the host reading each flag).
     """
     if recording():
         raise RuntimeError("capture: called while recording a graph; captures cannot nest")
@@ -166,6 +180,10 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
     executor = executor or default_executor()
     if executor not in EXECUTORS:
         raise ValueError(f"executor: expected one of {sorted(EXECUTORS)}, got {executor!r}")
+    if control not in CONTROLS:
+        raise ValueError(f"control: expected one of {CONTROLS}, got {control!r}")
+    if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) or unroll < 1:
+        raise ValueError(f"unroll: expected a positive integer, got {unroll!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
         raise ValueError(f"warmup: expected a non-negative integer, got {warmup!r}")
     if tape is not None and not planned:
@@ -202,7 +220,8 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
             planner.check_race_free(description)
     try:                              # BUILD
         return Graph(description, outputs, placeholders, binding=binding, executor=executor,
-                     plan=plan, tape=tape, own_tape=own_tape, shared=shared)
+                     plan=plan, tape=tape, own_tape=own_tape, shared=shared, control=control,
+                     unroll=int(unroll))
     except BaseException:
         if own_tape:
             tape.close()

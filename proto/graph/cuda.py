@@ -23,8 +23,9 @@ so a one-thread kernel copies the device flag into it before the node and, for W
 after the last node of each pass of the body (the body is lowered into the node's own graph
 the same way). That WHILE kernel also counts passes and stops the loop at its bound, setting a
 device flag the host reads after the replay (`finish`). A driver without conditional nodes
-(before CUDA 12.4) gets `HostDrivenExecutor` instead, with a warning: CUDA graphs for the
-stretches between conditional nodes, the host reading each flag.
+(before CUDA 12.4) gets predication instead (proto.graph.predicate), with a warning;
+`HostDrivenExecutor` (CUDA graphs for the stretches between conditional nodes, the host
+reading each flag) is the third way, kept to compare.
 
 A kernel's parameters are not its Python arguments. Numba flattens each array argument into
 ``meminfo, parent, nitems, itemsize, data, shape..., strides...`` (5 + 2*ndim parameters) and
@@ -372,14 +373,17 @@ def conditional_nodes_supported() -> bool:
     return int(err) == 0 and version >= 12040
 
 
-def make_cuda_executor(description: Description, shared: SharedExecutables | None = None):
-    """The CUDA executor, or, for conditional nodes on a driver without them, the host-driven
-    fallback (with a warning: every pass then waits for the host)."""
+def make_cuda_executor(description: Description, shared: SharedExecutables | None = None,
+                       unroll: int = 16):
+    """The CUDA executor, or, for conditional nodes on a driver without them, predication
+    (proto.graph.predicate, with a warning: a WHILE then waits for the host every `unroll`
+    passes)."""
     if description.has_conditionals and not conditional_nodes_supported():
+        from proto.graph.predicate import PredicatedExecutor
         warnings.warn("this CUDA driver has no conditional graph nodes (CUDA 12.4+): IF/WHILE "
-                      "run as graph segments with the host reading each flag", RuntimeWarning,
-                      stacklevel=3)
-        return HostDrivenExecutor(description)
+                      f"run by predication, the host relaunching a WHILE every {unroll} passes",
+                      RuntimeWarning, stacklevel=3)
+        return PredicatedExecutor(description, CudaExecutor, unroll)
     return CudaExecutor(description, shared)
 
 

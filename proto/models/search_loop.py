@@ -24,6 +24,10 @@ generate.beam_search's (the same kernels in the same order; the choices follow t
 
     with BeamLoop(model, beam=5, max_len=1024) as loop:
         gen = loop.generate(prompt, max_new_tokens=100, eos=50256)   # == generate.beam_search
+
+`control` picks how the loop runs (proto.graph.capture): "conditional" (a WHILE graph node),
+"predicated" (the body unrolled `unroll` times, every kernel testing the loop's flag, the host
+relaunching every `unroll` passes) or "host" (the host reads the flag after every pass).
 """
 from __future__ import annotations
 
@@ -51,9 +55,9 @@ class _DeviceLoop:
         self.cache = KVCache(self.config, self.batch, self.max_len)
         self.tokens, self.pos, self.flag = _zeros(self.batch, 1), _zeros(1), _zeros(1)
 
-    def _capture(self, executor) -> None:
+    def _capture(self, executor, control: str, unroll: int) -> None:
         self.graph = capture(lambda: while_loop(self.flag, self._body, max_passes=self.max_len),
-                             {}, executor=executor, warmup=0)
+                             {}, executor=executor, warmup=0, control=control, unroll=unroll)
 
     def _body(self) -> None:
         raise NotImplementedError
@@ -88,12 +92,13 @@ class _DeviceLoop:
 class GreedyLoop(_DeviceLoop):
     """Greedy decoding of `batch` rows; `model` has GPT2.step's contract."""
 
-    def __init__(self, model, *, batch: int, max_len: int, executor: str | None = None):
+    def __init__(self, model, *, batch: int, max_len: int, executor: str | None = None,
+                 control: str = "conditional", unroll: int = 16):
         super().__init__(model, batch, max_len)
         self.out = _zeros(self.batch, self.max_len)
         self.done, self.state = _zeros(self.batch), _zeros(3)
         self._set(0, 1, -1, go=False)
-        self._capture(executor)
+        self._capture(executor, control, unroll)
 
     def _body(self) -> None:
         logits = self.model.step(self.tokens, self.pos, self.cache)
@@ -136,7 +141,8 @@ class GreedyLoop(_DeviceLoop):
 class BeamLoop(_DeviceLoop):
     """Beam search with `beam` hypotheses from one prompt; `model` has GPT2.step's contract."""
 
-    def __init__(self, model, *, beam: int, max_len: int, executor: str | None = None):
+    def __init__(self, model, *, beam: int, max_len: int, executor: str | None = None,
+                 control: str = "conditional", unroll: int = 16):
         if not isinstance(beam, (int, np.integer)) or not 1 <= beam <= generate.MAX_BEAM:
             raise ValueError(f"beam: expected an integer in 1..{generate.MAX_BEAM}, got {beam!r}")
         super().__init__(model, beam, max_len)
@@ -154,7 +160,7 @@ class BeamLoop(_DeviceLoop):
         self.hist, self.hist_next, self.best_hist = _zeros(beam, cap), _zeros(beam, cap), _zeros(cap)
         self.best, self.best_meta, self.state = _zeros(1, dtype=np.float32), _zeros(3), _zeros(5)
         self._set(np.zeros(1, np.int32), 1, -1, go=False)
-        self._capture(executor)
+        self._capture(executor, control, unroll)
 
     def _body(self) -> None:
         beam, V = self.batch, self.config.vocab_size
