@@ -50,7 +50,7 @@ from experiments import common
 from proto import backend, timing
 from proto.backend import cuda
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-from proto.models.graphed import GraphedGPT2, GraphedLSTM, lstm_greedy
+from proto.models.graphed import GraphedGPT2, GraphedLSTM
 from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict as lstm_weights
 
 NAME = "graph_memory"
@@ -348,7 +348,7 @@ def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     rows, curve = [], []
     gpt2 = run_gpt2(cfg, rows, curve)
-    lstm = run_lstm(cfg, rows, curve)
+    run_lstm(cfg, rows, curve)
     columns = list(dict.fromkeys(k for r in rows for k in r))
     common.write_csv(NAME, [{k: r.get(k) for k in columns} for r in rows])
     common.write_csv(f"{NAME}_curve", curve or [{"model": None, "method": None,
