@@ -79,7 +79,9 @@ def masked_softmax_kernel(x, length, out):
     n = x.shape[1]
     valid = min(max(length[0], 0), n)
     m, s = _row_max_sumexp(x, row, valid, buf_m, buf_s)
-    inv = _ONE / s if s > _ZERO else _ZERO  # s == 0 only when nothing is valid
+    # s == 0 only when nothing is valid; a NaN s (a NaN in the row) makes the row NaN, as in
+    # NumPy (`s > 0 and 1/s or 0` would turn it into probabilities of 0).
+    inv = _ZERO if s == _ZERO else _ONE / s
     # Each element is read and written by the same thread after the reduction: out may be x.
     for j in range(t, n, step):
         out[row, j] = math.exp(x[row, j] - m) * inv if j < valid else _ZERO

@@ -52,3 +52,15 @@ def test_labels_outside_the_classes_give_nan_never_a_finite_loss():
         got = d.copy_to_host()
         assert np.isnan(got[1]).all() and np.isnan(ref_d[1]).all()
         assert_close(got[[0, 2]], ref_d[[0, 2]], "softmax")   # the other rows are unharmed
+
+
+def test_a_nan_logit_makes_its_row_and_the_loss_nan():
+    """The row max may skip a NaN (max() is fmaxf on the GPU) but the sum of exp cannot."""
+    logits = np.zeros((2, 5), np.float32)
+    logits[1, 3] = np.nan
+    labels = np.int32([0, 1])
+    loss, d = cuda.device_array(1, np.float32), cuda.device_array((2, 5), np.float32)
+    xent.softmax_xent(dev(logits), dev(labels), loss, d)
+    ref_loss, ref_d = xent.softmax_xent_ref(logits, labels)
+    assert np.isnan(loss.copy_to_host()[0]) and np.isnan(ref_loss)
+    np.testing.assert_array_equal(np.isnan(d.copy_to_host()), np.isnan(ref_d))

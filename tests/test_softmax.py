@@ -68,3 +68,14 @@ def test_rejects_bad_input_before_launch():
     with pytest.raises(ValueError, match="C-contiguous"):
         S.log_softmax(dev(np.ones((2, 10), np.float32))[:, ::2], x)
     np.testing.assert_array_equal(x.copy_to_host(), 1.0)  # nothing ran
+
+
+def test_a_nan_in_the_row_makes_the_row_nan_as_in_numpy():
+    x = np.array([[1.0, np.nan, 2.0, 3.0, 0.0], [1.0, 2.0, 3.0, 4.0, 5.0]], np.float32)
+    out = cuda.device_array_like(x)
+    S.masked_softmax(dev(x), dev(np.array([4], np.int32)), out)
+    want = S.masked_softmax_ref(x, 4)
+    assert np.isnan(want[0, :4]).all() and want[0, 4] == 0.0   # past the length: 0
+    assert_close(out, want, "softmax")                          # NaN where NaN
+    S.log_softmax(dev(x), out)
+    assert_close(out, S.log_softmax_ref(x), "softmax")
