@@ -224,6 +224,32 @@ def argmax(x, out, *, stream=0) -> None:
     _launch_topk(x, 1, scratch_values, out.reshape(R, 1), stream)
 
 
+# ---------------------------------------------------------------------------- a search's score check
+def check_scores_ref(values: np.ndarray, floor: float) -> bool:
+    """True when some score is not finite or not above `floor` (a search must not go on)."""
+    values = np.asarray(values, np.float64)
+    return bool((~np.isfinite(values) | (values <= floor)).any())
+
+
+@jit("void(float32[:, ::1], float32, int32[::1])", writes=("bad",))
+def check_scores_kernel(values, floor, bad):
+    i = cuda.grid(1)
+    if i < values.size:
+        v = values[i // values.shape[1], i % values.shape[1]]
+        if not (math.isfinite(v) and v > floor):
+            bad[0] = 1
+
+
+def check_scores(values, floor: float, bad, *, stream=0) -> None:
+    """bad[0] := 1 if any of `values` (R, k) is not finite or not above `floor`; otherwise
+    bad is left as it was (so one flag gathers every step of a generation on the device)."""
+    _check.device_array("values", values, ndim=2)
+    _check.device_array("bad", bad, dtype=np.int32, shape=(1,))
+    floor = _check.number("floor", floor)
+    launch(check_scores_kernel, max(1, (values.size + 255) // 256), 256,
+           (values, np.float32(floor), bad), stream)
+
+
 # ---------------------------------------------------------------------------- greedy on the device
 # What the host does after each greedy step (proto.models.generate.greedy), done on the GPU so
 # the whole generation can be one graph (proto.models.search_loop): record the step's tokens,

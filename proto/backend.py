@@ -319,8 +319,11 @@ def address(arr) -> int:
 
 
 def extent(arr) -> tuple[int, int]:
-    """[lo, hi) byte range the array's elements occupy, strides (even negative) included."""
+    """[lo, hi) byte range the array's elements occupy, strides (even negative) included; an
+    empty array occupies no bytes."""
     lo = hi = address(arr)
+    if any(n == 0 for n in arr.shape):
+        return lo, lo
     for n, s in zip(arr.shape, arr.strides):
         reach = (n - 1) * s
         lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)

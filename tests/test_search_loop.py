@@ -155,3 +155,30 @@ def test_every_control_generates_what_the_host_search_does(control, unroll):
         got = loop.generate(prompt[0], max_new_tokens=5)
         np.testing.assert_array_equal(got.tokens, want.tokens)
         assert got.score == want.score and got.times.steps == want.times.steps
+
+
+def test_non_finite_scores_stop_a_device_search_with_an_error():
+    """NaN weights (loaded on purpose) give NaN logits: the device searches say so, as the host
+    searches do, instead of returning tokens chosen from garbage."""
+    config = GPT2Config(n_layer=1, n_embd=4, n_head=1, vocab_size=11, n_positions=8)
+    sd = random_state_dict(config, seed=1)
+    sd["transformer.ln_f.bias"][:] = np.nan
+    model = GPT2(config, sd, max_batch=2, max_tokens=8, allow_nonfinite=True)
+    with GreedyLoop(model, batch=2, max_len=8) as loop:
+        with pytest.raises(FloatingPointError, match="not all finite"):
+            loop.generate(np.array([[1, 2], [3, 4]], np.int32), max_new_tokens=2)
+    with BeamLoop(model, beam=2, max_len=8) as loop:
+        with pytest.raises(FloatingPointError, match="not all finite"):
+            loop.generate(np.array([1, 2], np.int32), max_new_tokens=2)
+
+
+@given(rows=st.integers(1, 3), k=st.integers(1, 4), seed=st.integers(0, 2**16),
+       poison=st.sampled_from([None, np.nan, np.inf, -np.inf, -2e30]))
+def test_check_scores_matches_reference(rows, k, seed, poison):
+    values = np.random.default_rng(seed).uniform(-5, 5, (rows, k)).astype(np.float32)
+    if poison is not None:
+        values[rows - 1, k - 1] = poison
+    bad = dev(np.zeros(1, np.int32))
+    sampling.check_scores(dev(values), -1e30, bad)
+    assert bool(bad.copy_to_host()[0]) == sampling.check_scores_ref(values, -1e30)
+    assert bool(bad.copy_to_host()[0]) == (poison is not None)

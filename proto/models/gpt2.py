@@ -71,11 +71,13 @@ def _is_buffer(key: str) -> bool:
     return key.endswith((".attn.bias", ".attn.masked_bias"))
 
 
-def load_state_dict(config: GPT2Config, state_dict) -> dict[str, np.ndarray]:
+def load_state_dict(config: GPT2Config, state_dict, *,
+                    allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
     """Checked float32 weights (see proto.models.checked_params); rejects an untied head."""
     shapes = param_shapes(config)
     params = checked_params(shapes, state_dict, what="GPT-2",
-                            ignored=lambda k: k == "lm_head.weight" or _is_buffer(k))
+                            ignored=lambda k: k == "lm_head.weight" or _is_buffer(k),
+                            allow_nonfinite=allow_nonfinite)
     if "lm_head.weight" in state_dict:
         head = np.asarray(state_dict["lm_head.weight"])
         if head.shape != shapes["transformer.wte.weight"] or not np.array_equal(
@@ -156,8 +158,9 @@ class _Layer:
 class GPT2:
     """GPT-2 forward over `max_batch` sequences of up to `max_tokens` new tokens per step."""
 
-    def __init__(self, config: GPT2Config, state_dict, *, max_batch: int, max_tokens: int):
-        params = load_state_dict(config, state_dict)
+    def __init__(self, config: GPT2Config, state_dict, *, max_batch: int, max_tokens: int,
+                 allow_nonfinite: bool = False):
+        params = load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite)
         self.config = config
         self.max_batch = _check.positive("max_batch", max_batch)
         self.max_tokens = _check.positive("max_tokens", max_tokens, at_most=config.n_positions)

@@ -514,8 +514,12 @@ def lstm_greedy(step, tokens, prompt, max_new_tokens: int, *, vocab: int) -> np.
     padded[:B] = prompt[:, -1]
     tokens.copy_to_device(padded)
     out = [prompt]
-    for _ in range(max_new_tokens):
+    top = cuda.device_array((max(max_new_tokens, 1), B, 1), np.float32)   # each step's best logit
+    for t in range(max_new_tokens):
         logits = step(tokens)  # (B, V)
-        sampling.argmax(logits, tokens[:B])
+        sampling.topk(logits, 1, top[t], tokens[:B].reshape(B, 1))        # the argmax
         out.append(tokens[:B].copy_to_host()[:, None])
+    if max_new_tokens and not np.isfinite(top.copy_to_host()[:max_new_tokens]).all():
+        raise FloatingPointError("lstm_greedy: some step's logits had no finite value (NaN or "
+                                 "infinite weights or state); the tokens would be garbage")
     return np.concatenate(out, axis=1)

@@ -48,8 +48,10 @@ def param_shapes(config: LSTMConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_state_dict(config: LSTMConfig, state_dict) -> dict[str, np.ndarray]:
-    return checked_params(param_shapes(config), state_dict, what="LSTM")
+def load_state_dict(config: LSTMConfig, state_dict, *,
+                    allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
+    return checked_params(param_shapes(config), state_dict, what="LSTM",
+                          allow_nonfinite=allow_nonfinite)
 
 
 def random_state_dict(config: LSTMConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -82,8 +84,9 @@ class LSTMState:
 
 
 class LSTMLM:
-    def __init__(self, config: LSTMConfig, state_dict, *, max_batch: int):
-        params = load_state_dict(config, state_dict)
+    def __init__(self, config: LSTMConfig, state_dict, *, max_batch: int,
+                 allow_nonfinite: bool = False):
+        params = load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite)
         self.config = config
         self.max_batch = _check.positive("max_batch", max_batch)
         w = {k: cuda.to_device(v) for k, v in params.items()}

@@ -40,6 +40,9 @@ from proto.models import generate
 from proto.models.gpt2 import KVCache
 
 
+LOWEST = float(np.finfo(np.float32).min)   # a greedy score is only required to be finite
+
+
 def _zeros(*shape, dtype=np.int32):
     return cuda.to_device(np.zeros(shape, dtype))
 
@@ -54,6 +57,7 @@ class _DeviceLoop:
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
         self.cache = KVCache(self.config, self.batch, self.max_len)
         self.tokens, self.pos, self.flag = _zeros(self.batch, 1), _zeros(1), _zeros(1)
+        self.bad = _zeros(1)   # set on the device when a step's scores are not finite
 
     def _capture(self, executor, control: str, unroll: int) -> None:
         self.graph = capture(lambda: while_loop(self.flag, self._body, max_passes=self.max_len),
@@ -72,9 +76,15 @@ class _DeviceLoop:
         """The whole generation: one graph launch (returns before the GPU is done)."""
         self.graph.replay()
 
-    @staticmethod
-    def _times(state: np.ndarray) -> generate.PhaseTimes:
-        """The step count (state[0]) in generate's result type; phases are not split here."""
+    def _times(self, state: np.ndarray) -> generate.PhaseTimes:
+        """The step count (state[0]) in generate's result type; phases are not split here.
+        Raises where the host search would have: non-finite scores, a step out of range."""
+        if state[0] == sampling.STEP_ERROR:
+            raise RuntimeError(f"{type(self).__name__}: a step index left its buffer on the "
+                               "device; the generation stopped there (see kernels.sampling)")
+        if self.bad.copy_to_host()[0]:
+            raise FloatingPointError(f"{type(self).__name__}: a step's scores were not all finite "
+                                     "(NaN or infinite logits); the tokens would be garbage")
         times = generate.PhaseTimes(synchronized=False)
         times.steps = int(state[0])
         return times
@@ -97,13 +107,15 @@ class GreedyLoop(_DeviceLoop):
         super().__init__(model, batch, max_len)
         self.out = _zeros(self.batch, self.max_len)
         self.done, self.state = _zeros(self.batch), _zeros(3)
+        self.top = _zeros(self.batch, 1, dtype=np.float32)   # each row's largest logit
         self._set(0, 1, -1, go=False)
         self._capture(executor, control, unroll)
 
     def _body(self) -> None:
         logits = self.model.step(self.tokens, self.pos, self.cache)
-        sampling.argmax(logits.reshape(self.batch, self.config.vocab_size),
-                        self.tokens.reshape(self.batch))
+        sampling.topk(logits.reshape(self.batch, self.config.vocab_size), 1, self.top,
+                      self.tokens)                                          # the argmax
+        sampling.check_scores(self.top, LOWEST, self.bad)
         sampling.greedy_advance(self.tokens, self.pos, self.out, self.done, self.state, self.flag)
 
     def _set(self, pos: int, limit: int, eos: int, go: bool) -> None:
@@ -111,6 +123,7 @@ class GreedyLoop(_DeviceLoop):
         self.done.copy_to_device(np.zeros(self.batch, np.int32))
         self.state.copy_to_device(np.array([0, limit, eos], np.int32))
         self.flag.copy_to_device(np.array([int(go)], np.int32))
+        self.bad.copy_to_device(np.zeros(1, np.int32))
 
     def start(self, prompt, *, max_new_tokens: int, eos: int | None = None) -> np.ndarray:
         """Check the arguments, prefill the prompt (B, T0) eagerly and set the loop's state;
@@ -168,6 +181,7 @@ class BeamLoop(_DeviceLoop):
         softmax.log_softmax(logits.reshape(beam, V), self.logprobs)
         gemm.gemm(self.scores, self.ones, self.logprobs, accumulate=True)   # + running scores
         sampling.topk(self.logprobs.reshape(1, beam * V), self.k, self.values, self.indices)
+        sampling.check_scores(self.values, generate.DEAD / 2, self.bad)   # as the host search
         sampling.beam_advance(self.values, self.indices, V, self.scores, self.tokens, self.parents,
                               self.hist, self.hist_next, self.best, self.best_hist,
                               self.best_meta, self.state, self.pos, self.flag)
@@ -190,6 +204,7 @@ class BeamLoop(_DeviceLoop):
         self.best_meta.copy_to_device(np.array([-1, 0, 0], np.int32))
         self.state.copy_to_device(np.array([0, limit, eos, T0, 1], np.int32))
         self.flag.copy_to_device(np.array([int(go)], np.int32))
+        self.bad.copy_to_device(np.zeros(1, np.int32))
 
     def start(self, prompt, *, max_new_tokens: int, eos: int | None = None) -> np.ndarray:
         """Check the arguments, prefill the 1-D prompt eagerly and set the loop's state."""
