@@ -4,16 +4,29 @@ Two kernel families, chosen by `gemm` from the shapes:
 
 - `gemm_tiled_kernel`, for any shape: 64 x 64 output tiles, K consumed 16 at a time through
   shared memory, a 4 x 4 register block per thread (each staged value feeds 4 products).
-- decode kernels, for M <= 8 rows (beam-search decoding: 5 beams against GPT-2's 768 x 50257
-  output projection). Arithmetic intensity is at most 8 FLOP per weight read, so these are
-  pure weight streaming: every weight is read once, coalesced, and multiplied with all 8
-  (zero-padded) rows of x, which sit in shared memory. `gemm_decode_nt_kernel` serves
-  trans_b (weight rows contiguous along K: a warp per 2 output columns, lanes along K, sums
-  across lanes by warp shuffles, so warps never wait for each other);
-  `gemm_decode_nn_kernel` the [K, N] layout (lanes along N, the K loop
-  split across the block's warps, reduction through shared memory). Both are persistent:
-  the grid is one wave of resident blocks looping over column tiles, so each SM streams the
-  same share of the weight and x is staged once per block.
+- decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
+  3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
+  pure weight streaming, so the one goal is to keep every SM's share of the weight in
+  flight. Every weight is read once, coalesced, and multiplied with all 8 (clipped) rows of
+  op(a), staged in shared memory. `make_decode_nn` builds the [K, N] kernels (lanes along N,
+  warps along K, a block sum through shared memory), `make_decode_nt` the trans_b one
+  (lanes along K, a warp per few output columns, sums by warp shuffles); `pick_decode`
+  chooses among the geometries measured best on the H200 (kernels/NOTES_decode.md). Grid:
+  (column tiles, K splits, batch). 768 columns are only 12 tiles of 64, far too few blocks
+  for 132 SMs, so K is split too: each block writes its partial sums to scratch and
+  `gemm_splitk_reduce_kernel` adds them in split order (deterministic, no atomics) and
+  applies the epilogue; 2304 and 3072 columns make enough 16-column tiles to stream the
+  whole K in one launch, which applies the epilogue itself. Each block issues its first
+  batch of weight loads before it stages op(a), and a persistent block the next tile's
+  before it sums the last, so the weight's memory latency hides that work. Full batches
+  load at constant offsets; only a last partial batch clips its indices.
+
+Optional fused layer norm of the result (`ln_out=(gamma, beta, eps, y)`): y = layernorm(out)
+row by row, after the update. GPT-2's residual GEMMs (attention and MLP projections,
+accumulate=True) produce the residual stream that the next layer norm reads, so their split-K
+reduction (`gemm_splitk_reduce_ln_kernel`, a block per row) normalizes the rows it has just
+written: the layer norm costs no launch of its own. Outside the decode path `layernorm`
+runs after the product instead.
 
 2-D calls are 3-D calls with a batch of 1, so every kernel has one argument layout.
 """
@@ -21,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,33 +52,46 @@ _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
 
 DECODE_MAX_M = 8  # rows of x multiplied with each weight load (the decode path's M limit)
+M8 = DECODE_MAX_M
 if not backend.SIMULATOR:
     TPB, RB, BK = 16, 4, 16  # tiled: 16 x 16 threads, 4 x 4 outputs each, K slices of 16
-    KC = 768                 # decode: K chunk staged in shared memory; covers GPT-2's d = 768
-    NT_WARPS, NT_COLS, NT_UNROLL = 8, 2, 8  # trans_b: 8 warps x 2 columns = 16-column tiles
-    NN_WARPS, NN_COLS, NN_UNROLL = 4, 2, 8  # [K,N]: 32 lanes x 2 columns = 64-column tiles
+    SPAN_MAX = 768           # decode: most K rows one block covers (op(a) staged in shared)
+    # Decode geometries, measured on the H200 (kernels/NOTES_decode.md). [K, N]: (warps, row
+    # groups per warp, columns per lane, rows per lane per batch, blocks per SM the registers
+    # must allow); trans_b: (warps, columns per warp, K loads per lane per batch, blocks/SM).
+    NN_SPLIT = (8, 1, 2, 8, 3)    # 64-column tiles, K split: N below ~2048 (768: 12 tiles)
+    NN_COLUMNS = (8, 4, 2, 8, 3)  # 16-column tiles, whole K: one launch for N ~2048-8192
+    NN_WIDE = (8, 1, 4, 4, 3)     # 128-column tiles, persistent: wider N (50257)
+    NT_CONFIG = (8, 2, 8, 3)
+    TARGET_BLOCKS = 2 * 132  # K splits until the grid has about this many blocks
+    RED_CHUNK = 16           # partials a reduce thread loads before adding any
+    LN_COLS = 4              # columns per thread of the fused layer norm
+    LN_THREADS = 512         # ... and threads at most: N <= LN_COLS * LN_THREADS
 else:
-    # Each simulated thread is a Python thread (~1 ms each): the same code with smaller
-    # blocks keeps tests fast, and a small K chunk lets tiny shapes take the multi-chunk path.
+    # Each simulated thread is a Python thread (~0.1 ms each): the same code with smaller
+    # blocks keeps tests fast, and a small K span makes tiny shapes take the split path.
     TPB, RB, BK = 4, 2, 8
-    KC = 64
-    NT_WARPS, NT_COLS, NT_UNROLL = 1, 2, 2
-    NN_WARPS, NN_COLS, NN_UNROLL = 2, 2, 2
+    SPAN_MAX = 64
+    NN_SPLIT = (2, 2, 2, 2)
+    NN_COLUMNS = (2, 4, 1, 2)
+    NN_WIDE = (1, 1, 2, 2)
+    NT_CONFIG = (1, 2, 2)
+    TARGET_BLOCKS = 2
+    RED_CHUNK = 2
+    LN_COLS = 2
+    LN_THREADS = 64
 BM = BN = TPB * RB
-NT_TILE = NT_WARPS * NT_COLS
-NN_TILE = 32 * NN_COLS
 # Shared/local array sizes must be literal constants in the kernel, hence precomputed here.
 _TILE_A = (BK, BM + 1)  # +1 column: the transposed staging writes hit distinct banks
 _TILE_B = (BK, BN + 1)
-_XS = DECODE_MAX_M * KC
-_NT_ACC, _NT_WV = DECODE_MAX_M * NT_COLS, NT_UNROLL * NT_COLS
-_NN_ACC, _NN_WV = DECODE_MAX_M * NN_COLS, NN_UNROLL * NN_COLS
-_NN_RED = NN_WARPS * DECODE_MAX_M * NN_TILE
+_XS = M8 * SPAN_MAX
+_LN_VALS = LN_COLS * RED_CHUNK
 
 
 # ---------------------------------------------------------------------------- reference
 def gemm_ref(a, b, bias=None, act=None, trans_a=False, trans_b=False, *, old=None) -> np.ndarray:
-    """float64-accumulated reference; `old` is out's previous value (accumulate=True)."""
+    """float64-accumulated reference; `old` is out's previous value (accumulate=True).
+    (`ln_out` is layernorm_ref of the result: kernels.layernorm.)"""
     a64 = np.asarray(a, np.float64)
     b64 = np.asarray(b, np.float64)
     a64 = np.swapaxes(a64, -1, -2) if trans_a else a64
@@ -89,42 +116,67 @@ _u = np.uint32
 
 
 @cuda.jit(device=True)
+def _act(v, act):
+    if act == 1:
+        v = _HALF * v * (_ONE + math.tanh(_GELU_C * (v + _GELU_A * v * v * v)))
+    elif act == 2:
+        v = max(v, _ZERO)
+    return v
+
+
+@cuda.jit(device=True)
 def _finish(v, out, bz, m, n, bias, has_bias, act, accumulate):
     """The fused epilogue for one output element: (+ old) (+ bias), then act, then store."""
     if accumulate:
         v += out[bz, m, n]
     if has_bias:
         v += bias[n]
-    if act == 1:
-        v = _HALF * v * (_ONE + math.tanh(_GELU_C * (v + _GELU_A * v * v * v)))
-    elif act == 2:
-        v = max(v, _ZERO)
-    out[bz, m, n] = v
+    out[bz, m, n] = _act(v, act)
 
 
 @cuda.jit(device=True)
-def _stage_rows(xs, a, bz, kc, length, m_rows, trans_a):
-    """xs[m, k] = op(a)[bz, m, kc + k] for k < length, rows m >= m_rows zero (so the decode
-    kernels always multiply 8 rows and need no per-row branches). Each thread loads all 8
-    rows of a column before storing any, so 8 reads are in flight, not 1."""
-    vals = cuda.local.array(DECODE_MAX_M, np.float32)
-    for k in range(cuda.threadIdx.x, length, cuda.blockDim.x):
-        for m in range(DECODE_MAX_M):
-            vals[m] = _ZERO
-            if m < m_rows:
-                vals[m] = a[bz, _u(kc + k), _u(m)] if trans_a else a[bz, _u(m), _u(kc + k)]
-        for m in range(DECODE_MAX_M):
-            xs[_u(m * KC + k)] = vals[m]
+def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
+    """xs[m * SPAN_MAX + k] = op(a)[bz, m, k_lo + k] for k < length, zero for length <= k <
+    padded (so the last, partial batch of loads needs no index clipping), rows m >= m_rows
+    repeating the last one: the decode kernels then always multiply 8 rows and need no
+    per-row branches (results of the extra rows are never stored). Each thread loads all 8
+    rows of a column before storing any, so 8 reads are in flight."""
+    vals = cuda.local.array(M8, np.float32)
+    last = m_rows - 1
+    for kk in range(cuda.threadIdx.x, padded, cuda.blockDim.x):
+        k = _u(k_lo + min(kk, length - 1))
+        for m in range(M8):
+            mm = _u(min(m, last))
+            vals[m] = a[bz, k, mm] if trans_a else a[bz, mm, k]
+        for m in range(M8):
+            xs[_u(m * SPAN_MAX + kk)] = vals[m] if kk < length else _ZERO
+
+
+@cuda.jit(device=True)
+def _block_sum(v, red, at):
+    """Sum of v over the block (blockDim.x a multiple of 32, at most 1024), returned to every
+    thread: warp butterflies, then the warp sums in order (deterministic). Uses red[at:at+32];
+    every thread must call it."""
+    v = warp_allreduce(v, False)
+    if cuda.threadIdx.x % 32 == 0:
+        red[at + cuda.threadIdx.x // 32] = v
+    cuda.syncthreads()
+    total = _ZERO
+    for w in range(cuda.blockDim.x // 32):
+        total += red[at + w]
+    return total
 
 
 # ---------------------------------------------------------------------------- kernels
 _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
          "int32, int32, int32")
+# a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span
+_DECODE_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
+                "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32")
 
 
-# Launch bounds (threads, blocks per SM) cap registers so that many blocks fit on an SM (the
-# decode kernels need that many loads in flight).
-@jit(f"void({_ARGS}, int32, int32)", launch_bounds=(TPB * TPB, 2))
+# Launch bounds (threads, blocks per SM) cap registers so that many blocks fit on an SM.
+@jit(f"void({_ARGS}, int32, int32)", writes=("out",), launch_bounds=(TPB * TPB, 2))
 def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b):
     as_ = cuda.shared.array(_TILE_A, np.float32)  # op(a) tile, k-major
     bs = cuda.shared.array(_TILE_B, np.float32)  # op(b) tile
@@ -181,128 +233,307 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
                 _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
 
 
-@jit(f"void({_ARGS}, int32)", launch_bounds=(32 * NT_WARPS, 3))
-def gemm_decode_nt_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
-    """out (B, M<=8, N) = op(a) (B, M, K) @ w (B, N, K).T: a warp per NT_COLS output columns,
-    its lanes along K (coalesced rows of w), then a reduction across the lanes."""
-    xs = cuda.shared.array(_XS, np.float32)  # (8, KC) rows of op(a), zero-padded
-    acc = cuda.local.array(_NT_ACC, np.float32)  # [m * NT_COLS + c]
-    wv = cuda.local.array(_NT_WV, np.float32)    # [u * NT_COLS + c]
-    rows = cuda.local.array(NT_COLS, np.uint32)
-    lane, warp = _u(cuda.threadIdx.x % 32), _u(cuda.threadIdx.x // 32)
-    bz = _u(cuda.blockIdx.y)
-    m_rows, n_cols, k_len = out.shape[1], out.shape[2], w.shape[2]
-    one_chunk = k_len <= KC
-    if one_chunk:  # stage x once for every tile this block visits
-        _stage_rows(xs, a, bz, 0, k_len, m_rows, trans_a)
+class Decode(NamedTuple):
+    """One compiled decode kernel and its geometry (see `make_decode_nn`/`make_decode_nt`)."""
+    kernel: object
+    threads: int
+    tile: int       # output columns per block tile
+    k_step: int     # K rows a block consumes per batch of loads
+    trans_b: bool
+    config: tuple
+
+
+def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: int = 0):
+    """The [K, N] decode kernel for one geometry. A warp's lanes form `groups` row groups of
+    32/groups lanes on consecutive columns (groups=1: each warp load is one 128-byte row
+    segment); a lane takes `cols` columns 32/groups apart and `unroll` rows per batch, so
+    cols * unroll weight loads are in flight per lane. Block tile: warps*groups*unroll rows
+    x cols*32/groups columns. `min_blocks`: resident blocks per SM the registers must allow."""
+    lane_cols = 32 // groups
+    tile = cols * lane_cols
+    row_groups = warps * groups
+    step = row_groups * unroll
+    red_size = row_groups * M8 * tile
+    acc_size, wv_size = M8 * cols, unroll * cols
+    bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
+    if SPAN_MAX % step:  # x is zero-padded to whole batches inside its SPAN_MAX slots
+        raise ValueError(f"make_decode_nn: SPAN_MAX {SPAN_MAX} is not a multiple of {step}")
+
+    @cuda.jit(device=True)
+    def load(wv, b, bz, kb, k_hi, col):
+        """wv[u, c] = b[bz, kb + u * row_groups, col[c]] (kb: this lane's first row). A full
+        batch loads at constant offsets; the last, partial one clips its rows and zeroes
+        what lies past k_hi."""
+        if kb + _u(step - row_groups) < k_hi:
+            for u in range(unroll):
+                for c in range(cols):
+                    wv[u * cols + c] = b[bz, kb + _u(u * row_groups), col[c]]
+        else:
+            for u in range(unroll):
+                k = kb + _u(u * row_groups)
+                kk = min(k, k_hi - _u(1))
+                for c in range(cols):
+                    v = b[bz, kk, col[c]]
+                    wv[u * cols + c] = v if k < k_hi else _ZERO
+
+    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), **bounds)
+    def gemm_decode_nn_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
+                              direct, span):
+        """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
+        b (B, K, N) over K rows [split * span, + span): the epilogue to out when `direct`,
+        else the partial sums to part[bz, split]."""
+        xs = cuda.shared.array(_XS, np.float32)        # (8, SPAN_MAX) op(a), this K range
+        red = cuda.shared.array(red_size, np.float32)  # (row groups, 8, tile) partial sums
+        acc = cuda.local.array(acc_size, np.float32)   # [m * cols + c]
+        wv = cuda.local.array(wv_size, np.float32)     # [u * cols + c]
+        col = cuda.local.array(cols, np.uint32)
+        tid = _u(cuda.threadIdx.x)
+        lane = tid % _u(32)
+        j = lane % _u(lane_cols)
+        rg = (tid // _u(32)) * _u(groups) + lane // _u(lane_cols)
+        bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
+        m_rows, n_cols, k_len = out.shape[1], out.shape[2], b.shape[1]
+        k_lo = split * _u(span)
+        k_hi = _u(min(k_lo + _u(span), _u(k_len)))
+        length = k_hi - k_lo
+        n_tiles = (n_cols + tile - 1) // tile
+        kb0 = k_lo + rg
+        tile_i = cuda.blockIdx.x
+        # First batch of weight loads before staging, so staging overlaps their latency.
+        for c in range(cols):  # past the last column, re-read the last one; never stored
+            col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - 1))
+        load(wv, b, bz, kb0, k_hi, col)
+        _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
+                 m_rows, trans_a)
         cuda.syncthreads()
-    n_tiles = (n_cols + NT_TILE - 1) // NT_TILE
-    for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-        n0 = _u(tile) * _u(NT_TILE) + warp * _u(NT_COLS)
-        for c in range(NT_COLS):  # past the last column, re-read the last row; never stored
+        while tile_i < n_tiles:
+            n0 = _u(tile_i) * _u(tile)
+            for i in range(acc_size):
+                acc[i] = _ZERO
+            kb = kb0
+            while kb < k_hi:
+                r = kb - k_lo  # rows past k_hi: zero in xs and in wv
+                for u in range(unroll):
+                    for m in range(M8):
+                        xm = xs[_u(m * SPAN_MAX + u * row_groups) + r]
+                        for c in range(cols):
+                            acc[m * cols + c] += xm * wv[u * cols + c]
+                kb += _u(step)
+                if kb < k_hi:
+                    load(wv, b, bz, kb, k_hi, col)
+            tile_i += cuda.gridDim.x
+            if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
+                for c in range(cols):
+                    col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - 1))
+                load(wv, b, bz, kb0, k_hi, col)
+            # Block sum over the row groups, in a fixed order; rows past m_rows are padding.
+            for m in range(M8):
+                if m < m_rows:
+                    for c in range(cols):
+                        red[(rg * _u(M8) + _u(m)) * _u(tile) + j + _u(lane_cols * c)] = \
+                            acc[m * cols + c]
+            cuda.syncthreads()
+            for idx in range(tid, m_rows * tile, cuda.blockDim.x):
+                m, jj = _u(idx // tile), _u(idx % tile)
+                n = n0 + jj
+                if n < n_cols:
+                    v = _ZERO
+                    for g in range(row_groups):
+                        v += red[(_u(g * M8) + m) * _u(tile) + jj]
+                    if direct:
+                        _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
+                    else:
+                        part[bz, split, m, n] = v
+            cuda.syncthreads()  # `red` is rewritten by the next tile
+
+    return Decode(gemm_decode_nn_kernel, 32 * warps, tile, step, False,
+                  ("nn", warps, groups, cols, unroll, min_blocks))
+
+
+def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
+    """The trans_b decode kernel for one geometry: warp w of a block takes `cols` output
+    columns (contiguous rows of b), its lanes along K with `unroll` loads per column per
+    batch (cols * unroll in flight per lane), then sums across lanes by shuffles. Block
+    tile: warps * cols columns."""
+    tile = warps * cols
+    step = 32 * unroll
+    acc_size, wv_size = M8 * cols, unroll * cols
+    bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
+    if SPAN_MAX % step:  # x is zero-padded to whole batches inside its SPAN_MAX slots
+        raise ValueError(f"make_decode_nt: SPAN_MAX {SPAN_MAX} is not a multiple of {step}")
+
+    @cuda.jit(device=True)
+    def load(wv, b, bz, k_lo, kb, length, rows):
+        """wv[u, c] = b[bz, rows[c], k_lo + kb + u * 32] (kb: this lane's first k). A full
+        batch loads at constant offsets; the last, partial one clips its k and zeroes what
+        lies past length."""
+        if kb + _u(step - 32) < length:
+            for u in range(unroll):
+                for c in range(cols):
+                    wv[u * cols + c] = b[bz, rows[c], k_lo + kb + _u(32 * u)]
+        else:
+            for u in range(unroll):
+                k = kb + _u(32 * u)
+                kk = k_lo + min(k, length - _u(1))
+                for c in range(cols):
+                    v = b[bz, rows[c], kk]
+                    wv[u * cols + c] = v if k < length else _ZERO
+
+    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), **bounds)
+    def gemm_decode_nt_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
+                              direct, span):
+        """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
+        b (B, N, K).T over K rows [split * span, + span): the epilogue to out when
+        `direct`, else the partial sums to part[bz, split]."""
+        xs = cuda.shared.array(_XS, np.float32)  # (8, SPAN_MAX) op(a), this K range
+        acc = cuda.local.array(acc_size, np.float32)  # [m * cols + c]
+        wv = cuda.local.array(wv_size, np.float32)    # [u * cols + c]
+        rows = cuda.local.array(cols, np.uint32)
+        lane, warp = _u(cuda.threadIdx.x % 32), _u(cuda.threadIdx.x // 32)
+        bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
+        m_rows, n_cols, k_len = out.shape[1], out.shape[2], b.shape[2]
+        k_lo = split * _u(span)
+        length = _u(min(k_lo + _u(span), _u(k_len))) - k_lo
+        n_tiles = (n_cols + tile - 1) // tile
+        tile_i = cuda.blockIdx.x
+        n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
+        for c in range(cols):  # past the last column, re-read the last row; never stored
             rows[c] = _u(min(n0 + _u(c), n_cols - 1))
-        for i in range(_NT_ACC):
-            acc[i] = _ZERO
-        for kc in range(0, k_len, KC):
-            length = _u(min(KC, k_len - kc))
-            if not one_chunk:
-                cuda.syncthreads()
-                _stage_rows(xs, a, bz, kc, length, m_rows, trans_a)
-                cuda.syncthreads()
-            k = lane
-            # Main loop: NT_UNROLL * NT_COLS independent coalesced loads in flight per lane.
-            while k + _u(32 * (NT_UNROLL - 1)) < length:
-                for u in range(NT_UNROLL):
-                    for c in range(NT_COLS):
-                        wv[u * NT_COLS + c] = w[bz, rows[c], _u(kc) + k + _u(32 * u)]
-                for u in range(NT_UNROLL):
-                    for m in range(DECODE_MAX_M):
-                        xm = xs[_u(m * KC + 32 * u) + k]
-                        for c in range(NT_COLS):
-                            acc[m * NT_COLS + c] += xm * wv[u * NT_COLS + c]
-                k += _u(32 * NT_UNROLL)
-            while k < length:
-                for c in range(NT_COLS):
-                    wv[c] = w[bz, rows[c], _u(kc) + k]
-                for m in range(DECODE_MAX_M):
-                    xm = xs[_u(m * KC) + k]
-                    for c in range(NT_COLS):
-                        acc[m * NT_COLS + c] += xm * wv[c]
-                k += _u(32)
-        # Sum each (m, c) partial over the warp's 32 lanes with shuffles (no barrier: the
-        # warps of a block stream independently); lane i then stores the i-th result. Rows
-        # past m_rows are zero padding: skip their reductions.
-        for i in range(_NT_ACC):
-            if i // NT_COLS < m_rows:
-                v = warp_allreduce(acc[i], False)
-                n = n0 + _u(i % NT_COLS)
-                if lane == _u(i) and n < n_cols:
-                    _finish(v, out, bz, _u(i // NT_COLS), n, bias, has_bias, act, accumulate)
+        load(wv, b, bz, k_lo, lane, length, rows)
+        _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
+                 m_rows, trans_a)
+        cuda.syncthreads()
+        while tile_i < n_tiles:
+            for i in range(acc_size):
+                acc[i] = _ZERO
+            kb = _u(0)
+            while kb < length:  # uniform over the block
+                r = kb + lane  # k past length: zero in xs and in wv
+                for u in range(unroll):
+                    for m in range(M8):
+                        xm = xs[_u(m * SPAN_MAX + 32 * u) + r]
+                        for c in range(cols):
+                            acc[m * cols + c] += xm * wv[u * cols + c]
+                kb += _u(step)
+                if kb < length:
+                    load(wv, b, bz, k_lo, kb + lane, length, rows)
+            n_done = n0
+            tile_i += cuda.gridDim.x
+            if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
+                n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
+                for c in range(cols):
+                    rows[c] = _u(min(n0 + _u(c), n_cols - 1))
+                load(wv, b, bz, k_lo, lane, length, rows)
+            # Sum each (m, c) over the warp's 32 lanes with shuffles (no barrier: the warps
+            # of a block stream independently); lane i then stores the i-th result. Rows
+            # past m_rows are padding: skip their reductions.
+            for i in range(acc_size):
+                if i // cols < m_rows:
+                    v = warp_allreduce(acc[i], False)
+                    n = n_done + _u(i % cols)
+                    if lane == _u(i) and n < n_cols:
+                        m = _u(i // cols)
+                        if direct:
+                            _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
+                        else:
+                            part[bz, split, m, n] = v
+
+    return Decode(gemm_decode_nt_kernel, 32 * warps, tile, step, True,
+                  ("nt", warps, cols, unroll, min_blocks))
 
 
-@jit(f"void({_ARGS}, int32)", launch_bounds=(32 * NN_WARPS, 6))
-def gemm_decode_nn_kernel(a, w, out, bias, has_bias, act, accumulate, trans_a):
-    """out (B, M<=8, N) = op(a) (B, M, K) @ w (B, K, N): lanes along N (coalesced rows of w),
-    the K loop split across the block's warps, partial sums added through shared memory."""
-    xs = cuda.shared.array(_XS, np.float32)  # (8, KC) rows of op(a), zero-padded
-    red = cuda.shared.array(_NN_RED, np.float32)  # (NN_WARPS, 8, NN_TILE) partial sums
-    acc = cuda.local.array(_NN_ACC, np.float32)  # [m * NN_COLS + c]
-    wv = cuda.local.array(_NN_WV, np.float32)    # [u * NN_COLS + c]
-    cols = cuda.local.array(NN_COLS, np.uint32)
-    lane, warp = _u(cuda.threadIdx.x % 32), _u(cuda.threadIdx.x // 32)
-    bz = _u(cuda.blockIdx.y)
-    m_rows, n_cols, k_len = out.shape[1], out.shape[2], w.shape[1]
-    one_chunk = k_len <= KC
-    if one_chunk:
-        _stage_rows(xs, a, bz, 0, k_len, m_rows, trans_a)
-        cuda.syncthreads()
-    n_tiles = (n_cols + NN_TILE - 1) // NN_TILE
-    for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-        n0 = _u(tile) * _u(NN_TILE)
-        for c in range(NN_COLS):  # past the last column, re-read the last one; never stored
-            cols[c] = _u(min(n0 + lane + _u(32 * c), n_cols - 1))
-        for i in range(_NN_ACC):
-            acc[i] = _ZERO
-        for kc in range(0, k_len, KC):
-            length = _u(min(KC, k_len - kc))
-            if not one_chunk:
-                cuda.syncthreads()
-                _stage_rows(xs, a, bz, kc, length, m_rows, trans_a)
-                cuda.syncthreads()
-            k = warp
-            # Main loop: warp `warp` takes k = warp, warp + NN_WARPS, ...; x reads broadcast.
-            while k + _u(NN_WARPS * (NN_UNROLL - 1)) < length:
-                for u in range(NN_UNROLL):
-                    for c in range(NN_COLS):
-                        wv[u * NN_COLS + c] = w[bz, _u(kc) + k + _u(NN_WARPS * u), cols[c]]
-                for u in range(NN_UNROLL):
-                    for m in range(DECODE_MAX_M):
-                        xm = xs[_u(m * KC + NN_WARPS * u) + k]
-                        for c in range(NN_COLS):
-                            acc[m * NN_COLS + c] += xm * wv[u * NN_COLS + c]
-                k += _u(NN_WARPS * NN_UNROLL)
-            while k < length:
-                for c in range(NN_COLS):
-                    wv[c] = w[bz, _u(kc) + k, cols[c]]
-                for m in range(DECODE_MAX_M):
-                    xm = xs[_u(m * KC) + k]
-                    for c in range(NN_COLS):
-                        acc[m * NN_COLS + c] += xm * wv[c]
-                k += _u(NN_WARPS)
-        for m in range(DECODE_MAX_M):
-            for c in range(NN_COLS):
-                red[(warp * _u(DECODE_MAX_M) + _u(m)) * _u(NN_TILE) + lane + _u(32 * c)] = \
-                    acc[m * NN_COLS + c]
-        cuda.syncthreads()
-        for idx in range(cuda.threadIdx.x, DECODE_MAX_M * NN_TILE, cuda.blockDim.x):
-            m, j = _u(idx // NN_TILE), _u(idx % NN_TILE)
-            n = n0 + j
-            if m < m_rows and n < n_cols:
-                v = _ZERO
-                for wp in range(NN_WARPS):
-                    v += red[_u(wp * DECODE_MAX_M * NN_TILE) + m * _u(NN_TILE) + j]
-                _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
-        cuda.syncthreads()  # `red` is rewritten by the next tile
+@jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32)",
+     writes=("out",))
+def gemm_splitk_reduce_kernel(part, out, bias, has_bias, act, accumulate):
+    """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order: grid-stride
+    over the outputs. Every load of an output (old value, bias, RED_CHUNK partials) is
+    issued before any is used: one memory round trip per chunk, not one per partial."""
+    vals = cuda.local.array(RED_CHUNK, np.float32)
+    B, S, M, N = part.shape
+    for e in range(cuda.grid(1), B * M * N, cuda.gridsize(1)):
+        bm, n = e // N, _u(e % N)
+        bz, m = _u(bm // M), _u(bm % M)
+        old = out[bz, m, n] if accumulate else _ZERO
+        bv = bias[n] if has_bias else _ZERO
+        v = _ZERO
+        for s0 in range(0, S, RED_CHUNK):
+            for u in range(RED_CHUNK):
+                vals[u] = part[bz, _u(min(s0 + u, S - 1)), m, n]
+            for u in range(RED_CHUNK):
+                if s0 + u < S:
+                    v += vals[u]
+        if accumulate:  # the same order as _finish: (sum + old) + bias
+            v += old
+        if has_bias:
+            v += bv
+        out[bz, m, n] = _act(v, act)
+
+
+@jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32, "
+     "float32[::1], float32[::1], float32, float32[:,:,::1])", writes=("out", "y"),
+     launch_bounds=(LN_THREADS, 1))
+def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gamma, beta, eps,
+                                 y):
+    """Grid (B*M,), a block per output row: the split-K epilogue of
+    `gemm_splitk_reduce_kernel` for the row, then y[row] = layernorm(out[row]) * gamma + beta
+    from the values still in registers (two passes: no E[x^2] - mean^2 cancellation).
+    Columns tid + blockDim * c, c < LN_COLS: N <= LN_COLS * blockDim <= LN_COLS * LN_THREADS."""
+    red = cuda.shared.array(64, np.float32)  # two rounds of per-warp sums
+    vals = cuda.local.array(_LN_VALS, np.float32)
+    xv = cuda.local.array(LN_COLS, np.float32)
+    old = cuda.local.array(LN_COLS, np.float32)
+    bv = cuda.local.array(LN_COLS, np.float32)
+    B, S, M, N = part.shape
+    bz, m = _u(cuda.blockIdx.x // M), _u(cuda.blockIdx.x % M)
+    tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
+    last = _u(N - 1)
+    for c in range(LN_COLS):  # past N, re-read column N-1 (never stored or counted)
+        n = min(tid + nt * _u(c), last)
+        old[c] = out[bz, m, n] if accumulate else _ZERO
+        bv[c] = bias[n] if has_bias else _ZERO
+        xv[c] = _ZERO
+    for s0 in range(0, S, RED_CHUNK):
+        for c in range(LN_COLS):
+            n = min(tid + nt * _u(c), last)
+            for u in range(RED_CHUNK):
+                vals[c * RED_CHUNK + u] = part[bz, _u(min(s0 + u, S - 1)), m, n]
+        for c in range(LN_COLS):
+            for u in range(RED_CHUNK):
+                if s0 + u < S:
+                    xv[c] += vals[c * RED_CHUNK + u]
+    s1 = _ZERO
+    for c in range(LN_COLS):
+        n = tid + nt * _u(c)
+        v = xv[c]
+        if accumulate:
+            v += old[c]
+        if has_bias:
+            v += bv[c]
+        v = _act(v, act)
+        xv[c] = v
+        if n < N:
+            out[bz, m, n] = v
+            s1 += v
+    inv_n = _ONE / np.float32(N)
+    mean = _block_sum(s1, red, 0) * inv_n
+    s2 = _ZERO
+    for c in range(LN_COLS):
+        if tid + nt * _u(c) < N:
+            d = xv[c] - mean
+            s2 += d * d
+    rstd = _ONE / math.sqrt(_block_sum(s2, red, 32) * inv_n + eps)
+    for c in range(LN_COLS):
+        n = tid + nt * _u(c)
+        if n < N:
+            y[bz, m, n] = (xv[c] - mean) * rstd * gamma[n] + beta[n]
+
+
+NN = make_decode_nn(*NN_SPLIT)
+NN_COLS = make_decode_nn(*NN_COLUMNS)
+NN_WIDE_K = make_decode_nn(*NN_WIDE)
+NT = make_decode_nt(*NT_CONFIG)
+gemm_decode_nn_kernel = NN.kernel
+gemm_decode_nt_kernel = NT.kernel
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -314,13 +545,93 @@ def _resident_blocks(kernel, threads: int) -> int:
     return next(iter(kernel.overloads.values())).max_cooperative_grid_blocks(threads)
 
 
+@functools.cache
+def _sm_count() -> int:
+    return 2 if backend.SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+def pick_decode(trans_b: bool, batch: int, n_cols: int) -> Decode:
+    """The decode kernel for a shape (H200 measurements, NOTES_decode.md): trans_b has one;
+    [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
+    per SM (no split, so no reduction launch: GPT-2's 2304 and 3072 columns), 128-column
+    persistent tiles when N is wide enough for two per SM, else 64-column tiles with K
+    split (768 columns)."""
+    if trans_b:
+        return NT
+    sms = _sm_count()
+    if -(-n_cols // NN_WIDE_K.tile) * batch >= 2 * sms:
+        return NN_WIDE_K
+    if sms <= -(-n_cols // NN_COLS.tile) * batch <= 4 * sms:
+        return NN_COLS
+    return NN
+
+
+def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
+                target_blocks: int | None = None, grid_cap: int | None = None):
+    """(column-tile blocks, K splits, span) for a decode launch. Splits: enough for the
+    grid to reach `target_blocks` (at most one batch of loads per block), never fewer than
+    SPAN_MAX allows. Column tiles beyond `grid_cap` blocks (default: one wave of resident
+    blocks) are looped over by the blocks (persistent), so op(a) is staged once per block."""
+    target = target_blocks
+    if target is None:  # the whole-K kernels split only where K exceeds SPAN_MAX
+        target = 1 if dk is NN_COLS or dk is NN_WIDE_K else TARGET_BLOCKS
+    n_tiles = -(-n_cols // dk.tile)
+    step = min(dk.k_step, SPAN_MAX)
+    want = -(-target // (n_tiles * batch))
+    splits = max(-(-k_len // SPAN_MAX), min(want, -(-k_len // step)))
+    span = -(-(-(-k_len // splits)) // step) * step  # whole batches per split
+    span = min(span, SPAN_MAX)
+    splits = -(-k_len // span)
+    cap = _resident_blocks(dk.kernel, dk.threads) if grid_cap is None else grid_cap
+    blocks = max(1, min(n_tiles, cap // (splits * batch)))
+    return blocks, splits, span
+
+
+def _ln_threads(n_cols: int) -> int:
+    return max(32, -(-(-(-n_cols // LN_COLS)) // 32) * 32)
+
+
+def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stream,
+           ln_out=None, target_blocks=None, grid_cap=None) -> None:
+    """Launch decode kernel `dk` and, when it splits K (or `ln_out` = (gamma, beta, eps, y)
+    asks for the row-wise layer norm), the reduction, on validated 3-D arguments (`bias`
+    a device array, a placeholder when has_bias is 0; y 3-D like out)."""
+    batch, m_rows, n_cols = out.shape
+    k_len = b.shape[2] if dk.trans_b else b.shape[1]
+    blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
+    direct = splits == 1 and ln_out is None
+    if direct:
+        part = backend.empty((1, 1, 1, 1), np.float32, "gemm.partials")  # never touched
+    else:  # scratch of this call only: the reduction below reads it, nothing after
+        part = backend.empty((batch, splits, m_rows, n_cols), np.float32, "gemm.partials")
+    launch(dk.kernel, (blocks, splits, batch), dk.threads,
+           (a, b, out, bias, part, has_bias, act, accumulate, trans_a, int(direct),
+            np.int32(span)), stream)
+    if direct:
+        return
+    if ln_out is None:
+        blocks, threads = _check.grid_stride_launch(batch * m_rows * n_cols)
+        launch(gemm_splitk_reduce_kernel, blocks, threads,
+               (part, out, bias, has_bias, act, accumulate), stream)
+    else:
+        gamma, beta, eps, y = ln_out
+        launch(gemm_splitk_reduce_ln_kernel, batch * m_rows, _ln_threads(n_cols),
+               (part, out, bias, has_bias, act, accumulate, gamma, beta, np.float32(eps), y),
+               stream)
+
+
 def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumulate=False,
-         stream=0):
+         ln_out=None, stream=0):
     """out = act(op(a) @ op(b) + bias), with out's old value added first when `accumulate`.
 
     2-D: op(a) (M, K), op(b) (K, N), out (M, N), bias (N,). 3-D: a leading batch dim on
-    a, b and out. `out` must not overlap `a` or `b` (other blocks still read them while
-    one writes); `bias` may be any array, even a view into `a` or `b`.
+    a, b and out. `out` must not overlap `a`, `b` or `bias` (other blocks still read them
+    while one writes; checked at launch).
+
+    ln_out=(gamma, beta, eps, y): also y = layernorm(out) over each row of the result,
+    gamma and beta of shape (N,), y shaped like out and overlapping nothing. Fused into the
+    split-K reduction for M <= 8 and N <= LN_COLS * LN_THREADS; otherwise `layernorm` runs
+    after.
     """
     _check.device_array("a", a)
     _check.device_array("b", b)
@@ -343,21 +654,41 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     batch = lead[0] if lead else 1
     if batch > 65535:
         raise ValueError(f"a: batch {batch} exceeds the grid limit 65535")
-    _check.no_overlap({"out": out, "a": a, "b": b}, (("out", "a"), ("out", "b")))
-    if bias is None:
-        bias_arg, has_bias = out.reshape(out.size), 0  # never read
+    if bias is None:  # a placeholder never read: a view of b, which no kernel writes
+        bias_arg, has_bias = b.reshape(b.size), 0
     else:
         bias_arg, has_bias = _check.device_array("bias", bias, shape=(n_cols,)), 1
-    flags = (has_bias, ACTS[act], int(bool(accumulate)), int(bool(trans_a)))
+    if ln_out is not None:
+        if not (isinstance(ln_out, tuple) and len(ln_out) == 4):
+            raise ValueError(f"ln_out: expected (gamma, beta, eps, y), got {ln_out!r}")
+        gamma, beta, eps, y = ln_out
+        _check.device_array("ln_out gamma", gamma, shape=(n_cols,))
+        _check.device_array("ln_out beta", beta, shape=(n_cols,))
+        _check.device_array("ln_out y", y, shape=tuple(out.shape))
+        if not (isinstance(eps, (float, int)) and eps > 0):
+            raise ValueError(f"ln_out eps: expected a positive number, got {eps!r}")
+        # y is written by the last launch only: refuse an overlap before the first.
+        _check.no_overlap({"y": y, "a": a, "b": b, "out": out, "bias": bias_arg,
+                           "gamma": gamma, "beta": beta},
+                          [("y", other) for other in ("a", "b", "out", "bias", "gamma", "beta")])
+    flags = (ACTS[act], int(bool(accumulate)), int(bool(trans_a)))
+    a3, b3, out3 = a, b, out
     if not lead:  # every kernel takes (B, ., .) arrays
-        a, b, out = a.reshape(1, *a.shape), b.reshape(1, *b.shape), out.reshape(1, *out.shape)
+        a3, b3, out3 = a.reshape(1, *a.shape), b.reshape(1, *b.shape), out.reshape(1, *out.shape)
     if m_rows <= DECODE_MAX_M:
-        kernel, tile, threads = ((gemm_decode_nt_kernel, NT_TILE, 32 * NT_WARPS) if trans_b
-                                 else (gemm_decode_nn_kernel, NN_TILE, 32 * NN_WARPS))
-        n_tiles = (n_cols + tile - 1) // tile
-        blocks = max(1, min(n_tiles, _resident_blocks(kernel, threads) // batch))
-        launch(kernel, (blocks, batch), threads, (a, b, out, bias_arg, *flags), stream)
-        return
-    grid = ((n_cols + BN - 1) // BN, (m_rows + BM - 1) // BM, batch)
-    launch(gemm_tiled_kernel, grid, (TPB, TPB),
-           (a, b, out, bias_arg, *flags, int(bool(trans_b))), stream)
+        fused = None
+        if ln_out is not None and n_cols <= LN_COLS * LN_THREADS:
+            fused = (gamma, beta, float(eps), y.reshape(out3.shape))
+        decode(pick_decode(trans_b, batch, n_cols), a3, b3, out3, bias_arg, has_bias, *flags,
+               stream, fused)
+        if ln_out is None or fused is not None:
+            return
+    else:
+        grid = ((n_cols + BN - 1) // BN, (m_rows + BM - 1) // BM, batch)
+        launch(gemm_tiled_kernel, grid, (TPB, TPB),
+               (a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b))), stream)
+    if ln_out is not None:  # not fused: normalize the rows of out afterwards
+        from kernels import layernorm
+        rows = batch * m_rows
+        layernorm.layernorm(out.reshape(rows, n_cols), gamma, beta, y.reshape(rows, n_cols),
+                            eps=float(eps), stream=stream)

@@ -1,6 +1,8 @@
-"""gemm against its float64 NumPy reference: both kernel families (decode for M <= 8, tiled
-above), every flag combination, batched calls, the aliasing rules, and validation before
-any launch."""
+"""gemm against its float64 NumPy reference: every decode kernel (K split, whole-K column
+tiles, wide persistent tiles, trans_b) and the tiled one, every flag combination, batched
+calls, the fused layer norm of the result, determinism, the aliasing rules, and validation
+before any launch. Outputs start as NaN unless accumulated into, so an unwritten element
+fails the comparison."""
 import itertools
 
 import numpy as np
@@ -8,32 +10,42 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import gemm as G
+from kernels.layernorm import layernorm_ref
 from proto import backend
 from proto.backend import cuda
 from tests.helpers import assert_close, dev, rand
 
 FLAGS = list(itertools.product([False, True], [False, True], [None, "gelu", "relu"],
                                [False, True], [False, True]))  # trans_a, trans_b, act, bias, acc
+DECODE = {"split": G.NN, "columns": G.NN_COLS, "wide": G.NN_WIDE_K, "trans_b": G.NT}
+
+
+def _tol(k):
+    # A float32 sum of k unit-variance products accumulated in sequence has rounding error
+    # of std ~ 3e-8 * k / sqrt(2) (eps/2 times the partial sums' size, sqrt(i) at step i);
+    # 2e-7 * k is ~9 of those, and at k = 1600 (the GPU lane) still well under the sum's
+    # own size ~ 40.
+    return dict(atol=1e-5 + 2e-7 * k, rtol=1e-4)
+
+
+def _operands(rng, lead, m, n, k, trans_a, trans_b):
+    a = rand(rng, *lead, *((k, m) if trans_a else (m, k)))
+    b = rand(rng, *lead, *((n, k) if trans_b else (k, n)))
+    return a, b, rand(rng, *lead, m, n)
 
 
 def _check_gemm(rng, batch, m, n, k, trans_a, trans_b, act, has_bias, accumulate):
     """Run gemm on random inputs of the given shape and flags; compare with gemm_ref."""
     lead = () if batch is None else (batch,)
-    a = rand(rng, *lead, *((k, m) if trans_a else (m, k)))
-    b = rand(rng, *lead, *((n, k) if trans_b else (k, n)))
-    old = rand(rng, *lead, m, n)
+    a, b, old = _operands(rng, lead, m, n, k, trans_a, trans_b)
     bias = rand(rng, n) if has_bias else None
-    out = dev(old)
+    out = dev(old if accumulate else np.full_like(old, np.nan))
     G.gemm(dev(a), dev(b), out, bias=None if bias is None else dev(bias), act=act,
            trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
-    # A float32 sum of k unit-variance products accumulated in sequence has rounding error
-    # of std ~ 3e-8 * k / sqrt(2) (eps/2 times the partial sums' size, sqrt(i) at step i);
-    # 2e-7 * k is ~9 of those, and at k = 1600 (the GPU lane) still well under the sum's
-    # own size ~ 40.
     np.testing.assert_allclose(
         out.copy_to_host(),
         G.gemm_ref(a, b, bias, act, trans_a, trans_b, old=old if accumulate else None),
-        atol=1e-5 + 2e-7 * k, rtol=1e-4)
+        **_tol(k))
 
 
 @pytest.mark.parametrize("trans_a,trans_b,act,has_bias,accumulate", FLAGS)
@@ -49,31 +61,119 @@ def test_every_flag_combination_on_both_kernel_families(trans_a, trans_b, act, h
        batch=st.sampled_from([None, 1, 3]), flags=st.sampled_from(FLAGS),
        seed=st.integers(0, 2**16))
 def test_matches_reference_on_irregular_shapes(m, n, k, batch, flags, seed, scale):
-    # k up to 100 crosses the simulator's 64-wide K chunk (the decode kernels' multi-chunk
-    # path) and their unrolled main loop; m stays <= 8 where drawn so to keep the decode path.
+    # k up to 100 crosses the simulator's 64-row K span (the split path and a partial last
+    # batch); m stays <= 8 where drawn so to keep the decode path.
     m = m if m <= G.DECODE_MAX_M else m * scale
     _check_gemm(np.random.default_rng(seed), batch, m, n * scale, k * scale, *flags)
 
 
-@pytest.mark.parametrize("trans_a", [False, True])
-@pytest.mark.parametrize("trans_b", [False, True])
-def test_decode_kernels_across_k_chunks(trans_a, trans_b):
-    """K longer than two shared-memory chunks: x is restaged per chunk and the unrolled
-    main loop runs inside every chunk (KC is 64 on the simulator, 768 on a GPU)."""
-    _check_gemm(np.random.default_rng(7), None, 3, 5, 2 * G.KC + 41, trans_a, trans_b,
-                "gelu", True, True)
+def _run_decode(dk, rng, batch, m, n, k, trans_a, act, has_bias, accumulate, ln=False,
+                **plan):
+    """decode kernel `dk` straight through `G.decode` (bypassing the launcher's choice of
+    kernel): returns (out, y or None) on the host and the float64 expectations."""
+    a, b, old = _operands(rng, (batch,), m, n, k, trans_a, dk.trans_b)
+    bias = rand(rng, n)
+    gamma, beta = rand(rng, n), rand(rng, n)
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    y = dev(np.full_like(old, np.nan))
+    db = dev(b)
+    G.decode(dk, dev(a), db, out, dev(bias) if has_bias else db.reshape(db.size),
+             int(has_bias), G.ACTS[act], int(accumulate), int(trans_a), 0,
+             (dev(gamma), dev(beta), 1e-5, y) if ln else None, **plan)
+    want = G.gemm_ref(a, b, bias if has_bias else None, act, trans_a, dk.trans_b,
+                      old=old if accumulate else None)
+    want_y = layernorm_ref(want, gamma, beta) if ln else None
+    return out.copy_to_host(), (y.copy_to_host() if ln else None), want, want_y
+
+
+@pytest.mark.parametrize("kernel", list(DECODE))
+@pytest.mark.parametrize("case", [
+    # batch, m, n, k, trans_a, act, bias, accumulate, plan
+    (1, 5, 37, 100, False, "gelu", True, True, {}),                  # K split, partial batch
+    (2, 3, 20, 67, True, None, False, False, {"target_blocks": 1 << 20}),  # most splits
+    (1, 8, 70, 5, False, "relu", True, False, {"grid_cap": 1}),      # one block loops tiles
+])
+def test_each_decode_kernel_matches_reference(kernel, case):
+    batch, m, n, k, trans_a, act, bias, accumulate, plan = case
+    out, _, want, _ = _run_decode(DECODE[kernel], np.random.default_rng(3), batch, m, n, k,
+                                  trans_a, act, bias, accumulate, **plan)
+    np.testing.assert_allclose(out, want, **_tol(k))
+
+
+@pytest.mark.parametrize("kernel", ["split", "trans_b"])
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+def test_ln_out_normalizes_the_rows_of_the_result(kernel, offset):
+    """The residual GEMM's reduction also writes layernorm(out): one split (trans_b here)
+    and several; rows with a large mean (the case a one-pass variance gets wrong)."""
+    rng = np.random.default_rng(int(offset) + len(kernel))
+    dk = DECODE[kernel]
+    a, b, old = _operands(rng, (1,), 5, 21, 70, False, dk.trans_b)
+    old += np.float32(offset)
+    gamma, beta, bias = rand(rng, 21), rand(rng, 21), rand(rng, 21)
+    out, y = dev(old), dev(np.full_like(old, np.nan))
+    G.gemm(dev(a[0]), dev(b[0]), out[0], bias=dev(bias), accumulate=True, trans_b=dk.trans_b,
+           ln_out=(dev(gamma), dev(beta), 1e-5, y[0]))
+    want = G.gemm_ref(a, b, bias, trans_b=dk.trans_b, old=old)
+    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(70))
+    # An offset of 1e3 costs float32 out about 3 digits of its spread (see test_layernorm).
+    np.testing.assert_allclose(y.copy_to_host(), layernorm_ref(want, gamma, beta),
+                               atol=1e-3 if offset else 2e-5, rtol=1e-4)
+
+
+def test_ln_out_beyond_the_decode_path_runs_layernorm_after(scale):
+    rng = np.random.default_rng(5)
+    m, n, k = 9 * scale, 6 * scale, 7 * scale  # more than 8 rows: the tiled kernel
+    a, b = rand(rng, m, k), rand(rng, k, n)
+    gamma, beta = rand(rng, n), rand(rng, n)
+    out, y = dev(np.full((m, n), np.nan, np.float32)), dev(np.full((m, n), np.nan, np.float32))
+    G.gemm(dev(a), dev(b), out, act="gelu", ln_out=(dev(gamma), dev(beta), 1e-5, y))
+    want = G.gemm_ref(a, b, act="gelu")
+    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
+    np.testing.assert_allclose(y.copy_to_host(), layernorm_ref(want, gamma, beta),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_split_k_is_deterministic():
+    """Partials are added in split order by one thread, never by atomics: bit-identical
+    results run after run."""
+    rng = np.random.default_rng(11)
+    a, b = dev(rand(rng, 5, 3 * G.SPAN_MAX + 7)), dev(rand(rng, 3 * G.SPAN_MAX + 7, 9))
+    runs = []
+    for _ in range(2):
+        out = dev(np.full((5, 9), np.nan, np.float32))
+        G.gemm(a, b, out)
+        runs.append(out.copy_to_host())
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+@given(n=st.integers(1, 60000), k=st.integers(1, 5000), batch=st.integers(1, 4),
+       kernel=st.sampled_from(list(DECODE)), target=st.sampled_from([None, 1, 1 << 20]))
+def test_decode_plan_covers_k_in_spans_that_fit(n, k, batch, kernel, target):
+    dk = DECODE[kernel]
+    blocks, splits, span = G.decode_plan(dk, batch, n, k, target)
+    assert 1 <= blocks <= -(-n // dk.tile)
+    assert span <= G.SPAN_MAX and (splits - 1) * span < k <= splits * span
+    assert span % min(dk.k_step, G.SPAN_MAX) == 0 or splits == 1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("trans_b", [True, False])
-def test_decode_gpt2_output_projection(trans_b):
-    """The headline shape: 5 beams x d=768 against GPT-2's 50257-token embedding."""
-    rng = np.random.default_rng(0)
-    x = rand(rng, 5, 768)
-    w = rand(rng, 50257, 768) if trans_b else rand(rng, 768, 50257)
-    out = cuda.device_array((5, 50257), np.float32)
-    G.gemm(dev(x), dev(w), out, trans_b=trans_b)
-    assert_close(out, G.gemm_ref(x, w, trans_b=trans_b), "gemm")
+@pytest.mark.parametrize("k,n,trans_b,act,accumulate", [
+    (768, 2304, False, None, False), (768, 768, False, None, True),
+    (768, 3072, False, "gelu", False), (3072, 768, False, None, True),
+    (768, 50257, True, None, False), (768, 50257, False, None, False)])
+def test_decode_gpt2_shapes(k, n, trans_b, act, accumulate):
+    """GPT-2 small's decode GEMMs: 5 beams against each layer's weights and the head."""
+    rng = np.random.default_rng(n + k)
+    x, old = rand(rng, 5, k), rand(rng, 5, n)
+    w = rand(rng, n, k) if trans_b else rand(rng, k, n)
+    bias = rand(rng, n)
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    G.gemm(dev(x), dev(w), out, bias=dev(bias), act=act, trans_b=trans_b,
+           accumulate=accumulate)
+    np.testing.assert_allclose(
+        out.copy_to_host(),
+        G.gemm_ref(x, w, bias, act, trans_b=trans_b, old=old if accumulate else None),
+        **_tol(k))
 
 
 def test_bias_may_alias_an_input():
@@ -86,52 +186,67 @@ def test_bias_may_alias_an_input():
 
 
 class _LaunchRecorder:
+    """Stands in for the device (backend's recorder hook): records launches, runs nothing."""
+
     def __init__(self):
         self.launches = []
 
     def record_launch(self, *args):
         self.launches.append(args)
 
+    def record_alloc(self, shape, dtype, name, owner):
+        return cuda.device_array(shape, dtype)
 
-def _raises_before_launch(exc, match, **kwargs):
+
+def _raises_before_launch(monkeypatch, exc, match, **kwargs):
     """gemm(**kwargs) raises `exc` matching `match`, and nothing reached the GPU first."""
     recorder = _LaunchRecorder()
-    with backend.recording(recorder), pytest.raises(exc, match=match):
+    monkeypatch.setattr(backend, "_recorder", recorder)
+    with pytest.raises(exc, match=match):
         G.gemm(**kwargs)
     assert recorder.launches == []
 
 
-def test_out_must_not_overlap_an_input():
+def test_out_must_not_overlap_an_input(monkeypatch):
     sq = dev(np.ones((4, 4), np.float32))
     other = dev(np.ones((4, 4), np.float32))
-    _raises_before_launch(ValueError, "out overlaps a", a=sq, b=other, out=sq)
-    _raises_before_launch(ValueError, "out overlaps b", a=other, b=sq, out=sq)
+    def raises(match, **kw):
+        _raises_before_launch(monkeypatch, ValueError, match, **kw)
+    raises("output 'out'.* overlaps argument 'a'", a=sq, b=other, out=sq)
+    raises("output 'out'.* overlaps argument 'b'", a=other, b=sq, out=sq)
     buf = dev(np.ones((8, 4), np.float32))  # out a view into the rows of b
-    _raises_before_launch(ValueError, "out overlaps b", a=dev(np.ones((4, 8), np.float32)),
-                          b=buf, out=buf[4:])
+    raises("output 'out'.* overlaps argument 'b'", a=dev(np.ones((4, 8), np.float32)),
+           b=buf, out=buf[4:])
+    fresh = dev(np.ones((4, 4), np.float32))
+    raises("output 'out'.* overlaps argument 'bias'", a=other, b=fresh, out=sq, bias=sq[1])
+    y, ones = dev(np.ones((4, 4), np.float32)), dev(np.ones(4, np.float32))
+    raises("y overlaps out", a=other, b=fresh, out=y, accumulate=True,  # y must not be out
+           ln_out=(ones, ones, 1e-5, y))
 
 
-def test_rejects_bad_input_before_launch():
+def test_rejects_bad_input_before_launch(monkeypatch):
     a, b = dev(np.ones((3, 4), np.float32)), dev(np.ones((4, 5), np.float32))
     out = cuda.device_array((3, 5), np.float32)
     ok = dict(a=a, b=b, out=out)
-    _raises_before_launch(TypeError, "a: expected a device array",
-                          **{**ok, "a": np.ones((3, 4), np.float32)})
-    _raises_before_launch(TypeError, "b: expected dtype float32",
-                          **{**ok, "b": dev(np.ones((4, 5), np.float64))})
-    _raises_before_launch(ValueError, r"b: expected op\(b\) of shape \(4, \*\)",
-                          **{**ok, "b": dev(np.ones((6, 5), np.float32))})
-    _raises_before_launch(ValueError, r"out: expected shape \(3, 5\)",
-                          **{**ok, "out": cuda.device_array((3, 6), np.float32)})
-    _raises_before_launch(ValueError, "C-contiguous",
-                          **{**ok, "a": dev(np.ones((3, 8), np.float32))[:, ::2]})
-    _raises_before_launch(ValueError, "act: expected one of",
-                          **ok, act="tanh")
-    _raises_before_launch(ValueError, r"bias: expected shape \(5,\)",
-                          **ok, bias=dev(np.ones(4, np.float32)))
-    _raises_before_launch(ValueError, "all 2-D or all 3-D",
-                          **{**ok, "a": dev(np.ones((1, 3, 4), np.float32))})
-    _raises_before_launch(ValueError, r"b: expected op\(b\).* with batch \(2,\)",
-                          a=dev(np.ones((2, 3, 4), np.float32)),
-                          b=dev(np.ones((1, 4, 5), np.float32)),
-                          out=cuda.device_array((2, 3, 5), np.float32))
+    def raises(exc, match, **kw):
+        _raises_before_launch(monkeypatch, exc, match, **kw)
+    raises(TypeError, "a: expected a device array", **{**ok, "a": np.ones((3, 4), np.float32)})
+    raises(TypeError, "b: expected dtype float32", **{**ok, "b": dev(np.ones((4, 5), np.float64))})
+    raises(ValueError, r"b: expected op\(b\) of shape \(4, \*\)",
+           **{**ok, "b": dev(np.ones((6, 5), np.float32))})
+    raises(ValueError, r"out: expected shape \(3, 5\)",
+           **{**ok, "out": cuda.device_array((3, 6), np.float32)})
+    raises(ValueError, "C-contiguous", **{**ok, "a": dev(np.ones((3, 8), np.float32))[:, ::2]})
+    raises(ValueError, "act: expected one of", **ok, act="tanh")
+    raises(ValueError, r"bias: expected shape \(5,\)", **ok, bias=dev(np.ones(4, np.float32)))
+    raises(ValueError, "all 2-D or all 3-D", **{**ok, "a": dev(np.ones((1, 3, 4), np.float32))})
+    raises(ValueError, r"b: expected op\(b\).* with batch \(2,\)",
+           a=dev(np.ones((2, 3, 4), np.float32)), b=dev(np.ones((1, 4, 5), np.float32)),
+           out=cuda.device_array((2, 3, 5), np.float32))
+    g, y = dev(np.ones(5, np.float32)), cuda.device_array((3, 5), np.float32)
+    raises(ValueError, r"ln_out: expected \(gamma, beta, eps, y\)", **ok, ln_out=(g, g, 1e-5))
+    raises(ValueError, r"ln_out gamma: expected shape \(5,\)", **ok,
+           ln_out=(dev(np.ones(4, np.float32)), g, 1e-5, y))
+    raises(ValueError, r"ln_out y: expected shape \(3, 5\)", **ok,
+           ln_out=(g, g, 1e-5, cuda.device_array((5, 3), np.float32)))
+    raises(ValueError, "ln_out eps: expected a positive number", **ok, ln_out=(g, g, 0.0, y))
