@@ -1,50 +1,57 @@
 """Causal self-attention over a KV cache whose fill level `pos` lives in device memory.
 
 `pos` is read on the device, so one launch configuration (and one CUDA graph) serves every
-cache length: grids depend on (B, H, T, Tmax, hd), never on pos. One call is up to three
+cache length: grids depend on (B, H, T, Tmax, hd), never on pos. One call is one or two
 launches on one stream:
 
-  1. `kv_write_kernel` copies this step's k, v from the fused qkv into the caches at
-     pos..pos+T-1. A launch of its own, because blocks of one launch cannot wait for each
-     other, and every query reads keys that other blocks write.
-  2. `attention_kernel`, grid (B*H, T, S): block (bh, t, s) takes query t against the cache
-     positions of split s, [s*span, (s+1)*span) clipped to [0, pos+t], NT positions (= the
-     block's threads) per tile. K tiles pass through shared memory (coalesced loads, padded
-     rows so the per-position dot products read distinct banks); the softmax is online over
-     tiles (running max and sum, warp-shuffle reductions); then p @ V with threads over
-     (position group, head dim), reading V coalesced.
-  3. `attention_combine_kernel`, only when S > 1, merges each query's S partial
-     (max, sum, output) triples. Decode (T = 1) has only B*H queries (GPT-2 beam search: 60),
-     too few blocks to keep an H200 busy, so the cache is split over S blocks per query
-     (flash-decoding); prefill has enough queries and runs with S = 1, where step 2 writes
-     `out` itself.
+  1. `attention_kernel`, grid (B*H, T, S): block (bh, t, s) takes query t against the cache
+     positions of split s, [s*span, (s+1)*span) clipped to [0, pos+t]. Each warp streams a
+     few positions per batch (SMALL_CONFIG), its lanes along the head dim (a 128-byte row
+     segment per load, every K and V load of the batch issued before any is used) and an
+     online softmax of its own (running max, sum and output); the block then merges its
+     warps in a fixed order. Keys and values of this step's tokens (positions pos..pos+T-1) are read from
+     qkv itself, and block (bh, t, 0) writes token t's k, v into the caches: no other block
+     reads those cache rows, so the cache write needs no launch of its own.
+  2. `attention_combine_kernel`, only when S > 1, merges each query's S partial
+     (max, sum, output) triples in split order, loading them all at once (before it knows
+     pos: splits past the query are loaded and ignored), not one round trip each. Decode
+     (T = 1) has only B*H queries (GPT-2 beam search: 60), too few blocks to keep an H200
+     busy, so the cache is split over S blocks per query (flash-decoding); prefill has enough
+     queries and runs with S = 1, where step 1 writes `out` itself.
 
 Guard: pos is only known on the device. A step that does not fit (pos < 0 or
 pos + T > Tmax) writes nothing to the caches and NaN to every output, so an overflow shows in
 the result instead of corrupting memory. T > Tmax is rejected on the host.
 
-The partial results of S > 1 live in a workspace allocated on the first call for a shape and
-kept for the process (graph nodes bake its address in): warm up before any stream capture.
+The S > 1 partial results live in scratch from `proto.backend.empty`, read only by the
+combine launch of the same call.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from kernels import _check
 from kernels._reduce import warp_allreduce
+from proto import backend
 from proto.backend import cuda, jit, launch
 
-TILE = 128           # positions per tile = threads per block, at most (more when hd is larger)
-MAX_HD = 256         # largest head dim; the block then has 256 threads
-MAX_NT = 256         # most threads per block
-TARGET_BLOCKS = 512  # decode splits the cache until the grid has about this many blocks
-SLAB = 32            # head dims per K tile pass: one 128-byte row segment per warp load
-UNROLL = 8           # K elements each thread loads before storing any (loads in flight)
-TILE_SLOTS = MAX_NT * (SLAB + 1)  # K tile (NT, SLAB) padded to SLAB+1 columns: 33 KiB
-# Hot-loop indices are uint32: Numba guards signed indices against Python's negative
-# indexing (extra instructions per access); unsigned ones compile to plain offsets.
+MAX_HD = 256  # largest head dim
+if not backend.SIMULATOR:
+    # (lanes' head dims / 32, positions per warp per batch, warps): head dims up to 64 keep
+    # 4 positions x 2 dims of K and of V in flight per lane; larger head dims 2 positions.
+    SMALL_CONFIG, LARGE_CONFIG = (2, 4, 8), (8, 2, 8)
+    TARGET_BLOCKS = 1024  # decode splits the cache until the grid has about this many blocks
+    COMBINE_CHUNK = 16    # splits whose partials a combine thread loads at once
+else:
+    # Simulated threads cost ~0.1 ms each: one-warp blocks, a few positions per batch.
+    SMALL_CONFIG, LARGE_CONFIG = (2, 2, 1), (8, 2, 1)
+    TARGET_BLOCKS = 8
+    COMBINE_CHUNK = 4
+# Hot-loop indices are uint32 where they index: Numba guards signed indices against Python's
+# negative indexing (extra instructions per access); unsigned ones compile to plain offsets.
 _u = np.uint32
 NEG_INF = np.float32(-np.inf)
 NAN = np.float32(np.nan)
@@ -80,195 +87,204 @@ def gather_batch_ref(src: np.ndarray, index: np.ndarray) -> np.ndarray:
     return src[index]
 
 
-# ---------------------------------------------------------------------------- reductions
-
-
-@cuda.jit(device=True)
-def _block_allreduce(v, red, use_max):
-    """Max (use_max) or sum of v over the block, returned to every thread; red is a shared
-    float32[32] scratch. blockDim.x a multiple of 32; every thread must call this."""
-    lane = cuda.threadIdx.x & 31
-    v = warp_allreduce(v, use_max)
-    if lane == 0:
-        red[cuda.threadIdx.x >> 5] = v
-    cuda.syncthreads()
-    v = NEG_INF if use_max else ZERO
-    if lane < (cuda.blockDim.x >> 5):
-        v = red[lane]
-    v = warp_allreduce(v, use_max)  # every warp reduces the warp results: all threads get it
-    cuda.syncthreads()  # red is reused by the next call
-    return v
-
-
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1])")
-def kv_write_kernel(qkv, k_cache, v_cache, pos):
-    """k/v_cache[b, h, pos + t, d] = k/v of qkv[b, t]; grid-stride over (B, T, C)."""
-    B, T = qkv.shape[0], qkv.shape[1]
-    H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    C = H * hd
-    p0 = pos[0]
-    if p0 < 0 or p0 + T > Tmax:
-        return
-    for e in range(cuda.grid(1), B * T * C, cuda.gridsize(1)):
-        bt = e // C
-        c = e - bt * C
-        b = bt // T
-        t = bt - b * T
-        h = c // hd
-        d = c - h * hd
-        k_cache[b, h, p0 + t, d] = qkv[b, t, C + c]
-        v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + c]
-
-
-@cuda.jit(device=True)
-def _stage_k(tile, k_rows, c0, d0, width, n):
-    """tile[r, c] = k_rows[c0 + r, d0 + c] for r < n, c < width, tile rows SLAB+1 apart.
-
-    blockDim.x is a multiple of SLAB, so each thread keeps one column (its lane) and walks
-    rows; a warp reads one 128-byte row segment. Each thread loads UNROLL elements before
-    storing any, so that many loads are in flight (a store between loads would serialize
-    them: the compiler cannot tell the shared tile and the cache apart)."""
-    vals = cuda.local.array(UNROLL, np.float32)
-    n = _u(n)  # all unsigned: a signed/unsigned comparison would go through float64
-    col = _u(cuda.threadIdx.x) & _u(SLAB - 1)
-    row_step = _u(cuda.blockDim.x) // _u(SLAB)
-    col_ok = col < _u(width)
-    for r0 in range(_u(cuda.threadIdx.x) // _u(SLAB), n, row_step * _u(UNROLL)):
-        for u in range(UNROLL):
-            r = _u(r0) + _u(u) * row_step
-            v = ZERO
-            if col_ok and r < n:
-                v = k_rows[_u(c0) + r, _u(d0) + col]
-            vals[u] = v
-        for u in range(UNROLL):
-            r = _u(r0) + _u(u) * row_step
-            if r < n:
-                tile[r * _u(SLAB + 1) + col] = vals[u]
-
-
 _ATT_ARGS = ("float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], "
              "float32[:, :, ::1], int32, float32[:, :, :, ::1], float32[:, :, :, ::1]")
 
 
-@jit(f"void({_ATT_ARGS})")
-def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml):
-    """Grid (B*H, T, S), NT threads. Query t of head bh against split s of the cache. With
-    S == 1 writes out[b, t, h*hd:(h+1)*hd]; otherwise the unnormalized output, running max
-    and sum to part_o[bh, t, s], part_ml[bh, t, s] (S > 1)."""
-    q_s = cuda.shared.array(MAX_HD, np.float32)        # this query, pre-scaled
-    tile = cuda.shared.array(TILE_SLOTS, np.float32)   # K tile (NT, SLAB+1)
-    p_s = cuda.shared.array(MAX_NT, np.float32)        # probabilities of the current tile
-    acc_s = cuda.shared.array(MAX_NT, np.float32)      # per (group, dim) partial outputs
-    red = cuda.shared.array(32, np.float32)
-    T = qkv.shape[1]
-    H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    bh = cuda.blockIdx.x
-    b = bh // H
-    h = bh - b * H
-    t = cuda.blockIdx.y
-    split = cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    p0 = pos[0]
-    # Every condition below is uniform over the block, so early returns skip no barrier.
-    if p0 < 0 or p0 + T > Tmax:
-        if cuda.gridDim.z == 1:
-            for d in range(tid, hd, nt):
-                out[b, t, h * hd + d] = NAN
-        return  # (with S > 1 the combine kernel writes the NaN)
-    lo = split * span
-    hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
-    if lo >= hi:
-        return  # this split lies wholly after the query; the combine kernel skips it
-    scale = np.float32(1.0 / math.sqrt(hd))
-    k_rows, v_rows = k_cache[b, h], v_cache[b, h]  # (Tmax, hd) each
-    for d in range(tid, hd, nt):
-        q_s[d] = qkv[b, t, h * hd + d] * scale
-    groups = nt // hd  # p @ V: thread (g, d) sums positions g, g + groups, ... of a tile
-    g = tid // hd
-    d_own = tid - g * hd
-    m = NEG_INF        # running max of the scores seen so far (uniform over the block)
-    l_part = ZERO      # this thread's share of the running sum of exp(score - m)
-    acc = ZERO         # thread (g, d_own)'s share of the output, scaled by exp(-m)
-    cuda.syncthreads()
-    for c0 in range(lo, hi, nt):
-        n = min(nt, hi - c0)  # positions in this tile; thread tid scores position c0 + tid
-        score = ZERO
-        for d0 in range(0, hd, SLAB):
-            width = min(SLAB, hd - d0)
-            _stage_k(tile, k_rows, c0, d0, width, n)
-            cuda.syncthreads()
-            if tid < n:
-                for c in range(_u(width)):
-                    score += q_s[_u(d0) + c] * tile[_u(tid) * _u(SLAB + 1) + c]
-            cuda.syncthreads()  # the tile is restaged next pass
-        if tid >= n:
-            score = NEG_INF
-        m_new = max(m, _block_allreduce(score, red, True))
-        alpha = math.exp(m - m_new)  # rescales what was summed under the old max
-        p = ZERO
-        if tid < n:
-            p = math.exp(score - m_new)
-        l_part = l_part * alpha + p
-        p_s[tid] = p
+class Variant(NamedTuple):
+    """One compiled attention kernel and its geometry (see `make_attention`)."""
+    kernel: object
+    threads: int
+    unit: int      # positions a block consumes per batch (warps x positions)
+    max_hd: int
+    config: tuple
+
+
+def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) -> Variant:
+    """The attention kernel for head dims up to 32*slots: lane l of a warp holds head dims
+    l, l+32, ..., and a warp takes `positions` cache positions per batch, loading all of
+    their K and V (2 * positions * slots loads per lane) before using any. `min_blocks`:
+    resident blocks per SM the registers must allow (launch bounds)."""
+    unit = warps * positions
+    kv_size = positions * slots
+    width = 32 * slots            # head dims a warp covers
+    red_o_size = warps * width
+    ml_size = 2 * warps
+    bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
+
+    @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
+         **bounds)
+    def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml):
+        """Grid (B*H, T, S), 32*warps threads. Query t of head bh against split s of the
+        cache. With S == 1 writes out[b, t, h*hd:(h+1)*hd]; otherwise the unnormalized
+        output, max and sum to part_o[bh, t, s], part_ml[bh, t, s]."""
+        red_ml = cuda.shared.array(ml_size, np.float32)     # per warp: max, then sum
+        red_o = cuda.shared.array(red_o_size, np.float32)   # per warp: output (width)
+        q = cuda.local.array(slots, np.float32)             # this lane's dims of q, scaled
+        acc = cuda.local.array(slots, np.float32)           # ... of the output, times exp(-m)
+        kv = cuda.local.array(kv_size, np.float32)          # [r * slots + i] K of a batch
+        vv = cuda.local.array(kv_size, np.float32)          # ... and V
+        sc = cuda.local.array(positions, np.float32)        # the batch's scores
+        T = qkv.shape[1]
+        H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        C = H * hd
+        bh = cuda.blockIdx.x
+        b = bh // H
+        h = bh - b * H
+        t = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        # q first: its loads need no pos, so they overlap the load of pos.
+        scale = np.float32(1.0 / math.sqrt(hd))
+        for i in range(slots):
+            d = _u(min(lane + 32 * i, hd - 1))
+            q[i] = qkv[b, t, _u(h * hd) + d] * scale
+            acc[i] = ZERO
+        for i in range(slots):
+            if lane + 32 * i >= hd:
+                q[i] = ZERO  # past hd: q zero, so the clipped K loads add nothing
+        p0 = pos[0]
+        # Every condition below is uniform over the block, so early returns skip no barrier.
+        if p0 < 0 or p0 + T > Tmax:
+            if cuda.gridDim.z == 1:
+                for d in range(tid, hd, cuda.blockDim.x):
+                    out[b, t, h * hd + d] = NAN
+            return  # (with S > 1 the combine kernel writes the NaN)
+        if split == 0:  # token t's k, v into the caches; attention reads them from qkv
+            for d in range(tid, hd, cuda.blockDim.x):
+                k_cache[b, h, p0 + t, d] = qkv[b, t, C + h * hd + d]
+                v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
+        lo = split * span
+        hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
+        if lo >= hi:
+            return  # this split lies wholly after the query; the combine kernel skips it
+        hd_last = _u(hd - 1)
+        qk, qv = _u(C + h * hd), _u(2 * C + h * hd)  # this head's k, v columns in qkv
+        m = NEG_INF    # this warp's running max (uniform over the warp)
+        l_sum = ZERO   # its running sum of exp(score - m)
+        for base in range(lo, hi, unit):  # the same trip count for every warp of the block
+            first = base + warp * positions
+            for r in range(positions):
+                # Past hi, re-read position hi-1 (in bounds); its score is masked below.
+                p = _u(min(first + r, hi - 1))
+                for i in range(slots):
+                    d = _u(min(lane + 32 * i, hd_last))  # q is 0 on dims past hd
+                    if p < p0:
+                        kv[r * slots + i] = k_cache[b, h, p, d]
+                        vv[r * slots + i] = v_cache[b, h, p, d]
+                    else:  # this step's token: from qkv (the cache row may be unwritten)
+                        kv[r * slots + i] = qkv[b, _u(p - p0), qk + d]
+                        vv[r * slots + i] = qkv[b, _u(p - p0), qv + d]
+            for r in range(positions):
+                partial = ZERO
+                for i in range(slots):
+                    partial += q[i] * kv[r * slots + i]
+                sc[r] = warp_allreduce(partial, False)
+            m_new = m
+            for r in range(positions):
+                if first + r < hi:
+                    m_new = max(m_new, sc[r])
+            if m_new > NEG_INF:
+                alpha = math.exp(m - m_new)  # rescales what was summed under the old max
+                l_sum *= alpha
+                for i in range(slots):
+                    acc[i] *= alpha
+                for r in range(positions):
+                    if first + r < hi:
+                        pr = math.exp(sc[r] - m_new)
+                        l_sum += pr
+                        for i in range(slots):
+                            acc[i] += pr * vv[r * slots + i]
+                m = m_new
+        # Merge the warps in order: o = sum_w exp(m_w - M) o_w, likewise the sums.
+        if lane == 0:
+            red_ml[warp] = m
+            red_ml[warps + warp] = l_sum
+        for i in range(slots):
+            d = lane + 32 * i
+            if d < hd:
+                red_o[warp * width + d] = acc[i]
         cuda.syncthreads()
-        acc *= alpha
-        if g < groups:
-            for r in range(_u(g), _u(n), _u(groups)):
-                acc += p_s[r] * v_rows[_u(c0) + r, _u(d_own)]
-        cuda.syncthreads()  # p_s is rewritten next tile
-        m = m_new
-    total = _block_allreduce(l_part, red, False)
-    if g < groups:
-        acc_s[tid] = acc
-    cuda.syncthreads()
-    if tid < hd:
-        o = ZERO
-        for gg in range(groups):
-            o += acc_s[gg * hd + tid]
-        if cuda.gridDim.z == 1:
-            out[b, t, h * hd + tid] = o / total
-        else:
-            part_o[bh, t, split, tid] = o
-            if tid == 0:
-                part_ml[bh, t, split, 0] = m
-                part_ml[bh, t, split, 1] = total
+        for d in range(tid, hd, cuda.blockDim.x):
+            top = NEG_INF
+            for w in range(warps):
+                top = max(top, red_ml[w])
+            o = ZERO
+            total = ZERO
+            for w in range(warps):
+                mw = red_ml[w]
+                if mw > NEG_INF:  # a warp whose positions all lay past hi holds nothing
+                    e = math.exp(mw - top)
+                    o += e * red_o[w * width + d]
+                    total += e * red_ml[warps + w]
+            if cuda.gridDim.z == 1:
+                out[b, t, h * hd + d] = o / total
+            else:
+                part_o[bh, t, split, d] = o
+                if d == 0:
+                    part_ml[bh, t, split, 0] = top
+                    part_ml[bh, t, split, 1] = total
+
+    return Variant(attention_kernel, 32 * warps, unit, width,
+                   (slots, positions, warps, min_blocks))
+
+
+SMALL = make_attention(*SMALL_CONFIG)
+LARGE = make_attention(*LARGE_CONFIG)
+attention_kernel = SMALL.kernel
 
 
 @jit("void(int32[::1], int32, int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
-     "float32[:, :, ::1])")
+     "float32[:, :, ::1])", writes=("out",))
 def attention_combine_kernel(pos, tmax, span, part_o, part_ml, out):
     """Grid (B*H, T), >= hd threads: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s
-    over the splits s that hold positions <= pos + t. No barriers: each thread reads the few
-    (m_s, l_s) itself."""
+    over the splits s that hold positions <= pos + t, in split order. No barriers: each
+    thread loads COMBINE_CHUNK splits' (m, l, o) at once, before it knows pos (splits past
+    the query are loaded and ignored), then merges them online."""
+    m_s = cuda.local.array(COMBINE_CHUNK, np.float32)
+    l_s = cuda.local.array(COMBINE_CHUNK, np.float32)
+    o_s = cuda.local.array(COMBINE_CHUNK, np.float32)
     H = part_o.shape[0] // out.shape[0]
-    T, hd = out.shape[1], part_o.shape[3]
+    T, S, hd = out.shape[1], part_o.shape[2], part_o.shape[3]
     bh = cuda.blockIdx.x
     b = bh // H
     h = bh - b * H
     t = cuda.blockIdx.y
     d = cuda.threadIdx.x
-    if d >= hd:
-        return
+    dc = _u(min(d, hd - 1))
     p0 = pos[0]
-    if p0 < 0 or p0 + T > tmax:
-        out[b, t, h * hd + d] = NAN
-        return
-    used = (p0 + t) // span + 1
     top = NEG_INF
-    for s in range(used):
-        top = max(top, part_ml[bh, t, s, 0])
     o = ZERO
     total = ZERO
-    for s in range(used):
-        w = math.exp(part_ml[bh, t, s, 0] - top)
-        o += w * part_o[bh, t, s, d]
-        total += w * part_ml[bh, t, s, 1]
-    out[b, t, h * hd + d] = o / total
+    for s0 in range(0, S, COMBINE_CHUNK):
+        for u in range(COMBINE_CHUNK):
+            s = _u(min(s0 + u, S - 1))
+            m_s[u] = part_ml[bh, t, s, 0]
+            l_s[u] = part_ml[bh, t, s, 1]
+            o_s[u] = part_o[bh, t, s, dc]
+        used = (p0 + t) // span + 1  # splits holding positions 0..pos+t
+        new_top = top
+        for u in range(COMBINE_CHUNK):
+            if s0 + u < used:
+                new_top = max(new_top, m_s[u])
+        if new_top > NEG_INF:
+            scale = math.exp(top - new_top)
+            o *= scale
+            total *= scale
+            for u in range(COMBINE_CHUNK):
+                if s0 + u < used:
+                    w = math.exp(m_s[u] - new_top)
+                    o += w * o_s[u]
+                    total += w * l_s[u]
+            top = new_top
+    if d < hd:
+        bad = p0 < 0 or p0 + T > tmax
+        out[b, t, h * hd + d] = NAN if bad else o / total
 
 
-@jit("void(float32[:, ::1], int32[::1], float32[:, ::1])")
+@jit("void(float32[:, ::1], int32[::1], float32[:, ::1])", writes=("dst",))
 def gather_batch_kernel(src, index, dst):
     """Grid (X, B): dst[b, :] = src[index[b], :]; NaN where index[b] is out of range."""
     b = cuda.blockIdx.y
@@ -284,25 +300,16 @@ def _round_warp(n: int) -> int:
     return max(32, -(-n // 32) * 32)
 
 
-def _plan(B: int, H: int, T: int, Tmax: int, hd: int) -> tuple[int, int, int]:
-    """(threads NT, splits S, span) for one shape: static, so one graph serves every pos."""
-    nt = max(_round_warp(hd), min(TILE, _round_warp(Tmax)))
-    want = max(1, math.ceil(TARGET_BLOCKS / (B * H * T)))
-    splits = min(math.ceil(Tmax / nt), want)
-    span = math.ceil(math.ceil(Tmax / splits) / nt) * nt  # whole tiles per split
-    return nt, math.ceil(Tmax / span), span
-
-
-_workspace: dict[tuple, tuple] = {}
-
-
-def _partials(B: int, H: int, T: int, splits: int, hd: int):
-    """Cached (part_o, part_ml) for S > 1; tiny placeholders (never touched) for S == 1."""
-    key = (B * H, T, splits, hd) if splits > 1 else (1, 1, 1, 1)
-    if key not in _workspace:
-        _workspace[key] = (cuda.device_array(key, np.float32),
-                           cuda.device_array(key[:3] + (2,), np.float32))
-    return _workspace[key]
+def _plan(B: int, H: int, T: int, Tmax: int, hd: int, variant: Variant | None = None,
+          target_blocks: int | None = None) -> tuple[Variant, int, int]:
+    """(kernel variant, splits S, span) for one shape: static, so one graph serves every pos.
+    Splits of whole batches until B*H*T*S reaches the target (decode), none for prefill."""
+    v = variant or (SMALL if hd <= SMALL.max_hd else LARGE)
+    target = TARGET_BLOCKS if target_blocks is None else target_blocks
+    want = max(1, -(-target // (B * H * T)))
+    splits = min(-(-Tmax // v.unit), want)
+    span = -(-(-(-Tmax // splits)) // v.unit) * v.unit  # whole batches per split
+    return v, -(-Tmax // span), span
 
 
 def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
@@ -330,16 +337,16 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
     _check.device_array("out", out, shape=(B, T, C))
     if T > Tmax:
         raise ValueError(f"qkv: T={T} new positions exceed the cache size Tmax={Tmax}")
-    # Outputs must not overlap what other blocks still read.
-    _check.no_overlap({"qkv": qkv, "k_cache": k_cache, "v_cache": v_cache, "out": out},
-                 (("out", "qkv"), ("out", "k_cache"), ("out", "v_cache"), ("k_cache", "qkv"),
-                  ("v_cache", "qkv"), ("k_cache", "v_cache")))
-    nt, splits, span = _plan(B, n_head, T, Tmax, hd)
-    part_o, part_ml = _partials(B, n_head, T, splits, hd)
-    n = B * T * C
-    launch(kv_write_kernel, min(math.ceil(n / 256), 1024), 256, (qkv, k_cache, v_cache, pos),
-           stream)
-    launch(attention_kernel, (B * n_head, T, splits), nt,
+    # Declared writes (k_cache, v_cache, out, partials) are checked against every other
+    # argument at launch: outputs must not overlap what other blocks still read.
+    variant, splits, span = _plan(B, n_head, T, Tmax, hd)
+    if splits > 1:  # scratch of this call: the combine launch below reads it, nothing after
+        part_o = backend.empty((B * n_head, T, splits, hd), np.float32, "attention.partials")
+        part_ml = backend.empty((B * n_head, T, splits, 2), np.float32, "attention.stats")
+    else:  # placeholders, never touched
+        part_o = backend.empty((1, 1, 1, 1), np.float32, "attention.partials")
+        part_ml = backend.empty((1, 1, 1, 2), np.float32, "attention.stats")
+    launch(variant.kernel, (B * n_head, T, splits), variant.threads,
            (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml), stream)
     if splits > 1:
         launch(attention_combine_kernel, (B * n_head, T), _round_warp(hd),
@@ -349,44 +356,13 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
 def gather_batch(src, index, dst, *, stream=0) -> None:
     """dst[b] = src[index[b]] for b < B: src, dst (B, ...) float32, index device int32 (B,),
     read on the device (an out-of-range entry gives a NaN row). Beam search reorders its KV
-    caches with this. dst must not overlap src: rows are read while others are written."""
+    caches with this. dst must not overlap src (checked at launch): rows are read while
+    others are written."""
     _check.device_array("src", src)
     B = src.shape[0]
     _check.device_array("index", index, dtype=np.int32, shape=(B,))
     _check.device_array("dst", dst, shape=tuple(src.shape))
-    _check.no_overlap({"dst": dst, "src": src}, (("dst", "src"),))  # cannot work in place
     row = src.size // B
     threads = min(256, _round_warp(row))
     launch(gather_batch_kernel, (min(math.ceil(row / threads), 1024), B), threads,
            (src.reshape(B, row), index, dst.reshape(B, row)), stream)
-
-
-# ---------------------------------------------------------------------------- check, then time
-if __name__ == "__main__":
-    from proto.timing import bench
-
-    rng = np.random.default_rng(0)
-    B, H, hd, Tmax = 5, 12, 64, 1024  # GPT-2 small beam search: 5 beams, 1024 positions
-    C = H * hd
-    caches = [rng.standard_normal((B, H, Tmax, hd)).astype(np.float32) for _ in range(2)]
-    dk, dv = (cuda.to_device(c) for c in caches)
-    for T, p in ((1, 0), (1, 511), (1, 1023), (5, 0), (1024, 0)):
-        qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
-        dq, pos = cuda.to_device(qkv), cuda.to_device(np.array([p], np.int32))
-        out = cuda.device_array((B, T, C), np.float32)
-        attention(dq, dk, dv, pos, out, n_head=H)
-        want, _, _ = attention_ref(qkv, dk.copy_to_host(), dv.copy_to_host(), p, H)
-        err = float(np.abs(out.copy_to_host() - want).max())
-        assert err < 1e-4, f"T={T} pos={p}: max error {err}"
-        t = bench(lambda: attention(dq, dk, dv, pos, out, n_head=H), reps=50)
-        kv_bytes = 2 * B * H * (p + T) * hd * 4
-        print(f"attention B={B} H={H} hd={hd} T={T} pos={p} (splits {_plan(B, H, T, Tmax, hd)[1]}):"
-              f" {t.median_us:.1f} us (p10 {t.p10_ms * 1e3:.1f}, p90 {t.p90_ms * 1e3:.1f}),"
-              f" K+V {kv_bytes / t.median_ms / 1e6:.0f} GB/s, max error {err:.1e}")
-    order = np.array([4, 0, 0, 2, 1], np.int32)
-    index, dst = cuda.to_device(order), cuda.device_array_like(dk)
-    gather_batch(dk, index, dst)
-    assert np.array_equal(dst.copy_to_host(), dk.copy_to_host()[order]), "gather_batch differs"
-    t = bench(lambda: gather_batch(dk, index, dst), reps=50)
-    print(f"gather_batch {tuple(dk.shape)}: {t.median_us:.1f} us, "
-          f"{2 * dk.nbytes / t.median_ms / 1e6:.0f} GB/s read + written")

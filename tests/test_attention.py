@@ -1,3 +1,7 @@
+"""attention against its float64 reference: random shapes and positions (several batches
+and splits even on the simulator), prefill then decode, the device-side guard on pos, one
+launch configuration for every pos, the wide-head kernel, determinism, gather_batch, and
+validation before any launch. Outputs start as NaN, so an unwritten element fails."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -8,31 +12,24 @@ from proto.backend import cuda
 from tests.helpers import assert_close, dev, rand
 
 
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    """On the simulator, 32-position tiles (32-thread blocks): caches of a few dozen
-    positions then take several tiles and several splits, the paths that 128-position tiles
-    reach only at GPU sizes."""
-    if backend.SIMULATOR:
-        monkeypatch.setattr(attention, "TILE", 32)
-
-
 def _case(rng, B, H, T, Tmax, hd):
     C = H * hd
     return (rand(rng, B, T, 3 * C), rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd))
 
 
 def _attend(qkv, k_cache, v_cache, pos, n_head):
-    """Run the kernel on copies; return (out, k_cache, v_cache) on the host."""
+    """Run the kernel on copies, out poisoned with NaN; return (out, k_cache, v_cache) on
+    the host."""
     dk, dv = dev(k_cache), dev(v_cache)
-    out = cuda.device_array((qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3), np.float32)
+    out = dev(np.full((qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3), np.nan, np.float32))
     attention.attention(dev(qkv), dk, dv, dev(np.array([pos], np.int32)), out, n_head=n_head)
     return out.copy_to_host(), dk.copy_to_host(), dv.copy_to_host()
 
 
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_attention_matches_reference(data, seed, scale):
-    # Simulator: at most 12 blocks of 32 threads; GPU: head dims and caches up to GPT-2's.
+    # Simulator: one-warp blocks, 2 positions a batch, so caches of a few dozen positions
+    # take several batches and splits; GPU: head dims and caches up to GPT-2's.
     B = data.draw(st.integers(1, 2), "B")
     H = data.draw(st.integers(1, 3 - B), "H")
     hd = data.draw(st.integers(1, 32 if scale == 1 else 128), "hd")
@@ -86,25 +83,55 @@ def test_pos_outside_the_cache_writes_nan_and_leaves_the_cache(Tmax, bad_pos):
     np.testing.assert_array_equal(v_after, vc)
 
 
-def test_launch_configuration_does_not_depend_on_pos():
+class _Recorder:
+    """Stands in for the device (backend's recorder hook): records launches, runs nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def record_launch(self, kernel, griddim, blockdim, args, sharedmem, stream=0):
+        self.launches.append((kernel, griddim, blockdim))
+
+    def record_alloc(self, shape, dtype, name, owner):
+        return cuda.device_array(shape, dtype)
+
+
+def test_launch_configuration_does_not_depend_on_pos(monkeypatch):
     """One graph serves every length: the launches recorded at any pos are the same."""
-    class Recorder:
-        def __init__(self):
-            self.launches = []
-
-        def record_launch(self, kernel, griddim, blockdim, args, sharedmem, stream=0):
-            self.launches.append((kernel, griddim, blockdim))
-
-    B, H, T, Tmax, hd = 2, 2, 1, 300, 8  # several splits both with 32- and 128-position tiles
+    B, H, T, Tmax, hd = 2, 2, 1, 300, 8  # several splits
     qkv, kc, vc = (dev(a) for a in _case(np.random.default_rng(0), B, H, T, Tmax, hd))
     out = cuda.device_array((B, T, H * hd), np.float32)
     recorded = []
     for p in (0, 33, Tmax - 1):  # recorded, not run: no simulator cost
-        with backend.recording(Recorder()) as rec:
-            attention.attention(qkv, kc, vc, dev(np.array([p], np.int32)), out, n_head=H)
+        rec = _Recorder()
+        monkeypatch.setattr(backend, "_recorder", rec)
+        attention.attention(qkv, kc, vc, dev(np.array([p], np.int32)), out, n_head=H)
         recorded.append(rec.launches)
-    assert len(recorded[0]) == 3  # cache write, split attention, combine
+    monkeypatch.setattr(backend, "_recorder", None)
+    assert len(recorded[0]) == 2  # split attention (writing the cache too), combine
     assert recorded[0] == recorded[1] == recorded[2]
+
+
+@pytest.mark.parametrize("T,pos", [(1, 17), (2, 0)])
+def test_head_dims_past_64_take_the_wide_kernel(T, pos):
+    """Head dims above SMALL's 64 lanes-worth run LARGE (8 dims a lane)."""
+    B, H, Tmax, hd = 1, 1, 20, 70
+    qkv, kc, vc = _case(np.random.default_rng(hd + pos), B, H, T, Tmax, hd)
+    assert attention._plan(B, H, T, Tmax, hd)[0] is attention.LARGE
+    out, k_after, v_after = _attend(qkv, kc, vc, pos, H)
+    want, want_k, want_v = attention.attention_ref(qkv, kc, vc, pos, H)
+    np.testing.assert_array_equal(k_after, want_k)
+    np.testing.assert_array_equal(v_after, want_v)
+    assert_close(out, want, "reduction")
+
+
+def test_split_attention_is_deterministic():
+    """Splits are merged in split order, warps in warp order: bit-identical runs."""
+    B, H, T, Tmax, hd = 1, 2, 1, 40, 8
+    qkv, kc, vc = _case(np.random.default_rng(9), B, H, T, Tmax, hd)
+    assert attention._plan(B, H, T, Tmax, hd)[1] > 1
+    first, second = (_attend(qkv, kc, vc, 37, H)[0] for _ in range(2))
+    np.testing.assert_array_equal(first, second)
 
 
 @pytest.mark.gpu
@@ -163,10 +190,10 @@ def test_rejects_bad_input_before_launch():
     with pytest.raises(ValueError, match="head dim C/n_head = 300"):
         attention.attention(dev(np.zeros((1, 1, 900), np.float32)), kc, vc, pos, out, n_head=1)
     both = dev(np.zeros((2, B, H, Tmax, hd), np.float32))
-    with pytest.raises(ValueError, match="k_cache overlaps v_cache"):
+    with pytest.raises(ValueError, match="output 'k_cache'.* overlaps argument 'v_cache'"):
         attention.attention(qkv, both[0], both[0], pos, out, n_head=H)
     src = dev(np.zeros((3, 4), np.float32))
-    with pytest.raises(ValueError, match="dst overlaps src"):
+    with pytest.raises(ValueError, match="output 'dst'.* overlaps argument 'src'"):
         attention.gather_batch(src, dev(np.zeros(3, np.int32)), src)
     dst = cuda.device_array((3, 4), np.float32)
     with pytest.raises(ValueError, match=r"index: expected shape \(3,\)"):
