@@ -9,9 +9,10 @@ launches on one stream:
      few positions per batch (SMALL_CONFIG), its lanes along the head dim (a 128-byte row
      segment per load, every K and V load of the batch issued before any is used) and an
      online softmax of its own (running max, sum and output); the block then merges its
-     warps in a fixed order. Keys and values of this step's tokens (positions pos..pos+T-1) are read from
-     qkv itself, and block (bh, t, 0) writes token t's k, v into the caches: no other block
-     reads those cache rows, so the cache write needs no launch of its own.
+     warps in a fixed order. Keys and values of this step's tokens (positions
+     pos..pos+T-1) are read from qkv itself, and block (bh, t, 0) writes token t's k, v into
+     the caches: no other block reads those cache rows, so the cache write needs no launch
+     of its own.
   2. `attention_combine_kernel`, only when S > 1, merges each query's S partial
      (max, sum, output) triples in split order, loading them all at once (before it knows
      pos: splits past the query are loaded and ignored), not one round trip each. Decode
