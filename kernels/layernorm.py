@@ -1,5 +1,9 @@
 """Layer normalization over the last axis: out = (x - mean) / sqrt(var + eps) * gamma + beta.
 
+GPT-2's decode step normalizes the residual stream inside the GEMM that produces it
+(`kernels.gemm.gemm(..., ln_out=...)`); this standalone kernel serves the rest (the first
+layer norm after the embedding, prefill).
+
 One block per row. Two passes over the row: the mean, then the mean of (x - mean)^2, which
 avoids the cancellation of E[x^2] - mean^2 on rows with a large mean. Block sums go through
 a shared-memory tree (the simulator has no warp shuffles).
@@ -31,7 +35,8 @@ def layernorm_ref(x, gamma, beta, eps: float = 1e-5) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)")
+@jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)",
+     writes=("out",), in_place=(("out", "x"),))
 def layernorm_kernel(x, gamma, beta, out, eps):
     buf = cuda.shared.array(MAX_THREADS, np.float32)
     row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
@@ -62,7 +67,8 @@ def block_threads(n: int, at_most: int) -> int:
 
 
 def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
-    """out = layernorm(x) over the last axis; x, out (R, C); gamma, beta (C,). out may be x."""
+    """out = layernorm(x) over the last axis; x, out (R, C); gamma, beta (C,). out may be x
+    (the very same array); any other overlap of out with x, gamma or beta is refused."""
     _check.device_array("x", x, ndim=2)
     rows, cols = x.shape
     _check.device_array("gamma", gamma, shape=(cols,))
