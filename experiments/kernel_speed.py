@@ -4,20 +4,26 @@ For each kernel (ours, and the same op in PyTorch when torch and a GPU are prese
 with proto.timing.bench, L2 flushed before each run so data comes from HBM as in a model
 step where other layers' weights evicted it:
   median_us  the op replayed inside a graph (proto.graph; torch.cuda.CUDAGraph for PyTorch),
-             as a model step runs it: the kernel's own time plus one graph launch. Ops whose
-             data is at least twice the L2 repeat 10 times in the graph, which amortises that
-             launch without letting a repeat find its inputs in L2.
+             as a model step runs it: the kernel's own time plus the graph's per-node gaps.
+             GPT-2's decode GEMMs and decode attention run once per copy of their weights
+             (or caches) in one graph, as many copies as make 2.5x the L2, so every launch
+             streams from HBM as a step's layers do, and the graph launch is amortised;
+             other ops whose data is at least twice the L2 repeat 10 times in the graph.
   eager_us   one eager call from an idle GPU: adds the host's launch path (Python, argument
              checks, the driver), of the same order as a ~100 us kernel (on the H200 the
              decode GEMM took 226 us through gemm() and 108 us launched bare).
-From median_us, the bytes the op must move (each input read once, each output written once)
-or the FLOPs it must do give the fraction of the bound it reaches:
+From median_us, the bytes the op must move (each input read once, each output written once;
+decode attention: the live K and V, positions 0..pos) or the FLOPs it must do give the
+fraction of the bound it reaches:
   memory-bound kernels   achieved GB/s over the device's copy bandwidth, measured here as a
                          device-to-device copy of 1 GiB (bytes read + written / time);
   compute-bound kernels  achieved FLOP/s over the FP32 FMA peak (SMs x FP32 lanes x 2 x clock).
-The headline is the decode GEMM of GPT-2's output projection, 5 beams x 768 against the
-tied 50257 x 768 embedding: pure weight streaming, so weight bytes / time over the copy
-bandwidth says how close it runs to the memory system (DESIGN.md: torch.matmul 0.69).
+The decode GEMMs are GPT-2 small's, 5 beams (M = 5) with their fused epilogues: qkv
+(768x2304 + bias), attention projection (768x768 + bias + residual), fc (768x3072 + bias,
+GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @ wte.T,
+50257 columns; also in the [K, N] layout). Pure weight streaming: the summary's
+`decode_gemm_min_fraction_of_bandwidth` is the worst of the five. PyTorch runs the same with
+TF32 off (the residual as a second op, as a user writes it).
 
 Full size: d=768, vocab 50257, T=1024, batch 5. Toy size: tiny shapes for the simulator
 (its timings mean nothing; the run checks the script end to end).
@@ -41,6 +47,8 @@ from proto.backend import cuda
 
 NAME = "kernel_speed"
 HEADLINE = "gemm_decode_nt"
+DECODE_GEMMS = ("gemm_decode_qkv", "gemm_decode_attn_proj", "gemm_decode_fc",
+                "gemm_decode_mlp_proj", HEADLINE)  # GPT-2 small's five decode shapes
 SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden
     "full": dict(D=768, V=50257, T=1024, B=5, H=12, L=1024, LB=64, copy_bytes=1 << 30),
     "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=2, copy_bytes=1 << 16),  # B*T > 8: tiled
@@ -69,6 +77,8 @@ class Case:
     result: Callable
     theirs: Callable | None = None
     their_result: Callable | None = None
+    # Graph timing over rotating copies of the data: [(ours, theirs)] per copy, or None.
+    rotation: list | None = None
 
 
 def _torch():
@@ -95,19 +105,21 @@ def _cases(s: dict, torch) -> list[Case]:
         cases.append(Case(name, shape, bound, int(nbytes), int(flops), ours, result,
                           theirs if torch else None, their_result if torch else None))
 
-    # Decode GEMMs: 5 beams against the tied embedding, both weight layouts.
-    x, wte = f32(B, D), f32(V, D)
-    dx, dwte, dw_kn = _dev(x), _dev(wte), _dev(np.ascontiguousarray(wte.T))
-    out_nt, out_nn = cuda.device_array((B, V), np.float32), cuda.device_array((B, V), np.float32)
-    nbytes = 4 * (V * D + B * D + B * V)
-    tx, twte, tw_kn = (tt(x), tt(wte), tt(wte.T)) if torch else (None,) * 3
-    tout = torch.empty(B, V, device="cuda") if torch else None
-    add("gemm_decode_nt", f"{B}x{D} @ ({V}x{D}).T", "memory", nbytes, 2 * B * D * V,
-        lambda: gemm.gemm(dx, dwte, out_nt, trans_b=True), out_nt.copy_to_host,
-        lambda: torch.matmul(tx, twte.T, out=tout), lambda: tout.cpu().numpy())
-    add("gemm_decode_nn", f"{B}x{D} @ {D}x{V}", "memory", nbytes, 2 * B * D * V,
-        lambda: gemm.gemm(dx, dw_kn, out_nn), out_nn.copy_to_host,
-        lambda: torch.matmul(tx, tw_kn, out=tout), lambda: tout.cpu().numpy())
+    # Decode GEMMs: 5 beams against each of GPT-2's weights, with their epilogues.
+    x = f32(B, D)
+    wte = f32(V, D)
+    dwte = _dev(wte)
+    for name, K, N, trans_b, act, accumulate, bias in (
+            ("gemm_decode_qkv", D, 3 * D, False, None, False, True),
+            ("gemm_decode_attn_proj", D, D, False, None, True, True),
+            ("gemm_decode_fc", D, 4 * D, False, "gelu", False, True),
+            ("gemm_decode_mlp_proj", 4 * D, D, False, None, True, True),
+            (HEADLINE, D, V, True, None, False, False),
+            ("gemm_decode_nn", D, V, False, None, False, False)):
+        w = wte if name == HEADLINE else (wte.T if name == "gemm_decode_nn" else f32(K, N))
+        cases.append(_decode_gemm_case(name, rng, torch, tt, f32(B, K) if K != D else x,
+                                       np.ascontiguousarray(w), N, trans_b, act, accumulate,
+                                       f32(N) if bias else None))
 
     # Prefill GEMM (c_attn: bias fused) and the MLP's first GEMM (bias + GELU fused).
     xs, w_attn, b_attn = f32(B * T, D), f32(D, 3 * D) * 0.05, f32(3 * D)
@@ -131,6 +143,7 @@ def _cases(s: dict, torch) -> list[Case]:
         lambda: F.gelu(torch.addmm(tb_fc, txs, tw_fc), approximate="tanh").cpu().numpy())
 
     # Row kernels.
+    twte = tt(wte) if torch else None
     gamma, beta = f32(D), f32(D)
     dgamma, dbeta = _dev(gamma), _dev(beta)
     out_ln = cuda.device_array((B * T, D), np.float32)
@@ -190,32 +203,91 @@ def _cases(s: dict, torch) -> list[Case]:
     return cases
 
 
+def _copies(nbytes: int) -> int:
+    """Copies of an op's data that make 2.5x the L2 (at most 64): the graph runs the op once
+    on each, so none finds its data in L2. One on the simulator."""
+    if backend.SIMULATOR:
+        return 1
+    return max(1, min(64, -(-5 * cuda.get_current_device().L2_CACHE_SIZE // (2 * nbytes))))
+
+
+def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate, bias) -> Case:
+    """out (B, N) (+)= act(x @ op(w) + bias) on rotating copies of w, x and out."""
+    B, K = x.shape
+    old = rng.standard_normal((B, N), dtype=np.float32)
+    nbytes = 4 * (w.size + x.size + old.size * (2 if accumulate else 1)
+                  + (0 if bias is None else N))
+    dbias = None if bias is None else _dev(bias)
+    tbias = tt(bias) if torch and bias is not None else None
+    F = torch.nn.functional if torch else None
+    rotation, outs, last = [], [], {}
+    for _ in range(_copies(nbytes)):
+        dx, dw, dout = _dev(x), _dev(w), _dev(old)
+        outs.append(dout)
+        ours = (lambda dx=dx, dw=dw, dout=dout: gemm.gemm(
+            dx, dw, dout, bias=dbias, act=act, trans_b=trans_b, accumulate=accumulate))
+        theirs = None
+        if torch:
+            tx, tw, tout = tt(x), tt(w), tt(old)
+
+            def theirs(tx=tx, tw=tw, tout=tout):
+                wk = tw.T if trans_b else tw
+                if accumulate:  # the residual: out += x @ w + bias
+                    y = tout.addmm_(tx, wk).add_(tbias)
+                else:
+                    y = torch.matmul(tx, wk, out=tout) if tbias is None else \
+                        torch.addmm(tbias, tx, wk, out=tout)
+                    y = F.gelu(y, approximate="tanh") if act == "gelu" else y
+                last.setdefault("y", y)  # copy 0's first result, for the cross-check
+                return y
+        rotation.append((ours, theirs))
+    shape = f"{B}x{K} @ " + (f"({N}x{K}).T" if trans_b else f"{K}x{N}") + \
+        ("" if bias is None else " + bias") + (", gelu" if act else "") + \
+        (", += out" if accumulate else "")
+    # Cross-check on copy 0: both start from the same old out, each runs once.
+    first_ours, first_theirs = rotation[0]
+    return Case(name, shape, "memory", nbytes, 2 * B * K * N, first_ours, outs[0].copy_to_host,
+                first_theirs, (lambda: last["y"].cpu().numpy()) if torch else None, rotation)
+
+
 def _attention_case(s, rng, torch, tt) -> Case:
-    """One decode step at the last position: 1 query per beam against a full KV cache."""
+    """One decode step halfway through the cache (GPT-2 beam search at position 512 of
+    1024): 1 query per beam and head against the live positions 0..pos, on rotating copies
+    of the caches. Bytes: the live K and V (plus q, k, v in and the output). PyTorch:
+    SDPA over the same live prefix after writing this step's k, v."""
     from kernels import attention
     D, T, B, H = s["D"], s["T"], s["B"], s["H"]
-    hd = D // H
+    hd, pos = D // H, T // 2
     qkv = rng.standard_normal((B, 1, 3 * D), dtype=np.float32)
     cache = rng.standard_normal((2, B, H, T, hd), dtype=np.float32)
-    dqkv, dk, dv = _dev(qkv), _dev(cache[0]), _dev(cache[1])
-    dpos, out = _dev(np.array([T - 1], np.int32)), cuda.device_array((B, 1, D), np.float32)
-    theirs = their_result = None
-    if torch:
-        tq = tt(qkv[:, 0, :D].reshape(B, H, 1, hd))
-        tk, tvv = tt(cache[0]), tt(cache[1])
-        tnew = tt(qkv[:, 0, D:].reshape(B, 2, H, 1, hd))
+    dpos = _dev(np.array([pos], np.int32))
+    nbytes = 4 * (2 * B * H * (pos + 1) * hd + B * 3 * D + B * D)
+    rotation, outs, last = [], [], {}
+    for _ in range(_copies(cache.nbytes)):
+        dqkv, dk, dv = _dev(qkv), _dev(cache[0]), _dev(cache[1])
+        out = cuda.device_array((B, 1, D), np.float32)
+        outs.append(out)
+        ours = (lambda dqkv=dqkv, dk=dk, dv=dv, out=out:
+                attention.attention(dqkv, dk, dv, dpos, out, n_head=H))
+        theirs = None
+        if torch:
+            tq = tt(qkv[:, 0, :D].reshape(B, H, 1, hd))
+            tk, tvv = tt(cache[0]), tt(cache[1])
+            tnew = tt(qkv[:, 0, D:].reshape(B, 2, H, 1, hd))
 
-        def theirs():
-            tk[:, :, T - 1:T] = tnew[:, 0]
-            tvv[:, :, T - 1:T] = tnew[:, 1]
-            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tvv)
-
-        def their_result():
-            return theirs().permute(0, 2, 1, 3).reshape(B, 1, D).cpu().numpy()
-    return Case("attention_decode", f"B{B} H{H} hd{hd}, pos {T - 1}", "memory",
-                4 * (2 * B * H * T * hd + B * 3 * D + B * D), 4 * B * H * T * hd,
-                lambda: attention.attention(dqkv, dk, dv, dpos, out, n_head=H),
-                out.copy_to_host, theirs, their_result)
+            def theirs(tq=tq, tk=tk, tvv=tvv, tnew=tnew):
+                tk[:, :, pos:pos + 1] = tnew[:, 0]
+                tvv[:, :, pos:pos + 1] = tnew[:, 1]
+                y = torch.nn.functional.scaled_dot_product_attention(
+                    tq, tk[:, :, :pos + 1], tvv[:, :, :pos + 1])
+                last.setdefault("y", y)
+                return y
+        rotation.append((ours, theirs))
+    their_result = (lambda: last["y"].permute(0, 2, 1, 3).reshape(B, 1, D).cpu().numpy()) \
+        if torch else None
+    return Case("attention_decode", f"B{B} H{H} hd{hd}, pos {pos} of {T}", "memory", nbytes,
+                4 * B * H * (pos + 1) * hd, rotation[0][0], outs[0].copy_to_host,
+                rotation[0][1], their_result, rotation)
 
 
 def _sampling_cases(s, rng, torch, tt) -> list[Case]:
@@ -298,11 +370,11 @@ def _graph_repeats(nbytes: int) -> int:
     return 10 if nbytes >= 2 * cuda.get_current_device().L2_CACHE_SIZE else 1
 
 
-def _graphed(impl: str, fn: Callable, repeats: int, torch):
-    """(replay, close) for `fn` run `repeats` times inside one graph: proto.graph for ours
+def _graphed(impl: str, fns: list, torch):
+    """(replay, close) for `fns` run in order inside one graph: proto.graph for ours
     (the walk executor on the simulator), torch.cuda.CUDAGraph for PyTorch."""
     def body(**_):
-        for _ in range(repeats):
+        for fn in fns:
             fn()
 
     if impl == "ours":  # no warm-up run: the eager timing just ran fn, first-call work included
@@ -325,13 +397,17 @@ def run(size: str = "toy") -> None:
             case.ours()
             case.theirs()
             diff = float(np.max(np.abs(case.result() - case.their_result())))
-        repeats = _graph_repeats(case.bytes)
         for impl, fn in impls:
             # Eager: one call from an idle GPU, so the host's launch path (Python, argument
             # checks, the driver) is part of it. Graphed: the op replayed inside a graph, as a
-            # model step runs it, which leaves the kernel's own time plus one graph launch.
+            # model step runs it, which leaves the kernel's own time plus the node gaps.
+            if case.rotation:
+                fns = [pair[0 if impl == "ours" else 1] for pair in case.rotation]
+            else:
+                fns = [fn] * _graph_repeats(case.bytes)
+            repeats = len(fns)
             eager = timing.bench(fn, flush=True, **reps)
-            replay, close = _graphed(impl, fn, repeats, torch)
+            replay, close = _graphed(impl, fns, torch)
             try:
                 t = timing.bench(replay, flush=True, **reps)
             finally:
@@ -360,17 +436,24 @@ def run(size: str = "toy") -> None:
 
 
 def summarize(rows: list[dict], s: dict) -> dict:
-    """Headline: the decode GEMM's weight bytes / time over the copy bandwidth, and vs torch."""
+    """Headline: the decode GEMMs' bytes (weights + activations) / time over the copy
+    bandwidth, the worst of GPT-2's five shapes, the output head against PyTorch, and
+    decode attention's live K/V bytes / time."""
+    ours = {r["kernel"]: r for r in rows if r["impl"] == "ours"}
     us = {(r["kernel"], r["impl"]): float(r["median_us"]) for r in rows}
+    eager = {(r["kernel"], r["impl"]): float(r["eager_us"]) for r in rows}
     copy_GBps = float(rows[0]["copy_GBps"])
-    weight_bytes = 4 * s["V"] * s["D"]
 
     def fraction(kernel):
-        return weight_bytes / (us[(kernel, "ours")] * 1e-6) / 1e9 / copy_GBps
+        return int(ours[kernel]["bytes"]) / (us[(kernel, "ours")] * 1e-6) / 1e9 / copy_GBps
 
+    fractions = {k: fraction(k) for k in DECODE_GEMMS}
     torch_us = us.get((HEADLINE, "torch"))
-    eager = {(r["kernel"], r["impl"]): float(r["eager_us"]) for r in rows}
-    return {
+    summary = {
+        "decode_gemm_min_fraction_of_bandwidth": min(fractions.values()),
+        "decode_gemm_fractions_of_bandwidth": fractions,
+        "decode_gemm_step_us": {k: us[(k, "ours")] for k in DECODE_GEMMS},
+        "torch_decode_gemm_step_us": {k: us.get((k, "torch")) for k in DECODE_GEMMS},
         "decode_gemm_fraction_of_bandwidth": fraction(HEADLINE),
         "decode_gemm_over_torch_time": us[(HEADLINE, "ours")] / torch_us if torch_us else None,
         "copy_bandwidth_GBps": copy_GBps,
@@ -381,6 +464,11 @@ def summarize(rows: list[dict], s: dict) -> dict:
         "decode_gemm_nn_fraction_of_bandwidth": fraction("gemm_decode_nn"),
         "kernels_measured": sorted({r["kernel"] for r in rows}),
     }
+    if "attention_decode" in ours:
+        summary["attention_decode_fraction_of_bandwidth"] = fraction("attention_decode")
+        summary["attention_decode_us"] = us[("attention_decode", "ours")]
+        summary["torch_attention_decode_us"] = us.get(("attention_decode", "torch"))
+    return summary
 
 
 def plot():

@@ -9,7 +9,7 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     kernel_speed.run("toy")
     rows = common.read_csv("kernel_speed")
     kernels = {r["kernel"] for r in rows}
-    assert {"gemm_decode_nt", "gemm_decode_nn", "gemm_prefill_bias", "layernorm",
+    assert {*kernel_speed.DECODE_GEMMS, "gemm_decode_nn", "gemm_prefill_bias", "layernorm",
             "masked_softmax", "log_softmax", "embed", "gelu", "add"} <= kernels
     for cases in kernel_speed.OPTIONAL.values():  # kernels of modules present in this tree
         assert set(cases) <= kernels
@@ -20,13 +20,25 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert all(r["git_commit"] and r["device"] for r in rows)  # provenance on every row
     summary = common.read_summary("kernel_speed")
     for key in ("decode_gemm_fraction_of_bandwidth", "decode_gemm_over_torch_time",
-                "copy_bandwidth_GBps"):
+                "copy_bandwidth_GBps", "decode_gemm_min_fraction_of_bandwidth",
+                "attention_decode_fraction_of_bandwidth"):
         assert key in summary
     assert summary["copy_bandwidth_GBps"] > 0
-    s = kernel_speed.SIZES["toy"]
-    expected = (4 * s["V"] * s["D"] / (summary["decode_gemm_us"] * 1e-6) / 1e9
-                / summary["copy_bandwidth_GBps"])
-    assert abs(summary["decode_gemm_fraction_of_bandwidth"] - expected) <= 1e-9 * expected
+    # Each fraction is the row's bytes / its time over the copy bandwidth; the headline
+    # minimum is over GPT-2's five decode shapes.
+    by_kernel = {r["kernel"]: r for r in ours}
+    fractions = summary["decode_gemm_fractions_of_bandwidth"]
+    assert set(fractions) == set(kernel_speed.DECODE_GEMMS)
+    for kernel, got in fractions.items():
+        row = by_kernel[kernel]
+        expected = (int(row["bytes"]) / (float(row["median_us"]) * 1e-6) / 1e9
+                    / summary["copy_bandwidth_GBps"])
+        assert abs(got - expected) <= 1e-9 * expected
+    assert summary["decode_gemm_min_fraction_of_bandwidth"] == min(fractions.values())
+    assert summary["decode_gemm_fraction_of_bandwidth"] == fractions[kernel_speed.HEADLINE]
+    s = kernel_speed.SIZES["toy"]  # the head's bytes: the tied embedding, x and logits
+    assert int(by_kernel[kernel_speed.HEADLINE]["bytes"]) == 4 * (s["V"] * s["D"] + s["B"] * (
+        s["D"] + s["V"]))
     figure = kernel_speed.plot()
     assert figure.exists() and figure.stat().st_size > 10_000
     assert figure.is_relative_to(tmp_path)
