@@ -82,11 +82,15 @@ def _torch():
 
 def settled_free() -> int | None:
     """Free device bytes once every dropped buffer is really freed (Numba queues frees and
-    flushes them in batches); None on the simulator."""
+    flushes them in batches; PyTorch caches them); None on the simulator."""
     if backend.SIMULATOR:
         return None
     gc.collect()
     backend.synchronize()
+    torch = _torch()
+    if torch is not None:   # blocks PyTorch caches but no graph holds go back to the driver
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     ctx = cuda.current_context()
     ctx.memory_manager.deallocations.clear()
     return ctx.get_memory_info()[0]

@@ -200,24 +200,30 @@ class GPT2:
         x = self._empty("x", B, T, C)               # the residual stream, updated in place
         x2 = x.reshape(N, C)
         embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
+        first = self.layers[0]
+        ln = self._empty("h0.ln_1", N, C)
+        layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
+        # Every later layer norm rides on the residual GEMM before it (gemm's ln_out: the
+        # norm of the updated rows, computed where the split-K sums are added).
         for i, L in enumerate(self.layers):
-            ln = self._empty(f"h{i}.ln_1", N, C)
-            layernorm.layernorm(x2, L.ln_1_w, L.ln_1_b, ln, eps=LN_EPS, stream=stream)
             qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
             gemm.gemm(ln, L.attn_w, qkv.reshape(N, 3 * C), bias=L.attn_b, stream=stream)
             att = self._empty(f"h{i}.att", B, T, C)
             attention.attention(qkv, cache.k[i], cache.v[i], pos, att,
                                 n_head=self.config.n_head, stream=stream)
-            # x += att @ W + b: accumulate fuses the residual add into the projection
-            gemm.gemm(att.reshape(N, C), L.attn_proj_w, x2, bias=L.attn_proj_b,
-                      accumulate=True, stream=stream)
+            # x += att @ W + b (the residual add fused), then ln = ln_2(x)
             ln = self._empty(f"h{i}.ln_2", N, C)
-            layernorm.layernorm(x2, L.ln_2_w, L.ln_2_b, ln, eps=LN_EPS, stream=stream)
+            gemm.gemm(att.reshape(N, C), L.attn_proj_w, x2, bias=L.attn_proj_b,
+                      accumulate=True, ln_out=(L.ln_2_w, L.ln_2_b, LN_EPS, ln), stream=stream)
             h = self._empty(f"h{i}.fc", N, 4 * C)
             gemm.gemm(ln, L.fc_w, h, bias=L.fc_b, act="gelu", stream=stream)
-            gemm.gemm(h, L.mlp_proj_w, x2, bias=L.mlp_proj_b, accumulate=True, stream=stream)
-        ln = self._empty("ln_f", N, C)
-        layernorm.layernorm(x2, self.ln_f_w, self.ln_f_b, ln, eps=LN_EPS, stream=stream)
+            # x += h @ W + b, then ln = the next layer's ln_1(x), or ln_f(x) after the last
+            last = i + 1 == len(self.layers)
+            gamma, beta = (self.ln_f_w, self.ln_f_b) if last else \
+                (self.layers[i + 1].ln_1_w, self.layers[i + 1].ln_1_b)
+            ln = self._empty("ln_f" if last else f"h{i + 1}.ln_1", N, C)
+            gemm.gemm(h, L.mlp_proj_w, x2, bias=L.mlp_proj_b, accumulate=True,
+                      ln_out=(gamma, beta, LN_EPS, ln), stream=stream)
         logits = self._empty("logits", B, T, V)
         gemm.gemm(ln, self.wte, logits.reshape(N, V), trans_b=True, stream=stream)  # tied head
         return logits
