@@ -246,7 +246,9 @@ class _TorchLSTMGraphs:
 
     def _step(self, b: int) -> None:
         with self.torch.no_grad():
-            y, (h, c) = self.lstm(self.emb(self.tokens[:b])[None], (self.h[:, :b], self.c[:, :b]))
+            # cuDNN wants contiguous state: rows [:b] of (L, B, H) are not, so copy them out
+            y, (h, c) = self.lstm(self.emb(self.tokens[:b])[None],
+                                  (self.h[:, :b].contiguous(), self.c[:, :b].contiguous()))
             self.h[:, :b].copy_(h)
             self.c[:, :b].copy_(c)
             self.torch.addmm(self.dec.bias, y[0], self.dec.weight.T, out=self.logits[:b])
@@ -351,12 +353,17 @@ def _ours_attributed(gpt2: dict, executables: int) -> int | None:
 def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     rows, curve = [], []
+
+    def save():   # after each workload: a failure later leaves what was measured
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        common.write_csv(NAME, [{k: r.get(k) for k in columns} for r in rows])
+        common.write_csv(f"{NAME}_curve", curve or [{"model": None, "method": None,
+                                                     "shapes_served": None, "memory_mib": None}])
+
+    run_lstm(cfg, rows, curve)      # the short one first
+    save()
     gpt2 = run_gpt2(cfg, rows, curve)
-    run_lstm(cfg, rows, curve)
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    common.write_csv(NAME, [{k: r.get(k) for k in columns} for r in rows])
-    common.write_csv(f"{NAME}_curve", curve or [{"model": None, "method": None,
-                                                 "shapes_served": None, "memory_mib": None}])
+    save()
     by = {(r["model"], r["method"]): r for r in rows}
     mem = {k: r["memory_mib"] for k, r in by.items()}
     ms = {k: r["ms_per_token"] for k, r in by.items()}

@@ -114,19 +114,24 @@ class _Lowered:
         from cuda.core.graph import GraphDefinition
         cuda.current_context()  # Numba's primary context is the one cuda.core launches into
         self.definition = GraphDefinition()
-        self.loops: list[Conditional] = []
-        self.handles, self.params = self._lower(self.definition, description)
+        # Every WHILE's pass counter starts each replay at zero, before anything else runs: a
+        # loop inside an IF that does not run this time must not report last replay's count.
+        self.loops = _loops(description)
+        root = None
+        for node in self.loops:
+            root = (root or self.definition).launch(*_counter_reset(node.passes))
+        self.handles, self.params = self._lower(self.definition, description, root)
 
-    def _lower(self, target, description: Description) -> tuple[list, list]:
+    def _lower(self, target, description: Description, root=None) -> tuple[list, list]:
         """Add the description's nodes to `target` (the whole graph, or a conditional node's
-        body); returns their node handles and parameters."""
+        body), its roots after `root` if given; returns their node handles and parameters."""
         from cuda.core import LaunchConfig
         handles, all_params = [], []
         for node, waits in zip(description.nodes, description.deps):
             # A node is added from its first dependency (or the graph: a root); the other
             # dependencies become extra edges into its first graph node.
             parents = [handles[d] for d in waits]
-            start = parents[0] if parents else target
+            start = parents[0] if parents else (root or target)
             if isinstance(node, KernelLaunch):
                 cukernel, flat, data_slots = flatten_args(node.kernel, node.args)
                 config = LaunchConfig(grid=node.griddim, block=node.blockdim,
@@ -155,7 +160,6 @@ class _Lowered:
         condition = target.create_condition(default_value=0)
         handle = int(condition.handle)
         if node.loop:
-            self.loops.append(node)
             setter = start.launch(*_condition_launch("start", flag, node.passes, 0, handle))
             cond_node = setter.while_loop(condition)
             body = cond_node.body
@@ -173,6 +177,22 @@ class _Lowered:
 
     def close(self) -> None:
         self.definition, self.handles, self.params = None, [], []
+
+
+def _loops(description: Description) -> list[Conditional]:
+    """Every WHILE node of the description, at any depth."""
+    out = []
+    for node in description.nodes:
+        if isinstance(node, Conditional):
+            out += ([node] if node.loop else []) + _loops(node.body)
+    return out
+
+
+def _counter_reset(passes) -> tuple:
+    """(config, kernel, *args) of the one-thread kernel that zeroes a WHILE's pass counter."""
+    from cuda.core import LaunchConfig
+    cukernel, flat, _ = flatten_args(condition_kernels()["reset"], (passes,))
+    return (LaunchConfig(grid=1, block=1), cukernel, *flat)
 
 
 def check_loops(loops) -> None:
@@ -354,7 +374,10 @@ class HostDrivenExecutor:
         """Nothing to get ready ahead: every part owns its executable."""
 
     def finish(self) -> None:
-        """Loops past their bound raised during `launch`."""
+        """Top-level loops past their bound raised during `launch`; a WHILE inside a body's
+        graph is checked here."""
+        for part in self._parts:
+            (part[1] if isinstance(part, tuple) else part).finish()
 
     def set_array_args(self, j: int, args: dict) -> None:
         raise NotImplementedError("patch binding needs one graph; conditional nodes without "
@@ -433,7 +456,15 @@ def continue_loop(flag, passes, max_passes, handle):
         _set_conditional(handle, np.uint32(1 if go else 0))
 
 
-CONDITION_KERNELS = {"if": (set_if, "void(int32[::1], uint64)"),
+def reset_counter(passes):
+    """passes := (0, 0): a WHILE's counter at the start of every replay."""
+    if cuda.grid(1) == 0:
+        passes[0] = 0
+        passes[1] = 0
+
+
+CONDITION_KERNELS = {"reset": (reset_counter, "void(int32[::1])"),
+                     "if": (set_if, "void(int32[::1], uint64)"),
                      "start": (start_loop, "void(int32[::1], int32[::1], uint64)"),
                      "continue": (continue_loop, "void(int32[::1], int32[::1], int32, uint64)")}
 _condition_kernels: dict = {}
