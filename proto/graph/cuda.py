@@ -374,10 +374,8 @@ class HostDrivenExecutor:
         """Nothing to get ready ahead: every part owns its executable."""
 
     def finish(self) -> None:
-        """Top-level loops past their bound raised during `launch`; a WHILE inside a body's
-        graph is checked here."""
-        for part in self._parts:
-            (part[1] if isinstance(part, tuple) else part).finish()
+        """Loops past their bound raised during `launch` (a body's own loops are checked
+        after each pass that ran it: run_conditional)."""
 
     def set_array_args(self, j: int, args: dict) -> None:
         raise NotImplementedError("patch binding needs one graph; conditional nodes without "

@@ -14,12 +14,14 @@ from proto.graph.record import LoopBoundError, read_flag
 
 
 def run_conditional(node: Conditional, body) -> None:
-    """An IF / WHILE node driven from the host: read the flag, launch the body's executor;
-    a WHILE stops with LoopBoundError once `max_passes` passes left the flag set."""
+    """An IF / WHILE node driven from the host: read the flag, launch the body's executor (and
+    check the body's own loops after each pass that ran it); a WHILE stops with
+    LoopBoundError once `max_passes` passes left the flag set."""
     flag = node.args[0]
     if not node.loop:
         if read_flag(flag):
             body.launch()
+            body.finish()
         return
     passes = 0
     while read_flag(flag):
@@ -27,6 +29,7 @@ def run_conditional(node: Conditional, body) -> None:
             raise LoopBoundError(f"while_loop: the flag is still set after max_passes="
                                  f"{node.max_passes} passes; the body must clear it")
         body.launch()
+        body.finish()
         passes += 1
 
 
