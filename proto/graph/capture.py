@@ -197,7 +197,7 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
     for _ in range(int(warmup)):      # WARM-UP
         fn(**placeholders)
     backend.synchronize()
-    with record() as recorder:        # RECORD
+    with record(private=not planned) as recorder:        # RECORD
         outputs = fn(**placeholders)
     if not recorder.nodes:
         raise ValueError("record: the function launched no kernels and made no copies")

@@ -257,7 +257,7 @@ def apply(description: Description, plan_: Plan, arena, outputs):
     moves = sorted((address(b.array), address(b.array) + max(b.nbytes, 1), arena,
                     plan_.offsets[b.key]) for b in description.buffers)
     moved = _moved(description, moves)
-    moved.buffers = [dataclasses.replace(b, array=arena[plan_.offsets[b.key]:][:max(b.nbytes, 1)])
+    moved.buffers = [dataclasses.replace(b, array=view_at(arena, plan_.offsets[b.key], b.array))
                      for b in description.buffers]
     return moved, map_arrays(outputs, lambda a: _rebase(a, moves))
 
@@ -300,8 +300,8 @@ class Tape:
                 raise ValueError(f"tape {self.name!r}: buffer {b.name!r} needs {b.nbytes} bytes but "
                                  f"the tape placed it with {self.sizes[b.key]} from an earlier, "
                                  "smaller graph; capture the largest shape first")
-        fixed = {k: off for k, off in self.offsets.items()
-                 if any(b.key == k for b in description.buffers)}
+        keys = {b.key for b in description.buffers}
+        fixed = {k: off for k, off in self.offsets.items() if k in keys}
         # the fixed blocks are sized as the tape reserved them, so new ones stay clear of all
         result = plan(description, outputs, fixed)
         if self.arena is None:

@@ -35,10 +35,24 @@ from typing import Callable
 import numpy as np
 
 from proto import backend
-from proto.backend import cuda, is_device_array, kernel_name
+from proto.backend import cuda, is_device_array, kernel_name, view_at
 from proto.graph.ir import Buffer, Conditional, Copy, Description, KernelLaunch
 
 DEFAULT_MAX_PASSES = 1 << 20   # a WHILE loop's bound on its passes unless the caller gives one
+_CHUNK = 64 << 20              # provisional memory for a planned recording's temporaries
+_ALIGN = 256
+
+
+class _like:
+    """Shape, C strides and dtype: what `view_at` needs to make an array."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        strides, step = [], self.dtype.itemsize
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        self.strides = tuple(reversed(strides))
 
 
 def _dim3(dim) -> tuple:
@@ -54,7 +68,9 @@ def _stream_key(stream):
 class Recorder:
     """Collects nodes, their dependencies and (at the root) the buffers allocated."""
 
-    def __init__(self, root: "Recorder | None" = None):
+    def __init__(self, root: "Recorder | None" = None, private: bool = True):
+        self.private = private    # temporaries each in their own allocation (kept: unplanned)
+        self._chunk, self._used = None, 0   # else: carved from chunks the planner will drop
         self.nodes: list = []
         self.deps: list[tuple[int, ...]] = []
         self.root = root or self
@@ -88,11 +104,24 @@ class Recorder:
                              "the temporaries of one step need unique names (the memory tape "
                              "finds a tensor by its name in every graph)")
         root._seen[(tag, name)] += 1
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        # Private memory for now: the planner (proto.graph.plan) moves it into an arena.
-        raw = cuda.device_array(max(nbytes, 1), np.uint8)
-        root.buffers.append(Buffer((tag, name, k), nbytes, raw))
-        return raw[:max(nbytes, 1)].view(dtype)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        base, offset = root._memory(max(nbytes, dtype.itemsize))
+        root.buffers.append(Buffer((tag, name, k), nbytes, view_at(base, offset, _like((max(nbytes, 1),), np.uint8))))
+        return view_at(base, offset, _like(shape, dtype))
+
+    def _memory(self, nbytes: int):
+        """(device array, byte offset) of fresh memory for a temporary. Private: its own
+        allocation, the graph's for good if it is not planned. Otherwise carved from 64 MiB
+        chunks: the planner (proto.graph.plan) moves every temporary into an arena and the
+        chunks go (one allocation for many temporaries keeps recording cheap)."""
+        if self.private:
+            return cuda.device_array(nbytes, np.uint8), 0
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        if self._chunk is None or self._used + size > self._chunk.size:
+            self._chunk, self._used = cuda.device_array(max(_CHUNK, size), np.uint8), 0
+        offset, self._used = self._used, self._used + size
+        return self._chunk, offset
 
     def record_copy(self, dst, src, stream=0) -> None:
         self._append(Copy((dst, src)), stream)
@@ -163,13 +192,14 @@ def _push(recorder: Recorder):
 
 
 @contextlib.contextmanager
-def record():
+def record(private: bool = True):
     """Inside the block, launches, `copy` calls, events and allocations are recorded, not
-    run. Yields the Recorder; ``recorder.description()`` afterwards."""
+    run. Yields the Recorder; ``recorder.description()`` afterwards. `private`: every
+    temporary its own allocation (False when a planner will place them in an arena)."""
     if _stack:
         raise RuntimeError("record: already recording a graph; a recording (or a capture) "
                            "cannot be nested inside another")
-    with _push(Recorder()) as recorder:
+    with _push(Recorder(private=private)) as recorder:
         yield recorder
 
 
