@@ -15,12 +15,14 @@ Modules, bottom to top (each imports only those above it in this list):
 
 Models use the names re-exported here: what they record with and `capture`.
 """
-from proto.graph.capture import Graph, capture, default_executor
+from proto.graph.binding import MODES, ReplayStats
+from proto.graph.capture import CONTROLS, Graph, capture, default_executor
+from proto.graph.cuda import SharedExecutables
 from proto.graph.ir import Description, races
 from proto.graph.plan import Tape
 from proto.graph.record import (LoopBoundError, copy, if_then, record, record_event, recording,
                                 require_eager, wait_event, while_loop)
 
-__all__ = ["Description", "Graph", "LoopBoundError", "Tape", "capture", "copy",
-           "default_executor", "if_then", "races", "record", "record_event", "recording",
-           "require_eager", "wait_event", "while_loop"]
+__all__ = ["CONTROLS", "Description", "Graph", "LoopBoundError", "MODES", "ReplayStats",
+           "SharedExecutables", "Tape", "capture", "copy", "default_executor", "if_then", "races",
+           "record", "record_event", "recording", "require_eager", "wait_event", "while_loop"]

@@ -60,8 +60,8 @@ import numpy as np
 from kernels import _check, sampling
 from proto import shapes
 from proto.backend import cuda
-from proto.graph import Tape, capture, copy, default_executor
-from proto.graph.binding import MODES, ReplayStats
+from proto.graph import (MODES, ReplayStats, SharedExecutables, Tape, capture, copy,
+                         default_executor)
 from proto.models import generate
 from proto.models.gpt2 import KVCache
 from proto.models.lstm import LSTMState
@@ -108,7 +108,6 @@ class GraphedGPT2:
         self.tape = Tape("gpt2-decode") if planned else None
         self.shared = None
         if shared_executables is not None and self.executor == "cuda":
-            from proto.graph.cuda import SharedExecutables
             self.shared = SharedExecutables(shared_executables)
         # The search's input buffers. alias: they are the placeholders (producers write here);
         # copy/patch: ordinary buffers whose contents (copy) or addresses (patch) get bound.
@@ -408,7 +407,6 @@ class GraphedLSTM:
         self.tape = Tape("lstm-step") if planned else None
         self.shared = None
         if shared_executables is not None and self.executor == "cuda":
-            from proto.graph.cuda import SharedExecutables
             self.shared = SharedExecutables(shared_executables)
         self.state = LSTMState(self.config, max_batch)
         self.tokens = cuda.to_device(np.zeros(max_batch, np.int32))  # where producers write
