@@ -1,5 +1,5 @@
 """What every experiment shares: where results go (results/<device>/, figures/<device>/), the provenance stamped on every CSV row,
-the summary file, and the simulator warning on figures (STYLE.md #12).
+the summary file, and the simulator warning on figures (a plot reads only the data a run wrote).
 
 Every result file is written whole or not at all: to a temporary name in the same folder,
 then renamed over the old one (`_atomic`), so a run interrupted mid-write (Ctrl-C, a crash,
@@ -146,8 +146,9 @@ def save_figure(fig, name: str, device: str | None = None) -> pathlib.Path:
     return path
 
 
-def torch_cuda_graph(fn):
+def torch_cuda_graph(fn, pool=None):
     """Capture `fn()` (PyTorch ops) as a torch.cuda.CUDAGraph; returns (graph, fn's result).
+    `pool`: a graph_pool_handle() to share with other graphs (None: the graph's own pool).
 
     Warms up on a side stream first, as torch.cuda.graphs asks: lazy initializations (cuBLAS
     handles, workspaces) must happen before capture, never inside it."""
@@ -158,7 +159,7 @@ def torch_cuda_graph(fn):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         result = fn()
     return graph, result
 

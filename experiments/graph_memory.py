@@ -254,16 +254,7 @@ class _TorchLSTMGraphs:
             self.torch.addmm(self.dec.bias, y[0], self.dec.weight.T, out=self.logits[:b])
 
     def capture(self, b: int) -> None:
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step(b)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.handle):
-            self._step(b)
-        self.graphs[b] = g
+        self.graphs[b], _ = common.torch_cuda_graph(lambda: self._step(b), pool=self.handle)
 
     def shrinking(self, prompt) -> None:
         """One token per batch size, max_batch rows down to 1 (sequences finishing)."""

@@ -9,7 +9,7 @@ nothing and the time is the launch path) are run for N = 1 .. 1000:
   torch_eager / torch_graph   the same with PyTorch's ``x.add_(1)`` and torch.cuda.CUDAGraph,
                 when torch and a GPU are present.
 Cost per kernel = replay (or loop) time / N. Expect eager ~20-30 us per kernel and a graph
-~1 us per kernel at N = 1000 (DESIGN.md's H200 figures): the ratio is the headroom Grape's
+~1 us per kernel at N = 1000 (as measured on the H200): the ratio is the headroom Grape's
 graphs give a launch-bound decode step. At N = 1 the graph's fixed cost dominates.
 
     python -m experiments launch_overhead            # run + plot

@@ -210,55 +210,41 @@ class TorchDecoder:
         self.model = self._fresh = self._logits = None
 
 
-class PerLengthDecoder:
-    """PtGraph in real PyTorch (see the module doc): a proto.models.generate step whose decode
-    steps replay the graph of their length. Inputs are copied into static tensors before a
-    replay; the beam reorder gathers the live prefix (index_select, a fresh tensor) and copies
-    it back into the static cache, eagerly. `pool`: "private" or "shared"."""
+class PerLengthDecoder(TorchDecoder):
+    """PtGraph in real PyTorch (see the module doc): the eager TorchDecoder, whose decode
+    steps replay the graph of their length instead. Tokens are copied into a static tensor
+    before a replay; the beam reorder gathers the live prefix (index_select, a fresh tensor)
+    and copies it back into the static cache, eagerly. `pool`: "private" or "shared"."""
 
     def __init__(self, config: GPT2Config, state_dict, *, batch: int, max_len: int, pool: str):
         if pool not in ("private", "shared"):
             raise ValueError(f"pool: expected 'private' or 'shared', got {pool!r}")
-        self.config, self.batch, self.max_len, self.pool = config, batch, max_len, pool
-        self.model = TorchGPT2(config, state_dict, batch=batch, max_len=max_len)
-        self.inputs = generate.DecodeInputs.allocate(batch)
-        self.caches = (_TorchCache(self), _TorchCache(self))
+        super().__init__(config, state_dict, batch=batch, max_len=max_len, graphed=False)
+        self.pool = pool
         self._tokens = torch.zeros((batch, 1), dtype=torch.int64, device="cuda")
-        self._logits = torch.zeros((batch, config.vocab_size), device="cuda")
-        self._logits_numba = to_numba(self._logits.view(batch, 1, -1))
+        self._static_logits = torch.zeros((batch, config.vocab_size), device="cuda")
+        self._logits_numba = to_numba(self._static_logits.view(batch, 1, -1))
         self._handle = torch.cuda.graph_pool_handle() if pool == "shared" else None
-        self._views = {id(x): (x, to_torch(x)) for x in (self.inputs.tokens, self.inputs.pos)}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._length = 0     # live positions in the cache (host mirror)
-        self._eager = None
 
     def capture(self, length: int) -> None:
-        """The graph of `length` (a warm-up on a side stream first, as torch.cuda.graphs asks).
-        With a shared pool, graphs must replay in the order they were captured: capture in
-        ascending length, the order a generation replays them."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.model.decode_at(self._tokens, length, self._logits)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._handle):
-            self.model.decode_at(self._tokens, length, self._logits)
-        self.graphs[length] = graph
+        """The graph of `length`. With a shared pool, graphs must replay in the order they
+        were captured: capture in ascending length, the order a generation replays them."""
+        self.graphs[length], _ = common.torch_cuda_graph(
+            lambda: self.model.decode_at(self._tokens, length, self._static_logits),
+            pool=self._handle)
 
     def step(self, tokens, pos, cache):
         """generate's step: a prefill runs eagerly; a decode step replays its length's graph."""
         T = tokens.shape[1]
-        tok = self._views[id(tokens)][1] if id(tokens) in self._views else to_torch(tokens)
         if T == 1 and self._length + 1 in self.graphs:
             self._length += 1
-            self._tokens.copy_(tok)
+            self._tokens.copy_(self._torch(tokens))
             self.graphs[self._length].replay()
             return self._logits_numba
-        p = to_torch(pos).long() if id(pos) not in self._views else self._views[id(pos)][1].long()
-        self._eager = self.model.forward(tok.long(), p)
         self._length += T
-        return to_numba(self._eager)
+        return super().step(tokens, pos, cache)
 
     def _reorder(self, index) -> None:
         parents, n = to_torch(index).long(), self._length
@@ -267,15 +253,14 @@ class PerLengthDecoder:
 
     def beam_search(self, prompt, *, max_new_tokens: int, timed: bool = False):
         self._length = 0
-        return generate.beam_search(self, prompt, beam=self.batch, max_new_tokens=max_new_tokens,
-                                    step=self.step, caches=self.caches, inputs=self.inputs,
-                                    timed=timed)
+        return super().beam_search(prompt, max_new_tokens=max_new_tokens, timed=timed)
 
     def close(self) -> None:
         torch.cuda.synchronize()
         for graph in self.graphs.values():
             graph.reset()
-        self.graphs, self.model, self._eager = {}, None, None
+        self.graphs = {}
+        super().close()
 
 
 def check_logits(model, state_dict, steps: int = 3, seed: int = 0) -> float:

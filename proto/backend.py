@@ -192,22 +192,20 @@ def check_writes(kernel, args) -> None:
     writes = getattr(kernel, "writes", ())
     if not writes:
         return
-    spans = [(i, extent(a)) for i, a in enumerate(args) if is_device_array(a)]
+    spans = {i: extent(a) for i, a in enumerate(args) if is_device_array(a)}
     names = kernel.params
     for w in writes:
-        lo, hi = extent(args[w])
-        for i, (ilo, ihi) in spans:
+        lo, hi = spans[w]
+        for i, (ilo, ihi) in spans.items():
             if i == w or not (lo < ihi and ilo < hi):
                 continue
-            same = (lo, hi) == (ilo, ihi) and tuple(args[w].strides) == tuple(args[i].strides)
-            if same and ((w, i) in kernel.in_place or (i, w) in kernel.in_place):
+            pair = (w, i) in kernel.in_place or (i, w) in kernel.in_place
+            if pair and (lo, hi) == (ilo, ihi) and tuple(args[w].strides) == tuple(args[i].strides):
                 continue
-            kname = kernel_name(kernel)
-            raise ValueError(f"{kname}: output {names[w]!r} (bytes [{lo:#x}, {hi:#x})) overlaps "
-                             f"argument {names[i]!r} (bytes [{ilo:#x}, {ihi:#x})): the kernel "
-                             "would read what it is overwriting; pass separate buffers"
-                             + (" or the same array" if (w, i) in kernel.in_place
-                                or (i, w) in kernel.in_place else ""))
+            raise ValueError(f"{kernel_name(kernel)}: output {names[w]!r} (bytes [{lo:#x}, "
+                             f"{hi:#x})) overlaps argument {names[i]!r} (bytes [{ilo:#x}, "
+                             f"{ihi:#x})): the kernel would read what it is overwriting; pass "
+                             "separate buffers" + (" or the same array" if pair else ""))
 
 
 def kernel_name(kernel) -> str:
@@ -270,7 +268,26 @@ def launch(kernel, griddim, blockdim, args, stream=0, sharedmem=0):
     kernel[griddim, blockdim, stream, sharedmem](*args)
 
 
-_eager_buffers: dict = {}                       # (owner id, name) -> device bytes
+ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects it to
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class Layout:
+    """Shape, C-contiguous strides and dtype: what `view_at` needs to make an array."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        strides, step = [], self.dtype.itemsize
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        self.strides = tuple(reversed(strides))
+
+
+_eager_buffers: dict = {}                         # name -> device bytes (kernel scratch)
 _eager_owned: "weakref.WeakKeyDictionary" = None  # owner -> {name: device bytes}
 
 
@@ -304,7 +321,7 @@ def empty(shape, dtype, name: str, owner=None):
     buf = table.get(name)
     if buf is None or buf.size < nbytes:
         buf = table[name] = cuda.device_array(nbytes, np.uint8)
-    return buf[:nbytes].view(dtype).reshape(shape) if shape else buf[:nbytes].view(dtype)
+    return view_at(buf, 0, Layout(shape, dtype))
 
 
 def address(arr) -> int:

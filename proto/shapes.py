@@ -37,6 +37,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from kernels import _check
+
 STRATEGIES = ("exact", "bucket", "device")
 
 
@@ -53,10 +55,7 @@ def graph_keys(strategy: str, max_length: int, buckets: Sequence[int] | None) ->
     """Every key a dispatcher can build, ascending. `device` without buckets: one graph."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
-    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) \
-            or max_length < 1:
-        raise ValueError(f"max_length: expected a positive integer, got {max_length!r}")
-    max_length = int(max_length)
+    max_length = _check.positive("max_length", max_length)
     if strategy == "exact":
         return list(range(1, max_length + 1))
     if buckets is None:

@@ -1,4 +1,4 @@
-"""One shared timer for every experiment (STYLE.md #3).
+"""One shared timer for every experiment.
 
 Warm-up calls first (they also absorb JIT compilation), then `reps` timed calls, each between
 two CUDA events on the same stream, reported as median and spread. On the simulator there

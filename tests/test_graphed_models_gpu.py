@@ -61,8 +61,8 @@ def test_real_gpt2_step_logits_for_every_binding_and_strategy(config, beam, new,
 
 
 def test_per_length_graphs_cost_driver_memory_one_device_graph_does_not():
-    """exact: a graph per length, each holding its own driver memory (~3 KiB a kernel node,
-    DESIGN.md); device: one graph per cache set plus one reorder graph per direction, each
+    """exact: a graph per length, each holding its own driver memory (~3 KiB a kernel node
+    on the H200); device: one graph per cache set plus one reorder graph per direction, each
     reading 0 or one 2 MiB driver chunk (cuMemGetInfo's granularity, seen on the H200: 4 MiB
     for the four). Graphs freed by earlier tests leave memory the driver reuses, so the
     per-length bound is loose: 1 KiB a node."""

@@ -42,9 +42,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kernels import _check
 from proto import backend
 from proto.backend import address, cuda, is_device_array
 from proto.graph.ir import Conditional, Copy, Description, KernelLaunch
+from proto.graph.predicate import PredicatedExecutor, reset_passes_kernel
 from proto.graph.record import LoopBoundError
 from proto.graph.walk import run_conditional
 
@@ -97,12 +99,8 @@ def topology(description: Description) -> tuple:
     kernels, copy directions, and the edges (cuGraphExecUpdate's rules, kept strict)."""
     key = []
     for node, deps in zip(description.nodes, description.deps):
-        if isinstance(node, KernelLaunch):
-            key.append(("kernel", id(node.kernel), deps))
-        elif isinstance(node, Copy):
-            key.append(("copy", node.direction, deps))
-        else:
-            key.append(("conditional", id(node), deps))  # never shared: unique per graph
+        key.append(("kernel", id(node.kernel), deps) if isinstance(node, KernelLaunch)
+                   else ("copy", node.direction, deps))   # (conditionals are never shared)
     return tuple(key)
 
 
@@ -191,7 +189,7 @@ def _loops(description: Description) -> list[Conditional]:
 def _counter_reset(passes) -> tuple:
     """(config, kernel, *args) of the one-thread kernel that zeroes a WHILE's pass counter."""
     from cuda.core import LaunchConfig
-    cukernel, flat, _ = flatten_args(condition_kernels()["reset"], (passes,))
+    cukernel, flat, _ = flatten_args(reset_passes_kernel, (passes,))
     return (LaunchConfig(grid=1, block=1), cukernel, *flat)
 
 
@@ -286,9 +284,7 @@ class SharedExecutables:
     with executable update on a miss. `capacity` 1: one executable for every length."""
 
     def __init__(self, capacity: int = 1):
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-            raise ValueError(f"capacity: expected a positive integer, got {capacity!r}")
-        self.capacity = int(capacity)
+        self.capacity = _check.positive("capacity", capacity)
         self._slots: collections.OrderedDict = collections.OrderedDict()  # executable -> holder
         self.instantiations = self.updates = self.update_failures = 0
         self.update_s = 0.0
@@ -400,7 +396,6 @@ def make_cuda_executor(description: Description, shared: SharedExecutables | Non
     (proto.graph.predicate, with a warning: a WHILE then waits for the host every `unroll`
     passes)."""
     if description.has_conditionals and not conditional_nodes_supported():
-        from proto.graph.predicate import PredicatedExecutor
         warnings.warn("this CUDA driver has no conditional graph nodes (CUDA 12.4+): IF/WHILE "
                       f"run by predication, the host relaunching a WHILE every {unroll} passes",
                       RuntimeWarning, stacklevel=3)
@@ -454,15 +449,7 @@ def continue_loop(flag, passes, max_passes, handle):
         _set_conditional(handle, np.uint32(1 if go else 0))
 
 
-def reset_counter(passes):
-    """passes := (0, 0): a WHILE's counter at the start of every replay."""
-    if cuda.grid(1) == 0:
-        passes[0] = 0
-        passes[1] = 0
-
-
-CONDITION_KERNELS = {"reset": (reset_counter, "void(int32[::1])"),
-                     "if": (set_if, "void(int32[::1], uint64)"),
+CONDITION_KERNELS = {"if": (set_if, "void(int32[::1], uint64)"),
                      "start": (start_loop, "void(int32[::1], int32[::1], uint64)"),
                      "continue": (continue_loop, "void(int32[::1], int32[::1], int32, uint64)")}
 _condition_kernels: dict = {}

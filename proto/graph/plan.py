@@ -33,15 +33,8 @@ import bisect
 import dataclasses
 
 from proto import backend
-from proto.backend import address, cuda, extent, view_at
-from proto.graph.ir import Conditional, Description, races
-
-ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects it to
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
-
+from proto.backend import ALIGN, address, align_up, cuda, extent, view_at
+from proto.graph.ir import Conditional, Description
 
 class PlanError(AssertionError):
     """A plan that breaks one of its invariants (validate)."""
@@ -110,6 +103,24 @@ def place(blocks: list[Block], align: int = ALIGN, fixed=()) -> tuple[dict, int]
 
 
 # ------------------------------------------------------------------------- lifetimes
+class _BufferIndex:
+    """Which buffer of a description an array lies in, by address."""
+
+    def __init__(self, buffers):
+        self._spans = sorted((address(b.array), address(b.array) + max(b.nbytes, 1), i)
+                             for i, b in enumerate(buffers))
+
+    def find(self, arr) -> tuple[int, int] | None:
+        """(buffer index, byte offset of `arr` in it), or None outside every buffer."""
+        lo, hi = extent(arr)
+        k = bisect.bisect_right(self._spans, (lo, float("inf"), 0)) - 1
+        if k >= 0:
+            start, end, i = self._spans[k]
+            if hi <= end:
+                return i, lo - start
+        return None
+
+
 def lifetimes(description: Description, outputs=()) -> dict[int, tuple[int, int]]:
     """Buffer index -> (first, last) step that touches it. Steps number the nodes in order,
     a conditional's body nodes in place; every use inside a WHILE body covers the loop's
@@ -117,17 +128,11 @@ def lifetimes(description: Description, outputs=()) -> dict[int, tuple[int, int]
     not a chain (several streams) keeps every buffer live throughout: node order is not
     time order there."""
     buffers = description.buffers
-    starts = sorted((address(b.array), i) for i, b in enumerate(buffers))
-    ends = {i: address(b.array) + max(b.nbytes, 1) for i, b in enumerate(buffers)}
+    index = _BufferIndex(buffers)
 
     def owner(arr) -> int | None:
-        lo, hi = extent(arr)
-        k = bisect.bisect_right(starts, (lo, len(buffers))) - 1
-        if k >= 0:
-            start, i = starts[k]
-            if hi <= ends[i]:
-                return i
-        return None
+        found = index.find(arr)
+        return None if found is None else found[0]
 
     spans: dict[int, tuple[int, int]] = {}
 
@@ -227,39 +232,33 @@ def plan(description: Description, outputs=(), fixed: dict | None = None) -> Pla
 
 
 # ------------------------------------------------------------------------- applying it
-def _rebase(arr, moves):
-    """`arr` moved to the arena if it lies inside a buffer; else unchanged. `moves`: sorted
-    (start address, end address, arena, offset) of every buffer."""
-    if not backend.is_device_array(arr):
-        return arr
-    lo = address(arr)
-    k = bisect.bisect_right(moves, (lo, float("inf"))) - 1
-    if k >= 0:
-        start, end, arena, offset = moves[k]
-        if lo < end:
-            return view_at(arena, offset + (lo - start), arr)
-    return arr
-
-
-def _moved(description: Description, moves) -> Description:
-    nodes = []
-    for node in description.nodes:
-        changes = {"args": tuple(_rebase(a, moves) for a in node.args)}
-        if isinstance(node, Conditional):
-            changes["body"] = _moved(node.body, moves)
-        nodes.append(dataclasses.replace(node, **changes))
-    return Description(nodes, list(description.deps))
-
-
 def apply(description: Description, plan_: Plan, arena, outputs):
-    """(the description on the arena, the outputs on the arena). The description's buffers
-    keep their keys and sizes; their arrays become their place in the arena."""
-    moves = sorted((address(b.array), address(b.array) + max(b.nbytes, 1), arena,
-                    plan_.offsets[b.key]) for b in description.buffers)
-    moved = _moved(description, moves)
-    moved.buffers = [dataclasses.replace(b, array=view_at(arena, plan_.offsets[b.key], b.array))
-                     for b in description.buffers]
-    return moved, map_arrays(outputs, lambda a: _rebase(a, moves))
+    """(the description on the arena, the outputs on the arena): every array inside a buffer
+    becomes the same view at the buffer's offset in the arena. The buffers keep their keys
+    and sizes; their arrays become their place in the arena."""
+    index = _BufferIndex(description.buffers)
+    offsets = [plan_.offsets[b.key] for b in description.buffers]
+
+    def rebase(arr):
+        found = index.find(arr) if backend.is_device_array(arr) else None
+        if found is None:
+            return arr
+        i, within = found
+        return view_at(arena, offsets[i] + within, arr)
+
+    def moved(desc: Description) -> Description:
+        nodes = []
+        for node in desc.nodes:
+            changes = {"args": tuple(rebase(a) for a in node.args)}
+            if isinstance(node, Conditional):
+                changes["body"] = moved(node.body)
+            nodes.append(dataclasses.replace(node, **changes))
+        return Description(nodes, list(desc.deps))
+
+    result = moved(description)
+    result.buffers = [dataclasses.replace(b, array=view_at(arena, off, b.array))
+                      for b, off in zip(description.buffers, offsets)]
+    return result, map_arrays(outputs, rebase)
 
 
 def map_arrays(tree, fn):
@@ -302,7 +301,6 @@ class Tape:
                                  "smaller graph; capture the largest shape first")
         keys = {b.key for b in description.buffers}
         fixed = {k: off for k, off in self.offsets.items() if k in keys}
-        # the fixed blocks are sized as the tape reserved them, so new ones stay clear of all
         result = plan(description, outputs, fixed)
         if self.arena is None:
             self.arena_bytes = max(align_up(result.arena_bytes), ALIGN)
@@ -319,10 +317,3 @@ class Tape:
 
     def close(self) -> None:
         self.arena, self.offsets, self.sizes, self.plans = None, {}, {}, []
-
-
-def check_race_free(description: Description) -> None:
-    """Planning must not add races: two buffers that share bytes are used in order."""
-    found = races(description)
-    if found:
-        raise PlanError(f"planned description has unordered nodes touching shared bytes: {found[:5]}")

@@ -34,7 +34,7 @@ import dataclasses
 
 import numpy as np
 
-from proto import backend
+from kernels import _check
 from proto.backend import cuda, is_device_array, jit, predicated
 from proto.graph.ir import Conditional, Copy, Description, KernelLaunch
 from proto.graph.record import LoopBoundError
@@ -159,12 +159,11 @@ def lower(description: Description, unroll: int):
     """The description as a list of plain Descriptions (straight stretches) and Loops (top
     level WHILEs), every conditional replaced by predicated kernels; and the inner WHILE nodes
     whose bounds must be checked after a launch."""
-    if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) or unroll < 1:
-        raise ValueError(f"unroll: expected a positive integer, got {unroll!r}")
+    unroll = _check.positive("unroll", unroll)
     if not description.is_chain:
         raise ValueError("predication lowers single-stream descriptions (a chain); this one "
                          "was recorded on several streams")
-    low = _Lowering(int(unroll))
+    low = _Lowering(unroll)
     parts, straight = [], []
     for node in description.nodes:
         if isinstance(node, Conditional) and node.loop:
@@ -217,7 +216,7 @@ class PredicatedExecutor:
             while True:
                 passes.launch()
                 self.launches += 1
-                if not backend.is_device_array(loop.flag) or not loop.flag.copy_to_host()[0]:
+                if not loop.flag.copy_to_host()[0]:
                     break
                 _check_bound(loop.passes, loop.max_passes)
 

@@ -34,25 +34,13 @@ from typing import Callable
 
 import numpy as np
 
+from kernels import _check
 from proto import backend
-from proto.backend import cuda, is_device_array, kernel_name, view_at
+from proto.backend import Layout, align_up, cuda, is_device_array, kernel_name, view_at
 from proto.graph.ir import Buffer, Conditional, Copy, Description, KernelLaunch
 
 DEFAULT_MAX_PASSES = 1 << 20   # a WHILE loop's bound on its passes unless the caller gives one
 _CHUNK = 64 << 20              # provisional memory for a planned recording's temporaries
-_ALIGN = 256
-
-
-class _like:
-    """Shape, C strides and dtype: what `view_at` needs to make an array."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        strides, step = [], self.dtype.itemsize
-        for n in reversed(self.shape):
-            strides.append(step)
-            step *= max(n, 1)
-        self.strides = tuple(reversed(strides))
 
 
 def _dim3(dim) -> tuple:
@@ -107,8 +95,8 @@ class Recorder:
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         base, offset = root._memory(max(nbytes, dtype.itemsize))
-        root.buffers.append(Buffer((tag, name, k), nbytes, view_at(base, offset, _like((max(nbytes, 1),), np.uint8))))
-        return view_at(base, offset, _like(shape, dtype))
+        root.buffers.append(Buffer((tag, name, k), nbytes, view_at(base, offset, Layout((max(nbytes, 1),), np.uint8))))
+        return view_at(base, offset, Layout(shape, dtype))
 
     def _memory(self, nbytes: int):
         """(device array, byte offset) of fresh memory for a temporary. Private: its own
@@ -117,7 +105,7 @@ class Recorder:
         chunks go (one allocation for many temporaries keeps recording cheap)."""
         if self.private:
             return cuda.device_array(nbytes, np.uint8), 0
-        size = -(-nbytes // _ALIGN) * _ALIGN
+        size = align_up(nbytes)
         if self._chunk is None or self._used + size > self._chunk.size:
             self._chunk, self._used = cuda.device_array(max(_CHUNK, size), np.uint8), 0
         offset, self._used = self._used, self._used + size
@@ -290,13 +278,11 @@ def while_loop(flag, body: Callable[[], None], *, max_passes: int = DEFAULT_MAX_
     (eagerly at once; from a graph, after the replay that hit it). Eagerly returns the
     number of passes; recording returns 0 and runs nothing."""
     check_flag(flag)
-    if isinstance(max_passes, bool) or not isinstance(max_passes, (int, np.integer)) \
-            or max_passes < 1:
-        raise ValueError(f"while_loop: max_passes: expected a positive integer, got {max_passes!r}")
+    max_passes = _check.positive("while_loop: max_passes", max_passes)
     if _stack:
         passes = cuda.device_array(2, np.int32)   # passes made, bound hit (the CUDA executor's)
         _stack[-1]._append(Conditional((flag,), _record_body(body, "while_loop"), loop=True,
-                                       max_passes=int(max_passes), passes=passes), 0)
+                                       max_passes=max_passes, passes=passes), 0)
         return 0
     passes = 0
     while read_flag(flag):

@@ -67,6 +67,79 @@ from proto.models.gpt2 import KVCache
 from proto.models.lstm import LSTMState
 
 
+# --------------------------------------------------------------------------- what both share
+class _Graphed:
+    """The graphs of one graphed model: one memory tape for all of them (or private buffers),
+    optionally a pool of shared executables, and the accounting over them. A subclass sets
+    `binding` and `executor`, calls `_own_memory`, and lists its graphs in `_step_graphs`
+    (those of the model step) and `_other_graphs` (helpers such as reorders)."""
+
+    def _own_memory(self, name: str, planned: bool, shared_executables: int | None) -> None:
+        self.tape = Tape(name) if planned else None
+        self.shared = (SharedExecutables(shared_executables)
+                       if shared_executables is not None and self.executor == "cuda" else None)
+
+    def _capture(self, step, placeholders):
+        """`step` captured on `placeholders` into this model's tape (no warm-up: a model step
+        takes its scratch from `empty` and has no first-call path)."""
+        return capture(step, placeholders, binding=self.binding, executor=self.executor,
+                       warmup=0, planned=self.tape is not None, tape=self.tape,
+                       shared=self.shared)
+
+    def _step_graphs(self) -> list:
+        raise NotImplementedError
+
+    def _other_graphs(self) -> list:
+        return []
+
+    def stats(self) -> ReplayStats:
+        """Binding cost summed over every replay of every step graph so far."""
+        total = ReplayStats()
+        for g in self._step_graphs():
+            total += g.stats
+        return total
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs of the model step (helper graphs are counted apart)."""
+        return len(self._step_graphs())
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(len(g.description) for g in self._step_graphs())
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Driver memory of every executable: the graphs' own, or the shared pool's. None
+        where unmeasurable (the simulator)."""
+        sizes = [g.memory_bytes for g in self._step_graphs() + self._other_graphs()]
+        if any(s is None for s in sizes):
+            return None
+        return sum(sizes) + (self.shared.memory_bytes if self.shared is not None else 0)
+
+    @property
+    def arena_bytes(self) -> int:
+        """The memory tape's arena (0 without the planner)."""
+        return self.tape.arena_bytes if self.tape is not None else 0
+
+    @property
+    def private_bytes(self) -> int:
+        """Temporaries in private memory, summed over graphs (0 with the planner)."""
+        return sum(g.private_bytes for g in self._step_graphs())
+
+    def _close_memory(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+        if self.tape is not None:
+            self.tape.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 # --------------------------------------------------------------------------- GPT-2
 class _CacheView(KVCache):
     """A KVCache over arrays someone else owns (no allocation): what a recorded step reads."""
@@ -90,7 +163,7 @@ class _SearchCache(_CacheView):
         self.owner._reorder(self, index, dst, stream)
 
 
-class GraphedGPT2:
+class GraphedGPT2(_Graphed):
     """GPT2.step for `batch` sequences (greedy rows or beams) of up to `max_len` positions,
     replayed as graphs; see the module doc for `binding` and `strategy`."""
 
@@ -105,10 +178,7 @@ class GraphedGPT2:
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
         self.binding, self.strategy = binding, strategy
         self.executor = executor or default_executor()
-        self.tape = Tape("gpt2-decode") if planned else None
-        self.shared = None
-        if shared_executables is not None and self.executor == "cuda":
-            self.shared = SharedExecutables(shared_executables)
+        self._own_memory("gpt2-decode", planned, shared_executables)
         # The search's input buffers. alias: they are the placeholders (producers write here);
         # copy/patch: ordinary buffers whose contents (copy) or addresses (patch) get bound.
         self.inputs = generate.DecodeInputs(cuda.to_device(np.zeros((batch, 1), np.int32)),
@@ -236,9 +306,7 @@ class GraphedGPT2:
                               [kv[f"v{i}"] for i in range(L)])
             return self.model.step(tokens, baked if pos is None else pos, view)
 
-        return capture(step, placeholders, binding=self.binding, executor=self.executor,
-                       warmup=0, planned=self.tape is not None, tape=self.tape,
-                       shared=self.shared)
+        return self._capture(step, placeholders)
 
     def step(self, tokens, pos, cache):
         """GPT2.step's contract on `cache`, one of `self.caches`. The first call after
@@ -313,66 +381,25 @@ class GraphedGPT2:
         return lambda: g.replay(**inputs)
 
     # ------------------------------------------------------------------ accounting
-    def _all_graphs(self) -> list:
+    def _step_graphs(self) -> list:
         return [g for d in self._graphs for g in d.graphs.values()]
 
-    def stats(self) -> ReplayStats:
-        """Binding cost summed over every replay of every graph so far."""
-        total = ReplayStats()
-        for g in self._all_graphs():
-            total += g.stats
-        return total
-
-    @property
-    def num_graphs(self) -> int:
-        """Graphs of the model step (the reorder graphs are counted apart)."""
-        return sum(d.num_graphs for d in self._graphs)
+    def _other_graphs(self) -> list:
+        return list(self._reorders.values())
 
     @property
     def num_reorder_graphs(self) -> int:
         return len(self._reorders)
-
-    @property
-    def num_nodes(self) -> int:
-        return sum(len(g.description) for g in self._all_graphs() if g.description)
-
-    @property
-    def memory_bytes(self) -> int | None:
-        """Driver memory of every executable: the step graphs' (their own, or the shared
-        pool's) and the reorder graphs'. None where unmeasurable (the simulator)."""
-        sizes = [g.memory_bytes for g in self._all_graphs() + list(self._reorders.values())]
-        if any(s is None for s in sizes):
-            return None
-        return sum(sizes) + (self.shared.memory_bytes if self.shared is not None else 0)
-
-    @property
-    def arena_bytes(self) -> int:
-        """The memory tape's arena (0 without the planner)."""
-        return self.tape.arena_bytes if self.tape is not None else 0
-
-    @property
-    def private_bytes(self) -> int:
-        """Temporaries in private memory, summed over graphs (0 with the planner)."""
-        return sum(g.private_bytes for g in self._all_graphs())
 
     def close(self) -> None:
         for d in self._graphs:
             d.close()
         for g in self._reorders.values():
             g.close()
-        if self.shared is not None:
-            self.shared.close()
-        if self.tape is not None:
-            self.tape.close()
+        self._close_memory()
         self._sets, self._reorders, self._positions = {}, {}, {}
         for cache in self.caches:
             cache.k, cache.v = [], []
-
-    def __enter__(self) -> "GraphedGPT2":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # --------------------------------------------------------------------------- LSTM
@@ -383,7 +410,7 @@ class _StateView(LSTMState):
         self.config, self.batch, self.h, self.c = config, h[0].shape[0], list(h), list(c)
 
 
-class GraphedLSTM:
+class GraphedLSTM(_Graphed):
     """LSTMLM.step over a batch of `batch <= max_batch` rows, as graphs.
 
     The recurrent state is the stepper's own (`state`, capacity max_batch, rows [:batch] are
@@ -404,10 +431,7 @@ class GraphedLSTM:
         self.model, self.config = model, model.config
         self.max_batch = _check.positive("max_batch", max_batch, at_most=model.max_batch)
         self.binding, self.executor = binding, executor or default_executor()
-        self.tape = Tape("lstm-step") if planned else None
-        self.shared = None
-        if shared_executables is not None and self.executor == "cuda":
-            self.shared = SharedExecutables(shared_executables)
+        self._own_memory("lstm-step", planned, shared_executables)
         self.state = LSTMState(self.config, max_batch)
         self.tokens = cuda.to_device(np.zeros(max_batch, np.int32))  # where producers write
         self._tokens_ph = self.tokens if binding == "alias" else \
@@ -428,11 +452,9 @@ class GraphedLSTM:
                                [hc[f"c{k}"] for k in range(L)])
             return self.model.step(tokens, state)
 
-        # No warm-up: the step updates the state in place, so an extra eager run would
-        # advance every sequence one token too far.
-        return capture(step, placeholders, binding=self.binding, executor=self.executor,
-                       warmup=0, planned=self.tape is not None, tape=self.tape,
-                       shared=self.shared)
+        # (no warm-up matters here too: the step updates the state in place, so an extra
+        # eager run would advance every sequence one token too far)
+        return self._capture(step, placeholders)
 
     def build_all(self, after_each=None) -> None:
         """Build every batch size's graph now, largest first (`after_each(n built)`)."""
@@ -451,45 +473,12 @@ class GraphedLSTM:
                   **{n: a[:key] for n, a in zip(self._names, self.state.arrays())}}
         return self._graphs.graph(batch).replay(**inputs)[:batch]
 
-    def stats(self) -> ReplayStats:
-        total = ReplayStats()
-        for g in self._graphs.graphs.values():
-            total += g.stats
-        return total
-
-    @property
-    def num_graphs(self) -> int:
-        return self._graphs.num_graphs
-
-    @property
-    def arena_bytes(self) -> int:
-        return self.tape.arena_bytes if self.tape is not None else 0
-
-    @property
-    def private_bytes(self) -> int:
-        return sum(g.private_bytes for g in self._graphs.graphs.values())
-
-    @property
-    def memory_bytes(self) -> int | None:
-        sizes = self._graphs.memory_bytes
-        return None if sizes is None else sizes + (self.shared.memory_bytes if self.shared else 0)
-
-    @property
-    def num_nodes(self) -> int:
-        return sum(len(g.description) for g in self._graphs.graphs.values())
+    def _step_graphs(self) -> list:
+        return list(self._graphs.graphs.values())
 
     def close(self) -> None:
         self._graphs.close()
-        if self.shared is not None:
-            self.shared.close()
-        if self.tape is not None:
-            self.tape.close()
-
-    def __enter__(self) -> "GraphedLSTM":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self._close_memory()
 
 
 def lstm_greedy(step, tokens, prompt, max_new_tokens: int, *, vocab: int) -> np.ndarray:

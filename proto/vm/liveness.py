@@ -16,7 +16,7 @@ import bisect
 import functools
 from typing import NamedTuple
 
-from proto.graph.plan import ALIGN, align_up  # noqa: F401 (the pool's alignment, re-exported)
+from proto.backend import align_up
 from proto.tape import Tape
 
 

@@ -13,7 +13,8 @@ from kernels import _check
 from proto import backend
 from proto.backend import cuda
 from proto.tape import TensorSpec
-from proto.vm.liveness import ALIGN, align_up, fmt_bytes
+from proto.backend import ALIGN, align_up
+from proto.vm.liveness import fmt_bytes
 
 
 class OutOfBudget(MemoryError):

@@ -59,7 +59,7 @@ class Action:
 @dataclasses.dataclass(frozen=True)
 class Link:
     """Host-link bandwidth in bytes/s, per direction (pinned memory)."""
-    h2d: float = 54e9     # measured on the H200 (shared/DESIGN.md)
+    h2d: float = 54e9     # measured on the H200 (pinned memory, both directions)
     d2h: float = 55e9
 
     def __post_init__(self):   # copy times divide by these: 0, NaN or inf would mislead
