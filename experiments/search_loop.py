@@ -16,7 +16,8 @@ for several N, at two sizes (4 layers d=256 and GPT-2 small, 12 layers d=768):
                      on the GPU (proto.models.search_loop)
   predicated_K       the same search by predication (Grape's way, any driver): the body
                      unrolled K times in a plain graph, every kernel testing the loop's flag,
-                     the host relaunching it every K passes until the flag falls
+                     the host relaunching it every K passes until the flag falls (a beam
+                     search pass makes two steps, alternating its two KV-cache sets)
 
 Each generation is timed whole, prefill (eager in all) included, and divided by N: the median
 of `reps` after a warm-up one, spread (p10, p90) in the CSV. Every method's tokens (and beam

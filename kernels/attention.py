@@ -88,6 +88,7 @@ def gather_batch_ref(src: np.ndarray, index: np.ndarray) -> np.ndarray:
     return src[index]
 
 
+
 # ---------------------------------------------------------------------------- kernels
 _ATT_ARGS = ("float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], "
              "float32[:, :, ::1], int32, float32[:, :, :, ::1], float32[:, :, :, ::1]")
@@ -285,15 +286,21 @@ def attention_combine_kernel(pos, tmax, span, part_o, part_ml, out):
         out[b, t, h * hd + d] = NAN if bad else o / total
 
 
-@jit("void(float32[:, ::1], int32[::1], float32[:, ::1])", writes=("dst",))
-def gather_batch_kernel(src, index, dst):
-    """Grid (X, B): dst[b, :] = src[index[b], :]; NaN where index[b] is out of range."""
-    b = cuda.blockIdx.y
+@jit("void(float32[:, :, ::1], int32[::1], int32[::1], int32, int32, float32[:, :, ::1])",
+     writes=("dst",))
+def gather_batch_kernel(src, index, length, width, fixed, dst):
+    """Grid (X, H, B) over (B, H, P * width) views: dst[b, h, :n * width] =
+    src[index[b], h, :n * width], the first n of P positions, n = fixed if fixed >= 0 else
+    length[0] (read on the device). An index or n out of range gives a whole NaN row."""
+    b, h = cuda.blockIdx.z, cuda.blockIdx.y
     i = index[b]
-    ok = 0 <= i < src.shape[0]
-    for e in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, src.shape[1],
+    n = fixed if fixed >= 0 else length[0]
+    row = dst.shape[2]
+    ok = 0 <= i < src.shape[0] and 0 <= n and n * width <= row
+    end = n * width if ok else row
+    for e in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, end,
                    cuda.gridDim.x * cuda.blockDim.x):
-        dst[b, e] = src[i, e] if ok else NAN
+        dst[b, h, e] = src[i, h, e] if ok else NAN
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -354,16 +361,31 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
                (pos, np.int32(Tmax), np.int32(span), part_o, part_ml, out), stream)
 
 
-def gather_batch(src, index, dst, *, stream=0) -> None:
+def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
     """dst[b] = src[index[b]] for b < B: src, dst (B, ...) float32, index device int32 (B,),
     read on the device (an out-of-range entry gives a NaN row). Beam search reorders its KV
     caches with this. dst must not overlap src (checked at launch): rows are read while
-    others are written."""
+    others are written.
+
+    With `length` (device int32 (1,), read on the device), src and dst are caches (B, H, T,
+    hd) and only the live prefix moves: dst[b, :, :n] = src[index[b], :, :n], n = length[0];
+    the rest of dst is left as it was. n outside 0..T gives NaN rows (every position)."""
     _check.device_array("src", src)
     B = src.shape[0]
     _check.device_array("index", index, dtype=np.int32, shape=(B,))
     _check.device_array("dst", dst, shape=tuple(src.shape))
-    row = src.size // B
+    if length is None:   # one "position" per row, taken whole; `length` is never read
+        H, positions, width, fixed, length = 1, 1, src.size // B, 1, index
+    else:
+        if src.ndim != 4:
+            raise ValueError(f"src: a live-prefix gather needs a (B, H, T, hd) cache, got "
+                             f"{src.ndim} dimensions")
+        _check.device_array("length", length, dtype=np.int32, shape=(1,))
+        _, H, positions, width = src.shape
+        fixed = -1
+    row = positions * width
     threads = min(256, _round_warp(row))
-    launch(gather_batch_kernel, (min(math.ceil(row / threads), 1024), B), threads,
-           (src.reshape(B, row), index, dst.reshape(B, row)), stream)
+    blocks = max(1, min(math.ceil(row / threads), 1024 // (B * H)))
+    launch(gather_batch_kernel, (blocks, H, B), threads,
+           (src.reshape(B, H, row), index, length, np.int32(width), np.int32(fixed),
+            dst.reshape(B, H, row)), stream)

@@ -166,6 +166,32 @@ def test_gather_batch_out_of_range_index_gives_nan_rows():
     assert np.isnan(got[1:]).all()
 
 
+def _prefix_reference(src, index, n, dst):
+    """dst with positions [:n] (axis 2) of each row b replaced by src[index[b]]'s; an index
+    or n out of range poisons the whole row with NaN."""
+    out = dst.copy()
+    for b, i in enumerate(index):
+        if 0 <= i < src.shape[0] and 0 <= n <= src.shape[2]:
+            out[b, :, :n] = src[i, :, :n]
+        else:
+            out[b] = np.nan
+    return out
+
+
+@given(B=st.integers(1, 5), H=st.integers(1, 3), T=st.integers(1, 9), hd=st.integers(1, 5),
+       n=st.integers(-2, 11), bad_index=st.booleans(), seed=st.integers(0, 2**16))
+def test_gather_batch_live_prefix_moves_only_the_prefix(B, H, T, hd, n, bad_index, seed):
+    rng = np.random.default_rng(seed)
+    src = rng.standard_normal((B, H, T, hd)).astype(np.float32)
+    before = rng.standard_normal((B, H, T, hd)).astype(np.float32)   # stale tails stay
+    index = rng.integers(0, B, B).astype(np.int32)
+    if bad_index:
+        index[rng.integers(0, B)] = rng.choice([-1, B])
+    dst = dev(before)
+    attention.gather_batch(dev(src), dev(index), dst, length=dev(np.array([n], np.int32)))
+    np.testing.assert_array_equal(dst.copy_to_host(), _prefix_reference(src, index, n, before))
+
+
 def test_rejects_bad_input_before_launch():
     B, H, T, Tmax, hd = 1, 2, 2, 6, 4
     qkv, kc, vc = (dev(a) for a in _case(np.random.default_rng(0), B, H, T, Tmax, hd))
@@ -200,3 +226,9 @@ def test_rejects_bad_input_before_launch():
         attention.gather_batch(src, dev(np.zeros(2, np.int32)), dst)
     with pytest.raises(ValueError, match=r"dst: expected shape \(3, 4\)"):
         attention.gather_batch(src, dev(np.zeros(3, np.int32)), dst.reshape(2, 6))
+    with pytest.raises(ValueError, match="src: a live-prefix gather needs a"):
+        attention.gather_batch(src, dev(np.zeros(3, np.int32)), dst, length=pos)
+    cache = dev(np.zeros((3, 1, 2, 2), np.float32))
+    with pytest.raises(TypeError, match="length: expected dtype int32"):
+        attention.gather_batch(cache, dev(np.zeros(3, np.int32)), cuda.device_array_like(cache),
+                               length=dev(np.zeros(1, np.float32)))

@@ -86,11 +86,9 @@ class Recorder:
     def record_alloc(self, shape, dtype, name: str, owner):
         root = self.root
         tag = None if owner is None else id(owner)
+        # The k-th allocation of a name in a graph (a step recorded twice, as a loop body
+        # making two steps) is its own tensor, the same k-th one in every graph of the tape.
         k = root._seen[(tag, name)]
-        if owner is not None and k:
-            raise ValueError(f"empty: {name!r} is allocated twice in one graph by the same owner; "
-                             "the temporaries of one step need unique names (the memory tape "
-                             "finds a tensor by its name in every graph)")
         root._seen[(tag, name)] += 1
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

@@ -273,7 +273,8 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
         buf.scores.copy_to_device(scores)
         if parents is not None:
             buf.parents.copy_to_device(parents)
-            caches[cur].reorder_into(buf.parents, caches[1 - cur])
+            # positions 0..pos-1 are live: inputs.pos, already set for this step, says how many
+            caches[cur].reorder_into(buf.parents, caches[1 - cur], length=inputs.pos)
             cur = 1 - cur
         clock.lap("prep_s")
         logits = _logits(step, inputs.tokens, inputs.pos, caches[cur], beam, V)  # (B, V)

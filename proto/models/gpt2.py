@@ -129,14 +129,16 @@ class KVCache:
         """Every batch-first device array of the cache (what a reorder must move)."""
         return self.k + self.v
 
-    def reorder_into(self, index, dst: "KVCache", stream=0) -> None:
-        """dst[b] = self[index[b]] for every array; `index` device int32 (B,)."""
+    def reorder_into(self, index, dst: "KVCache", stream=0, length=None) -> None:
+        """dst[b] = self[index[b]] for every array; `index` device int32 (B,). With `length`
+        (device int32 (1,), read on the device) only the live positions [:length[0]] move:
+        a beam search's reorder then costs the live prefix, not the capacity."""
         if (dst.config, dst.batch, dst.max_len) != (self.config, self.batch, self.max_len):
             raise ValueError("dst: expected a KVCache of the same config, batch and max_len")
         if dst is self:
             raise ValueError("dst: must be another KVCache (gather_batch cannot work in place)")
         for src_array, dst_array in zip(self.arrays(), dst.arrays()):
-            attention.gather_batch(src_array, index, dst_array, stream=stream)
+            attention.gather_batch(src_array, index, dst_array, length=length, stream=stream)
 
 
 @dataclasses.dataclass(frozen=True)

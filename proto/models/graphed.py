@@ -159,8 +159,8 @@ class _SearchCache(_CacheView):
         self.k, self.v = [], []
         self.owner, self.index = owner, index
 
-    def reorder_into(self, index, dst, stream=0) -> None:
-        self.owner._reorder(self, index, dst, stream)
+    def reorder_into(self, index, dst, stream=0, length=None) -> None:
+        self.owner._reorder(self, index, dst, stream, length)
 
 
 class GraphedGPT2(_Graphed):
@@ -251,28 +251,32 @@ class GraphedGPT2(_Graphed):
             cache.k, cache.v = live.k, live.v
         self._capacity = capacity
 
-    def _reorder(self, src: _SearchCache, index, dst: _SearchCache, stream=0) -> None:
+    def _reorder(self, src: _SearchCache, index, dst: _SearchCache, stream=0, length=None) -> None:
         if not (isinstance(dst, _SearchCache) and dst.owner is self and dst is not src):
             raise ValueError("dst: expected the other cache of this GraphedGPT2's `caches`")
         sets = self._sets[self._capacity]
+        if length is None:   # no live length given: move the whole capacity
+            length = cuda.to_device(np.array([self._capacity], np.int32))
         if self.binding == "copy":  # the search reads the model's (static) cache, writes R
-            KVCache.reorder_into(sets[0], index, sets[1], stream)
+            KVCache.reorder_into(sets[0], index, sets[1], stream, length=length)
             self._pending = True
             return
         # A/B: the gathers run as a graph of their own per direction (2L eager launches cost
         # ~0.6 ms of host time a step); its `index` input is patched to the search's parents
         # buffer, once per buffer address.
-        self._reorder_graph(self._capacity, src.index).replay(index=index)
+        self._reorder_graph(self._capacity, src.index).replay(index=index, length=length)
 
     def _reorder_graph(self, capacity: int, src: int):
-        """The gathers from cache set `src` into the other set at `capacity`, as one graph
-        whose `index` input is patched to the search's parents buffer."""
+        """The gathers of the live prefix from cache set `src` into the other set at
+        `capacity`, as one graph whose `index` and `length` inputs are patched to the
+        search's parents and position buffers."""
         key = (capacity, src)
         if key not in self._reorders:
             source, target = self._set(capacity)[src], self._set(capacity)[1 - src]
             self._reorders[key] = capture(
-                lambda index: KVCache.reorder_into(source, index, target),
-                {"index": cuda.device_array(self.batch, np.int32)}, binding="patch",
+                lambda index, length: KVCache.reorder_into(source, index, target, length=length),
+                {"index": cuda.device_array(self.batch, np.int32),
+                 "length": cuda.device_array(1, np.int32)}, binding="patch",
                 executor=self.executor, warmup=0)  # gathers have no first-call path
         return self._reorders[key]
 

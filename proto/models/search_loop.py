@@ -14,8 +14,11 @@ search is over:
                               beam_advance: choose beams in rank order (finished on eos), new
                                             tokens, scores, parents, histories, best finished,
                                             pos += 1, flag
-                              reorder the KV cache by parents (gather into a scratch set, copy
-                              back: a graph's body is fixed, so it cannot alternate two sets)
+                              reorder the KV cache by parents: the live prefix only (the
+                              length read on the device), into the other cache set
+                              IF flag: the same step with the cache sets and histories
+                              swapped (a graph's body is fixed; two steps a pass bring it
+                              back to the sets it started from, so nothing is copied back)
 
 Everything the loop changes lives in device buffers recorded once, so the same graph serves
 every prompt, budget and EOS id: a run writes the starting state, launches, and reads the
@@ -35,7 +38,7 @@ import numpy as np
 
 from kernels import _check, gemm, sampling, softmax
 from proto.backend import cuda
-from proto.graph import capture, copy, while_loop
+from proto.graph import capture, if_then, while_loop
 from proto.models import generate
 from proto.models.gpt2 import KVCache
 
@@ -49,7 +52,10 @@ def _zeros(*shape, dtype=np.int32):
 
 class _DeviceLoop:
     """What both searches share: one graph `WHILE flag: body()`, its temporaries planned into
-    the graph's own arena. The loop's bound is the most tokens a generation can make."""
+    the graph's own arena. The loop's bound is the most tokens a generation can make,
+    `steps_per_pass` of them a pass."""
+
+    steps_per_pass = 1
 
     def __init__(self, model, batch: int, max_len: int):
         self.model, self.config = model, model.config
@@ -60,7 +66,8 @@ class _DeviceLoop:
         self.bad = _zeros(1)   # set on the device when a step's scores are not finite
 
     def _capture(self, executor, control: str, unroll: int) -> None:
-        self.graph = capture(lambda: while_loop(self.flag, self._body, max_passes=self.max_len),
+        passes = -(-self.max_len // self.steps_per_pass)
+        self.graph = capture(lambda: while_loop(self.flag, self._body, max_passes=passes),
                              {}, executor=executor, warmup=0, control=control, unroll=unroll)
 
     def _body(self) -> None:
@@ -152,7 +159,10 @@ class GreedyLoop(_DeviceLoop):
 
 
 class BeamLoop(_DeviceLoop):
-    """Beam search with `beam` hypotheses from one prompt; `model` has GPT2.step's contract."""
+    """Beam search with `beam` hypotheses from one prompt; `model` has GPT2.step's contract.
+    Two steps a pass (cache sets A -> B, then B -> A), so `unroll` counts pairs of steps."""
+
+    steps_per_pass = 2
 
     def __init__(self, model, *, beam: int, max_len: int, executor: str | None = None,
                  control: str = "conditional", unroll: int = 16):
@@ -163,7 +173,7 @@ class BeamLoop(_DeviceLoop):
         self.k = generate.topk_width(beam)
         if V < self.k:
             raise ValueError(f"vocab_size {V}: beam search needs at least {self.k} tokens")
-        self.scratch = KVCache(self.config, beam, self.max_len)   # the reorder's target
+        self.scratch = KVCache(self.config, beam, self.max_len)   # the other cache set
         self.scores = _zeros(beam, 1, dtype=np.float32)
         self.ones = cuda.to_device(np.ones((1, V), np.float32))
         self.logprobs = _zeros(beam, V, dtype=np.float32)
@@ -176,19 +186,23 @@ class BeamLoop(_DeviceLoop):
         self._capture(executor, control, unroll)
 
     def _body(self) -> None:
+        self._step(self.cache, self.scratch, self.hist, self.hist_next)
+        if_then(self.flag, lambda: self._step(self.scratch, self.cache, self.hist_next, self.hist))
+
+    def _step(self, cache, other, hist, hist_next) -> None:
+        """One token: the step reads `cache` and `hist`, the chosen beams land in `other` and
+        `hist_next`."""
         beam, V = self.batch, self.config.vocab_size
-        logits = self.model.step(self.tokens, self.pos, self.cache)
+        logits = self.model.step(self.tokens, self.pos, cache)
         softmax.log_softmax(logits.reshape(beam, V), self.logprobs)
         gemm.gemm(self.scores, self.ones, self.logprobs, accumulate=True)   # + running scores
         sampling.topk(self.logprobs.reshape(1, beam * V), self.k, self.values, self.indices)
         sampling.check_scores(self.values, generate.DEAD / 2, self.bad)   # as the host search
         sampling.beam_advance(self.values, self.indices, V, self.scores, self.tokens, self.parents,
-                              self.hist, self.hist_next, self.best, self.best_hist,
+                              hist, hist_next, self.best, self.best_hist,
                               self.best_meta, self.state, self.pos, self.flag)
-        self.cache.reorder_into(self.parents, self.scratch)
-        for live, chosen in zip(self.cache.arrays(), self.scratch.arrays()):
-            copy(live, chosen)
-        copy(self.hist, self.hist_next)
+        # beam_advance has counted this step's position: pos[0] positions are live
+        cache.reorder_into(self.parents, other, length=self.pos)
 
     def _set(self, prompt: np.ndarray, limit: int, eos: int, go: bool) -> None:
         beam, T0 = self.batch, len(prompt)
@@ -223,7 +237,8 @@ class BeamLoop(_DeviceLoop):
         live, length = int(state[4]), int(state[3])
         if live == 0 or (best_meta[2] > 0 and best >= top_live):
             return generate.Generation(self.best_hist.copy_to_host()[:best_meta[2]], best, times)
-        return generate.Generation(self.hist.copy_to_host()[0, :length], top_live, times)
+        latest = self.hist_next if times.steps % 2 else self.hist   # odd steps end in A -> B
+        return generate.Generation(latest.copy_to_host()[0, :length], top_live, times)
 
     def generate(self, prompt, *, max_new_tokens: int, eos: int | None = None) -> generate.Generation:
         """generate.beam_search's result, from one graph launch."""
