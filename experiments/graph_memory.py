@@ -1,9 +1,9 @@
 """Graph memory: what the many graphs of a dynamic-shape workload hold (Grape's memory figure).
 
 Serving every length of a generation with graphs means one graph per length, and every graph
-holds memory twice: the buffers its kernels read and write (a private memory pool per
+can hold memory twice: the buffers its kernels read and write (a private memory pool per
 graph in PyTorch by default) and the driver's executable (every node's parameters and
-launch descriptors). Grape reports up to 36.43x less GPU memory than PyTorch CUDA graphs.
+launch descriptors), whichever of the two the driver actually takes from the GPU. Grape reports up to 36.43x less GPU memory than PyTorch CUDA graphs.
 
 Workloads:
   GPT-2 small (12 layers, d=768, vocab 50257, random float32 weights), beam search with beam
@@ -334,7 +334,8 @@ def _ours_attributed(gpt2: dict, executables: int) -> int | None:
     if not planned or planned["memory"] is None or not shared:
         return None
     p = planned["info"]
-    per_node = (planned["memory"] - p["arena_bytes"]) / p["nodes"]
+    # The free-memory drop can read below the arena (2 MiB steps): never a negative share
+    per_node = max(planned["memory"] - p["arena_bytes"], 0) / p["nodes"]
     s = shared["info"]
     step_nodes = s["nodes"] / max(s["graphs"] - 2, 1)          # two of the graphs reorder
     return int(s["arena_bytes"] + per_node * executables * step_nodes
