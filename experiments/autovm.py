@@ -5,7 +5,7 @@ after its last use). Policies, each running the same VGG tape (proto.models.vgg)
   unconstrained     everything resident; the step-time floor
   paging            the demand-paging baseline (proto.vm.paging): managed memory, 2 MiB
                     pages pushed out LRU when the budget is reached, faulted back by kernels
-  autovm            the AutoVM schedule (proto.vm.schedule), timed with op times profiled
+  autovm            the AutoVM schedule (proto.vm.plan), timed with op times profiled
                     from the unconstrained step and the measured pinned-link bandwidth
   autovm_recompute  the same, recomputing cheap activations where the link is the bottleneck
   autovm_graph      (GPU) the AutoVM schedule's whole step, compute and both copy streams,
@@ -22,8 +22,9 @@ difference between two unconstrained runs (0 unless a kernel is not deterministi
 
 Sizes: full = VGG-16 and VGG-19, batch 48 at 128x128 (peak about 1.8 GiB, so managed memory
 stays small; parameters, gradients and momentum are under half of it, so at 50% most of what
-moves is activations, whose copies overlap compute); toy = a tiny VGG-11 on the simulator whose ops run their NumPy references
-(the same tape and tensors; the simulated conv kernels would take a minute per step). Host
+moves is activations, whose copies overlap compute); toy = a tiny VGG-11 on the simulator
+whose ops run their kernels' NumPy references (vgg.build_tape(host_math=True): the same
+tape and tensors; the simulated conv kernels would take a minute per step). Host
 math cannot be recorded into a graph, so the toy run has no autovm_graph rows; the tests check
 graphed steps on the simulator with device kernels.
 
@@ -31,19 +32,16 @@ graphed steps on the simulator with device kernels.
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 
 import numpy as np
 
 from experiments import common
-from kernels import conv, linear, loss as xent, pool, relu, sgd
-from proto import backend, graph, timing
+from proto import backend, timing
 from proto.models import vgg
-from proto.tape import Tape
-from proto.vm import BudgetError, Executor, Liveness, Link, PagingExecutor, measure_link, plan
-from proto.vm.schedule import estimate_seconds
+from proto.vm import (BudgetError, Executor, Liveness, Link, PagingExecutor, estimate_seconds,
+                      measure_link, plan)
 
 NAME = "autovm"
 POLICIES = ["unconstrained", "paging", "autovm", "autovm_recompute", "autovm_graph", "torch",
@@ -59,50 +57,6 @@ SIZES = {
 }
 HEADLINE_DEPTH = {"toy": 11, "full": 19}
 HEADLINE_FRAC = 0.5
-
-
-# ---------------------------------------------------------------------------- toy: host math
-def host_math(tape: Tape, cfg: vgg.VGGConfig) -> Tape:
-    """The same tape with every op computed by its kernels' NumPy references (each stores
-    float32, as the device does): identical tensors, reads and writes, seconds per step."""
-    layers = {L.name: L for L in vgg.layers(cfg)}
-
-    def host(fn, reads, writes):
-        def run(a, stream):
-            graph.require_eager("the toy run's host math")
-            outs = fn(*[a[n].copy_to_host() for n in reads])
-            for n, v in zip(writes, outs):
-                a[n].copy_to_device(np.ascontiguousarray(v, dtype=a[n].dtype))
-        return run
-
-    def body(op):
-        L = layers.get(op.layer)
-        kind = op.name.rsplit(".", 1)[-1]
-        if op.name == "loss":
-            return lambda logits, labels: xent.softmax_xent_ref(logits, labels)
-        if op.phase == "update":
-            return lambda p, g, v: sgd.sgd_ref(p, g, v, lr=cfg.lr, momentum=cfg.momentum,
-                                               weight_decay=cfg.weight_decay)
-        if kind == "relu_bwd":
-            return lambda y, dy: [relu.relu_bwd_ref(y, dy)]
-        if L.kind == "pool":
-            return ((lambda x: [pool.maxpool2x2_ref(x)]) if kind == "fwd"
-                    else (lambda x, dy: [pool.maxpool2x2_bwd_ref(x, dy)]))
-        if L.kind == "conv":
-            return {"fwd": lambda x, w, b: [conv.conv2d_ref(x, w, b, pad=1, relu=True)],
-                    "bwd_weight": lambda x, dy: conv.conv2d_bwd_weight_ref(
-                        x, dy, tape.tensors[f"{L.name}.weight"].shape, pad=1),
-                    "bwd_data": lambda w, dy: [conv.conv2d_bwd_data_ref(
-                        dy, w, tape.tensors[L.input].shape, pad=1)]}[kind]
-        def flat(x):
-            return x.reshape(x.shape[0], -1).astype(np.float64)
-
-        return {"fwd": lambda x, w, b: [linear.linear_ref(flat(x), w, b, relu=L.relu)],
-                "bwd_weight": lambda x, dy: [dy.T.astype(np.float64) @ flat(x), dy.sum(0, dtype=np.float64)],
-                "bwd_data": lambda w, dy: [(dy.astype(np.float64) @ w).reshape(tape.tensors[L.input].shape)]}[kind]
-
-    return Tape(tape.tensors, [dataclasses.replace(op, run=host(body(op), op.reads, op.writes))
-                               for op in tape.ops])
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -128,8 +82,7 @@ class _Case:
     def __init__(self, depth: int, size: str):
         spec = SIZES[size]
         self.cfg = vgg.VGGConfig(depth=depth, **spec["config"])
-        tape = vgg.build_tape(self.cfg)
-        self.tape = host_math(tape, self.cfg) if spec["host_math"] else tape
+        self.tape = vgg.build_tape(self.cfg, host_math=spec["host_math"])
         self.live = Liveness(self.tape)
         self.state = vgg.random_state_dict(self.cfg, seed=depth)
         self.images, self.labels = _batch(self.cfg, seed=depth)

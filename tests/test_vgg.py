@@ -188,6 +188,39 @@ def test_reference_step_matches_pytorch():
                                    atol=1e-6 + cfg.lr * atol, err_msg=name)
 
 
+def test_host_math_changes_only_how_ops_compute_and_matches_the_numpy_reference():
+    """build_tape(host_math=True), the simulator's fast tape: the same tensors, ops, reads and
+    writes, each op computed from its kernels' NumPy references; the step still equals the
+    reference step (which is written layer by layer, not op by op)."""
+    tape, host = vgg.build_tape(TINY), vgg.build_tape(TINY, host_math=True)
+    assert host.tensors == tape.tensors
+    assert [(o.name, o.phase, o.reads, o.writes, o.flops, o.layer) for o in host.ops] == \
+        [(o.name, o.phase, o.reads, o.writes, o.flops, o.layer) for o in tape.ops]
+    assert all(a.run is not b.run for a, b in zip(host.ops, tape.ops))
+    state = vgg.random_state_dict(TINY, seed=1)
+    images, labels = _batch(TINY)
+    arrays = _device_arrays(host, vgg.initial_values(TINY, state, images, labels))
+    run_unconstrained(host, arrays)
+    ref = vgg.reference_step(TINY, state, images, labels)
+    np.testing.assert_allclose(arrays["loss"].copy_to_host()[0], ref.loss, rtol=1e-6)
+    for name in vgg.param_shapes(TINY):   # the same float64 references, float32 between ops
+        atol = 1e-6 * np.abs(ref.grads[name]).max()
+        np.testing.assert_allclose(arrays[f"{name}.grad"].copy_to_host(), ref.grads[name],
+                                   rtol=1e-5, atol=atol, err_msg=name)
+        np.testing.assert_allclose(arrays[name].copy_to_host(), ref.params[name], rtol=1e-6,
+                                   atol=1e-7, err_msg=name)
+
+
+def test_host_math_cannot_be_recorded_into_a_graph():
+    from proto import graph
+    host = vgg.build_tape(TINY, host_math=True)
+    arrays = _device_arrays(host, {})
+    op = host.ops[0]
+    with pytest.raises(RuntimeError, match="computes on the host"):
+        with graph.record():
+            op.run({n: arrays[n] for n in op.reads + op.writes}, 0)
+
+
 @pytest.mark.gpu
 def test_memory_policies_give_identical_bits_on_the_gpu():
     # Every kernel of the step is deterministic (the conv weight gradient's split reduction

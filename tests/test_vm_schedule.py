@@ -6,8 +6,7 @@ import pytest
 from hypothesis import assume, given, strategies as st
 
 from proto.tape import Op, Tape, TensorSpec
-from proto.vm import BudgetError, Liveness, Link, PlanError, plan, validate
-from proto.vm.schedule import estimate_seconds
+from proto.vm import BudgetError, Liveness, Link, PlanError, estimate_seconds, plan, validate
 from proto.graph.plan import Block, place
 from proto.vm.synthetic import cnn_tape
 
@@ -233,3 +232,22 @@ def test_place_never_overlaps_blocks_alive_together(spec):
                for t in range(21))
     assert arena >= peak
     assert np.isfinite(arena)
+
+
+def test_fit_returns_new_choices_and_leaves_its_input_alone():
+    # plan() retries from its last choices with lower limits and keeps the old ones to compare:
+    # that is only safe because fit never changes what it is given.
+    from proto.vm.fit import fit
+    from proto.vm.timeline import Choice, Timeline
+    tape, _ = cnn_tape(2048, "ccpcc")
+    live = Liveness(tape)
+    timeline = Timeline(tape, None, Link(), None)
+    loose = fit(timeline, live, [live.budget_between(0.6)] * len(tape.ops), {}, "per_traffic")
+    assert loose
+    before = dict(loose)
+    tight = fit(timeline, live, [live.budget_between(0.2)] * len(tape.ops), loose, "per_traffic")
+    assert loose == before                       # same gaps, same (frozen) choices
+    assert tight is not loose and tight != loose
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        next(iter(tight.values())).release_by = 0
+    assert all(isinstance(c, Choice) for c in tight.values())

@@ -37,6 +37,7 @@ from typing import Literal
 import numpy as np
 
 from kernels import _check, conv, linear, loss as xent, pool, relu, sgd
+from proto import graph
 from proto.models import checked_params
 from proto.tape import Op, Tape, TensorSpec
 
@@ -169,7 +170,11 @@ def load_state_dict(cfg: VGGConfig, state_dict, *, allow_nonfinite: bool = False
 
 
 # ---------------------------------------------------------------------------- the tape
-def build_tape(cfg: VGGConfig) -> Tape:
+def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
+    """The step's tensors and ops. host_math: each op computes with its kernels' NumPy
+    references on host copies of its tensors instead of launching the kernels (the same
+    tensors, reads and writes; every result stored as the tensor's dtype): on the simulator a
+    step then takes seconds, not minutes. Host math cannot be recorded into a graph."""
     B = cfg.batch
     tensors: dict[str, TensorSpec] = {}
     ops: list[Op] = []
@@ -178,7 +183,9 @@ def build_tape(cfg: VGGConfig) -> Tape:
         tensors[name] = TensorSpec(name, tuple(shape), kind, np.dtype(dtype))
         return name
 
-    def op(name, phase, reads, writes, run, flops, layer):
+    def op(name, phase, reads, writes, bodies, flops, layer):
+        """bodies: (device body, NumPy function of the reads' values -> the writes' values)."""
+        run = _on_host(bodies[1], reads, writes) if host_math else bodies[0]
         ops.append(Op(name, phase, tuple(reads), tuple(writes), run, float(flops), layer))
 
     tensor("images", (B, 3, cfg.image_size, cfg.image_size), "input")
@@ -242,10 +249,11 @@ def build_tape(cfg: VGGConfig) -> Tape:
             size = conv.wgrad_workspace_size(shape_of[L.input], tensors[w].shape, pad=1)
             if size:
                 grads += (tensor(f"{L.name}.wgrad_partials", (size,), "workspace"),)
-            wgrad, dgrad = _conv_bwd_weight(L, dy, grads[2] if size else None), _conv_bwd_data(L, dy)
+            wgrad = _conv_bwd_weight(L, dy, grads[2] if size else None, tensors[w].shape)
+            dgrad = _conv_bwd_data(L, dy, shape_of[L.input])
         else:
             flops = linear.linear_flops(B, L.cin, L.cout)
-            wgrad, dgrad = _linear_bwd_weight(L, dy), _linear_bwd_data(L, dy)
+            wgrad, dgrad = _linear_bwd_weight(L, dy), _linear_bwd_data(L, dy, shape_of[L.input])
         op(f"{L.name}.bwd_weight", "backward", (L.input, dy), grads, wgrad, flops, L.name)
         if needs_dx:
             op(f"{L.name}.bwd_data", "backward", (w, dy), (dx,), dgrad, flops, L.name)
@@ -258,42 +266,55 @@ def build_tape(cfg: VGGConfig) -> Tape:
     return Tape(tensors, ops)
 
 
-# Op bodies: each launches kernels on `a[name]` (device arrays) and nothing else.
+# Op bodies: each returns (device body, host body). The device body launches kernels on
+# `a[name]` (device arrays) and nothing else; the host body computes the same op's outputs from
+# its inputs' values with the kernels' NumPy references (build_tape(host_math=True)).
+def _on_host(ref, reads, writes):
+    """A device body that runs `ref` on host copies of the reads and stores what it returns
+    into the writes (in order; a workspace the reference does not need is left alone)."""
+    def run(a, stream):
+        graph.require_eager("an op computed with host math")
+        outs = ref(*[a[n].copy_to_host() for n in reads])
+        for n, v in zip(writes, outs):
+            a[n].copy_to_device(np.ascontiguousarray(v, dtype=a[n].dtype))
+    return run
+
+
 def _conv_fwd(L):
     w, b = L.params
 
     def run(a, stream):
         conv.conv2d(a[L.input], a[w], a[b], a[L.output], pad=1, relu=True, stream=stream)
-    return run
+    return run, lambda x, w, b: [conv.conv2d_ref(x, w, b, pad=1, relu=True)]
 
 
-def _conv_bwd_weight(L, dy, partials):
+def _conv_bwd_weight(L, dy, partials, w_shape):
     w, b = L.params
 
     def run(a, stream):
         conv.conv2d_bwd_weight(a[L.input], a[dy], a[f"{w}.grad"], a[f"{b}.grad"], pad=1,
                                workspace=a[partials] if partials else None, stream=stream)
-    return run
+    return run, lambda x, dy: conv.conv2d_bwd_weight_ref(x, dy, w_shape, pad=1)
 
 
-def _conv_bwd_data(L, dy):
+def _conv_bwd_data(L, dy, x_shape):
     w, _ = L.params
 
     def run(a, stream):
         conv.conv2d_bwd_data(a[dy], a[w], a[f"{L.input}.grad"], pad=1, stream=stream)
-    return run
+    return run, lambda w, dy: [conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=1)]
 
 
 def _pool_fwd(L):
     def run(a, stream):
         pool.maxpool2x2(a[L.input], a[L.output], stream=stream)
-    return run
+    return run, lambda x: [pool.maxpool2x2_ref(x)]
 
 
 def _pool_bwd(L):
     def run(a, stream):
         pool.maxpool2x2_bwd(a[L.input], a[f"{L.output}.grad"], a[f"{L.input}.grad"], stream=stream)
-    return run
+    return run, lambda x, dy: [pool.maxpool2x2_bwd_ref(x, dy)]
 
 
 def _flat(x):
@@ -306,7 +327,7 @@ def _linear_fwd(L):
 
     def run(a, stream):
         linear.linear(_flat(a[L.input]), a[w], a[b], a[L.output], relu=L.relu, stream=stream)
-    return run
+    return run, lambda x, w, b: [linear.linear_ref(_flat(x).astype(np.float64), w, b, relu=L.relu)]
 
 
 def _linear_bwd_weight(L, dy):
@@ -314,34 +335,39 @@ def _linear_bwd_weight(L, dy):
 
     def run(a, stream):
         linear.linear_bwd_weight(_flat(a[L.input]), a[dy], a[f"{w}.grad"], a[f"{b}.grad"], stream=stream)
-    return run
+
+    def ref(x, dy):
+        dy = dy.astype(np.float64)
+        return [dy.T @ _flat(x).astype(np.float64), dy.sum(0)]
+    return run, ref
 
 
-def _linear_bwd_data(L, dy):
+def _linear_bwd_data(L, dy, x_shape):
     w, _ = L.params
 
     def run(a, stream):
         linear.linear_bwd_data(a[dy], a[w], _flat(a[f"{L.input}.grad"]), stream=stream)
-    return run
+    return run, lambda w, dy: [(dy.astype(np.float64) @ w).reshape(x_shape)]
 
 
 def _relu_bwd(y, dy, dx):
     def run(a, stream):
         relu.relu_bwd(a[y], a[dy], a[dx], stream=stream)
-    return run
+    return run, lambda y, dy: [relu.relu_bwd_ref(y, dy)]
 
 
 def _loss(logits):
     def run(a, stream):
         xent.softmax_xent(a[logits], a["labels"], a["loss"], a[f"{logits}.grad"], stream=stream)
-    return run
+    return run, xent.softmax_xent_ref
 
 
 def _sgd(p, cfg):
     def run(a, stream):
         sgd.sgd_step(a[p], a[f"{p}.grad"], a[f"{p}.momentum"], lr=cfg.lr, momentum=cfg.momentum,
                      weight_decay=cfg.weight_decay, stream=stream)
-    return run
+    return run, lambda p, g, v: sgd.sgd_ref(p, g, v, lr=cfg.lr, momentum=cfg.momentum,
+                                            weight_decay=cfg.weight_decay)
 
 
 def initial_values(cfg: VGGConfig, state: dict, images: np.ndarray, labels: np.ndarray,

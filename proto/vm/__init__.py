@@ -1,15 +1,21 @@
 """Training beyond device memory: budgeted pool, AutoVM swap schedule, demand-paging baseline.
 
-    plan = schedule.plan(tape, budget, op_seconds=..., recompute=True)   # plain data
-    schedule.validate(tape, plan)                                        # the rules, no GPU
-    schedule.estimate_seconds(tape, plan, op_seconds, link)              # its step time
-    with Executor(tape, plan) as ex: ex.load(init); ex.step()            # streams + events
-    with PagingExecutor(tape, budget) as ex: ...                         # unified-memory baseline
+    p = plan(tape, budget, op_seconds=..., recompute=True)     # plain data (schedule.py)
+    validate(tape, p)                                          # the rules, no GPU (check.py)
+    estimate_seconds(tape, p, op_seconds, link)                # its step time (cost.py)
+    with Executor(tape, p) as ex: ex.load(init); ex.step()     # streams + events (executor.py)
+    with PagingExecutor(tape, budget) as ex: ...               # unified-memory baseline
+
+The checker, the cost model and the executor read a plan through one interpreter (walk.py).
 """
+from proto.vm.actions import Plan, PlanError
+from proto.vm.check import validate
+from proto.vm.cost import estimate_seconds
 from proto.vm.executor import Executor
 from proto.vm.liveness import BudgetError, Liveness
 from proto.vm.paging import PagingExecutor, measure_link
-from proto.vm.schedule import Link, Plan, PlanError, estimate_seconds, plan, validate
+from proto.vm.schedule import plan
+from proto.vm.timeline import Link
 
 __all__ = ["BudgetError", "Executor", "Link", "Liveness", "PagingExecutor", "Plan", "PlanError",
            "estimate_seconds", "measure_link", "plan", "validate"]

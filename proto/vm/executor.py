@@ -1,7 +1,8 @@
 """Run a tape's training step under a Plan: one compute stream, one D2H and one H2D copy stream.
 
-The plan (schedule.py) decides everything; this module only replays it with the ordering the
-GPU needs, which is all CUDA events:
+The plan (schedule.py) decides everything; this module only replays it (through walk.py, as
+the checker and the cost model read it) with the ordering the GPU needs, which is all CUDA
+events:
 
     evict X     after op a:  d2h waits for compute (X is final), copies X to its pinned buffer
     discard X   after op a:  X's pinned copy is current: its bytes may be reused at once
@@ -29,8 +30,11 @@ import numpy as np
 from proto import backend, graph
 from proto.backend import cuda
 from proto.tape import Tape
+from proto.vm.actions import Action, Plan
+from proto.vm.check import validate
 from proto.vm.pool import DevicePool
-from proto.vm.schedule import Action, Plan, estimate_op_seconds, validate
+from proto.vm.timeline import estimate_op_seconds
+from proto.vm.walk import At, Visitor, walk
 
 
 def _event():
@@ -140,20 +144,7 @@ class Executor:
         for name in [n for n in self.current if n not in self.plan.persistent]:
             self.pool.free(name)          # outputs of the previous step
             del self.current[name]
-        cur, plan = self.current, self.plan
-        for i, op in enumerate(self.tape.ops):
-            for act in plan.before[i]:
-                self._apply(act, i, "before")
-            self._before_op(i)
-            if marks is not None:
-                marks[i].record(self.compute)
-            op.run({n: cur[n] for n in self._op_names[i]}, self.compute)
-            for act in plan.after[i]:
-                self._apply(act, i, "after")
-        if marks is not None:
-            marks[-1].record(self.compute)
-        for act in plan.end:
-            self._apply(act, len(self.tape.ops), "end")
+        walk(self.plan, _Replay(self, marks))
 
     def capture(self, executor: str | None = None) -> graph.Description:
         """Record one step, all three streams of it, as one graph; later `step()`s launch it.
@@ -178,47 +169,14 @@ class Executor:
         marks[-1].synchronize()
         return [cuda.event_elapsed_time(a, b) * 1e-3 for a, b in zip(marks, marks[1:])]
 
+    def _run_op(self, i: int) -> None:
+        self.tape.ops[i].run({n: self.current[n] for n in self._op_names[i]}, self.compute)
+
     def _event(self, *key):
         ev = self._events.get(key)
         if ev is None:
             ev = self._events[key] = _event()
         return ev
-
-    def _apply(self, act: Action, i: int, slot: str) -> None:
-        name, cur = act.tensor, self.current
-        spec = self.tape.tensors[name]
-        if act.kind == "alloc":
-            cur[name] = self.pool.alloc(spec, act.offset)
-        elif act.kind in ("free", "drop", "discard"):
-            self.pool.free(name)
-            del cur[name]
-        elif act.kind == "evict":
-            ready = self._event(i, slot, name, "computed")
-            graph.record_event(ready, self.compute)
-            graph.wait_event(ready, self.d2h)
-            graph.copy(self.pinned[name], cur[name], stream=self.d2h)
-            graph.record_event(self._event(name, "evicted"), self.d2h)
-        elif act.kind == "release":
-            graph.wait_event(self._event(name, "evicted"), self.compute)
-            self.pool.free(name)
-            del cur[name]
-        elif act.kind == "prefetch":
-            view = self.pool.alloc(spec, act.offset)
-            clear = self._event(i, slot, name, "clear")
-            graph.record_event(clear, self.compute)
-            graph.wait_event(clear, self.h2d)
-            graph.copy(view, self.pinned[name], stream=self.h2d)
-            graph.record_event(self._event(name, "arrived"), self.h2d)
-            self._pending[name] = view
-        elif act.kind == "wait":
-            graph.wait_event(self._event(name, "arrived"), self.compute)
-            cur[name] = self._pending.pop(name)
-        elif act.kind == "recompute":
-            cur[name] = self.pool.alloc(spec, act.offset)
-            producer = self.tape.ops[act.producer]
-            producer.run({n: cur[n] for n in self._op_names[act.producer]}, self.compute)
-        else:
-            raise ValueError(f"unknown action {act.kind!r}")
 
     # Hooks for demand paging (paging.py): make pages resident before an op or host I/O.
     def _before_op(self, i: int) -> None:
@@ -253,3 +211,60 @@ class Executor:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Replay(Visitor):
+    """One step of `ex` on its streams: ops on compute, evictions on d2h, prefetches on h2d,
+    ordered by events. marks: as Executor.step."""
+
+    def __init__(self, ex: Executor, marks: list | None):
+        self.ex, self.marks = ex, marks
+
+    def op(self, i: int) -> None:
+        self.ex._before_op(i)
+        if self.marks is not None:
+            self.marks[i].record(self.ex.compute)
+        self.ex._run_op(i)
+
+    def ops_done(self) -> None:   # before the end's releases: they are no op's time
+        if self.marks is not None:
+            self.marks[-1].record(self.ex.compute)
+
+    def alloc(self, act: Action, at: At) -> None:
+        self.ex.current[act.tensor] = self.ex.pool.alloc(self.ex.tape.tensors[act.tensor], act.offset)
+
+    def free(self, act: Action, at: At) -> None:
+        self.ex.pool.free(act.tensor)
+        del self.ex.current[act.tensor]
+
+    drop = discard = free   # the bytes are free at once: a host copy is current, or none is needed
+
+    def evict(self, act: Action, at: At) -> None:
+        ex, name = self.ex, act.tensor
+        ready = ex._event(at.op, at.slot, name, "computed")
+        graph.record_event(ready, ex.compute)
+        graph.wait_event(ready, ex.d2h)
+        graph.copy(ex.pinned[name], ex.current[name], stream=ex.d2h)
+        graph.record_event(ex._event(name, "evicted"), ex.d2h)
+
+    def release(self, act: Action, at: At) -> None:
+        graph.wait_event(self.ex._event(act.tensor, "evicted"), self.ex.compute)
+        self.free(act, at)
+
+    def prefetch(self, act: Action, at: At) -> None:
+        ex, name = self.ex, act.tensor
+        view = ex.pool.alloc(ex.tape.tensors[name], act.offset)
+        clear = ex._event(at.op, at.slot, name, "clear")
+        graph.record_event(clear, ex.compute)
+        graph.wait_event(clear, ex.h2d)
+        graph.copy(view, ex.pinned[name], stream=ex.h2d)
+        graph.record_event(ex._event(name, "arrived"), ex.h2d)
+        ex._pending[name] = view
+
+    def wait(self, act: Action, at: At) -> None:
+        graph.wait_event(self.ex._event(act.tensor, "arrived"), self.ex.compute)
+        self.ex.current[act.tensor] = self.ex._pending.pop(act.tensor)
+
+    def recompute(self, act: Action, at: At) -> None:
+        self.alloc(act, at)
+        self.ex._run_op(act.producer)

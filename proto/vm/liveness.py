@@ -59,7 +59,7 @@ class Liveness:
     """Uses, lifetimes and gaps of a tape's tensors.
 
     `extra_reads` adds reads that are not on the tape: a recomputation placed just before op b
-    reads its producer's inputs there (schedule.py uses it to re-derive gaps).
+    reads its producer's inputs there (recompute.py uses it to re-derive gaps).
     """
 
     def __init__(self, tape: Tape, extra_reads: dict[str, frozenset[int]] | None = None):
