@@ -138,8 +138,8 @@ class _TorchCache:
     def __init__(self, owner: "TorchDecoder"):
         self.owner, self.batch, self.max_len = owner, owner.batch, owner.max_len
 
-    def reorder_into(self, index, dst, stream=0) -> None:
-        self.owner._reorder(index)
+    def reorder_into(self, index, dst, stream=0, length=None) -> None:
+        self.owner._reorder(index)   # the whole cache: `length` lives on our device, not torch's
 
 
 class TorchDecoder:
