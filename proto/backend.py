@@ -12,6 +12,7 @@ Choice, in order:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
 import os
@@ -335,9 +336,37 @@ def address(arr) -> int:
     return arr.device_ctypes_pointer.value or 0
 
 
+_extents: dict | None = None   # id -> (array, its extent), inside `cached_extents`
+
+
+@contextlib.contextmanager
+def cached_extents():
+    """Inside: `extent` computes each array object's range once. A capture ranges the same
+    arguments again and again (the overlap check before every launch, the planner, binding);
+    an array's address, shape and strides never change, and the cache holds the object, so
+    its id cannot be reused while cached."""
+    global _extents
+    outer = _extents
+    _extents = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _extents = outer
+
+
 def extent(arr) -> tuple[int, int]:
     """[lo, hi) byte range the array's elements occupy, strides (even negative) included; an
     empty array occupies no bytes."""
+    if _extents is not None:
+        hit = _extents.get(id(arr))
+        if hit is not None and hit[0] is arr:
+            return hit[1]
+        span = _extents[id(arr)] = (arr, _extent(arr))
+        return span[1]
+    return _extent(arr)
+
+
+def _extent(arr) -> tuple[int, int]:
     lo = hi = address(arr)
     if any(n == 0 for n in arr.shape):
         return lo, lo

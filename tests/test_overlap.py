@@ -187,3 +187,22 @@ def test_an_output_overlapping_another_argument_is_refused_before_any_launch(
     message = str(err.value)
     assert _named(out, message, case) and _named(other, message, case), message
     assert rec.launches == 0, "refused only after launching"
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), data=st.data())
+def test_cached_extents_give_the_ranges_the_uncached_computation_gives(shape, data):
+    """A capture computes each array's byte range once (backend.cached_extents); every view
+    (slices with steps, reversed) must get the range it gets without the cache, and the cache
+    must end with its scope."""
+    base = cuda.to_device(np.zeros(shape, np.float32))
+    views = [base]
+    for _ in range(3):
+        index = tuple(slice(*data.draw(st.tuples(st.integers(0, n - 1), st.integers(1, n),
+                                                 st.sampled_from([1, 2, -1]))))
+                      for n in shape)
+        views.append(base[index])
+    want = [backend.extent(v) for v in views]
+    with backend.cached_extents():
+        assert [backend.extent(v) for v in views] == want
+        assert [backend.extent(v) for v in views] == want        # the cached answers
+    assert backend._extents is None

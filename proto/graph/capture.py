@@ -198,6 +198,13 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
     for _ in range(int(warmup)):      # WARM-UP
         fn(**placeholders)
     backend.synchronize()
+    with backend.cached_extents():
+        return _record_plan_build(fn, placeholders, binding, executor, planned, tape, shared,
+                                  control, unroll)
+
+
+def _record_plan_build(fn, placeholders, binding, executor, planned, tape, shared, control,
+                       unroll) -> Graph:
     with record(private=not planned) as recorder:        # RECORD
         outputs = fn(**placeholders)
     if not recorder.nodes:
