@@ -165,6 +165,14 @@ def _extrapolate(points, total: int) -> tuple[float, bool]:
     return float(slope * total + icept), True
 
 
+def _per_token(t: timing.Timing | None, tokens: int) -> dict:
+    """A run's CSV columns per token: median, p10, p90 (None where it was not timed)."""
+    return {"ms_per_token": None if t is None else round(t.median_ms / tokens, 4),
+            "ms_per_token_p10": None if t is None else round(t.p10_ms / tokens, 4),
+            "ms_per_token_p90": None if t is None else round(t.p90_ms / tokens, 4),
+            "reps": None if t is None else t.reps}
+
+
 def _time(generate, prompt, new, cfg) -> timing.Timing:
     out = []
     t = timing.bench_host(lambda: out.append(generate(prompt, new)), warmup=cfg["warmup"],
@@ -203,10 +211,7 @@ def run_gpt2(cfg, rows, curve) -> dict:
                      "beam": beam, "prompt_len": T0, "shapes_served": served, "method": method,
                      "memory_mib": None if memory is None else round(memory / 2**20, 3),
                      "extrapolated": extrapolated, "capture_s": round(capture_s, 3),
-                     "ms_per_token": None if t is None else round(t.median_ms / new, 4),
-                     "ms_per_token_p10": None if t is None else round(t.p10_ms / new, 4),
-                     "ms_per_token_p90": None if t is None else round(t.p90_ms / new, 4),
-                     "reps": None if t is None else t.reps, "same_tokens": None, **info})
+                     **_per_token(t, new), "same_tokens": None, **info})
         curve += [{"model": "gpt2", "method": method, "shapes_served": n,
                    "memory_mib": round(b / 2**20, 3)} for n, b in meter.points]
         m.close()
@@ -316,9 +321,7 @@ def run_lstm(cfg, rows, curve) -> dict:
                      "beam": None, "prompt_len": None, "shapes_served": B, "method": method,
                      "memory_mib": None if memory is None else round(memory / 2**20, 3),
                      "extrapolated": False, "capture_s": round(capture_s, 3),
-                     "ms_per_token": round(t.median_ms / B, 4),
-                     "ms_per_token_p10": round(t.p10_ms / B, 4),
-                     "ms_per_token_p90": round(t.p90_ms / B, 4), "reps": t.reps,
+                     **_per_token(t, B),
                      "same_tokens": None, **info})
         curve += [{"model": "lstm", "method": method, "shapes_served": n,
                    "memory_mib": round(b / 2**20, 3)} for n, b in meter.points]

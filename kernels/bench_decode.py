@@ -577,45 +577,36 @@ def main(quick: bool = False) -> None:
     print(f"step done {time.time() - t_start:.0f} s")
     if quick:
         return
-    for cfg in NT_VARIANTS:
-        if time.time() - t_start > BUDGET_S:
-            print("time budget reached")
-            return
-        try:
-            dk = G.make_decode_nt(*cfg)
-        except Exception as exc:  # noqa: BLE001
-            log_error(f"compile nt {cfg}", exc)
-            continue
+
+    def nt(dk):
         for cap in NT_GRID:
             bench_gemm(shapes["head"], dk, copy_GBps, grid_cap=cap)
-        print(f"nt {cfg} done {time.time() - t_start:.0f} s")
-    for cfg in ATT_VARIANTS:
-        if time.time() - t_start > BUDGET_S:
-            print("time budget reached")
-            return
-        try:
-            variant = A.make_attention(*cfg)
-        except Exception as exc:  # noqa: BLE001
-            log_error(f"compile attention {cfg}", exc)
-            continue
+
+    def attention(variant):
         for target in (512, 1024, 2048, 4096):
             bench_attention(att, variant, 512, target, copy_GBps)
-    print(f"attention variants done {time.time() - t_start:.0f} s")
 
-    for cfg in NN_VARIANTS:
-        if time.time() - t_start > BUDGET_S:
-            print("time budget reached")
-            return
-        try:
-            dk = G.make_decode_nn(*cfg)
-        except Exception as exc:  # noqa: BLE001
-            log_error(f"compile nn {cfg}", exc)
-            continue
+    def nn(dk):
         for name in ("qkv", "attn_proj", "fc", "mlp_proj"):
             for target in TARGETS:
                 bench_gemm(shapes[name], dk, copy_GBps, target=target)
         bench_gemm(shapes["head_nn"], dk, copy_GBps)
-        print(f"nn {cfg} done {time.time() - t_start:.0f} s")
+
+    for kind, make, configs, bench in (("nt", G.make_decode_nt, NT_VARIANTS, nt),
+                                       ("attention", A.make_attention, ATT_VARIANTS, attention),
+                                       ("nn", G.make_decode_nn, NN_VARIANTS, nn)):
+        for cfg in configs:   # each variant compiled, then swept, until the time budget
+            if time.time() - t_start > BUDGET_S:
+                print("time budget reached")
+                return
+            try:
+                variant = make(*cfg)
+            except Exception as exc:  # noqa: BLE001
+                log_error(f"compile {kind} {cfg}", exc)
+                continue
+            bench(variant)
+            print(f"{kind} {cfg} done {time.time() - t_start:.0f} s")
+
 
 def summary() -> None:
     print("\n==== best per GEMM shape (fraction of copy bandwidth) ====")
