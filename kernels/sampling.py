@@ -135,12 +135,17 @@ def topk_blocks_kernel(x, k, cand_v, cand_i):
     for q in range(KMAX):
         tv[q] = NEG_INF
         ti[q] = SENTINEL
+    # The loop runs over the block's first element, not the thread's, so every thread of the
+    # block makes the same trips and the warp is converged at the merge's barriers (a barrier
+    # after per-thread trip counts relies on the compiler to reconverge the warp first).
     stride = cuda.gridDim.x * cuda.blockDim.x
-    for c in range(blk * cuda.blockDim.x + cuda.threadIdx.x, x.shape[1], stride):
-        v = x[r, c]
-        if v != v:  # NaN ranks as -inf
-            v = NEG_INF
-        _insert(tv, ti, k, v, np.int32(c))
+    for base in range(blk * cuda.blockDim.x, x.shape[1], stride):
+        c = base + cuda.threadIdx.x
+        if c < x.shape[1]:
+            v = x[r, c]
+            if v != v:  # NaN ranks as -inf
+                v = NEG_INF
+            _insert(tv, ti, k, v, np.int32(c))
     _merge_block(tv, ti, k, cand_v[r, blk], cand_i[r, blk])
 
 
@@ -154,10 +159,13 @@ def topk_merge_kernel(cand_v, cand_i, k, values, indices):
     for q in range(KMAX):
         tv[q] = NEG_INF
         ti[q] = SENTINEL
-    for e in range(cuda.threadIdx.x, cand_v.shape[1] * k, cuda.blockDim.x):
-        blk = e // k
-        q = e - blk * k
-        _insert(tv, ti, k, cand_v[r, blk, q], cand_i[r, blk, q])
+    n = cand_v.shape[1] * k
+    for base in range(0, n, cuda.blockDim.x):   # the same trips in every thread, as above
+        e = base + cuda.threadIdx.x
+        if e < n:
+            blk = e // k
+            q = e - blk * k
+            _insert(tv, ti, k, cand_v[r, blk, q], cand_i[r, blk, q])
     _merge_block(tv, ti, k, values[r], indices[r])
 
 

@@ -1,0 +1,111 @@
+"""compute-sanitizer over the GPU tests: memcheck, racecheck, initcheck and synccheck.
+
+    python -m tests.sanitize                      # every tool over the default test files
+    python -m tests.sanitize --tools memcheck tests/test_gemm.py
+
+GPU machine only. The four tools run at once (one process each: a sanitized run is slow and
+mostly host-bound), and each tool runs every test file in its own process, so a crash or a
+time limit in one file costs that file's log, not the rest. Tests run at simulator-sized
+shapes (PROTO_TEST_SCALE=1) and the small hypothesis profile: the tools check every access,
+so size buys nothing but time.
+
+Writes results/<device>/sanitize-<tool>.log (every file's output, one after another) and
+sanitize.txt: per tool and file, the tool's error count, pytest's last line and the exit
+status. Exits 1 if any tool found an error, any test failed, or any file did not finish.
+Numba's symbol probes (cuGetProcAddress) are API errors, not bugs: --report-api-errors no.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+FILES = ("tests/test_graph_gpu.py", "tests/test_control.py", "tests/test_predicate.py",
+         "tests/test_search_loop.py", "tests/test_attention.py", "tests/test_gemm.py",
+         "tests/test_sampling.py")
+_PYTEST_LAST = re.compile(r"\d+ (passed|failed|errors?)\b.* in [\d.]+s")
+_ERRORS = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)")
+
+
+def _run_file(tool: str, path: str, timeout: float) -> tuple[str, dict]:
+    cmd = ["compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--print-limit", "20",
+           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE", path]
+    env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "PROTO_TEST_SCALE": "1", "PROTO_QUIET": "1"}
+    t0 = time.perf_counter()
+    # Its own process group: on a time limit the sanitizer and the Python under it both go.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        status = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        status = "timeout"
+    counts = [int(n) for n in _ERRORS.findall(out)]
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    pytest_line = next((ln for ln in reversed(lines) if _PYTEST_LAST.search(ln)),
+                       "(no pytest summary)")
+    return out, {"tool": tool, "file": path, "errors": sum(counts) if counts else None,
+                 "pytest": pytest_line.strip("= "), "status": status,
+                 "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _run_tool(tool: str, files, timeout: float, results_dir) -> list[dict]:
+    rows = []
+    with open(results_dir / f"sanitize-{tool}.log", "w") as log:
+        for path in files:
+            out, row = _run_file(tool, path, timeout)
+            log.write(f"##### {tool} {path}: exit status {row['status']}, {row['seconds']} s\n{out}\n")
+            log.flush()
+            rows.append(row)
+            print(_fmt(row), flush=True)
+    return rows
+
+
+def _fmt(row: dict) -> str:
+    errors = "no summary" if row["errors"] is None else f"{row['errors']} errors"
+    return (f"{row['tool']:<9} {row['file']:<28} {errors:<11} exit {row['status']!s:<7} "
+            f"{row['seconds']:>6.0f} s  pytest: {row['pytest']}")
+
+
+def _clean(row: dict) -> bool:
+    return row["errors"] == 0 and row["status"] == 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("files", nargs="*", default=list(FILES))
+    ap.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per tool and file")
+    args = ap.parse_args(argv)
+    from proto import backend
+    if backend.SIMULATOR:
+        sys.exit("sanitize: needs a real CUDA device (compute-sanitizer checks GPU code)")
+    from experiments.common import results_dir
+    out = results_dir()
+    with concurrent.futures.ThreadPoolExecutor(len(args.tools)) as pool:
+        rows = [r for rs in pool.map(lambda t: _run_tool(t, args.files, args.timeout, out), args.tools)
+                for r in rs]
+    summary = [f"compute-sanitizer over {len(args.files)} test files, one process per tool and file "
+               "(PROTO_TEST_SCALE=1, HYPOTHESIS_PROFILE=ci)"]
+    summary += [_fmt(r) for r in rows]
+    for tool in args.tools:
+        mine = [r for r in rows if r["tool"] == tool]
+        total = sum(r["errors"] or 0 for r in mine)
+        unfinished = sum(r["errors"] is None or r["status"] != 0 for r in mine)
+        summary.append(f"{tool}: ERROR SUMMARY: {total} errors over {len(mine)} files; "
+                       f"{unfinished} files failed a test, crashed or timed out")
+    (out / "sanitize.txt").write_text("\n".join(summary) + "\n")
+    print("\n".join(summary[-len(args.tools):]))
+    return 0 if all(_clean(r) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
