@@ -22,11 +22,10 @@ from proto.backend import cuda
 from proto.tape import Tape
 from proto.vm import schedule
 from proto.vm.executor import Executor
+from proto.vm import um
 from proto.vm.liveness import BudgetError, fmt_bytes
 from proto.vm.pool import managed_bytes
-
-PAGE = 2 << 20            # the UM driver's large-page (VA block) size
-MANAGED_LIMIT = 16 << 30  # never ask for more managed memory than this, whatever the card
+from proto.vm.um import MANAGED_LIMIT, PAGE, check_managed_fits, prefetch_managed  # noqa: F401
 
 
 class PageTable:
@@ -87,85 +86,33 @@ def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------------------- backends
-def check_managed_fits(nbytes: int) -> None:
-    """Refuse managed allocations that could oversubscribe the card (which can hang the machine)."""
-    from cuda.bindings import driver
-    cuda.current_context()      # the driver call needs a current context
-    err, free, total = driver.cuMemGetInfo()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemGetInfo failed: {err}")
-    limit = min(MANAGED_LIMIT, free // 4)
-    if nbytes > limit:
-        raise BudgetError(f"managed arena of {fmt_bytes(nbytes)} refused: the limit is "
-                          f"{fmt_bytes(limit)} (a quarter of the {fmt_bytes(free)} free of "
-                          f"{fmt_bytes(total)}, at most {fmt_bytes(MANAGED_LIMIT)})")
+class _Pages:
+    """Page runs of the table -> byte ranges moved by a um.py mover: evictions are pushed to
+    the host and waited for (the GPU stalls, as on a real UM eviction); faults are left to
+    the kernels on a GPU (real faults), copied back on the simulator."""
 
+    def __init__(self, mem, page_bytes: int, stream):
+        self.mem, self.page_bytes, self.stream = mem, page_bytes, stream
+        self.nbytes = mem.arena.size
 
-def prefetch_managed(ptr: int, nbytes: int, stream, to_host: bool = True) -> None:
-    """cuMemPrefetchAsync of managed memory to the host (or this device) on `stream`.
-
-    cuda-bindings 13 takes a CUmemLocation; 12.x took a device ordinal (CU_DEVICE_CPU = host)."""
-    from cuda.bindings import driver
-    handle = getattr(stream.handle, "value", stream.handle) if stream else 0
-    hstream = driver.CUstream(int(handle or 0))
-    loc = driver.CUmemLocation()
-    if to_host:
-        loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
-        loc.id = 0
-    else:
-        loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        loc.id = cuda.get_current_device().id
-    try:
-        (err,) = driver.cuMemPrefetchAsync(ptr, nbytes, loc, 0, hstream)
-    except TypeError:   # cuda-bindings 12.x
-        device = driver.CU_DEVICE_CPU if to_host else cuda.get_current_device().id
-        (err,) = driver.cuMemPrefetchAsync(ptr, nbytes, device, hstream)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemPrefetchAsync({nbytes} bytes) failed: {err}")
-
-
-class _ManagedPages:
-    """GPU: evict = synchronous prefetch to the host; fault-in = nothing (the kernel faults)."""
-
-    def __init__(self, arena, page_bytes: int, stream):
-        self.ptr = int(arena.device_ctypes_pointer.value)
-        self.nbytes, self.page_bytes, self.stream = arena.nbytes, page_bytes, stream
+    def _spans(self, runs):
+        return [(first * self.page_bytes, min(end * self.page_bytes, self.nbytes)) for first, end in runs]
 
     def evict(self, runs) -> None:
-        for first, end in runs:
-            lo, hi = first * self.page_bytes, min(end * self.page_bytes, self.nbytes)
-            prefetch_managed(self.ptr + lo, hi - lo, self.stream)
-        if runs:
+        for lo, hi in self._spans(runs):
+            self.mem.push(lo, hi, self.stream)
+            self.mem.gone(lo, hi)
+        if runs and self.mem.real:
             self.stream.synchronize()
 
     def fault(self, runs) -> None:
-        pass
+        for lo, hi in self._spans(runs):
+            self.mem.fault(lo, hi)
 
     def reset(self) -> None:
-        self.evict([(0, -(-self.nbytes // self.page_bytes))])
-
-
-class _CopiedPages:
-    """Simulator: pages copied between the device arena and a host mirror, synchronously."""
-
-    def __init__(self, arena, page_bytes: int):
-        self.arena, self.page_bytes = arena, page_bytes
-        self.host = arena.copy_to_host()
-
-    def _span(self, first, end):
-        return first * self.page_bytes, min(end * self.page_bytes, self.arena.size)
-
-    def evict(self, runs) -> None:
-        for lo, hi in (self._span(*r) for r in runs):
-            self.host[lo:hi] = self.arena[lo:hi].copy_to_host()
-            self.arena[lo:hi] = 0xFF      # poison: only a fault brings the data back
-
-    def fault(self, runs) -> None:
-        for lo, hi in (self._span(*r) for r in runs):
-            self.arena[lo:hi].copy_to_device(self.host[lo:hi])
-
-    def reset(self) -> None:
-        pass
+        """Everything to the host (a GPU after host I/O, which may have moved pages)."""
+        if self.mem.real:
+            self.evict([(0, -(-self.nbytes // self.page_bytes))])
 
 
 class PagingExecutor(Executor):
@@ -196,8 +143,8 @@ class PagingExecutor(Executor):
         if managed:
             check_managed_fits(base.arena_bytes)
         super().__init__(tape, base, managed=managed)
-        self.pages = (_ManagedPages(self.pool.arena, page_bytes, self.compute) if managed
-                      else _CopiedPages(self.pool.arena, page_bytes))
+        mem = um.Managed(self.pool.arena) if managed else um.Mirrored(self.pool.arena)
+        self.pages = _Pages(mem, page_bytes, self.compute)
         self.pages.reset()
 
     def capture(self, executor=None):
@@ -218,7 +165,7 @@ class PagingExecutor(Executor):
         self.pages.fault(fault)
 
     def _after_io(self) -> None:
-        if isinstance(self.pages, _ManagedPages):   # host I/O may have moved pages: start over
+        if self.pages.mem.real:   # host I/O may have moved pages: start over
             self.pages.reset()
             self.table.reset()
 
