@@ -393,10 +393,30 @@ def view_at(base, offset: int, like):
     return DeviceNDArray(like.shape, like.strides, like.dtype, gpu_data=base.gpu_data.view(offset))
 
 
-def device_copy(dst, src, stream=0) -> None:
+def device_copy(dst, src, stream=0, *, prefix: tuple[int, int] | None = None) -> None:
     """Copy equal-shaped C-contiguous arrays, queued on `stream` (0: the default stream, which
     every kernel and graph of this project runs on unless told otherwise). Device to device,
-    or one side a host array: pinned, so the copy is asynchronous."""
+    or one side a host array: pinned, so the copy is asynchronous.
+
+    prefix=(axis, n): only the elements whose index along `axis` is below n (a KV cache's live
+    positions): one strided copy of prod(shape[:axis]) rows. Device to device only.
+
+    A device-to-device copy on a GPU is one driver call (cuMemcpyDtoDAsync, or
+    cuMemcpy2DAsync for a prefix), a few microseconds of host time, as a framework issues
+    it; Numba's copy_to_device costs tens."""
+    if prefix is not None:
+        if not (is_device_array(dst) and is_device_array(src)):
+            raise TypeError("device_copy: a prefix copy is device to device")
+        width, height, pitch = prefix_rows(src, *prefix)
+        if SIMULATOR:
+            index = (slice(None),) * prefix[0] + (slice(0, prefix[1]),)
+            dst._ary[index] = src._ary[index]
+            return
+        _raw_copy(address(dst), address(src), width, height, pitch, stream)
+        return
+    if not SIMULATOR and is_device_array(dst) and is_device_array(src) and src.nbytes:
+        _raw_copy(address(dst), address(src), src.nbytes, 1, src.nbytes, stream)
+        return
     if not SIMULATOR and isinstance(stream, int):
         stream = cuda.default_stream()
     if is_device_array(dst):
@@ -404,3 +424,34 @@ def device_copy(dst, src, stream=0) -> None:
     else:
         src.copy_to_host(dst, stream=stream)
 
+
+def prefix_rows(arr, axis: int, n: int) -> tuple[int, int, int]:
+    """(bytes per row, rows, row pitch) of `arr[..., :n, ...]` (n along `axis`) in a
+    C-contiguous array: the rows are the index combinations before `axis`."""
+    shape = tuple(arr.shape)
+    if not 0 <= axis < len(shape):
+        raise ValueError(f"prefix: axis {axis} is outside an array of {len(shape)} dimensions")
+    if not 0 <= n <= shape[axis]:
+        raise ValueError(f"prefix: length {n} is outside [0, {shape[axis]}] along axis {axis}")
+    inner = int(np.prod(shape[axis + 1:], dtype=np.int64)) * arr.dtype.itemsize
+    return n * inner, int(np.prod(shape[:axis], dtype=np.int64)), shape[axis] * inner
+
+
+def _raw_copy(dst: int, src: int, width: int, height: int, pitch: int, stream) -> None:
+    """`height` rows of `width` bytes, `pitch` bytes apart in both, device to device."""
+    from cuda.bindings import driver
+    if width == 0 or height == 0:
+        return
+    hstream = driver.CUstream(0 if isinstance(stream, int) else int(stream.handle))
+    if height == 1 or width == pitch:
+        (err,) = driver.cuMemcpyDtoDAsync(dst, src, width * height if width == pitch else width,
+                                          hstream)
+    else:
+        p = driver.CUDA_MEMCPY2D()
+        p.srcMemoryType = p.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.srcDevice, p.dstDevice = src, dst
+        p.srcPitch = p.dstPitch = pitch
+        p.WidthInBytes, p.Height = width, height
+        (err,) = driver.cuMemcpy2DAsync(p, hstream)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"device copy of {height} x {width} bytes failed: {err}")

@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph
-from proto.backend import address, launch
+from proto.backend import address, device_copy, launch
 from proto.graph import binding, default_executor
 from proto.graph.binding import MODES, ReplayStats, Slot, input_slots
 from tests.helpers import dev, rand
-from tests.test_graph import THREADS, axpy_kernel, blocks, make_step, run_replay
+from tests.test_graph import (THREADS, axpy_kernel, blocks, count_launches, make_step,
+                               run_replay)
 
 
 # ------------------------------------------------------------------------- input_slots (pure)
@@ -65,6 +66,57 @@ def test_bytes_copied_per_mode(mode):
         # Passing the placeholders themselves moves nothing in any mode.
         g.replay(**g.placeholders)
         assert g.last_stats.bytes_copied == 0
+
+
+# ------------------------------------------------------------------------- live prefixes (copy)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_a_prefix_copy_moves_exactly_the_prefix(shape, data):
+    axis = data.draw(st.integers(0, len(shape) - 1), label="axis")
+    n = data.draw(st.integers(0, shape[axis]), label="n")
+    rng = np.random.default_rng(len(shape) * 7 + n)
+    src, old = rand(rng, *shape), rand(rng, *shape)
+    dst = dev(old)
+    device_copy(dst, dev(src), prefix=(axis, n))
+    # Restated: an element moves iff its index along `axis` is below n.
+    index = np.indices(shape)[axis]
+    np.testing.assert_array_equal(dst.copy_to_host(), np.where(index < n, src, old))
+
+
+def test_copy_binding_moves_only_the_live_prefix_and_counts_its_bytes():
+    n, live = 9, 4
+    rng = np.random.default_rng(1)
+    with graph.capture(make_step(n), {"x": dev(rand(rng, n)), "y": dev(rand(rng, n))},
+                       binding="copy") as g:
+        old_x = g.placeholders["x"].copy_to_host()
+        x, y = rand(rng, n), rand(rng, n)
+        g.replay(live={"x": (0, live)}, x=dev(x), y=dev(y))
+        assert g.last_stats.bytes_copied == live * 4 + n * 4
+        np.testing.assert_array_equal(g.placeholders["x"].copy_to_host(),
+                                      np.concatenate([x[:live], old_x[live:]]))
+        np.testing.assert_array_equal(g.placeholders["y"].copy_to_host(), y)
+
+
+@pytest.mark.parametrize("live, match", [
+    ({"z": (0, 1)}, "'z' is not an input"),
+    ({"x": (1, 1)}, "axis 1 is outside"),
+    ({"x": (0, 10)}, "length 10 is outside"),
+    ({"x": (0, -1)}, "length -1 is outside"),
+    ({"x": 3}, r"expected \(axis, length\)"),
+])
+def test_bad_live_prefixes_are_refused_before_any_copy(live, match, monkeypatch):
+    rng = np.random.default_rng(2)
+    with graph.capture(make_step(9), {"x": dev(rand(rng, 9)), "y": dev(rand(rng, 9))}) as g:
+        before = g.placeholders["x"].copy_to_host()
+        launches = count_launches(g, monkeypatch)
+        with pytest.raises((ValueError, TypeError), match=match):
+            g.replay(live=live, x=dev(rand(rng, 9)), y=dev(rand(rng, 9)))
+        assert launches == []
+        np.testing.assert_array_equal(g.placeholders["x"].copy_to_host(), before)
+
+
+def test_an_input_named_live_is_refused_at_capture():
+    with pytest.raises(ValueError, match="'live' names replay's live-prefix argument"):
+        graph.capture(lambda live: None, {"live": dev(np.zeros(4, np.float32))})
 
 
 def test_alias_rejects_an_array_that_is_not_the_placeholder():

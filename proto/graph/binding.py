@@ -5,9 +5,10 @@ every replay reads X again, whatever array the caller holds this time. There are
 to get new data in front of the graph, and Grape's first contribution is the third:
 
 ``copy``  (plain PyTorch CUDA graphs: ``static_input.copy_(x)``) Each input is copied into its
-          placeholder, the buffer the graph was recorded with, before the launch. Simple and
-          always correct, but every replay moves every input byte: in beam search the input is
-          the reordered KV cache, so the copy can cost more than the step itself.
+          placeholder, the buffer the graph was recorded with, before the launch: one driver
+          call per input. Simple and always correct, but every replay moves every input byte
+          (or, told `live`, a prefix of it): in beam search the input is the reordered KV
+          cache, so the copy can cost more than the step itself.
 ``patch`` (tinygrad's ``input_replace``) The graph's kernel nodes that read an input get their
           pointer argument rewritten in the *instantiated* graph
           (``cuGraphExecKernelNodeSetParams``), so the graph reads the caller's array in place.
@@ -30,7 +31,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from proto.backend import address, device_copy, extent, is_device_array
+from proto.backend import address, device_copy, extent, is_device_array, prefix_rows
 
 MODES = ("copy", "patch", "alias")
 
@@ -119,6 +120,18 @@ def check_inputs(expected: dict, given: dict, where: str = "replay") -> None:
                              f"got strides {tuple(got.strides)}")
 
 
+def check_live(placeholders: dict, live: dict, where: str = "replay") -> None:
+    """`live` names inputs, each with (axis, n) inside that input's shape; before any copy."""
+    for name, spec in live.items():
+        if name not in placeholders:
+            raise ValueError(f"{where}: live: {name!r} is not an input (inputs: {sorted(placeholders)})")
+        try:
+            axis, n = (int(v) for v in spec)
+        except (TypeError, ValueError):
+            raise TypeError(f"{where}: live[{name!r}]: expected (axis, length), got {spec!r}") from None
+        prefix_rows(placeholders[name], axis, n)
+
+
 def check_disjoint(arrays: dict) -> None:
     """Placeholders must not share memory: each one is rebound on its own."""
     spans = sorted((extent(a), name) for name, a in arrays.items())
@@ -145,23 +158,28 @@ class Binder:
         self.bytes_issued = 0   # every byte a binding copy has moved, counted as issued
         self._bind = getattr(self, f"_{mode}")  # chosen once
 
-    def bind(self, inputs: dict) -> int:
-        """Bring `inputs` to the graph; returns the bytes this binding copied."""
+    def bind(self, inputs: dict, live: dict | None = None) -> int:
+        """Bring `inputs` to the graph; returns the bytes this binding copied. live: under copy
+        binding, {name: (axis, n)} copies only that input's first n entries along `axis`
+        (what the graph reads of it this replay; the rest of its placeholder keeps old data)."""
         before = self.bytes_issued
-        self._bind(inputs)
+        self._bind(inputs, live or {})
         return self.bytes_issued - before
 
-    def _issue_copy(self, dst, src) -> None:
-        device_copy(dst, src)
-        self.bytes_issued += src.nbytes
-
-    def _copy(self, inputs: dict) -> None:
+    def _copy(self, inputs: dict, live: dict) -> None:
         for name, x in inputs.items():
             placeholder = self.placeholders[name]
-            if address(x) != address(placeholder):
-                self._issue_copy(placeholder, x)
+            if address(x) == address(placeholder):
+                continue
+            prefix = live.get(name)
+            device_copy(placeholder, x, prefix=prefix)
+            if prefix is None:
+                self.bytes_issued += x.nbytes
+            else:
+                width, rows, _ = prefix_rows(x, *prefix)
+                self.bytes_issued += width * rows
 
-    def _alias(self, inputs: dict) -> None:
+    def _alias(self, inputs: dict, live: dict) -> None:
         for name, x in inputs.items():
             want, got = address(self.placeholders[name]), address(x)
             if got != want:
@@ -170,7 +188,7 @@ class Binder:
                     f"(device address {want:#x}), got a different array at {got:#x}; have the "
                     f"producer write into graph.placeholders[{name!r}]")
 
-    def _patch(self, inputs: dict) -> None:
+    def _patch(self, inputs: dict, live: dict) -> None:
         by_node = defaultdict(dict)
         for name, x in inputs.items():
             if address(x) == self._bound[name]:

@@ -52,7 +52,7 @@ from proto import backend
 from proto.backend import extent
 from proto.graph import plan as planner
 from proto.graph.binding import (MODES, Binder, ReplayStats, check_disjoint, check_inputs,
-                                 input_slots)
+                                 check_live, input_slots)
 from proto.graph.ir import Description, races
 from proto.graph.predicate import PredicatedExecutor
 from proto.graph.record import record, recording
@@ -107,15 +107,20 @@ class Graph:
     def closed(self) -> bool:
         return self._executable is None
 
-    def replay(self, **inputs):
+    def replay(self, /, live: dict | None = None, **inputs):
         """Check the inputs (names, device, dtype, shape, layout) before anything moves, bind
         them, launch. Returns `outputs`. A graph with a WHILE loop waits for the GPU after the
-        launch to read its loops' pass counters (LoopBoundError if one hit its bound)."""
+        launch to read its loops' pass counters (LoopBoundError if one hit its bound).
+
+        live: {input name: (axis, n)}: the graph reads only that input's first n entries along
+        `axis` this time (a KV cache's live positions), so copy binding copies only those."""
         if self.closed:
             raise RuntimeError("replay: the graph is closed")
         t0 = time.perf_counter()
         check_inputs(self.placeholders, inputs)
-        moved = self._binder.bind(inputs)
+        if live:
+            check_live(self.placeholders, live)
+        moved = self._binder.bind(inputs, live)
         bind_s = time.perf_counter() - t0
         self._executable.launch()
         self._executable.finish()
@@ -191,6 +196,8 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
         raise ValueError("tape: a tape places temporaries; it needs planned=True")
     if not isinstance(inputs, dict):
         raise TypeError(f"inputs: expected a dict of name -> device array, got {type(inputs).__name__}")
+    if "live" in inputs:
+        raise ValueError("inputs: 'live' names replay's live-prefix argument; rename that input")
     check_inputs(inputs, inputs, where="placeholders")
     check_disjoint(inputs)
     placeholders = dict(inputs)

@@ -344,7 +344,10 @@ class GraphedGPT2(_Graphed):
         else:
             live = cache
         g = self._graphs[cache.index if self.binding == "alias" else 0].graph(length)
-        logits = g.replay(**self._inputs(tokens, pos, live))
+        # A step reads positions [:position] of the cache (it writes position `position`
+        # itself), so copy binding moves that prefix, as a framework user would slice it.
+        prefix = {name: (2, self._position) for name in self._cache_names}
+        logits = g.replay(live=prefix, **self._inputs(tokens, pos, live))
         self._position = length
         if self.shared is not None and length < self.max_len:
             self._prepare_next(cache, length + 1)
