@@ -404,6 +404,11 @@ def device_copy(dst, src, stream=0, *, prefix: tuple[int, int] | None = None) ->
     A device-to-device copy on a GPU is one driver call (cuMemcpyDtoDAsync, or
     cuMemcpy2DAsync for a prefix), a few microseconds of host time, as a framework issues
     it; Numba's copy_to_device costs tens."""
+    if is_device_array(dst) and is_device_array(src):
+        if not (dst.is_c_contiguous() and src.is_c_contiguous()) or dst.shape != src.shape \
+                or dst.dtype != src.dtype:
+            raise ValueError(f"device_copy: expected equal C-contiguous arrays, got dst "
+                             f"{dst.dtype} {dst.shape} and src {src.dtype} {src.shape}")
     if prefix is not None:
         if not (is_device_array(dst) and is_device_array(src)):
             raise TypeError("device_copy: a prefix copy is device to device")
