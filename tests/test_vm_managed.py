@@ -1,0 +1,252 @@
+"""AutoVM on managed memory (proto.vm.managed): the same plan as the pool executor, its moves
+done by prefetching one unified-memory arena, its budget counted in pages.
+
+On the simulator the arena is a device array with a host mirror, copies are synchronous, and
+bytes that left the device are poisoned with NaNs: results must be bit-identical to the
+unconstrained run and to the pool executor, and a plan that forgot a prefetch shows NaNs.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from proto import backend
+from proto.models import vgg
+from proto.vm import (BudgetError, Executor, Link, Liveness, ManagedExecutor, PlanError,
+                      estimate_seconds, plan, plan_for_pages, validate)
+from proto.vm.residency import PageLedger, layout
+from proto.vm.synthetic import cnn_tape
+from proto.vm.walk import Visitor
+
+
+def _run(executor, init, steps=2):
+    """Load, run `steps` steps, return the loss and every persistent tensor."""
+    with executor as ex:
+        ex.load(init)
+        for _ in range(steps):
+            ex.step()
+        names = ["loss"] + sorted(n for n, t in ex.tape.tensors.items()
+                                  if t.kind in ("param", "grad", "state"))
+        return {n: ex.read(n) for n in names}
+
+
+def _assert_identical(got, want, label):
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{label}: {name} differs"
+        assert np.isfinite(want[name]).all()
+
+
+@given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc", "cpccpcc"]), width=st.integers(1, 3),
+       frac=st.floats(0.1, 1.0), page=st.sampled_from([256, 512, 1024]),
+       recompute=st.booleans())
+def test_managed_is_bit_identical_to_unconstrained_and_to_the_pool(layers, width, frac, page, recompute):
+    tape, init = cnn_tape(64 * 4 * width, layers, seed=width)
+    budget = Liveness(tape).budget_between(frac)
+    kw = dict(op_seconds=[1e-6 if "p" in op.name or "act" in op.name else 1e-3 for op in tape.ops],
+              link=Link(1e6, 1e6), recompute=True) if recompute else {}
+    try:
+        p = plan_for_pages(tape, budget, page_bytes=page, **kw)
+    except BudgetError:   # tight budgets may not fit in pages: refused before any launch
+        return
+    want = _run(Executor(tape, plan(tape)), init)
+    _assert_identical(_run(Executor(tape, p), init), want, "pool")
+    ex = ManagedExecutor(tape, p, budget=budget, page_bytes=page)
+    _assert_identical(_run(ex, init), want, "managed")
+    # what the step counted is what the check counted before launch, and within the budget
+    assert ex.peak_pages == ex.planned_peak_pages <= ex.max_pages == budget // page
+
+
+def test_tiny_vgg_on_managed_memory_matches_unconstrained_and_the_pool():
+    # The toy VGG-11 of experiments/autovm.py, on its kernels' host references.
+    cfg = vgg.VGGConfig(depth=11, width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32)
+    tape = vgg.build_tape(cfg, host_math=True)
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
+    labels = rng.integers(0, 10, 2).astype(np.int32)
+    init = vgg.initial_values(cfg, vgg.random_state_dict(cfg, seed=11), images, labels)
+    checked = ["loss"] + [f"{p}.grad" for p in vgg.param_shapes(cfg)]
+
+    def one_step(ex):
+        with ex:
+            ex.load(init)
+            ex.step()
+            return ex.read_many(checked)
+
+    want = one_step(Executor(tape, plan(tape)))
+    live = Liveness(tape)
+    for frac in (1.0, 0.5):
+        budget = int(frac * live.peak)
+        p = plan_for_pages(tape, budget, page_bytes=4096)
+        assert frac == 1.0 or p.offloaded
+        _assert_identical(one_step(Executor(tape, p)), want, f"pool at {frac}")
+        _assert_identical(one_step(ManagedExecutor(tape, p, budget=budget, page_bytes=4096)),
+                          want, f"managed at {frac}")
+
+
+def test_a_plan_without_its_prefetches_reads_nans():
+    # The checker refuses such a plan, so the prefetches go after construction: the step then
+    # reads ranges whose bytes were sent to the host and poisoned.
+    tape, init = cnn_tape(1024, "ccpcc")
+    budget = Liveness(tape).budget_between(0.2)
+    p = plan_for_pages(tape, budget, page_bytes=256)
+    assert any(a.kind == "prefetch" for _, _, a in p.actions())
+    _assert_identical(_run(ManagedExecutor(tape, p, budget=budget, page_bytes=256), init, steps=1),
+                      _run(Executor(tape, plan(tape)), init, steps=1), "intact plan")
+    ex = ManagedExecutor(tape, p, budget=budget, page_bytes=256)
+    ex.plan = dataclasses.replace(p, before=[[a for a in acts if a.kind != "prefetch"]
+                                             for acts in p.before])
+    got = _run(ex, init, steps=1)
+    assert np.isnan(got["loss"]).any()
+
+
+def test_a_plan_that_fits_in_bytes_but_not_in_pages_is_refused_before_launch():
+    tape, init = cnn_tape(512, "ccpccp")
+    budget = Liveness(tape).peak
+    p = plan(tape, budget)      # fits by bytes: nothing moves
+    assert p.peak_bytes <= budget and not p.offloaded
+    # 2 KiB tensors in 1.5 KiB pages: each takes two pages, and resident pages pass the budget
+    with pytest.raises(BudgetError, match=r"holds \d+ pages of 1.50 KiB.*would make \d+ pages"):
+        ManagedExecutor(tape, p, page_bytes=1536)
+    fitted = plan_for_pages(tape, budget, page_bytes=1536)   # re-planned under fewer bytes
+    assert fitted.budget < budget and fitted.offloaded
+    _assert_identical(_run(ManagedExecutor(tape, fitted, budget=budget, page_bytes=1536), init),
+                      _run(Executor(tape, plan(tape)), init), "re-planned for pages")
+
+
+@given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc"]), frac=st.floats(0.1, 1.0),
+       page=st.sampled_from([256, 1024, 4096]))
+def test_moving_tensors_own_whole_pages_and_never_share_a_range_while_alive(layers, frac, page):
+    tape, _ = cnn_tape(1024, layers)
+    live = Liveness(tape)
+    p = plan(tape, live.budget_between(frac))
+    lay = layout(tape, p, page)
+    fixed = set(p.persistent)
+    assert all(lay.offsets[n] + tape.tensors[n].nbytes <= lay.fixed_bytes for n in fixed)
+    movers = [n for n in lay.offsets if n not in fixed]
+    for n in movers:
+        assert lay.offsets[n] % page == 0 and lay.offsets[n] >= lay.fixed_bytes
+    span = {n: (live.first(n), live.last(n)) for n in movers}
+    for i, a in enumerate(movers):
+        for b in movers[i + 1:]:
+            meet = span[a][0] <= span[b][1] and span[b][0] <= span[a][1]
+            apart = (lay.offsets[a] + tape.tensors[a].nbytes <= lay.offsets[b]
+                     or lay.offsets[b] + tape.tensors[b].nbytes <= lay.offsets[a])
+            assert apart or not meet, f"{a} and {b} overlap while both alive"
+
+
+def test_discarded_pages_count_until_compute_waits_on_the_copy_stream():
+    tape, _ = cnn_tape(1024, "ccpcc")
+    p = plan(tape, Liveness(tape).budget_between(0.2))
+    led = PageLedger(tape, layout(tape, p, 256), 1 << 30)
+    led.start()
+    fixed = led.resident_pages
+    name = next(a.tensor for _, _, a in p.actions() if a.kind == "prefetch")
+    from proto.vm.actions import Action
+    from proto.vm.walk import At
+    here = At("before", 0)
+    led.visit(Action("alloc", name, 0), here)
+    grown = led.resident_pages - fixed
+    assert grown == -(-tape.tensors[name].nbytes // 256)
+    led.visit(Action("discard", name), here)
+    assert led.resident_pages == fixed + grown          # on its way to the host
+    led.drain()
+    assert led.resident_pages == fixed
+
+
+def test_checker_cost_model_ledger_and_managed_replay_see_the_same_actions(monkeypatch):
+    tape, init = cnn_tape(4096, "cpcpc")
+    seconds = [1e-6 if op.name.startswith("p") or "act" in op.name else 1e-3 for op in tape.ops]
+    budget = Liveness(tape).budget_between(0.3)
+    p = plan_for_pages(tape, budget, page_bytes=256, op_seconds=seconds, link=Link(1e6, 1e6),
+                       recompute=True)
+    seen: dict[str, list] = {}
+    visit = Visitor.visit
+
+    def spy(self, act, at):
+        seen.setdefault(type(self).__name__, []).append((at.slot, at.op, act))
+        visit(self, act, at)
+
+    monkeypatch.setattr(Visitor, "visit", spy)
+    validate(tape, p)
+    estimate_seconds(tape, p, seconds, Link(1e6, 1e6))
+    with ManagedExecutor(tape, p, budget=budget, page_bytes=256) as ex:   # checks pages again
+        ex.load(init)
+        ex.step()
+    want = list(p.actions())
+    assert seen.pop("_Checker") == want + want
+    assert seen.pop("_Clock") == want
+    assert seen.pop("_ManagedReplay") == want
+    assert seen.pop("PageLedger") == want + want     # the check before launch, then the step
+    assert not seen
+
+
+def test_bad_arguments_are_refused_naming_them_before_any_launch():
+    tape, init = cnn_tape(256, "cc")
+    p = plan(tape)
+    for bad in (float("nan"), 0, -5, 1.5):
+        with pytest.raises(ValueError, match="budget"):
+            ManagedExecutor(tape, p, budget=bad)
+    with pytest.raises(ValueError, match="page_bytes"):
+        ManagedExecutor(tape, p, page_bytes=0)
+    with pytest.raises(ValueError, match="managed"):
+        ManagedExecutor(tape, p, managed="yes")
+    if backend.SIMULATOR:
+        with pytest.raises(ValueError, match="managed: True needs a GPU"):
+            ManagedExecutor(tape, p, managed=True)
+    with pytest.raises(TypeError, match="plan: expected a Plan"):
+        ManagedExecutor(tape, {"budget": 1})
+    other, _ = cnn_tape(256, "ccc")
+    with pytest.raises(PlanError, match="plan"):
+        ManagedExecutor(other, p)
+    with pytest.raises(PlanError, match="plan.budget"):
+        ManagedExecutor(tape, dataclasses.replace(p, budget=float("nan")))
+    with pytest.raises(BudgetError, match="holds no page"):
+        ManagedExecutor(tape, p, budget=100, page_bytes=256)
+    with pytest.raises(ValueError, match="budget"):
+        plan_for_pages(tape, float("nan"))
+    ex = ManagedExecutor(tape, p, page_bytes=256)
+    with pytest.raises(TypeError, match="cuMemPrefetchAsync.*eagerly"):
+        ex.capture()
+    ex.close()
+    ex.close()   # twice is harmless
+    for call in (ex.step, lambda: ex.load(init), lambda: ex.read("loss")):
+        with pytest.raises(RuntimeError, match="this executor is closed"):
+            call()
+
+
+# ---------------------------------------------------------------------------- GPU lane
+@pytest.mark.gpu
+def test_managed_on_cuda_matches_the_pool_at_half_budget_within_its_pages(scale):
+    # Real prefetches on real streams: a missing wait would race and corrupt data, a page
+    # left behind would fault (correct, only slow); the ledger counts 2 MiB pages.
+    tape, init = cnn_tape(4096 * 256 * scale, "ccpccpc", host_ops=False)
+    budget = Liveness(tape).peak // 2
+    p = plan_for_pages(tape, budget)
+    assert p.offloaded
+    want = _run(Executor(tape, p), init, steps=3)
+    _assert_identical(want, _run(Executor(tape, plan(tape)), init, steps=3), "pool")
+    ex = ManagedExecutor(tape, p, budget=budget)
+    assert ex.mem.real and not backend.SIMULATOR
+    _assert_identical(_run(ex, init, steps=3), want, "managed")
+    assert 0 < ex.peak_pages <= ex.max_pages
+
+
+@pytest.mark.gpu
+def test_cuda_cannot_capture_a_prefetch_into_a_graph():
+    # The managed executor runs eagerly because of this; if a driver ever captures it, this
+    # test says so (and capture() could be allowed).
+    from cuda.bindings import driver
+    from proto.backend import cuda
+    from proto.vm.pool import managed_bytes
+    from proto.vm.um import prefetch_managed
+    arena = managed_bytes(2 << 20)
+    stream = cuda.stream()
+    hstream = driver.CUstream(int(getattr(stream.handle, "value", stream.handle)))
+    (err,) = driver.cuStreamBeginCapture(hstream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    assert err == driver.CUresult.CUDA_SUCCESS
+    try:
+        with pytest.raises(RuntimeError, match="cuMemPrefetchAsync"):
+            prefetch_managed(int(arena.device_ctypes_pointer.value), 2 << 20, stream)
+    finally:
+        driver.cuStreamEndCapture(hstream)
