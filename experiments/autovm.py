@@ -10,6 +10,10 @@ after its last use). Policies, each running the same VGG tape (proto.models.vgg)
   autovm_recompute  the same, recomputing cheap activations where the link is the bottleneck
   autovm_graph      (GPU) the AutoVM schedule's whole step, compute and both copy streams,
                     captured as one CUDA graph (Executor.capture): one launch per step
+  autovm_managed    the AutoVM schedule on managed memory (proto.vm.managed): one unified
+                    arena, evictions and prefetches as cuMemPrefetchAsync on the copy streams,
+                    the budget counted in pages (re-planned under fewer bytes where the plan
+                    would not fit in pages: plan_for_pages); eager, a prefetch has no graph node
   torch, torch_save_on_cpu   (GPU) torchvision's VGG with the same weights, plainly and
                     under torch.autograd.graph.save_on_cpu(pin_memory=True): an outside anchor
 The host-link bound of a budget is max(unconstrained step, time the AutoVM plan's copies
@@ -40,13 +44,13 @@ import numpy as np
 from experiments import common
 from proto import backend, timing
 from proto.models import vgg
-from proto.vm import (BudgetError, Executor, Liveness, Link, PagingExecutor, estimate_seconds,
-                      measure_link, plan)
+from proto.vm import (BudgetError, Executor, Liveness, Link, ManagedExecutor, PagingExecutor,
+                      estimate_seconds, measure_link, plan, plan_for_pages)
 
 NAME = "autovm"
-POLICIES = ["unconstrained", "paging", "autovm", "autovm_recompute", "autovm_graph", "torch",
-            "torch_save_on_cpu"]
-CHECKED = POLICIES[1:5]   # our policies: their results must equal the unconstrained run's
+POLICIES = ["unconstrained", "paging", "autovm", "autovm_recompute", "autovm_graph",
+            "autovm_managed", "torch", "torch_save_on_cpu"]
+CHECKED = POLICIES[1:6]   # our policies: their results must equal the unconstrained run's
 SIZES = {
     "toy": {"depths": [11], "fracs": [1.0, 0.5], "page_bytes": 4096, "host_math": True,
             "config": dict(width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32),
@@ -174,6 +178,24 @@ def _autovm(case: _Case, policy: str, frac: float, seconds, link: Link) -> dict:
                     profiled_compute_ms=round(unconstrained_ms, 3))
 
 
+def _autovm_managed(case: _Case, frac: float, seconds, link: Link) -> dict:
+    budget, page = int(frac * case.live.peak), case.spec["page_bytes"]
+    t0 = time.perf_counter()
+    p = plan_for_pages(case.tape, budget, page_bytes=page, op_seconds=seconds, link=link)
+    planning = time.perf_counter() - t0
+    with ManagedExecutor(case.tape, p, budget=budget, page_bytes=page) as ex:
+        t, got = case.measure(ex)
+        pages = dict(peak_pages=ex.peak_pages, max_pages=ex.max_pages, page_bytes=page,
+                     arena_bytes=ex.layout.arena_bytes)
+    # managed memory keeps one copy of a page: a discard sends its bytes home too
+    discarded = sum(case.tape.tensors[a.tensor].nbytes for _, _, a in p.actions() if a.kind == "discard")
+    return case.row("autovm_managed", frac, t, got, **pages, planned_budget_bytes=p.budget,
+                    planned_peak_bytes=p.peak_bytes, d2h_bytes=p.d2h_bytes + discarded,
+                    h2d_bytes=p.h2d_bytes, offloaded=len(p.offloaded), homed=len(p.homed),
+                    plan_seconds=round(planning, 3),
+                    estimated_ms=round(estimate_seconds(case.tape, p, seconds, link) * 1e3, 3))
+
+
 def _torch(case: _Case) -> list[dict]:
     """torchvision's VGG with our weights, plainly and with activations saved on the host."""
     try:
@@ -237,7 +259,8 @@ def run(size: str = "toy", deadline_s: float = 300.0) -> None:
                                                  d2h=rates["pinned_d2h_gbps"] * 1e9)
     depths = sorted(spec["depths"], key=lambda d: d != HEADLINE_DEPTH[size])
     fracs = sorted(spec["fracs"], key=lambda f: f != HEADLINE_FRAC)
-    policies = ["paging", "autovm", "autovm_recompute"] + ([] if spec["host_math"] else ["autovm_graph"])
+    policies = (["paging", "autovm", "autovm_recompute", "autovm_managed"]
+                + ([] if spec["host_math"] else ["autovm_graph"]))
     bar = common.progress(range(len(depths) * (len(policies) * len(fracs) + 2)), desc=NAME)
     rows: list[dict] = []
     for depth in depths:
@@ -266,6 +289,8 @@ def _job(case: _Case, policy: str, frac: float, seconds, link: Link, deadline: f
     try:
         if policy == "paging":
             return _paging(case, frac)
+        if policy == "autovm_managed":
+            return _autovm_managed(case, frac, seconds, link)
         return _autovm(case, policy, frac, seconds, link)
     except (BudgetError, MemoryError, RuntimeError) as exc:
         print(f"[{NAME}] vgg{case.cfg.depth} {policy} at {frac:.0%}: {exc}", file=sys.stderr)
@@ -310,6 +335,9 @@ def summarize(rows: list[dict], size: str) -> dict:
     graphed = ms("autovm_graph")
     if graphed == graphed:   # present (not NaN)
         summary.update(autovm_graph_step_ms=graphed, autovm_graph_over_autovm_step=graphed / avm)
+    managed = ms("autovm_managed")
+    summary.update(paging_over_autovm_managed_step=pag / managed, autovm_managed_step_ms=managed,
+                   autovm_managed_over_autovm_step=managed / avm)
     for policy in ("torch", "torch_save_on_cpu"):
         if ms(policy, None) == ms(policy, None):
             summary[f"{policy}_step_ms"] = ms(policy, None)
@@ -322,7 +350,7 @@ def plot(device: str | None = None):
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = common.new_figure(rows, 1, len(models), figsize=(5.5 * len(models), 4.3), squeeze=False)
     styles = {"paging": ("C3", "o"), "autovm": ("C0", "s"), "autovm_recompute": ("C2", "^"),
-              "autovm_graph": ("C5", "D")}
+              "autovm_graph": ("C5", "D"), "autovm_managed": ("C6", "v")}
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model]
         for policy, (color, marker) in styles.items():
