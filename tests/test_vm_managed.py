@@ -15,9 +15,10 @@ from proto import backend
 from proto.models import vgg
 from proto.vm import (BudgetError, Executor, Link, Liveness, ManagedExecutor, PlanError,
                       estimate_seconds, plan, plan_for_pages, validate)
+from proto.vm.actions import Action
 from proto.vm.residency import PageLedger, layout
 from proto.vm.synthetic import cnn_tape
-from proto.vm.walk import Visitor
+from proto.vm.walk import At, Visitor
 
 
 def _run(executor, init, steps=2):
@@ -142,8 +143,6 @@ def test_discarded_pages_count_until_compute_waits_on_the_copy_stream():
     led.start()
     fixed = led.resident_pages
     name = next(a.tensor for _, _, a in p.actions() if a.kind == "prefetch")
-    from proto.vm.actions import Action
-    from proto.vm.walk import At
     here = At("before", 0)
     led.visit(Action("alloc", name, 0), here)
     grown = led.resident_pages - fixed

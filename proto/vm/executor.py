@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto import backend, graph
+from proto import graph
 from proto.backend import cuda
 from proto.tape import Tape
 from proto.vm.actions import Action, Plan
