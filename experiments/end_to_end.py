@@ -1,25 +1,28 @@
 """End to end: time per generated token of GPT-2 beam search, eager against graphed.
 
 Beam search (beam 5, prompt 5, no eos, so every run generates the same number of tokens)
-with random GPT-2 weights, float32, two configurations: 4 layers d=256 (4 heads) generated
-to 1024 positions, and 12 layers d=768 (12 heads) generated to 256 positions (bounds the run
-time; vocabulary 50257 and 1024 positions in both). Methods, all driving the same search
-(proto.models.generate.beam_search, whose log-softmax, top-k and host choice of beams are
-identical for every method):
+with random GPT-2 weights, float32, two configurations, both generated to 1024 positions:
+4 layers d=256 (4 heads) and GPT-2 small, 12 layers d=768 (12 heads); vocabulary 50257.
+Methods, all driving the same search (proto.models.generate.beam_search, whose log-softmax,
+top-k and host choice of beams are identical for every method), except the WHILE graph:
 
   numba_eager         our kernels launched one by one (GPT2.step);
   graph_copy_exact    "PtGraph": one CUDA graph per length (position baked in), static
-                      placeholders; every step copies the tokens and the reordered KV cache in;
+                      placeholders; every step copies the tokens and the reordered KV cache's
+                      live prefix in (one driver call per array);
   graph_alias_device  Grape: the position in device memory (one graph per cache set serves
                       every length), alias binding: the beam gather writes the next graph's
                       placeholder, binding moves 0 bytes;
+  graph_while         the whole search (steps, top-k, beam choice, reorder, stop test) in one
+                      graph with a WHILE node (proto.models.search_loop.BeamLoop);
   torch_eager / torch_graph   the same model in plain PyTorch with a static KV cache, eager
                       and as one torch.cuda.CUDAGraph with inputs copied in
                       (experiments/torch_gpt2.py; GPU only).
 
-Per method: a short warm-up generation (first-call costs), one untimed generation timed end to
-end (-> ms per token), one generation with every phase synchronized (-> input preparation,
-model, search per token; the second figure). Graphs are all captured before timing
+Per method: a short warm-up generation (first-call costs), `reps` whole generations timed
+end to end (-> the median ms per token, p10 and p90 in the CSV; 5 at full size), and one
+more with every phase synchronized (-> input preparation, model, search per token; the
+second figure). Graphs are all captured before timing
 (largest first), and capture time and driver memory are recorded. The decode step alone is
 also timed at the middle position: our alias graph's replay, on the GPU against the sum of
 its kernels' GPU times (torch.profiler, which sees Numba kernels inside graph replays) and
@@ -48,17 +51,19 @@ from proto import backend, timing
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
 from proto.models.graphed import GraphedGPT2
+from proto.models.search_loop import BeamLoop
 
 NAME = "end_to_end"
-METHODS = ["numba_eager", "graph_copy_exact", "graph_alias_device", "torch_eager", "torch_graph"]
+METHODS = ["numba_eager", "graph_copy_exact", "graph_alias_device", "graph_while", "torch_eager",
+           "torch_graph"]
 SIZES = {
     # (label, config, positions generated to); step: how the decode step alone is timed
     # (replays per sample: the host's checks overlap the GPU's work)
     "toy": dict(setups=[("toy-1L-d8", GPT2Config(1, 8, 2, 13, 8), 2)], beam=2, prompt_len=1,
-                build_all=False, untimed=False, step=dict(replays=1, warmup=1, reps=2)),
+                build_all=False, reps=2, step=dict(replays=1, warmup=1, reps=2)),
     "full": dict(setups=[("4L-d256", GPT2Config(4, 256, 4, 50257, 1024), 1024),
-                         ("12L-d768", GPT2Config(12, 768, 12, 50257, 1024), 256)],
-                 beam=5, prompt_len=5, build_all=True, untimed=True,
+                         ("12L-d768", GPT2Config(12, 768, 12, 50257, 1024), 1024)],
+                 beam=5, prompt_len=5, build_all=True, reps=5,
                  step=dict(replays=10, warmup=3, reps=20)),
 }
 _REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -103,6 +108,29 @@ class _Graphed:
         self.g.close()
 
 
+class _While:
+    """The whole search as one graph: a WHILE node on a device flag (proto.models.search_loop).
+    It has no per-phase split: its one launch is all "model"."""
+
+    def __init__(self, model, beam: int, max_len: int):
+        self.loop = BeamLoop(model, beam=beam, max_len=max_len)
+
+    def generate(self, prompt, new: int, timed: bool):
+        if not timed:
+            return self.loop.generate(prompt, max_new_tokens=new)
+        t0 = time.perf_counter()
+        gen = self.loop.generate(prompt, max_new_tokens=new)
+        backend.synchronize()
+        gen.times.model_s = time.perf_counter() - t0
+        return gen
+
+    def info(self) -> dict:
+        return {"graphs": 1}
+
+    def close(self) -> None:
+        self.loop.close()
+
+
 class _Torch:
     def __init__(self, config, state_dict, beam: int, max_len: int, graphed: bool):
         from experiments.torch_gpt2 import TorchDecoder
@@ -135,6 +163,8 @@ def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bo
         return _Graphed(model, beam, max_len, "copy", "exact", build_all)
     if method == "graph_alias_device":
         return _Graphed(model, beam, max_len, "alias", "device", build_all)
+    if method == "graph_while":
+        return _While(model, beam, max_len)
     return _Torch(model.config, state_dict, beam, max_len, graphed=method == "torch_graph")
 
 
@@ -231,7 +261,7 @@ def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max
 def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     beam, prompt_len = cfg["beam"], cfg["prompt_len"]
-    methods = METHODS if _torch_available() else METHODS[:3]
+    methods = METHODS if _torch_available() else METHODS[:4]
     rows, step_rows, kernel_rows = [], [], []
     bar = common.progress(range(len(cfg["setups"]) * len(methods)), desc=NAME)
     for label, config, max_len in cfg["setups"]:
@@ -247,22 +277,23 @@ def run(size: str = "toy") -> None:
             t0 = time.perf_counter()
             m = live[method] = _make(method, model, state_dict, beam, max_len, cfg["build_all"])
             setup_s = time.perf_counter() - t0
-            if cfg["untimed"]:
-                m.generate(prompt, min(8, new), False)  # first-call costs
-                out = []
-                t = timing.bench_host(lambda: out.append(m.generate(prompt, new, False)),
-                                      warmup=0, reps=1)
-            gen = m.generate(prompt, new, True)
+            m.generate(prompt, min(8, new), False)  # first-call costs
+            out = []
+            t = timing.bench_host(lambda: out.append(m.generate(prompt, new, False)),
+                                  warmup=0, reps=cfg["reps"])
+            steps = out[0].times.steps
+            gen = m.generate(prompt, new, True)     # once more, every phase synchronized
             phases = gen.times.per_token_ms()
-            ms_per_token = t.median_ms / out[0].times.steps if cfg["untimed"] \
-                else sum(phases.values())
             want = gen.tokens if want is None else want
             rows.append({"setup": label, "n_layer": config.n_layer, "n_embd": config.n_embd,
                          "beam": beam, "prompt_len": prompt_len, "max_len": max_len,
                          "tokens": gen.times.steps, "method": method,
-                         "ms_per_token": round(ms_per_token, 4),
+                         "ms_per_token": round(t.median_ms / steps, 4),
+                         "p10_ms_per_token": round(t.p10_ms / steps, 4),
+                         "p90_ms_per_token": round(t.p90_ms / steps, 4), "reps": t.reps,
                          **{k: round(v, 4) for k, v in phases.items()},
-                         "same_tokens_as_eager": bool(np.array_equal(gen.tokens, want)),
+                         "same_tokens_as_eager": all(np.array_equal(g.tokens, want)
+                                                     for g in (gen, *out)),
                          "setup_s": round(setup_s, 3),
                          **{k: None for k in ("graphs", "reorder_graphs", "graph_nodes",
                                               "graph_memory_mib",
@@ -304,8 +335,9 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
         "copy_exact_graph_memory_mib": copy["graph_memory_mib"],
         "alias_device_graphs": int(alias["graphs"]),
         "alias_device_graph_memory_mib": alias["graph_memory_mib"],
+        "while_over_alias_per_token": ms["graph_while"] / ms["graph_alias_device"],
         "all_ours_same_tokens": all(per[m]["same_tokens_as_eager"] for m in
-                                    ("graph_copy_exact", "graph_alias_device")),
+                                    ("graph_copy_exact", "graph_alias_device", "graph_while")),
         "graphed_step_over_kernel_sum": None,
         "ours_over_torch_graph_step": None,
     }
@@ -330,7 +362,7 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------- plot
 COLORS = {"numba_eager": "C0", "graph_copy_exact": "C1", "graph_alias_device": "C2",
-          "torch_eager": "C7", "torch_graph": "C3"}
+          "graph_while": "C4", "torch_eager": "C7", "torch_graph": "C3"}
 PHASES = [("prep_ms", "input preparation"), ("model_ms", "model step"), ("search_ms", "search")]
 
 
@@ -349,8 +381,11 @@ def plot():
     for ax, setup in zip(axes[0], setups):
         mine = by[setup]
         names = [r["method"] for r in mine]
-        values = [float(r["ms_per_token"]) for r in mine]
-        bars = ax.bar(range(len(mine)), values, color=[COLORS[n] for n in names])
+        values = np.array([float(r["ms_per_token"]) for r in mine])
+        spread = np.array([[values[i] - float(r["p10_ms_per_token"]),
+                            float(r["p90_ms_per_token"]) - values[i]] for i, r in enumerate(mine)]).T
+        bars = ax.bar(range(len(mine)), values, yerr=spread, capsize=3,
+                      color=[COLORS[n] for n in names])
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_xticks(range(len(mine)), [n.replace("_", "\n", 1) for n in names], fontsize=8)
         ax.set_ylabel("ms per generated token")

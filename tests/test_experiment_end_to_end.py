@@ -17,10 +17,12 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     end_to_end.run("toy")
     rows = common.read_csv("end_to_end")
     methods = [r["method"] for r in rows]
-    assert methods[:3] == end_to_end.METHODS[:3]
+    assert methods[:4] == end_to_end.METHODS[:4]   # eager, PtGraph, Grape, WHILE graph
     for r in rows:
         assert float(r["ms_per_token"]) > 0 and int(r["tokens"]) == 2
         assert r["same_tokens_as_eager"] == "True"
+        assert int(r["reps"]) == 2 and float(r["p10_ms_per_token"]) <= float(r["ms_per_token"]) \
+            <= float(r["p90_ms_per_token"])
         assert float(r["model_ms"]) > 0 and min(float(r[k]) for k, _ in end_to_end.PHASES) >= 0
         assert r["git_commit"] and r["device"]  # provenance on every row
     step = common.read_csv("end_to_end_step")   # measured by the child process
@@ -37,6 +39,7 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert 0 <= summary["alias_binding_fraction_of_step"] < 1
     assert summary["copy_exact_graphs"] == 2 and summary["alias_device_graphs"] == 2
     assert summary["all_ours_same_tokens"] is True
+    assert summary["while_over_alias_per_token"] > 0
     for key in ("graphed_step_over_kernel_sum", "ours_over_torch_graph_step"):
         assert key in summary  # measured on a GPU only (None on the simulator)
     figure = end_to_end.plot()
