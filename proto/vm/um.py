@@ -20,8 +20,9 @@ and a host mirror and copies synchronously; bytes that left the device are poiso
 0xFF (a float32 NaN), so a plan or policy that forgot to bring something back shows NaNs.
 
 The arena never asks for more than the GPU can give: `check_managed_fits` refuses anything
-past a quarter of the free memory, or MANAGED_LIMIT (oversubscribing managed memory on a
-shared card can hang the machine).
+past half of the free memory, or MANAGED_LIMIT (oversubscribing managed memory on a
+shared card can hang the machine). Half, not all: the same process still needs device memory
+for its kernels, its pinned copies' staging and whatever else holds the card.
 """
 from __future__ import annotations
 
@@ -32,16 +33,16 @@ from proto.vm.liveness import BudgetError, fmt_bytes
 from proto.vm.pool import managed_bytes
 
 PAGE = 2 << 20            # the UM driver's large-page (VA block) size
-MANAGED_LIMIT = 16 << 30  # never ask for more managed memory than this, whatever the card
+MANAGED_LIMIT = 64 << 30  # never ask for more managed memory than this, whatever the card
 
 
 def check_managed_fits(nbytes: int) -> None:
     """Refuse managed allocations that could oversubscribe the card (which can hang the machine)."""
     free, total = cuda.current_context().get_memory_info()
-    limit = min(MANAGED_LIMIT, free // 4)
+    limit = min(MANAGED_LIMIT, free // 2)
     if nbytes > limit:
         raise BudgetError(f"managed arena of {fmt_bytes(nbytes)} refused: the limit is "
-                          f"{fmt_bytes(limit)} (a quarter of the {fmt_bytes(free)} free of "
+                          f"{fmt_bytes(limit)} (half of the {fmt_bytes(free)} free of "
                           f"{fmt_bytes(total)}, at most {fmt_bytes(MANAGED_LIMIT)})")
 
 
