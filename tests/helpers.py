@@ -1,4 +1,4 @@
-"""Shared test helpers: tolerances and host<->device shortcuts."""
+"""Shared test helpers: tolerances, host<->device shortcuts, and running a memory plan."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,3 +26,27 @@ def dev(x: np.ndarray):
 
 def rand(rng: np.random.Generator, *shape, scale: float = 1.0, dtype=np.float32) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+# ------------------------------------------------------------------------- memory plans
+def run_plan(executor, init, steps=2, capture=False):
+    """Load, run `steps` steps of a plan executor, return the loss and every persistent
+    tensor. capture: make the step one graph first (which runs it once, eagerly, so the
+    state is loaded after)."""
+    with executor as ex:
+        if capture:
+            ex.load(init)   # the capture's warm-up then sees real values, not arena garbage
+            ex.capture()
+        ex.load(init)
+        for _ in range(steps):
+            ex.step()
+        names = ["loss"] + sorted(n for n, t in ex.tape.tensors.items()
+                                  if t.kind in ("param", "grad", "state"))
+        return {n: ex.read(n) for n in names}
+
+
+def assert_identical(got, want, label):
+    """Bit for bit, and the reference finite (identical NaNs would prove nothing)."""
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{label}: {name} differs"
+        assert np.isfinite(want[name]).all()

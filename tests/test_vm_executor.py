@@ -14,27 +14,7 @@ from proto.tape import TensorSpec
 from proto.vm import BudgetError, Executor, Liveness, Link, PagingExecutor, PlanError, plan
 from proto.vm.pool import DevicePool, OutOfBudget
 from proto.vm.synthetic import cnn_tape
-
-
-def _run(executor, init, steps=2, capture=False):
-    """Load, run `steps` steps, return the loss and every persistent tensor. capture: make
-    the step one graph first (which runs it once, eagerly, so the state is loaded after)."""
-    with executor as ex:
-        if capture:
-            ex.load(init)   # the capture's warm-up then sees real values, not arena garbage
-            ex.capture()
-        ex.load(init)
-        for _ in range(steps):
-            ex.step()
-        names = ["loss"] + sorted(n for n, t in ex.tape.tensors.items()
-                                  if t.kind in ("param", "grad", "state"))
-        return {n: ex.read(n) for n in names}
-
-
-def _assert_identical(got, want, label):
-    for name in want:
-        assert np.array_equal(got[name], want[name]), f"{label}: {name} differs"
-        assert np.isfinite(want[name]).all()
+from tests.helpers import assert_identical, run_plan
 
 
 def _cheap_pools(tape):
@@ -47,13 +27,13 @@ def _cheap_pools(tape):
 def test_every_policy_is_bit_identical_to_unconstrained(layers, width, frac, lookahead):
     tape, init = cnn_tape(64 * 4 * width, layers, seed=width)
     budget = Liveness(tape).budget_between(0.2 + 0.8 * frac)
-    want = _run(Executor(tape, plan(tape)), init)
+    want = run_plan(Executor(tape, plan(tape)), init)
     slow = Link(h2d=1e6, d2h=1e6)
     swap = plan(tape, budget, lookahead=lookahead)
     both = plan(tape, budget, op_seconds=_cheap_pools(tape), link=slow, recompute=True)
-    _assert_identical(_run(Executor(tape, swap), init), want, "autovm")
-    _assert_identical(_run(Executor(tape, both), init), want, "autovm+recompute")
-    _assert_identical(_run(PagingExecutor(tape, budget, page_bytes=512), init), want, "paging")
+    assert_identical(run_plan(Executor(tape, swap), init), want, "autovm")
+    assert_identical(run_plan(Executor(tape, both), init), want, "autovm+recompute")
+    assert_identical(run_plan(PagingExecutor(tape, budget, page_bytes=512), init), want, "paging")
 
 
 def test_recompute_runs_and_matches():
@@ -62,7 +42,7 @@ def test_recompute_runs_and_matches():
     p = plan(tape, live.budget_between(0.2), op_seconds=_cheap_pools(tape),
              link=Link(1e6, 1e6), recompute=True)
     assert p.recomputed and p.offloaded
-    _assert_identical(_run(Executor(tape, p), init), _run(Executor(tape, plan(tape)), init), "recompute")
+    assert_identical(run_plan(Executor(tape, p), init), run_plan(Executor(tape, plan(tape)), init), "recompute")
 
 
 def test_real_kernels_under_a_tight_budget_match_unconstrained():
@@ -70,11 +50,11 @@ def test_real_kernels_under_a_tight_budget_match_unconstrained():
     tape, init = cnn_tape(128, "cpc", host_ops=False)
     live = Liveness(tape)
     budget = live.budget_between(0.3)
-    want = _run(Executor(tape, plan(tape)), init, steps=1)
+    want = run_plan(Executor(tape, plan(tape)), init, steps=1)
     swap = plan(tape, budget)
     assert swap.offloaded
-    _assert_identical(_run(Executor(tape, swap), init, steps=1), want, "autovm")
-    _assert_identical(_run(PagingExecutor(tape, budget, page_bytes=256), init, steps=1), want, "paging")
+    assert_identical(run_plan(Executor(tape, swap), init, steps=1), want, "autovm")
+    assert_identical(run_plan(PagingExecutor(tape, budget, page_bytes=256), init, steps=1), want, "paging")
 
 
 def _record_step(ex) -> graph.Description:
@@ -129,8 +109,8 @@ def test_captured_step_matches_unconstrained():
     tape, init = cnn_tape(128, "cpc", host_ops=False)
     swap = plan(tape, Liveness(tape).budget_between(0.3))
     assert swap.offloaded
-    want = _run(Executor(tape, plan(tape)), init, steps=1)
-    _assert_identical(_run(Executor(tape, swap), init, steps=1, capture=True), want, "graphed autovm")
+    want = run_plan(Executor(tape, plan(tape)), init, steps=1)
+    assert_identical(run_plan(Executor(tape, swap), init, steps=1, capture=True), want, "graphed autovm")
 
 
 def test_capture_refuses_host_math_and_demand_paging():
@@ -198,12 +178,12 @@ def test_streamed_executor_on_cuda_matches_unconstrained(scale):
     # Captured: the whole scheduled step as one CUDA graph, copies on their own branches.
     tape, init = cnn_tape(4096 * 64 * scale, "ccpccpc", host_ops=False)
     live = Liveness(tape)
-    want = _run(Executor(tape, plan(tape)), init, steps=3)
+    want = run_plan(Executor(tape, plan(tape)), init, steps=3)
     for lookahead in (None, 1):
         p = plan(tape, live.budget_between(0.3), lookahead=lookahead)
         assert p.offloaded
         for capture in (False, True):
-            _assert_identical(_run(Executor(tape, p), init, steps=3, capture=capture), want,
+            assert_identical(run_plan(Executor(tape, p), init, steps=3, capture=capture), want,
                               f"autovm lookahead={lookahead} capture={capture}")
 
 
@@ -211,10 +191,10 @@ def test_streamed_executor_on_cuda_matches_unconstrained(scale):
 def test_managed_paging_on_cuda_faults_and_matches(scale):
     tape, init = cnn_tape(4096 * 64 * scale, "ccpccpc", host_ops=False)
     live = Liveness(tape)
-    want = _run(Executor(tape, plan(tape)), init, steps=2)
+    want = run_plan(Executor(tape, plan(tape)), init, steps=2)
     ex = PagingExecutor(tape, max(int(live.peak * 0.5), 8 << 20))
-    got = _run(ex, init, steps=2)
-    _assert_identical(got, want, "managed paging")
+    got = run_plan(ex, init, steps=2)
+    assert_identical(got, want, "managed paging")
     evicted, faulted = ex.moved_bytes()
     assert evicted > 0 and faulted > 0
     assert not backend.SIMULATOR

@@ -19,23 +19,7 @@ from proto.vm.actions import Action
 from proto.vm.residency import PageLedger, layout
 from proto.vm.synthetic import cnn_tape
 from proto.vm.walk import At, Visitor
-
-
-def _run(executor, init, steps=2):
-    """Load, run `steps` steps, return the loss and every persistent tensor."""
-    with executor as ex:
-        ex.load(init)
-        for _ in range(steps):
-            ex.step()
-        names = ["loss"] + sorted(n for n, t in ex.tape.tensors.items()
-                                  if t.kind in ("param", "grad", "state"))
-        return {n: ex.read(n) for n in names}
-
-
-def _assert_identical(got, want, label):
-    for name in want:
-        assert np.array_equal(got[name], want[name]), f"{label}: {name} differs"
-        assert np.isfinite(want[name]).all()
+from tests.helpers import assert_identical, run_plan
 
 
 @given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc", "cpccpcc"]), width=st.integers(1, 3),
@@ -50,10 +34,10 @@ def test_managed_is_bit_identical_to_unconstrained_and_to_the_pool(layers, width
         p = plan_for_pages(tape, budget, page_bytes=page, **kw)
     except BudgetError:   # tight budgets may not fit in pages: refused before any launch
         return
-    want = _run(Executor(tape, plan(tape)), init)
-    _assert_identical(_run(Executor(tape, p), init), want, "pool")
+    want = run_plan(Executor(tape, plan(tape)), init)
+    assert_identical(run_plan(Executor(tape, p), init), want, "pool")
     ex = ManagedExecutor(tape, p, budget=budget, page_bytes=page)
-    _assert_identical(_run(ex, init), want, "managed")
+    assert_identical(run_plan(ex, init), want, "managed")
     # what the step counted is what the check counted before launch, and within the budget
     assert ex.peak_pages == ex.planned_peak_pages <= ex.max_pages == budget // page
 
@@ -80,8 +64,8 @@ def test_tiny_vgg_on_managed_memory_matches_unconstrained_and_the_pool():
         budget = int(frac * live.peak)
         p = plan_for_pages(tape, budget, page_bytes=4096)
         assert frac == 1.0 or p.offloaded
-        _assert_identical(one_step(Executor(tape, p)), want, f"pool at {frac}")
-        _assert_identical(one_step(ManagedExecutor(tape, p, budget=budget, page_bytes=4096)),
+        assert_identical(one_step(Executor(tape, p)), want, f"pool at {frac}")
+        assert_identical(one_step(ManagedExecutor(tape, p, budget=budget, page_bytes=4096)),
                           want, f"managed at {frac}")
 
 
@@ -92,12 +76,12 @@ def test_a_plan_without_its_prefetches_reads_nans():
     budget = Liveness(tape).budget_between(0.2)
     p = plan_for_pages(tape, budget, page_bytes=256)
     assert any(a.kind == "prefetch" for _, _, a in p.actions())
-    _assert_identical(_run(ManagedExecutor(tape, p, budget=budget, page_bytes=256), init, steps=1),
-                      _run(Executor(tape, plan(tape)), init, steps=1), "intact plan")
+    assert_identical(run_plan(ManagedExecutor(tape, p, budget=budget, page_bytes=256), init, steps=1),
+                      run_plan(Executor(tape, plan(tape)), init, steps=1), "intact plan")
     ex = ManagedExecutor(tape, p, budget=budget, page_bytes=256)
     ex.plan = dataclasses.replace(p, before=[[a for a in acts if a.kind != "prefetch"]
                                              for acts in p.before])
-    got = _run(ex, init, steps=1)
+    got = run_plan(ex, init, steps=1)
     assert np.isnan(got["loss"]).any()
 
 
@@ -111,8 +95,8 @@ def test_a_plan_that_fits_in_bytes_but_not_in_pages_is_refused_before_launch():
         ManagedExecutor(tape, p, page_bytes=1536)
     fitted = plan_for_pages(tape, budget, page_bytes=1536)   # re-planned under fewer bytes
     assert fitted.budget < budget and fitted.offloaded
-    _assert_identical(_run(ManagedExecutor(tape, fitted, budget=budget, page_bytes=1536), init),
-                      _run(Executor(tape, plan(tape)), init), "re-planned for pages")
+    assert_identical(run_plan(ManagedExecutor(tape, fitted, budget=budget, page_bytes=1536), init),
+                      run_plan(Executor(tape, plan(tape)), init), "re-planned for pages")
 
 
 @given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc"]), frac=st.floats(0.1, 1.0),
@@ -223,11 +207,11 @@ def test_managed_on_cuda_matches_the_pool_at_half_budget_within_its_pages(scale)
     budget = Liveness(tape).peak // 2
     p = plan_for_pages(tape, budget)
     assert p.offloaded
-    want = _run(Executor(tape, p), init, steps=3)
-    _assert_identical(want, _run(Executor(tape, plan(tape)), init, steps=3), "pool")
+    want = run_plan(Executor(tape, p), init, steps=3)
+    assert_identical(want, run_plan(Executor(tape, plan(tape)), init, steps=3), "pool")
     ex = ManagedExecutor(tape, p, budget=budget)
     assert ex.mem.real and not backend.SIMULATOR
-    _assert_identical(_run(ex, init, steps=3), want, "managed")
+    assert_identical(run_plan(ex, init, steps=3), want, "managed")
     assert 0 < ex.peak_pages <= ex.max_pages
 
 
