@@ -16,6 +16,7 @@ import os
 import pathlib
 import platform
 import subprocess
+import sys
 
 from proto import backend
 
@@ -168,3 +169,11 @@ def progress(iterable, desc: str, total: int | None = None):
     """A progress bar on stderr (tqdm) for long runs."""
     from tqdm import tqdm
     return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+def report(name: str, row: dict) -> None:
+    """One finished measurement, printed on stderr above the progress bar as soon as it is
+    known: a long run that is interrupted still leaves what it measured in its log."""
+    from tqdm import tqdm
+    shown = {k: v for k, v in row.items() if v is not None and v != ""}
+    tqdm.write(f"{name}: " + ", ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stderr)

@@ -301,6 +301,7 @@ def run(size: str = "toy") -> None:
                          **m.info(),
                          "torch_logit_error": round(torch_error, 8)
                          if "torch_eager" in methods else None})
+            common.report(NAME, rows[-1])
             bar.update(1)
         for m in live.values():   # give their device memory back before the child runs
             m.close()

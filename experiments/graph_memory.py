@@ -212,6 +212,7 @@ def run_gpt2(cfg, rows, curve) -> dict:
                      "memory_mib": None if memory is None else round(memory / 2**20, 3),
                      "extrapolated": extrapolated, "capture_s": round(capture_s, 3),
                      **_per_token(t, new), "same_tokens": None, **info})
+        common.report(NAME, rows[-1])
         curve += [{"model": "gpt2", "method": method, "shapes_served": n,
                    "memory_mib": round(b / 2**20, 3)} for n, b in meter.points]
         m.close()
@@ -323,6 +324,7 @@ def run_lstm(cfg, rows, curve) -> dict:
                      "extrapolated": False, "capture_s": round(capture_s, 3),
                      **_per_token(t, B),
                      "same_tokens": None, **info})
+        common.report(NAME, rows[-1])
         curve += [{"model": "lstm", "method": method, "shapes_served": n,
                    "memory_mib": round(b / 2**20, 3)} for n, b in meter.points]
         m.close()
