@@ -17,7 +17,12 @@ top-k and host choice of beams are identical for every method), except the WHILE
                       graph with a WHILE node (proto.models.search_loop.BeamLoop);
   torch_eager / torch_graph   the same model in plain PyTorch with a static KV cache, eager
                       and as one torch.cuda.CUDAGraph with inputs copied in
-                      (experiments/torch_gpt2.py; GPU only).
+                      (experiments/torch_gpt2.py; GPU only);
+  hf_generate / hf_compiled   Hugging Face's GPT2LMHeadModel and its own generate (beam 5,
+                      no eos): eager with the default cache, what a user gets by default; and
+                      torch.compile(mode="reduce-overhead") with the static cache, the
+                      strongest a user would pick (experiments/hf_gpt2.py; GPU only). Their
+                      tokens are compared too; they can differ only at float32 near-ties.
 
 Per method: a short warm-up generation (first-call costs), `reps` whole generations timed
 end to end (-> the median ms per token, p10 and p90 in the CSV; 5 at full size), and one
@@ -26,7 +31,9 @@ second figure). Graphs are all captured before timing
 (largest first), and capture time and driver memory are recorded. The decode step alone is
 also timed at the middle position: our alias graph's replay, on the GPU against the sum of
 its kernels' GPU times (torch.profiler, which sees Numba kernels inside graph replays) and
-against PyTorch's CUDA-graphed step. That runs in a child process (`step_timings`): the
+against PyTorch's CUDA-graphed steps: the graph of that length attending to the live prefix
+(PtGraph in PyTorch, `ours_over_torch_graph_step`) and the one static-cache graph whose
+attention spans every position, masked (`ours_over_torch_masked_graph_step`). That runs in a child process (`step_timings`): the
 profiler's CUPTI beside Numba's CUDA context made the whole process abort at interpreter
 exit, so only the child ever loads it. Toy size: a tiny model, 2 tokens, simulator.
 
@@ -55,7 +62,7 @@ from proto.models.search_loop import BeamLoop
 
 NAME = "end_to_end"
 METHODS = ["numba_eager", "graph_copy_exact", "graph_alias_device", "graph_while", "torch_eager",
-           "torch_graph"]
+           "torch_graph", "hf_generate", "hf_compiled"]
 SIZES = {
     # (label, config, positions generated to); step: how the decode step alone is timed
     # (replays per sample: the host's checks overlap the GPU's work)
@@ -70,7 +77,15 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------- methods
-class _Eager:
+class _Method:
+    """A way to run the search: `generate(prompt, new, timed)` -> generate.Generation."""
+
+    def warmup(self, prompt, new: int) -> None:
+        """Pay first-call costs (compilation, first launches) outside the timing."""
+        self.generate(prompt, min(8, new), False)
+
+
+class _Eager(_Method):
     def __init__(self, model, beam: int, max_len: int):
         self.model, self.beam = model, beam
         self.caches = (KVCache(model.config, beam, max_len), KVCache(model.config, beam, max_len))
@@ -87,7 +102,7 @@ class _Eager:
         self.caches = ()
 
 
-class _Graphed:
+class _Graphed(_Method):
     def __init__(self, model, beam: int, max_len: int, binding: str, strategy: str,
                  build_all: bool):
         self.g = GraphedGPT2(model, batch=beam, max_len=max_len, binding=binding,
@@ -108,7 +123,7 @@ class _Graphed:
         self.g.close()
 
 
-class _While:
+class _While(_Method):
     """The whole search as one graph: a WHILE node on a device flag (proto.models.search_loop).
     It has no per-phase split: its one launch is all "model"."""
 
@@ -131,7 +146,33 @@ class _While:
         self.loop.close()
 
 
-class _Torch:
+class _HF(_Method):
+    """Hugging Face's generate: no phase split (all of a token's time counts as "model"),
+    no score. A compiled model warms up on a whole generation: its static cache and CUDA
+    graphs are shaped by the generation length."""
+
+    def __init__(self, config, state_dict, beam: int, compiled: bool):
+        from experiments.hf_gpt2 import HFBeamSearch
+        self.search = HFBeamSearch(config, state_dict, beam=beam, compiled=compiled)
+
+    def warmup(self, prompt, new: int) -> None:
+        self.search.generate(prompt, new if self.search.compiled else min(8, new))
+
+    def generate(self, prompt, new: int, timed: bool):
+        t0 = time.perf_counter()
+        tokens = self.search.generate(prompt, new)
+        times = generate.PhaseTimes(model_s=time.perf_counter() - t0, steps=new,
+                                    synchronized=True)
+        return generate.Generation(tokens, float("nan"), times)
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.search.close()
+
+
+class _Torch(_Method):
     def __init__(self, config, state_dict, beam: int, max_len: int, graphed: bool):
         from experiments.torch_gpt2 import TorchDecoder
         self.dec = TorchDecoder(config, state_dict, batch=beam, max_len=max_len, graphed=graphed)
@@ -156,6 +197,17 @@ def _torch_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _methods() -> list[str]:
+    """Ours always; PyTorch's on a GPU with torch; Hugging Face's where transformers is too."""
+    if not _torch_available():
+        return METHODS[:4]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return METHODS[:6]
+    return METHODS
+
+
 def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bool):
     if method == "numba_eager":
         return _Eager(model, beam, max_len)
@@ -165,6 +217,8 @@ def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bo
         return _Graphed(model, beam, max_len, "alias", "device", build_all)
     if method == "graph_while":
         return _While(model, beam, max_len)
+    if method in ("hf_generate", "hf_compiled"):
+        return _HF(model.config, state_dict, beam, compiled=method == "hf_compiled")
     return _Torch(model.config, state_dict, beam, max_len, graphed=method == "torch_graph")
 
 
@@ -195,14 +249,19 @@ def _replay_us(replay, replays: int, warmup: int, reps: int) -> float:
     return t.median_us / replays
 
 
-def _step_timings(label: str, position: int, alias, torch_graph, kernel_rows: list, *,
-                  step: dict, profile: bool) -> dict:
-    """Our alias graph's replay, its kernels' sum (`profile`), and PyTorch's graphed step, at
-    `position`; appends each kernel's share of a step to `kernel_rows`."""
+def _step_timings(label: str, position: int, alias, torch_graph, torch_live, kernel_rows: list,
+                  *, step: dict, profile: bool) -> dict:
+    """Our alias graph's replay, its kernels' sum (`profile`), and PyTorch's graphed steps at
+    `position`: the static cache masked over every position ("torch_masked") and the graph of
+    this length attending to the live prefix ("torch"); appends each kernel's share of a step
+    to `kernel_rows`."""
     row = {"setup": label, "position": position}
     replays = {"ours": alias.g.replayer(position)}
     if torch_graph is not None:
-        replays["torch"] = torch_graph.dec.replayer(position)
+        replays["torch_masked"] = torch_graph.dec.replayer(position)
+    if torch_live is not None:
+        torch_live.capture(position + 1)   # the graph of length position + 1: one step
+        replays["torch"] = torch_live.graphs[position + 1].replay
     for who, replay in replays.items():
         kernels = _kernels(replay) if profile else None
         row[f"{who}_step_us"] = round(_replay_us(replay, **step), 2)
@@ -226,14 +285,21 @@ def _measure_step(spec: dict) -> dict:
     model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(spec["prompt_len"] - 1, 1))
     methods = ["graph_alias_device"] + (["torch_graph"] if spec["torch"] else [])
     live = {m: _make(m, model, state_dict, beam, max_len, build_all=False) for m in methods}
+    torch_live = None
+    if spec["torch"]:
+        from experiments.torch_gpt2 import PerLengthDecoder
+        torch_live = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len,
+                                      pool="shared")
     kernel_rows: list = []
     try:
         row = _step_timings(spec["label"], spec["position"], live["graph_alias_device"],
-                            live.get("torch_graph"), kernel_rows, step=spec["step"],
+                            live.get("torch_graph"), torch_live, kernel_rows, step=spec["step"],
                             profile=spec["torch"])
     finally:
         for m in live.values():
             m.close()
+        if torch_live is not None:
+            torch_live.close()
     return {"row": row, "kernels": kernel_rows}
 
 
@@ -261,8 +327,8 @@ def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max
 def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     beam, prompt_len = cfg["beam"], cfg["prompt_len"]
-    methods = METHODS if _torch_available() else METHODS[:4]
-    rows, step_rows, kernel_rows = [], [], []
+    methods = _methods()
+    rows, step_rows, kernel_rows, unavailable = [], [], [], {}
     bar = common.progress(range(len(cfg["setups"]) * len(methods)), desc=NAME)
     for label, config, max_len in cfg["setups"]:
         state_dict = random_state_dict(config, seed=0)
@@ -275,9 +341,21 @@ def run(size: str = "toy") -> None:
         live, want = {}, None
         for method in methods:
             t0 = time.perf_counter()
-            m = live[method] = _make(method, model, state_dict, beam, max_len, cfg["build_all"])
-            setup_s = time.perf_counter() - t0
-            m.generate(prompt, min(8, new), False)  # first-call costs
+            try:
+                m = live[method] = _make(method, model, state_dict, beam, max_len,
+                                         cfg["build_all"])
+                setup_s = time.perf_counter() - t0
+                m.warmup(prompt, new)
+            except Exception as exc:   # noqa: BLE001  only where the issue allows: see below
+                if method != "hf_compiled":
+                    raise
+                # torch.compile depends on the machine's compiler stack; where it fails, the
+                # row is left out and the summary says why, rather than the run dying.
+                unavailable[f"{label}/{method}"] = f"{type(exc).__name__}: {exc}"[:300]
+                common.report(NAME, {"setup": label, "method": method,
+                                     "unavailable": unavailable[f"{label}/{method}"]})
+                bar.update(1)
+                continue
             out = []
             t = timing.bench_host(lambda: out.append(m.generate(prompt, new, False)),
                                   warmup=0, reps=cfg["reps"])
@@ -314,12 +392,13 @@ def run(size: str = "toy") -> None:
     common.write_csv(NAME + "_step", step_rows)
     if kernel_rows:
         common.write_csv(NAME + "_kernels", kernel_rows)
-    common.write_summary(NAME, summarize(rows, step_rows))
+    common.write_summary(NAME, {**summarize(rows, step_rows), "unavailable": unavailable})
 
 
 def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
-    """Headline figures for the first (4-layer) setup."""
-    label = rows[0]["setup"]
+    """Headline figures for the last (largest: GPT-2 small) setup, and every setup's time per
+    token by method."""
+    label = rows[-1]["setup"]
     per = {r["method"]: r for r in rows if r["setup"] == label}
     copy, alias = per["graph_copy_exact"], per["graph_alias_device"]
     ms = {m: float(r["ms_per_token"]) for m, r in per.items()}
@@ -342,28 +421,43 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
         "graphed_step_over_kernel_sum": None,
         "ours_over_torch_graph_step": None,
     }
+    for hf in ("hf_generate", "hf_compiled"):   # "ours": the whole search in one WHILE graph
+        if hf in ms:
+            summary[f"{hf}_over_ours_per_token"] = ms[hf] / ms["graph_while"]
+            summary[f"{hf}_same_tokens"] = per[hf]["same_tokens_as_eager"]
+    summary["ms_per_token_by_setup"] = {
+        setup: {r["method"]: float(r["ms_per_token"]) for r in rows if r["setup"] == setup}
+        for setup in dict.fromkeys(r["setup"] for r in rows)}
     if "torch_graph" in ms:
         summary["torch_graph_over_alias_per_token"] = ms["torch_graph"] / ms["graph_alias_device"]
         summary["torch_eager_over_alias_per_token"] = ms["torch_eager"] / ms["graph_alias_device"]
     step = next((r for r in step_rows if r["setup"] == label), None)
     if step is not None:
         summary["ours_step_us"] = float(step["ours_step_us"])
+        # a whole generation in one WHILE graph, per token, against one replayed step at the
+        # middle position: what the search adds (top-k, beam choice, reorder, stop test)
+        summary["while_per_token_over_step"] = ms["graph_while"] * 1e3 / float(step["ours_step_us"])
         if step.get("ours_kernel_sum_us") is not None:   # profiled (torch present)
             summary["ours_kernel_sum_us"] = float(step["ours_kernel_sum_us"])
             if float(step["ours_kernel_sum_us"]) > 0:
                 summary["graphed_step_over_kernel_sum"] = \
                     float(step["ours_step_us"]) / float(step["ours_kernel_sum_us"])
-        if step.get("torch_step_us") is not None:
+        if step.get("torch_step_us") is not None:   # the live-prefix graph of this length
             summary["torch_graph_step_us"] = float(step["torch_step_us"])
             summary["torch_graph_kernel_sum_us"] = float(step["torch_kernel_sum_us"])
             summary["ours_over_torch_graph_step"] = \
                 float(step["ours_step_us"]) / float(step["torch_step_us"])
+        if step.get("torch_masked_step_us") is not None:   # one graph, full cache masked
+            summary["torch_masked_graph_step_us"] = float(step["torch_masked_step_us"])
+            summary["ours_over_torch_masked_graph_step"] = \
+                float(step["ours_step_us"]) / float(step["torch_masked_step_us"])
     return summary
 
 
 # ------------------------------------------------------------------------- plot
 COLORS = {"numba_eager": "C0", "graph_copy_exact": "C1", "graph_alias_device": "C2",
-          "graph_while": "C4", "torch_eager": "C7", "torch_graph": "C3"}
+          "graph_while": "C4", "torch_eager": "C7", "torch_graph": "C3", "hf_generate": "C5",
+          "hf_compiled": "C6"}
 PHASES = [("prep_ms", "input preparation"), ("model_ms", "model step"), ("search_ms", "search")]
 
 

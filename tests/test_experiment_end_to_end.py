@@ -39,7 +39,8 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert 0 <= summary["alias_binding_fraction_of_step"] < 1
     assert summary["copy_exact_graphs"] == 2 and summary["alias_device_graphs"] == 2
     assert summary["all_ours_same_tokens"] is True
-    assert summary["while_over_alias_per_token"] > 0
+    assert summary["while_over_alias_per_token"] > 0 and summary["while_per_token_over_step"] > 0
+    assert set(summary["ms_per_token_by_setup"]["toy-1L-d8"]) == set(methods)
     for key in ("graphed_step_over_kernel_sum", "ours_over_torch_graph_step"):
         assert key in summary  # measured on a GPU only (None on the simulator)
     figure = end_to_end.plot()

@@ -120,3 +120,17 @@ def test_lstm_matches_torch():
     for k in range(2):
         np.testing.assert_allclose(state.h[k].copy_to_host(), h[k], atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(state.c[k].copy_to_host(), c[k], atol=1e-4, rtol=1e-4)
+
+
+def test_hugging_face_generate_with_our_weights_searches_by_our_rules():
+    """end_to_end's Hugging Face baselines: our state dict loads whole into GPT2LMHeadModel,
+    and its generate (beam 5, no eos) returns the tokens our search rules give (on the CPU,
+    away from float32 near-ties; the compiled variant needs a GPU and runs in end_to_end)."""
+    from experiments.hf_gpt2 import HFBeamSearch
+    from proto.models.gpt2 import random_state_dict
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64)
+    state = random_state_dict(config, seed=0)
+    search = HFBeamSearch(config, state, beam=5, compiled=False, device="cpu")
+    logits_fn = lambda tokens: reference.gpt2_logits(config, state, np.asarray(tokens))  # noqa: E731
+    prompt, want = _prompt_with_margin(lambda p: reference.beam(logits_fn, p, 5, 12), 100, (5,))
+    np.testing.assert_array_equal(search.generate(prompt, 12), want.tokens)
