@@ -9,6 +9,9 @@ time limit in one file costs that file's log, not the rest. Tests run at simulat
 shapes (PROTO_TEST_SCALE=1) and the small hypothesis profile: the tools check every access,
 so size buys nothing but time.
 
+A file gets --timeout seconds (300) and the whole run --deadline (900): what has not started
+by then is listed as not run, so the lane fits a bounded device session.
+
 Writes results/<device>/sanitize-<tool>.log (every file's output, one after another) and
 sanitize.txt: per tool and file, the tool's error count, pytest's last line and the exit
 status. Exits 1 if any tool found an error, any test failed, or any file did not finish.
@@ -57,11 +60,18 @@ def _run_file(tool: str, path: str, timeout: float) -> tuple[str, dict]:
                  "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def _run_tool(tool: str, files, timeout: float, results_dir) -> list[dict]:
+def _run_tool(tool: str, files, timeout: float, deadline: float, results_dir) -> list[dict]:
     rows = []
     with open(results_dir / f"sanitize-{tool}.log", "w") as log:
         for path in files:
-            out, row = _run_file(tool, path, timeout)
+            left = deadline - time.monotonic()
+            if left < 10:   # the whole run's time is spent: say so rather than overrun it
+                row = {"tool": tool, "file": path, "errors": None, "status": "not run",
+                       "pytest": "(the run's deadline passed first)", "seconds": 0.0}
+                rows.append(row)
+                print(_fmt(row), flush=True)
+                continue
+            out, row = _run_file(tool, path, min(timeout, left))
             log.write(f"##### {tool} {path}: exit status {row['status']}, {row['seconds']} s\n{out}\n")
             log.flush()
             rows.append(row)
@@ -83,7 +93,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("files", nargs="*", default=list(FILES))
     ap.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per tool and file")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per tool and file")
+    ap.add_argument("--deadline", type=float, default=900.0,
+                    help="seconds for the whole run; files not started by then are not run")
     args = ap.parse_args(argv)
     from proto import backend
     if backend.SIMULATOR:
@@ -91,7 +103,9 @@ def main(argv=None) -> int:
     from experiments.common import results_dir
     out = results_dir()
     with concurrent.futures.ThreadPoolExecutor(len(args.tools)) as pool:
-        rows = [r for rs in pool.map(lambda t: _run_tool(t, args.files, args.timeout, out), args.tools)
+        deadline = time.monotonic() + args.deadline
+        rows = [r for rs in pool.map(lambda t: _run_tool(t, args.files, args.timeout, deadline, out),
+                                     args.tools)
                 for r in rs]
     summary = [f"compute-sanitizer over {len(args.files)} test files, one process per tool and file "
                "(PROTO_TEST_SCALE=1, HYPOTHESIS_PROFILE=ci)"]
