@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         total = sum(r["errors"] or 0 for r in mine)
         unfinished = sum(r["errors"] is None or r["status"] != 0 for r in mine)
         summary.append(f"{tool}: ERROR SUMMARY: {total} errors over {len(mine)} files; "
-                       f"{unfinished} files failed a test, crashed or timed out")
+                       f"{unfinished} files failed a test, crashed, timed out or were not run")
     (out / "sanitize.txt").write_text("\n".join(summary) + "\n")
     print("\n".join(summary[-len(args.tools):]))
     return 0 if all(_clean(r) for r in rows) else 1
