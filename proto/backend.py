@@ -442,12 +442,22 @@ def prefix_rows(arr, axis: int, n: int) -> tuple[int, int, int]:
     return n * inner, int(np.prod(shape[:axis], dtype=np.int64)), shape[axis] * inner
 
 
+def driver_stream(stream):
+    """A driver CUstream for `stream`: 0 or None (the legacy default stream every kernel and
+    graph here runs on) or a Numba stream (its handle a driver object or a ctypes pointer)."""
+    from cuda.bindings import driver
+    if not stream:
+        return driver.CUstream(0)
+    handle = getattr(stream.handle, "value", stream.handle)
+    return driver.CUstream(int(handle or 0))
+
+
 def _raw_copy(dst: int, src: int, width: int, height: int, pitch: int, stream) -> None:
     """`height` rows of `width` bytes, `pitch` bytes apart in both, device to device."""
     from cuda.bindings import driver
     if width == 0 or height == 0:
         return
-    hstream = driver.CUstream(0 if isinstance(stream, int) else int(stream.handle))
+    hstream = driver_stream(stream)
     if height == 1 or width == pitch:
         (err,) = driver.cuMemcpyDtoDAsync(dst, src, width * height if width == pitch else width,
                                           hstream)

@@ -181,3 +181,13 @@ def test_patch_keeps_the_bound_input_alive_until_rebound():
 def test_binder_rejects_unknown_mode():
     with pytest.raises(ValueError, match=r"binding: expected one of \('copy', 'patch', 'alias'\)"):
         binding.Binder("borrow", {}, [], None)
+
+
+def test_driver_stream_takes_the_default_stream_and_both_kinds_of_numba_handle():
+    import ctypes
+    import types
+    from proto.backend import driver_stream
+    assert int(driver_stream(0)) == 0 and int(driver_stream(None)) == 0
+    assert int(driver_stream(types.SimpleNamespace(handle=12345))) == 12345
+    assert int(driver_stream(types.SimpleNamespace(handle=ctypes.c_void_p(678)))) == 678
+    assert int(driver_stream(types.SimpleNamespace(handle=ctypes.c_void_p(None)))) == 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.backend import cuda
+from proto.backend import cuda, driver_stream
 from proto.vm.liveness import BudgetError, fmt_bytes
 from proto.vm.pool import managed_bytes
 
@@ -46,18 +46,12 @@ def check_managed_fits(nbytes: int) -> None:
                           f"{fmt_bytes(total)}, at most {fmt_bytes(MANAGED_LIMIT)})")
 
 
-def _stream(stream):
-    from cuda.bindings import driver
-    handle = getattr(stream.handle, "value", stream.handle) if stream else 0
-    return driver.CUstream(int(handle or 0))
-
-
 def prefetch_managed(ptr: int, nbytes: int, stream, to_host: bool = True) -> None:
     """cuMemPrefetchAsync of managed memory to the host (or this device) on `stream`.
 
     cuda-bindings 13 takes a CUmemLocation; 12.x took a device ordinal (CU_DEVICE_CPU = host)."""
     from cuda.bindings import driver
-    hstream = _stream(stream)
+    hstream = driver_stream(stream)
     loc = driver.CUmemLocation()
     if to_host:
         loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
@@ -82,7 +76,7 @@ def _discard(ptr: int, nbytes: int, stream) -> bool:
     except (ImportError, AttributeError):
         return False
     try:
-        (err,) = fn([driver.CUdeviceptr(ptr)], [nbytes], 1, 0, _stream(stream))
+        (err,) = fn([driver.CUdeviceptr(ptr)], [nbytes], 1, 0, driver_stream(stream))
     except (TypeError, RuntimeError):
         return False
     return err == driver.CUresult.CUDA_SUCCESS
