@@ -201,8 +201,7 @@ def _torch(case: _Case) -> list[dict]:
     if backend.SIMULATOR or not torch.cuda.is_available() or case.cfg.width != 1.0:
         return []
     nn = torch.nn
-    torch.backends.cudnn.allow_tf32 = False         # float32 math, as our kernels
-    torch.backends.cuda.matmul.allow_tf32 = False
+    common.no_tf32()   # float32 math, as our kernels
     cfg = case.cfg
     side, hidden = cfg.image_size // 32, cfg.hidden or vgg.HIDDEN
     x = torch.from_numpy(case.images).cuda()
@@ -235,7 +234,7 @@ def _torch(case: _Case) -> list[dict]:
         loss = step().detach().cpu().numpy().reshape(1)
         got = {"loss": loss, **{f"{k}.grad": p.grad.detach().cpu().numpy()
                                 for k, p in model.named_parameters()}}
-        t = timing.bench_host(step, warmup=1, reps=SIZES["full"]["reps"])
+        t = timing.bench_host(step, warmup=1, reps=case.spec["reps"])
         rows.append(case.row(policy, None, t, got, torch_peak_bytes=torch.cuda.max_memory_allocated()))
     model.cpu()
     torch.cuda.empty_cache()

@@ -147,6 +147,14 @@ def save_figure(fig, name: str, device: str | None = None) -> pathlib.Path:
     return path
 
 
+def no_tf32() -> None:
+    """PyTorch's float32 must mean float32 beside our kernels: TF32 matmuls and convolutions
+    would differ by ~1e-3 and run on other units."""
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def torch_cuda_graph(fn, pool=None):
     """Capture `fn()` (PyTorch ops) as a torch.cuda.CUDAGraph; returns (graph, fn's result).
     `pool`: a graph_pool_handle() to share with other graphs (None: the graph's own pool).

@@ -3,7 +3,8 @@
 Serving every length of a generation with graphs means one graph per length, and every graph
 can hold memory twice: the buffers its kernels read and write (a private memory pool per
 graph in PyTorch by default) and the driver's executable (every node's parameters and
-launch descriptors), whichever of the two the driver actually takes from the GPU. Grape reports up to 36.43x less GPU memory than PyTorch CUDA graphs.
+launch descriptors), whichever of the two the driver actually takes from the GPU. Grape
+reports up to 36.43x less GPU memory than PyTorch CUDA graphs.
 
 Workloads:
   GPT-2 small (12 layers, d=768, vocab 50257, random float32 weights), beam search with beam

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 import transformers
 
+from experiments import common
 from proto.models.gpt2 import GPT2Config, load_state_dict
 
 
 def hf_model(config: GPT2Config, state_dict, device: str = "cuda"):
     """GPT2LMHeadModel with our weights: every parameter loaded, the head tied to wte."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    common.no_tf32()
     hf_config = transformers.GPT2Config(
         n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
         vocab_size=config.vocab_size, n_positions=config.n_positions,

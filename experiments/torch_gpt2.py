@@ -39,18 +39,12 @@ from proto.models import generate
 from proto.models.gpt2 import LN_EPS, GPT2Config, KVCache, load_state_dict
 
 
-def _no_tf32() -> None:
-    """float32 must mean float32: TF32 matmuls would differ from our kernels by ~1e-3."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
 class TorchGPT2:
     """GPT-2 forward over a static KV cache for `batch` sequences of up to `max_len` positions."""
 
     def __init__(self, config: GPT2Config, state_dict, *, batch: int, max_len: int,
                  device: str = "cuda"):
-        _no_tf32()
+        common.no_tf32()
         self.config, self.batch, self.max_len = config, batch, max_len
         p = {k: torch.from_numpy(v).to(device) for k, v in load_state_dict(config, state_dict).items()}
         self.wte, self.wpe = p["transformer.wte.weight"], p["transformer.wpe.weight"]

@@ -88,7 +88,6 @@ def gather_batch_ref(src: np.ndarray, index: np.ndarray) -> np.ndarray:
     return src[index]
 
 
-
 # ---------------------------------------------------------------------------- kernels
 _ATT_ARGS = ("float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], "
              "float32[:, :, ::1], int32, float32[:, :, :, ::1], float32[:, :, :, ::1]")

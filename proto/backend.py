@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import inspect
+import math
 import os
 import sys
 import weakref
@@ -393,10 +394,10 @@ def view_at(base, offset: int, like):
     return DeviceNDArray(like.shape, like.strides, like.dtype, gpu_data=base.gpu_data.view(offset))
 
 
-def device_copy(dst, src, stream=0, *, prefix: tuple[int, int] | None = None) -> None:
+def device_copy(dst, src, stream=0, *, prefix: tuple[int, int] | None = None) -> int:
     """Copy equal-shaped C-contiguous arrays, queued on `stream` (0: the default stream, which
     every kernel and graph of this project runs on unless told otherwise). Device to device,
-    or one side a host array: pinned, so the copy is asynchronous.
+    or one side a host array: pinned, so the copy is asynchronous. Returns the bytes copied.
 
     prefix=(axis, n): only the elements whose index along `axis` is below n (a KV cache's live
     positions): one strided copy of prod(shape[:axis]) rows. Device to device only.
@@ -416,18 +417,19 @@ def device_copy(dst, src, stream=0, *, prefix: tuple[int, int] | None = None) ->
         if SIMULATOR:
             index = (slice(None),) * prefix[0] + (slice(0, prefix[1]),)
             dst._ary[index] = src._ary[index]
-            return
-        _raw_copy(address(dst), address(src), width, height, pitch, stream)
-        return
-    if not SIMULATOR and is_device_array(dst) and is_device_array(src) and src.nbytes:
+        else:
+            _raw_copy(address(dst), address(src), width, height, pitch, stream)
+        return width * height
+    if not SIMULATOR and is_device_array(dst) and is_device_array(src):
         _raw_copy(address(dst), address(src), src.nbytes, 1, src.nbytes, stream)
-        return
+        return src.nbytes
     if not SIMULATOR and isinstance(stream, int):
         stream = cuda.default_stream()
     if is_device_array(dst):
         dst.copy_to_device(src, stream=stream)
     else:
         src.copy_to_host(dst, stream=stream)
+    return src.nbytes
 
 
 def prefix_rows(arr, axis: int, n: int) -> tuple[int, int, int]:
@@ -438,8 +440,8 @@ def prefix_rows(arr, axis: int, n: int) -> tuple[int, int, int]:
         raise ValueError(f"prefix: axis {axis} is outside an array of {len(shape)} dimensions")
     if not 0 <= n <= shape[axis]:
         raise ValueError(f"prefix: length {n} is outside [0, {shape[axis]}] along axis {axis}")
-    inner = int(np.prod(shape[axis + 1:], dtype=np.int64)) * arr.dtype.itemsize
-    return n * inner, int(np.prod(shape[:axis], dtype=np.int64)), shape[axis] * inner
+    inner = math.prod(shape[axis + 1:]) * arr.dtype.itemsize   # Python ints: no overflow
+    return n * inner, math.prod(shape[:axis]), shape[axis] * inner
 
 
 def driver_stream(stream):
@@ -458,9 +460,8 @@ def _raw_copy(dst: int, src: int, width: int, height: int, pitch: int, stream) -
     if width == 0 or height == 0:
         return
     hstream = driver_stream(stream)
-    if height == 1 or width == pitch:
-        (err,) = driver.cuMemcpyDtoDAsync(dst, src, width * height if width == pitch else width,
-                                          hstream)
+    if height == 1 or width == pitch:   # one contiguous run
+        (err,) = driver.cuMemcpyDtoDAsync(dst, src, width * height, hstream)
     else:
         p = driver.CUDA_MEMCPY2D()
         p.srcMemoryType = p.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE

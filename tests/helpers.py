@@ -50,3 +50,18 @@ def assert_identical(got, want, label):
     for name in want:
         assert np.array_equal(got[name], want[name]), f"{label}: {name} differs"
         assert np.isfinite(want[name]).all()
+
+
+def spy_on_plan_visits(monkeypatch) -> dict:
+    """Every plan visitor's actions, by visitor class name, as `walk` hands them over: how
+    the tests show that the checker, the cost model and an executor read the same plan."""
+    from proto.vm.walk import Visitor
+    seen: dict[str, list] = {}
+    visit = Visitor.visit
+
+    def spy(self, act, at):
+        seen.setdefault(type(self).__name__, []).append((at.slot, at.op, act))
+        visit(self, act, at)
+
+    monkeypatch.setattr(Visitor, "visit", spy)
+    return seen

@@ -18,8 +18,8 @@ from proto.vm import (BudgetError, Executor, Link, Liveness, ManagedExecutor, Pl
 from proto.vm.actions import Action
 from proto.vm.residency import PageLedger, layout
 from proto.vm.synthetic import cnn_tape
-from proto.vm.walk import At, Visitor
-from tests.helpers import assert_identical, run_plan
+from proto.vm.walk import At
+from tests.helpers import assert_identical, run_plan, spy_on_plan_visits
 
 
 @given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc", "cpccpcc"]), width=st.integers(1, 3),
@@ -143,14 +143,7 @@ def test_checker_cost_model_ledger_and_managed_replay_see_the_same_actions(monke
     budget = Liveness(tape).budget_between(0.3)
     p = plan_for_pages(tape, budget, page_bytes=256, op_seconds=seconds, link=Link(1e6, 1e6),
                        recompute=True)
-    seen: dict[str, list] = {}
-    visit = Visitor.visit
-
-    def spy(self, act, at):
-        seen.setdefault(type(self).__name__, []).append((at.slot, at.op, act))
-        visit(self, act, at)
-
-    monkeypatch.setattr(Visitor, "visit", spy)
+    seen = spy_on_plan_visits(monkeypatch)
     validate(tape, p)
     estimate_seconds(tape, p, seconds, Link(1e6, 1e6))
     with ManagedExecutor(tape, p, budget=budget, page_bytes=256) as ex:   # checks pages again

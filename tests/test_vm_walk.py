@@ -8,6 +8,7 @@ from proto.vm import Executor, Link, Liveness, estimate_seconds, plan, validate
 from proto.vm.actions import Action
 from proto.vm.walk import Visitor, walk
 from proto.vm.synthetic import cnn_tape
+from tests.helpers import spy_on_plan_visits
 
 
 def _busy_plan():
@@ -71,14 +72,7 @@ def test_each_action_reaches_the_method_of_its_kind_and_no_other():
 
 def test_checker_cost_model_and_executor_see_the_same_actions(monkeypatch):
     tape, init, seconds, p = _busy_plan()
-    seen: dict[str, list] = {}
-    visit = Visitor.visit
-
-    def spy(self, act, at):
-        seen.setdefault(type(self).__name__, []).append((at.slot, at.op, act))
-        visit(self, act, at)
-
-    monkeypatch.setattr(Visitor, "visit", spy)
+    seen = spy_on_plan_visits(monkeypatch)
     validate(tape, p)
     estimate_seconds(tape, p, seconds, Link(1e6, 1e6))
     with Executor(tape, p) as ex:   # validates again: the checker's log counts twice

@@ -171,13 +171,7 @@ class Binder:
             placeholder = self.placeholders[name]
             if address(x) == address(placeholder):
                 continue
-            prefix = live.get(name)
-            device_copy(placeholder, x, prefix=prefix)
-            if prefix is None:
-                self.bytes_issued += x.nbytes
-            else:
-                width, rows, _ = prefix_rows(x, *prefix)
-                self.bytes_issued += width * rows
+            self.bytes_issued += device_copy(placeholder, x, prefix=live.get(name))
 
     def _alias(self, inputs: dict, live: dict) -> None:
         for name, x in inputs.items():

@@ -36,6 +36,7 @@ from proto import backend
 from proto.backend import ALIGN, address, align_up, cuda, extent, view_at
 from proto.graph.ir import Conditional, Description
 
+
 class PlanError(AssertionError):
     """A plan that breaks one of its invariants (validate)."""
 

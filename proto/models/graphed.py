@@ -338,15 +338,16 @@ class GraphedGPT2(_Graphed):
             raise ValueError(f"tokens: a decode step takes 1 token per sequence, got {T} "
                              "(a prompt goes through reset(prompt_len) and the first call)")
         self._use_capacity(self._capacity_for(length))
+        prefix = None   # only copy binding moves bytes, so only it needs the live prefix
         if self.binding == "copy":
             live = self._sets[self._capacity][1 if self._pending else 0]
             self._pending = False
+            # A step reads positions [:position] of the cache (it writes position `position`
+            # itself), so copy binding moves that prefix, as a framework user would slice it.
+            prefix = {name: (2, self._position) for name in self._cache_names}
         else:
             live = cache
         g = self._graphs[cache.index if self.binding == "alias" else 0].graph(length)
-        # A step reads positions [:position] of the cache (it writes position `position`
-        # itself), so copy binding moves that prefix, as a framework user would slice it.
-        prefix = {name: (2, self._position) for name in self._cache_names}
         logits = g.replay(live=prefix, **self._inputs(tokens, pos, live))
         self._position = length
         if self.shared is not None and length < self.max_len:

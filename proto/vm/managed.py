@@ -81,8 +81,8 @@ class ManagedExecutor(StepRunner):
         self.ledger = PageLedger(tape, self.layout, plan.budget if budget is None else budget)
         self.planned_peak_pages = self.ledger.check(plan)
         self.arena, self.mem = um.managed_arena(max(self.layout.arena_bytes, page_bytes), managed)
-        self.views = {name: self.arena[off:off + tape.tensors[name].nbytes]
-                      .view(tape.tensors[name].dtype).reshape(tape.tensors[name].shape)
+        self.views = {name: backend.view_at(self.arena, off, backend.Layout(
+                          tape.tensors[name].shape, tape.tensors[name].dtype))
                       for name, off in self.layout.offsets.items()}
         self.current.update({name: self.views[name] for name in plan.persistent})
         self._io_in: set[str] = set()   # homed tensors host I/O brought to the device
