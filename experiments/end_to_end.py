@@ -21,7 +21,8 @@ top-k and host choice of beams are identical for every method), except the WHILE
   hf_generate / hf_compiled   Hugging Face's GPT2LMHeadModel and its own generate (beam 5,
                       no eos): eager with the default cache, what a user gets by default; and
                       torch.compile(mode="reduce-overhead") with the static cache, the
-                      strongest a user would pick (experiments/hf_gpt2.py; GPU only). Their
+                      strongest a user would pick (experiments/hf_gpt2.py, in a process of
+                      its own, PyTorch's alone; GPU only). Their
                       tokens are compared too; they can differ only at float32 near-ties.
 
 Per method: a short warm-up generation (first-call costs), `reps` whole generations timed
@@ -152,8 +153,8 @@ class _HF(_Method):
     graphs are shaped by the generation length."""
 
     def __init__(self, config, state_dict, beam: int, compiled: bool):
-        from experiments.hf_gpt2 import HFBeamSearch
-        self.search = HFBeamSearch(config, state_dict, beam=beam, compiled=compiled)
+        from experiments.hf_gpt2 import HFChild   # its own process, as a user runs it
+        self.search = HFChild(config, state_dict, beam=beam, compiled=compiled)
 
     def warmup(self, prompt, new: int) -> None:
         self.search.generate(prompt, new if self.search.compiled else min(8, new))

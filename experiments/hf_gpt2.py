@@ -14,8 +14,21 @@ best final beam: the rules of proto.models.generate.beam_search, so the tokens c
 
 Only the host sees tokens here: prompt in, tokens out (NumPy), so the module runs on the CPU
 too (tests, without compiling).
+
+`HFChild` runs the search in a child process (`python -m experiments.hf_gpt2 --serve`), as a
+Hugging Face user runs it: a process of PyTorch's alone, with no Numba context beside it.
+torch.compile's CUDA graphs died with a segmentation fault in the process that also held our
+graphs; in a child, a crash costs that method, not the run.
 """
 from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -68,3 +81,82 @@ class HFBeamSearch:
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+
+class HFChild:
+    """HFBeamSearch in a child process: the same `generate(prompt, new)` -> tokens; the child
+    loads the parent's weights from a file. A child that dies raises RuntimeError with its
+    exit status (its traceback is on stderr)."""
+
+    def __init__(self, config: GPT2Config, state_dict, *, beam: int, compiled: bool,
+                 device: str = "cuda"):
+        self.compiled = compiled
+        self._folder = tempfile.TemporaryDirectory()
+        weights = pathlib.Path(self._folder.name, "weights.npz")
+        np.savez(weights, **state_dict)
+        spec = {"config": dataclasses.asdict(config), "beam": beam, "compiled": compiled,
+                "device": device, "weights": str(weights)}
+        repo = str(pathlib.Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "experiments.hf_gpt2", "--serve", json.dumps(spec)],
+            cwd=repo, env={**os.environ, "PYTHONPATH": path, "PROTO_QUIET": "1"},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._ask({"ready": True})
+
+    def _ask(self, request: dict) -> dict:
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            status = self._proc.wait()
+            raise RuntimeError(f"the Hugging Face child process died (exit status {status}"
+                               f"{', signal ' + str(-status) if status < 0 else ''})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"the Hugging Face child process: {reply['error']}")
+        return reply
+
+    def generate(self, prompt, new: int) -> np.ndarray:
+        reply = self._ask({"prompt": np.asarray(prompt).tolist(), "new": int(new)})
+        return np.asarray(reply["tokens"], np.int64)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._folder.cleanup()
+
+
+def _serve(spec: dict) -> None:
+    """The child: one HFBeamSearch; a JSON request per stdin line, a JSON reply per line on
+    the real stdout (anything the libraries print goes to stderr)."""
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout = sys.stderr
+    with np.load(spec["weights"]) as f:
+        state_dict = {k: f[k] for k in f.files}
+    search = HFBeamSearch(GPT2Config(**spec["config"]), state_dict, beam=spec["beam"],
+                          compiled=spec["compiled"], device=spec["device"])
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            reply = {"ready": True} if request.get("ready") else \
+                {"tokens": search.generate(request["prompt"], request["new"]).tolist()}
+        except Exception as exc:   # noqa: BLE001  the parent raises it, with its message
+            reply = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+    search.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--serve":
+        sys.exit("usage: python -m experiments.hf_gpt2 --serve SPEC_JSON (HFChild starts it)")
+    _serve(json.loads(sys.argv[2]))

@@ -1,5 +1,6 @@
 """Warp-wide reductions shared by kernels: a shuffle butterfly on the GPU, a shared-memory
-stand-in on the simulator (which has no shuffles)."""
+stand-in on the simulator (which has no shuffles); and a block barrier that reconverges the
+warp first."""
 from __future__ import annotations
 
 import threading
@@ -10,6 +11,21 @@ from proto.backend import SIMULATOR, cuda
 
 FULL_MASK = 0xFFFFFFFF
 MAX_THREADS = 1024  # threads per block, at most
+
+if SIMULATOR:   # the simulator's threads are never a warp: the barrier alone
+    @cuda.jit(device=True)
+    def converged_syncthreads():
+        cuda.syncthreads()
+else:
+    @cuda.jit(device=True)
+    def converged_syncthreads():
+        """syncthreads() after data-dependent branches. Numba's barrier is bar.sync, the
+        .aligned form, which needs every thread of a warp to arrive at it together, and the
+        compiler need not reconverge a warp that branched per thread (compute-sanitizer's
+        synccheck: "divergent thread(s) in warp"). syncwarp reconverges it first."""
+        cuda.syncwarp(FULL_MASK)
+        cuda.syncthreads()
+
 
 if SIMULATOR:
     @cuda.jit(device=True)

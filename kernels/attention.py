@@ -89,6 +89,17 @@ def gather_batch_ref(src: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernels
+@cuda.jit(device=True)
+def _empty_split(part_o, part_ml, bh, t, split, tid, hd):
+    """Write an empty split's partials (max -inf, sum 0, output 0). The combine kernel loads
+    every split before it knows which hold positions; these keep those loads defined."""
+    for d in range(tid, hd, cuda.blockDim.x):
+        part_o[bh, t, split, d] = ZERO
+    if tid == 0:
+        part_ml[bh, t, split, 0] = NEG_INF
+        part_ml[bh, t, split, 1] = ZERO
+
+
 _ATT_ARGS = ("float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], "
              "float32[:, :, ::1], int32, float32[:, :, :, ::1], float32[:, :, :, ::1]")
 
@@ -152,15 +163,18 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
             if cuda.gridDim.z == 1:
                 for d in range(tid, hd, cuda.blockDim.x):
                     out[b, t, h * hd + d] = NAN
-            return  # (with S > 1 the combine kernel writes the NaN)
+            else:   # the combine kernel writes the NaN; it still loads this split
+                _empty_split(part_o, part_ml, bh, t, split, tid, hd)
+            return
         if split == 0:  # token t's k, v into the caches; attention reads them from qkv
             for d in range(tid, hd, cuda.blockDim.x):
                 k_cache[b, h, p0 + t, d] = qkv[b, t, C + h * hd + d]
                 v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
         lo = split * span
         hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
-        if lo >= hi:
-            return  # this split lies wholly after the query; the combine kernel skips it
+        if lo >= hi:   # wholly after the query: the combine kernel loads it and skips it,
+            _empty_split(part_o, part_ml, bh, t, split, tid, hd)   # so it must hold values
+            return
         hd_last = _u(hd - 1)
         qk, qv = _u(C + h * hd), _u(2 * C + h * hd)  # this head's k, v columns in qkv
         m = NEG_INF    # this warp's running max (uniform over the warp)

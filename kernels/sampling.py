@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from kernels import _check
+from kernels._reduce import converged_syncthreads
 from proto.backend import cuda, jit, launch
 
 KMAX = 8                  # local arrays are sized by this; k is a runtime argument up to it
@@ -105,7 +106,7 @@ def _merge_block(tv, ti, k, out_v, out_i):
     for q in range(k):
         sv[tid * k + q] = tv[q]
         si[tid * k + q] = ti[q]
-    cuda.syncthreads()
+    converged_syncthreads()
     s = 1
     while s < n:
         # Slot t is written only by thread t; at this level it is read only by thread t - s,
@@ -115,7 +116,7 @@ def _merge_block(tv, ti, k, out_v, out_i):
             for q in range(k):
                 sv[tid * k + q] = tv[q]
                 si[tid * k + q] = ti[q]
-        cuda.syncthreads()
+        converged_syncthreads()
         s *= 2
     if tid == 0:
         for q in range(k):
@@ -136,8 +137,8 @@ def topk_blocks_kernel(x, k, cand_v, cand_i):
         tv[q] = NEG_INF
         ti[q] = SENTINEL
     # The loop runs over the block's first element, not the thread's, so every thread of the
-    # block makes the same trips and the warp is converged at the merge's barriers (a barrier
-    # after per-thread trip counts relies on the compiler to reconverge the warp first).
+    # block makes the same trips (the merge's barriers still reconverge the warp: _insert
+    # branches per thread).
     stride = cuda.gridDim.x * cuda.blockDim.x
     for base in range(blk * cuda.blockDim.x, x.shape[1], stride):
         c = base + cuda.threadIdx.x

@@ -134,3 +134,22 @@ def test_hugging_face_generate_with_our_weights_searches_by_our_rules():
     logits_fn = lambda tokens: reference.gpt2_logits(config, state, np.asarray(tokens))  # noqa: E731
     prompt, want = _prompt_with_margin(lambda p: reference.beam(logits_fn, p, 5, 12), 100, (5,))
     np.testing.assert_array_equal(search.generate(prompt, 12), want.tokens)
+
+
+def test_hugging_face_child_process_returns_what_the_search_gives_and_reports_its_death():
+    """end_to_end runs the Hugging Face baselines in a child process (HFChild): it returns
+    the in-process search's tokens, and a child that dies raises with its exit status."""
+    from experiments.hf_gpt2 import HFBeamSearch, HFChild
+    from proto.models.gpt2 import random_state_dict
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=16)
+    state = random_state_dict(config, seed=1)
+    prompt = np.array([3, 7, 1], np.int32)
+    want = HFBeamSearch(config, state, beam=3, compiled=False, device="cpu").generate(prompt, 4)
+    child = HFChild(config, state, beam=3, compiled=False, device="cpu")
+    try:
+        np.testing.assert_array_equal(child.generate(prompt, 4), want)
+        child._proc.kill()
+        with pytest.raises(RuntimeError, match=r"child process died \(exit status -9, signal 9\)"):
+            child.generate(prompt, 4)
+    finally:
+        child.close()

@@ -141,7 +141,7 @@ class _Lowered:
                 params = [address(dst), address(src), dst.nbytes]
                 first = handle = start.memcpy(*params)
             elif isinstance(node, Conditional):
-                first, handle = self._lower_conditional(target, start, node)
+                first, handle = self._lower_conditional(start, node)
                 params = None   # bodies are not patched (capture refuses patch binding)
             else:
                 raise NotImplementedError(f"CUDA executor: no lowering for {type(node).__name__}")
@@ -151,11 +151,13 @@ class _Lowered:
             all_params.append(params)
         return handles, all_params
 
-    def _lower_conditional(self, target, start, node: Conditional):
+    def _lower_conditional(self, start, node: Conditional):
         """set-condition kernel -> IF/WHILE node; a WHILE body ends by setting it again.
         Returns (first graph node, the node successors wait for)."""
         flag = node.args[0]
-        condition = target.create_condition(default_value=0)
+        # Every handle belongs to the whole graph (allowed for a node at any depth), so a
+        # nested IF or WHILE does not own one in the body that holds it.
+        condition = self.definition.create_condition(default_value=0)
         handle = int(condition.handle)
         if node.loop:
             setter = start.launch(*_condition_launch("start", flag, node.passes, 0, handle))
