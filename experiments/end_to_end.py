@@ -325,6 +325,33 @@ def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max
 
 
 # ------------------------------------------------------------------------- run
+def _measure(method: str, live: dict, model, state_dict, cfg: dict, max_len: int, prompt,
+             new: int, want):
+    """One method's row: built (into `live`, closed by the caller), warmed up, `reps` whole
+    generations timed, then one with every phase synchronized. Returns (row, tokens); the
+    row's same_tokens_as_eager compares with `want` (None: this method is the first)."""
+    t0 = time.perf_counter()
+    m = live[method] = _make(method, model, state_dict, cfg["beam"], max_len, cfg["build_all"])
+    setup_s = time.perf_counter() - t0
+    m.warmup(prompt, new)
+    out = []
+    t = timing.bench_host(lambda: out.append(m.generate(prompt, new, False)),
+                          warmup=0, reps=cfg["reps"])
+    steps = out[0].times.steps
+    gen = m.generate(prompt, new, True)     # once more, every phase synchronized
+    want = gen.tokens if want is None else want
+    return {"tokens": gen.times.steps, "method": method,
+            "ms_per_token": round(t.median_ms / steps, 4),
+            "p10_ms_per_token": round(t.p10_ms / steps, 4),
+            "p90_ms_per_token": round(t.p90_ms / steps, 4), "reps": t.reps,
+            **{k: round(v, 4) for k, v in gen.times.per_token_ms().items()},
+            "same_tokens_as_eager": all(np.array_equal(g.tokens, want) for g in (gen, *out)),
+            "setup_s": round(setup_s, 3),
+            **{k: None for k in ("graphs", "reorder_graphs", "graph_nodes", "graph_memory_mib",
+                                 "bytes_copied_per_step", "bind_us_per_step")},
+            **m.info()}, gen.tokens
+
+
 def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     beam, prompt_len = cfg["beam"], cfg["prompt_len"]
@@ -341,43 +368,23 @@ def run(size: str = "toy") -> None:
         new = max_len - prompt_len + 1  # the last token generated is never fed back
         live, want = {}, None
         for method in methods:
-            t0 = time.perf_counter()
             try:
-                m = live[method] = _make(method, model, state_dict, beam, max_len,
-                                         cfg["build_all"])
-                setup_s = time.perf_counter() - t0
-                m.warmup(prompt, new)
+                row, tokens = _measure(method, live, model, state_dict, cfg, max_len, prompt, new,
+                                       want)
             except Exception as exc:   # noqa: BLE001  only where the issue allows: see below
                 if method != "hf_compiled":
                     raise
-                # torch.compile depends on the machine's compiler stack; where it fails, the
-                # row is left out and the summary says why, rather than the run dying.
+                # torch.compile depends on the machine's compiler stack and has crashed its
+                # process here; where it fails, the row is left out and the summary says why,
+                # rather than the run dying.
                 unavailable[f"{label}/{method}"] = f"{type(exc).__name__}: {exc}"[:300]
                 common.report(NAME, {"setup": label, "method": method,
                                      "unavailable": unavailable[f"{label}/{method}"]})
                 bar.update(1)
                 continue
-            out = []
-            t = timing.bench_host(lambda: out.append(m.generate(prompt, new, False)),
-                                  warmup=0, reps=cfg["reps"])
-            steps = out[0].times.steps
-            gen = m.generate(prompt, new, True)     # once more, every phase synchronized
-            phases = gen.times.per_token_ms()
-            want = gen.tokens if want is None else want
+            want = tokens if want is None else want
             rows.append({"setup": label, "n_layer": config.n_layer, "n_embd": config.n_embd,
-                         "beam": beam, "prompt_len": prompt_len, "max_len": max_len,
-                         "tokens": gen.times.steps, "method": method,
-                         "ms_per_token": round(t.median_ms / steps, 4),
-                         "p10_ms_per_token": round(t.p10_ms / steps, 4),
-                         "p90_ms_per_token": round(t.p90_ms / steps, 4), "reps": t.reps,
-                         **{k: round(v, 4) for k, v in phases.items()},
-                         "same_tokens_as_eager": all(np.array_equal(g.tokens, want)
-                                                     for g in (gen, *out)),
-                         "setup_s": round(setup_s, 3),
-                         **{k: None for k in ("graphs", "reorder_graphs", "graph_nodes",
-                                              "graph_memory_mib",
-                                              "bytes_copied_per_step", "bind_us_per_step")},
-                         **m.info(),
+                         "beam": beam, "prompt_len": prompt_len, "max_len": max_len, **row,
                          "torch_logit_error": round(torch_error, 8)
                          if "torch_eager" in methods else None})
             common.report(NAME, rows[-1])

@@ -122,10 +122,14 @@ def check_beam_search(model, prompt, beam: int, new: int, executor=None, combos=
             stats = g.stats()
             if binding != "copy":
                 assert stats.bytes_copied == 0, where
-            elif steps > 1:  # a reordered step copies the reorder's whole KV cache set
-                cache = 2 * config.n_layer * beam * config.n_embd * 4 * \
-                    min(shapes.key_for(len(prompt) + 1, keys), need)
-                assert stats.bytes_copied >= cache, where
+            else:   # every step copies its tokens (int32), the position (unless the graph
+                # bakes it) and the KV cache's live prefix: the positions before the step, k
+                # and v of every layer, as a framework user slices them
+                first = len(prompt) - 1     # the prompt's other tokens are the prefill
+                per_run = sum(4 * beam + (0 if strategy == "exact" else 4)
+                              + 2 * config.n_layer * beam * config.n_embd * 4 * p
+                              for p in range(first, first + steps))
+                assert stats.bytes_copied == per_run * stats.replays // steps, where
 
 
 def check_greedy(model, prompt, new: int, executor=None, combos=COMBOS, build_all=False):

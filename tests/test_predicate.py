@@ -219,6 +219,31 @@ def test_a_predicated_top_level_loop_relaunches_every_k_passes_and_keeps_its_bou
         g.close()
 
 
+def test_the_scope_flags_a_predicated_graph_writes_live_as_long_as_the_graph(monkeypatch):
+    # Only the lowered nodes refer to the scope flags; a CUDA graph bakes their addresses, so
+    # its executor must hold them (compute-sanitizer caught a write into a freed one).
+    import gc
+    import weakref
+    from proto.graph import predicate
+    made = []
+    scope = predicate._Lowering._scope
+    monkeypatch.setattr(predicate._Lowering, "_scope",
+                        lambda self: made.append(weakref.ref(a := scope(self))) or a)
+    # a top-level IF (a straight stretch: its flags were referenced by nothing the executor
+    # kept) and a loop with an IF inside
+    m = Machine([("if", 1, [("add", 0, 1)]), ("while", 0, [("if", 1, [("add", 0, 1)])])])
+    for executor in EXECUTORS:
+        made.clear()
+        m.set([0, 1, 0, 0], [2, 0, 0, 0])
+        g = graph.capture(m.step, {}, warmup=0, executor=executor, control="predicated",
+                          unroll=2)
+        gc.collect()
+        assert made and all(ref() is not None for ref in made), executor
+        g.replay()
+        assert m.acc.copy_to_host()[0] == 3, executor
+        g.close()
+
+
 def test_predication_refuses_what_it_cannot_lower():
     host = cuda.pinned_array(4, np.float32)
     x, flag = dev(np.zeros(4, np.float32)), dev(np.ones(1, np.int32))

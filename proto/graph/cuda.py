@@ -112,6 +112,10 @@ class _Lowered:
         from cuda.core.graph import GraphDefinition
         cuda.current_context()  # Numba's primary context is the one cuda.core launches into
         self.definition = GraphDefinition()
+        # The graph bakes the addresses of the description's arrays: it holds them, so none
+        # is freed while the graph can still write it (predication's scope flags, say, are
+        # referenced by nothing else).
+        self.description = description
         # Every WHILE's pass counter starts each replay at zero, before anything else runs: a
         # loop inside an IF that does not run this time must not report last replay's count.
         self.loops = _loops(description)
