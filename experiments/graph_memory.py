@@ -56,6 +56,7 @@ from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict as lstm_weig
 
 NAME = "graph_memory"
 GRAPE_REPORTED = 36.43   # Grape's headline: up to this much less GPU memory than PtGraph
+FLOOR_MIB = 1e-2         # where the figure's log axis draws a measured 0
 METHODS = ["ptgraph_private", "ptgraph_shared_pool", "ours_unplanned", "ours_planned",
            "ours_planned_shared", "ours_device"]
 SIZES = {
@@ -405,6 +406,7 @@ def run(size: str = "toy") -> None:
 def plot(device: str | None = None):
     rows = common.read_csv(NAME, device)
     curve = [r for r in common.read_csv(f"{NAME}_curve", device) if r["method"]]
+    summary = common.read_summary(NAME, device)
     fig, axes = common.new_figure(rows, 2, 2, figsize=(12, 8),
                                   gridspec_kw={"width_ratios": [1.6, 1]})
     for i, model in enumerate(("gpt2", "lstm")):
@@ -416,11 +418,18 @@ def plot(device: str | None = None):
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            ax.plot(xs, [max(y, 1e-2) for y in ys], marker="o", ms=3, color=COLORS[r["method"]],
-                    label=r["method"].replace("_", " "))
+            ax.plot(xs, [max(y, FLOOR_MIB) for y in ys], marker="o", ms=3,
+                    color=COLORS[r["method"]], label=r["method"].replace("_", " "))
             if r["extrapolated"] == "True":
                 ax.plot([xs[-1], int(r["shapes_served"])], [ys[-1], float(r["memory_mib"])],
                         ls="--", color=COLORS[r["method"]], label="  (extrapolated)")
+        # free memory moves in 2 MiB steps: a method that took less reads 0, drawn at the floor
+        ax.axhline(2, ls=":", lw=1, color="0.5",
+                   label=f"2 MiB step of the measurement (0 read is drawn at {FLOOR_MIB})")
+        if model == "gpt2" and summary.get("ours_memory_from_parts_mib"):
+            ax.plot([int(mine[0]["shapes_served"])], [summary["ours_memory_from_parts_mib"]],
+                    marker="*", ms=11, ls="", color=COLORS["ours_planned_shared"],
+                    label="ours planned shared, from parts (arena + K executables)")
         ax.set_yscale("log")
         ax.set_xlabel("lengths served" if model == "gpt2" else "batch sizes served")
         ax.set_ylabel("GPU memory held by the graphs (MiB, log)")

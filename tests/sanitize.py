@@ -100,15 +100,17 @@ def main(argv=None) -> int:
     from proto import backend
     if backend.SIMULATOR:
         sys.exit("sanitize: needs a real CUDA device (compute-sanitizer checks GPU code)")
-    from experiments.common import results_dir
+    from experiments.common import provenance, results_dir
     out = results_dir()
+    made = provenance()   # the device, versions, commit and date the logs belong to
     with concurrent.futures.ThreadPoolExecutor(len(args.tools)) as pool:
         deadline = time.monotonic() + args.deadline
         rows = [r for rs in pool.map(lambda t: _run_tool(t, args.files, args.timeout, deadline, out),
                                      args.tools)
                 for r in rs]
     summary = [f"compute-sanitizer over {len(args.files)} test files, one process per tool and file "
-               "(PROTO_TEST_SCALE=1, HYPOTHESIS_PROFILE=ci)"]
+               "(PROTO_TEST_SCALE=1, HYPOTHESIS_PROFILE=ci)",
+               ", ".join(f"{k}={v}" for k, v in made.items())]
     summary += [_fmt(r) for r in rows]
     for tool in args.tools:
         mine = [r for r in rows if r["tool"] == tool]
