@@ -63,6 +63,11 @@ class HFBeamSearch:
         self.beam, self.compiled, self.device = beam, compiled, device
         self.model = hf_model(config, state_dict, device)
         if compiled:
+            # Inductor's static CUDA launcher died with a segmentation fault on the H200 (torch
+            # 2.11) while CUDA graph trees recorded the second generation; Triton's own
+            # launcher does the same launches. Replays launch neither.
+            import torch._inductor.config as inductor
+            inductor.use_static_cuda_launcher = False
             self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead",
                                                fullgraph=True)
 
