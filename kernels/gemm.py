@@ -4,6 +4,9 @@ Two kernel families, chosen by `gemm` from the shapes:
 
 - `gemm_tiled_kernel`, for any shape: 64 x 64 output tiles, K consumed 16 at a time through
   shared memory, a 4 x 4 register block per thread (each staged value feeds 4 products).
+  Where the tiles alone make fewer blocks than two per SM (skinny products: an LSTM step's
+  9..64 rows), K is split as in the decode path and the partial tiles are summed in order
+  (`tiled_plan`).
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
   3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
   pure weight streaming, so the one goal is to keep every SM's share of the weight in
@@ -55,6 +58,7 @@ DECODE_MAX_M = 8  # rows of x multiplied with each weight load (the decode path'
 M8 = DECODE_MAX_M
 if not backend.SIMULATOR:
     TPB, RB, BK = 16, 4, 16  # tiled: 16 x 16 threads, 4 x 4 outputs each, K slices of 16
+    TILED_MIN_SPAN = 8 * BK  # tiled: K rows a split takes at least
     SPAN_MAX = 768           # decode: most K rows one block covers (op(a) staged in shared)
     # Decode geometries, measured on the H200 (kernels/NOTES_decode.md). [K, N]: (warps, row
     # groups per warp, columns per lane, rows per lane per batch, blocks per SM the registers
@@ -71,6 +75,7 @@ else:
     # Each simulated thread is a Python thread (~0.1 ms each): the same code with smaller
     # blocks keeps tests fast, and a small K span makes tiny shapes take the split path.
     TPB, RB, BK = 4, 2, 8
+    TILED_MIN_SPAN = 2 * BK
     SPAN_MAX = 64
     NN_SPLIT = (2, 2, 2, 2)
     NN_COLUMNS = (2, 4, 1, 2)
@@ -176,8 +181,13 @@ _DECODE_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[:
 
 
 # Launch bounds (threads, blocks per SM) cap registers so that many blocks fit on an SM.
-@jit(f"void({_ARGS}, int32, int32)", writes=("out",), launch_bounds=(TPB * TPB, 2))
-def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b):
+@jit(f"void({_ARGS}, int32, int32, float32[:,:,:,::1], int32, int32)",
+     writes=("out", "part"), launch_bounds=(TPB * TPB, 2))
+def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, part,
+                      direct, span):
+    """Grid (N tiles, M tiles, batch x K splits). Block (x, y, bz * S + s) multiplies K rows
+    [s * span, (s + 1) * span) of its tile: with `direct` (S = 1) it applies the epilogue to
+    out, else it writes part[bz, s] for gemm_splitk_reduce_kernel."""
     as_ = cuda.shared.array(_TILE_A, np.float32)  # op(a) tile, k-major
     bs = cuda.shared.array(_TILE_B, np.float32)  # op(b) tile
     acc = cuda.local.array((RB, RB), np.float32)
@@ -185,14 +195,16 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
     rb = cuda.local.array(RB, np.float32)
     tx, ty = _u(cuda.threadIdx.x), _u(cuda.threadIdx.y)
     tid = ty * _u(TPB) + tx
-    bz = _u(cuda.blockIdx.z)
+    splits = part.shape[1]
+    bz, split = _u(cuda.blockIdx.z // splits), cuda.blockIdx.z % splits
     m0, n0 = _u(cuda.blockIdx.y) * _u(BM), _u(cuda.blockIdx.x) * _u(BN)
     m_rows, n_cols = out.shape[1], out.shape[2]
-    k_len = a.shape[1] if trans_a else a.shape[2]
+    k_lo = split * span   # (signed: mixing signed and unsigned in min() would give a float)
+    k_len = min(a.shape[1] if trans_a else a.shape[2], k_lo + span)   # the bounds clip to it
     for i in range(RB):
         for j in range(RB):
             acc[i, j] = _ZERO
-    for k0 in range(0, k_len, BK):
+    for k0 in range(k_lo, k_len, BK):
         # Each thread stages 4 elements of each tile; consecutive threads walk the
         # contiguous axis of the source, whichever it is, so global reads coalesce.
         for i in range(BM * BK // (TPB * TPB)):
@@ -230,7 +242,10 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
         for j in range(RB):
             n = n0 + tx + _u(j * TPB)
             if m < m_rows and n < n_cols:
-                _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
+                if direct:
+                    _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
+                else:
+                    part[bz, _u(split), m, n] = acc[i, j]
 
 
 class Decode(NamedTuple):
@@ -620,6 +635,43 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
                stream)
 
 
+def tiled_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
+               target_blocks: int | None = None) -> tuple[int, int]:
+    """(K splits, span) for the tiled kernel. Its 64 x 64 tiles give few blocks for skinny
+    products (an LSTM step: 9..64 rows against 4096 columns is 64 blocks for 132 SMs), so K is
+    split until the grid has about `target_blocks` (two resident blocks per SM), each split
+    at least TILED_MIN_SPAN rows of K so that its partial tile is worth writing."""
+    target = 2 * _sm_count() if target_blocks is None else target_blocks
+    tiles = -(-n_cols // BN) * -(-m_rows // BM) * batch
+    splits = min(-(-target // tiles), k_len // TILED_MIN_SPAN, 65535 // batch)
+    if splits < 2:
+        return 1, -(-k_len // BK) * BK
+    span = -(-(-(-k_len // splits)) // BK) * BK    # whole K slices per split
+    return -(-k_len // span), span
+
+
+def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
+          target_blocks=None) -> None:
+    """The tiled kernel on validated 3-D arguments, K split where `tiled_plan` says, the
+    partials then summed in split order (deterministic) by gemm_splitk_reduce_kernel."""
+    batch, m_rows, n_cols = out.shape
+    k_len = a.shape[1] if trans_a else a.shape[2]
+    splits, span = tiled_plan(batch, m_rows, n_cols, k_len, target_blocks)
+    direct = splits == 1
+    if direct:
+        part = backend.empty((1, 1, 1, 1), np.float32, "gemm.partials")   # never touched
+    else:   # scratch of this call only: the reduction below reads it, nothing after
+        part = backend.empty((batch, splits, m_rows, n_cols), np.float32, "gemm.partials")
+    grid = (-(-n_cols // BN), -(-m_rows // BM), batch * splits)
+    launch(gemm_tiled_kernel, grid, (TPB, TPB),
+           (a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, part, int(direct),
+            np.int32(span)), stream)
+    if not direct:
+        blocks, threads = _check.grid_stride_launch(batch * m_rows * n_cols)
+        launch(gemm_splitk_reduce_kernel, blocks, threads,
+               (part, out, bias, has_bias, act, accumulate), stream)
+
+
 def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumulate=False,
          ln_out=None, stream=0):
     """out = act(op(a) @ op(b) + bias), with out's old value added first when `accumulate`.
@@ -684,9 +736,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
         if ln_out is None or fused is not None:
             return
     else:
-        grid = ((n_cols + BN - 1) // BN, (m_rows + BM - 1) // BM, batch)
-        launch(gemm_tiled_kernel, grid, (TPB, TPB),
-               (a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b))), stream)
+        tiled(a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b)), stream)
     if ln_out is not None:  # not fused: normalize the rows of out afterwards
         from kernels import layernorm
         rows = batch * m_rows

@@ -146,6 +146,38 @@ def test_split_k_is_deterministic():
     np.testing.assert_array_equal(runs[0], runs[1])
 
 
+@given(m=st.integers(9, 40), n=st.integers(1, 40), k=st.integers(1, 200),
+       batch=st.sampled_from([1, 2]), flags=st.sampled_from(FLAGS),
+       target=st.sampled_from([1, 8, 1 << 20]), seed=st.integers(0, 2**16))
+def test_the_tiled_kernel_with_k_split_matches_reference(m, n, k, batch, flags, target, seed):
+    """The tiled kernel with K split into as many spans as `target` blocks ask for (1: none):
+    the partial tiles summed in order and the epilogue applied once."""
+    trans_a, trans_b, act, has_bias, accumulate = flags
+    rng = np.random.default_rng(seed)
+    a, b, old = _operands(rng, (batch,), m, n, k, trans_a, trans_b)
+    bias = rand(rng, n)
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    db = dev(b)
+    G.tiled(dev(a), db, out, dev(bias) if has_bias else db.reshape(db.size), int(has_bias),
+            G.ACTS[act], int(accumulate), int(trans_a), int(trans_b), 0, target_blocks=target)
+    want = G.gemm_ref(a, b, bias if has_bias else None, act, trans_a, trans_b,
+                      old=old if accumulate else None)
+    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
+
+
+@given(m=st.integers(9, 5000), n=st.integers(1, 60000), k=st.integers(1, 20000),
+       batch=st.integers(1, 70000), target=st.sampled_from([None, 1, 1 << 20]))
+def test_tiled_plan_covers_k_in_whole_slices_within_the_grid(m, n, k, batch, target):
+    splits, span = G.tiled_plan(batch, m, n, k, target)
+    assert (splits - 1) * span < k <= splits * span and span % G.BK == 0
+    assert batch * splits <= max(batch, 65535)   # the grid's z dimension
+    tiles = -(-n // G.BN) * -(-m // G.BM) * batch
+    if splits > 1:   # split only while the grid is short of its target, in long spans
+        assert tiles < (target or 2 * G._sm_count()) and span >= G.TILED_MIN_SPAN
+    else:
+        assert span >= k
+
+
 @given(n=st.integers(1, 60000), k=st.integers(1, 5000), batch=st.integers(1, 4),
        kernel=st.sampled_from(list(DECODE)), target=st.sampled_from([None, 1, 1 << 20]))
 def test_decode_plan_covers_k_in_spans_that_fit(n, k, batch, kernel, target):
