@@ -23,7 +23,9 @@ The decode GEMMs are GPT-2 small's, 5 beams (M = 5) with their fused epilogues: 
 GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @ wte.T,
 50257 columns; also in the [K, N] layout). Pure weight streaming: the summary's
 `decode_gemm_min_fraction_of_bandwidth` is the worst of the five. PyTorch runs the same with
-TF32 off (the residual as a second op, as a user writes it).
+TF32 off (the residual as a second op, as a user writes it). An LSTM step's gates GEMM (64
+rows against a 4096 x 1024 weight) runs twice: as gemm() picks it (K split: few 64 x 64
+tiles) and forced to one span (`lstm_gates_split_over_unsplit_time`), against torch.addmm.
 
 Full size: d=768, vocab 50257, T=1024, batch 5. Toy size: tiny shapes for the simulator
 (its timings mean nothing; the run checks the script end to end).
@@ -51,7 +53,7 @@ DECODE_GEMMS = ("gemm_decode_qkv", "gemm_decode_attn_proj", "gemm_decode_fc",
                 "gemm_decode_mlp_proj", HEADLINE)  # GPT-2 small's five decode shapes
 SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden
     "full": dict(D=768, V=50257, T=1024, B=5, H=12, L=1024, LB=64, copy_bytes=1 << 30),
-    "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=2, copy_bytes=1 << 16),  # B*T > 8: tiled
+    "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=10, copy_bytes=1 << 16),  # B*T, LB > 8: tiled
 }
 REPS = {"full": dict(warmup=3, reps=20), "toy": dict(warmup=0, reps=1)}  # toy: simulated
 # FP32 lanes per SM by compute capability (8.0 and older datacenter parts have 64).
@@ -141,6 +143,26 @@ def _cases(s: dict, torch) -> list[Case]:
         lambda: gemm.gemm(dxs, dw_fc, out_fc, bias=db_fc, act="gelu"), out_fc.copy_to_host,
         lambda: F.gelu(torch.addmm(tb_fc, txs, tw_fc), approximate="tanh"),
         lambda: F.gelu(torch.addmm(tb_fc, txs, tw_fc), approximate="tanh").cpu().numpy())
+
+    # An LSTM step's gates GEMM: LB rows of h against W_hh.T (4L x L) + bias. Its 64 x 64
+    # tiles are few for the SMs, so gemm() splits K (gemm.tiled_plan); "_unsplit" forces one
+    # span through the same kernel, so the split's effect is measured in the same run.
+    LB, Lh = s["LB"], s["L"]
+    hx, w_hh, b_g = f32(LB, Lh), f32(4 * Lh, Lh) * 0.05, f32(4 * Lh)
+    dhx, dw_hh, db_g = _dev(hx), _dev(w_hh), _dev(b_g)
+    out_g = cuda.device_array((LB, 4 * Lh), np.float32)
+    thx, tw_hh, tb_g = (tt(hx), tt(w_hh), tt(b_g)) if torch else (None,) * 3
+    tout_g = torch.empty(LB, 4 * Lh, device="cuda") if torch else None
+    gates = (f"{LB}x{Lh} @ ({4 * Lh}x{Lh}).T + bias", "compute",
+             4 * (LB * Lh + 4 * Lh * Lh + 4 * Lh + LB * 4 * Lh), 2 * LB * Lh * 4 * Lh)
+    add("gemm_lstm_gates", *gates,
+        lambda: gemm.gemm(dhx, dw_hh, out_g, bias=db_g, trans_b=True), out_g.copy_to_host,
+        lambda: torch.addmm(tb_g, thx, tw_hh.t(), out=tout_g), lambda: tout_g.cpu().numpy())
+    flags = (1, gemm.ACTS[None], 0, 0, 1)   # bias, act, accumulate, trans_a, trans_b
+    add("gemm_lstm_gates_unsplit", *gates,
+        lambda: gemm.tiled(dhx.reshape(1, LB, Lh), dw_hh.reshape(1, 4 * Lh, Lh),
+                           out_g.reshape(1, LB, 4 * Lh), db_g, *flags, 0, target_blocks=1),
+        out_g.copy_to_host)
 
     # Row kernels.
     twte = tt(wte) if torch else None
@@ -464,6 +486,12 @@ def summarize(rows: list[dict], s: dict) -> dict:
         "decode_gemm_nn_fraction_of_bandwidth": fraction("gemm_decode_nn"),
         "kernels_measured": sorted({r["kernel"] for r in rows}),
     }
+    if ("gemm_lstm_gates_unsplit", "ours") in us:
+        summary["lstm_gates_split_over_unsplit_time"] = (us[("gemm_lstm_gates", "ours")]
+                                                         / us[("gemm_lstm_gates_unsplit", "ours")])
+        torch_gates = us.get(("gemm_lstm_gates", "torch"))
+        summary["lstm_gates_over_torch_time"] = (us[("gemm_lstm_gates", "ours")] / torch_gates
+                                                 if torch_gates else None)
     if "attention_decode" in ours:
         summary["attention_decode_fraction_of_bandwidth"] = fraction("attention_decode")
         summary["attention_decode_us"] = us[("attention_decode", "ours")]
