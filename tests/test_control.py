@@ -226,3 +226,34 @@ def test_recording_refuses_host_transfers_and_nesting():
         return float(x.copy_to_host()[0])     # would freeze this value into every replay
     with pytest.raises(RuntimeError, match="stale data"):
         graph.capture(step_reading_the_host, {"x": x}, warmup=0)
+
+
+def test_block_wide_kernels_inside_a_nested_if_in_a_while_match_their_references(scale):
+    """Kernels with shared memory and barriers (layer norm, both top-k stages) as the body of
+    an IF inside a WHILE: a replay runs them as conditional graph nodes on a GPU. Each pass
+    normalizes x into y and ranks y, so after any number of passes the results are one
+    pass's. (The search loop's step is such a body; this is its smallest form.)"""
+    from kernels import layernorm, sampling
+    rng = np.random.default_rng(5)
+    R, C, k = 3, 300 * scale, 5
+    x = rng.standard_normal((R, C)).astype(np.float32)
+    g, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    dx, dg, db = dev(x), dev(g), dev(b)
+    y, values = dev(np.zeros((R, C), np.float32)), dev(np.zeros((R, k), np.float32))
+    indices = dev(np.zeros((R, k), np.int32))
+    loop = Loop()
+
+    def body():
+        graph.if_then(loop.go, lambda: (layernorm.layernorm(dx, dg, db, y),
+                                        sampling.topk(y, k, values, indices)))
+        launch(countdown_kernel, 1, 1, (loop.counter, loop.total, loop.flag))
+
+    g_ = graph.capture(lambda: graph.while_loop(loop.flag, body), {})
+    loop.set(3, True)
+    g_.replay()
+    want_y = layernorm.layernorm_ref(x, g, b)
+    np.testing.assert_allclose(y.copy_to_host(), want_y, atol=1e-5, rtol=1e-4)
+    want_v, _ = sampling.topk_ref(y.copy_to_host(), k)
+    np.testing.assert_array_equal(values.copy_to_host(), want_v)
+    assert loop.result() == 3 + 2 + 1   # every pass ran
+    g_.close()
