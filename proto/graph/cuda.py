@@ -180,7 +180,8 @@ class _Lowered:
         return setter, cond_node
 
     def close(self) -> None:
-        self.definition, self.handles, self.params = None, [], []
+        # ... and lets the description's arrays go: closing a graph frees its buffers
+        self.definition, self.description, self.handles, self.params = None, None, [], []
 
 
 def _loops(description: Description) -> list[Conditional]:
