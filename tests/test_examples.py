@@ -9,8 +9,8 @@ import pytest
 EXAMPLES = sorted((pathlib.Path(__file__).resolve().parent.parent / "examples").glob("[0-9]*.py"))
 
 
-def test_the_tour_has_its_five_scripts():
-    assert [p.name[:2] for p in EXAMPLES] == ["01", "02", "03", "04", "05"]
+def test_the_tour_has_its_six_scripts():
+    assert [p.name[:2] for p in EXAMPLES] == ["01", "02", "03", "04", "05", "06"]
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
