@@ -172,8 +172,8 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
                 v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
         lo = split * span
         hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
-        if lo >= hi:   # wholly after the query: the combine kernel loads it and skips it,
-            _empty_split(part_o, part_ml, bh, t, split, tid, hd)   # so it must hold values
+        if lo >= hi:   # wholly after the query (so S > 1): the combine kernel loads it and
+            _empty_split(part_o, part_ml, bh, t, split, tid, hd)   # skips it: it must hold values
             return
         hd_last = _u(hd - 1)
         qk, qv = _u(C + h * hd), _u(2 * C + h * hd)  # this head's k, v columns in qkv
