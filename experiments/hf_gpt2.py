@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import select
 import subprocess
 import sys
 import tempfile
@@ -91,11 +92,12 @@ class HFBeamSearch:
 class HFChild:
     """HFBeamSearch in a child process: the same `generate(prompt, new)` -> tokens; the child
     loads the parent's weights from a file. A child that dies raises RuntimeError with its
-    exit status (its traceback is on stderr)."""
+    exit status (its traceback is on stderr); one that gives no answer in `timeout_s` is
+    stopped and raises too."""
 
     def __init__(self, config: GPT2Config, state_dict, *, beam: int, compiled: bool,
-                 device: str = "cuda"):
-        self.compiled = compiled
+                 device: str = "cuda", timeout_s: float = 1800.0):
+        self.compiled, self.timeout_s = compiled, timeout_s
         self._folder = tempfile.TemporaryDirectory()
         weights = pathlib.Path(self._folder.name, "weights.npz")
         np.savez(weights, **state_dict)
@@ -113,6 +115,13 @@ class HFChild:
         try:
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
+            # a child that hangs must not hang the run: wait at most timeout_s for its reply
+            ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
+            if not ready:
+                self._proc.kill()
+                self._proc.wait()
+                raise RuntimeError(f"the Hugging Face child process gave no answer in "
+                                   f"{self.timeout_s:g} s; it was stopped")
             line = self._proc.stdout.readline()
         except BrokenPipeError:
             line = ""

@@ -138,7 +138,8 @@ def test_hugging_face_generate_with_our_weights_searches_by_our_rules():
 
 def test_hugging_face_child_process_returns_what_the_search_gives_and_reports_its_death():
     """end_to_end runs the Hugging Face baselines in a child process (HFChild): it returns
-    the in-process search's tokens, and a child that dies raises with its exit status."""
+    the in-process search's tokens; a child that does not answer in time is stopped, and one
+    that dies raises with its exit status."""
     from experiments.hf_gpt2 import HFBeamSearch, HFChild
     from proto.models.gpt2 import random_state_dict
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=16)
@@ -148,6 +149,13 @@ def test_hugging_face_child_process_returns_what_the_search_gives_and_reports_it
     child = HFChild(config, state, beam=3, compiled=False, device="cpu")
     try:
         np.testing.assert_array_equal(child.generate(prompt, 4), want)
+        child.timeout_s = 1e-3   # no search answers that fast: the child is stopped
+        with pytest.raises(RuntimeError, match=r"gave no answer in 0.001 s; it was stopped"):
+            child.generate(prompt, 12)
+    finally:
+        child.close()
+    child = HFChild(config, state, beam=3, compiled=False, device="cpu")
+    try:
         child._proc.kill()
         with pytest.raises(RuntimeError, match=r"child process died \(exit status -9, signal 9\)"):
             child.generate(prompt, 4)
