@@ -314,9 +314,13 @@ def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max
         spec_path, out_path = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "out.json")
         spec_path.write_text(json.dumps(spec))
         path = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
-        child = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
-                                str(spec_path), str(out_path)], cwd=_REPO,
-                               env={**os.environ, "PYTHONPATH": path, "PROTO_QUIET": "1"})
+        try:   # (a hung child must not hang the run)
+            child = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
+                                    str(spec_path), str(out_path)], cwd=_REPO, timeout=1800,
+                                   env={**os.environ, "PYTHONPATH": path, "PROTO_QUIET": "1"})
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{NAME}: the step-timing child process gave no answer in "
+                               "1800 s; it was stopped") from None
         if child.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"{NAME}: the step-timing child process failed (exit status "
                                f"{child.returncode}); its traceback is above")
