@@ -21,6 +21,7 @@ import sys
 from proto import backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO = ROOT   # the checkout (ROOT is where results go; tests point it elsewhere)
 SIM_WARNING = "Numba CUDA simulator: timings are NOT meaningful (toy size, Python threads)"
 
 
@@ -145,6 +146,13 @@ def save_figure(fig, name: str, device: str | None = None) -> pathlib.Path:
     finally:
         plt.close(fig)
     return path
+
+
+def child_env() -> dict:
+    """The environment for a child `python -m experiments...` of this checkout: the repo on
+    its path, the backend's banner off."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PROTO_QUIET": "1"}
 
 
 def no_tf32() -> None:

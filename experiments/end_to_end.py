@@ -74,7 +74,6 @@ SIZES = {
                  beam=5, prompt_len=5, build_all=True, reps=5,
                  step=dict(replays=10, warmup=3, reps=20)),
 }
-_REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------- methods
@@ -313,11 +312,10 @@ def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max
     with tempfile.TemporaryDirectory() as folder:
         spec_path, out_path = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "out.json")
         spec_path.write_text(json.dumps(spec))
-        path = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
         try:   # (a hung child must not hang the run)
             child = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
-                                    str(spec_path), str(out_path)], cwd=_REPO, timeout=1800,
-                                   env={**os.environ, "PYTHONPATH": path, "PROTO_QUIET": "1"})
+                                    str(spec_path), str(out_path)], cwd=common.REPO,
+                                   timeout=1800, env=common.child_env())
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{NAME}: the step-timing child process gave no answer in "
                                "1800 s; it was stopped") from None
@@ -381,9 +379,8 @@ def run(size: str = "toy") -> None:
                 # torch.compile depends on the machine's compiler stack and has crashed its
                 # process here; where it fails, the row is left out and the summary says why,
                 # rather than the run dying.
-                unavailable[f"{label}/{method}"] = f"{type(exc).__name__}: {exc}"[:300]
-                common.report(NAME, {"setup": label, "method": method,
-                                     "unavailable": unavailable[f"{label}/{method}"]})
+                why = unavailable[f"{label}/{method}"] = f"{type(exc).__name__}: {exc}"[:300]
+                common.report(NAME, {"setup": label, "method": method, "unavailable": why})
                 bar.update(1)
                 continue
             want = tokens if want is None else want

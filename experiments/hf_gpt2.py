@@ -103,12 +103,10 @@ class HFChild:
         np.savez(weights, **state_dict)
         spec = {"config": dataclasses.asdict(config), "beam": beam, "compiled": compiled,
                 "device": device, "weights": str(weights)}
-        repo = str(pathlib.Path(__file__).resolve().parent.parent)
-        path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "experiments.hf_gpt2", "--serve", json.dumps(spec)],
-            cwd=repo, env={**os.environ, "PYTHONPATH": path, "PROTO_QUIET": "1"},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            cwd=common.REPO, env=common.child_env(), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True)
         self._ask({"ready": True})
 
     def _ask(self, request: dict) -> dict:

@@ -606,6 +606,21 @@ def _ln_threads(n_cols: int) -> int:
     return max(32, -(-(-(-n_cols // LN_COLS)) // 32) * 32)
 
 
+def _partials(out, splits: int, direct: bool):
+    """The split-K scratch (batch, splits, M, N) for `out`: scratch of this call only (the
+    reduction right after reads it, nothing later); a placeholder no kernel touches when the
+    kernel writes out directly."""
+    shape = (1, 1, 1, 1) if direct else (out.shape[0], splits, *out.shape[1:])
+    return backend.empty(shape, np.float32, "gemm.partials")
+
+
+def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
+    """out = epilogue(sum of the partials in split order): gemm_splitk_reduce_kernel."""
+    blocks, threads = _check.grid_stride_launch(out.size)
+    launch(gemm_splitk_reduce_kernel, blocks, threads,
+           (part, out, bias, has_bias, act, accumulate), stream)
+
+
 def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stream,
            ln_out=None, target_blocks=None, grid_cap=None) -> None:
     """Launch decode kernel `dk` and, when it splits K (or `ln_out` = (gamma, beta, eps, y)
@@ -615,19 +630,14 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
     direct = splits == 1 and ln_out is None
-    if direct:
-        part = backend.empty((1, 1, 1, 1), np.float32, "gemm.partials")  # never touched
-    else:  # scratch of this call only: the reduction below reads it, nothing after
-        part = backend.empty((batch, splits, m_rows, n_cols), np.float32, "gemm.partials")
+    part = _partials(out, splits, direct)
     launch(dk.kernel, (blocks, splits, batch), dk.threads,
            (a, b, out, bias, part, has_bias, act, accumulate, trans_a, int(direct),
             np.int32(span)), stream)
     if direct:
         return
     if ln_out is None:
-        blocks, threads = _check.grid_stride_launch(batch * m_rows * n_cols)
-        launch(gemm_splitk_reduce_kernel, blocks, threads,
-               (part, out, bias, has_bias, act, accumulate), stream)
+        _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
     else:
         gamma, beta, eps, y = ln_out
         launch(gemm_splitk_reduce_ln_kernel, batch * m_rows, _ln_threads(n_cols),
@@ -658,18 +668,13 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     k_len = a.shape[1] if trans_a else a.shape[2]
     splits, span = tiled_plan(batch, m_rows, n_cols, k_len, target_blocks)
     direct = splits == 1
-    if direct:
-        part = backend.empty((1, 1, 1, 1), np.float32, "gemm.partials")   # never touched
-    else:   # scratch of this call only: the reduction below reads it, nothing after
-        part = backend.empty((batch, splits, m_rows, n_cols), np.float32, "gemm.partials")
+    part = _partials(out, splits, direct)
     grid = (-(-n_cols // BN), -(-m_rows // BM), batch * splits)
     launch(gemm_tiled_kernel, grid, (TPB, TPB),
            (a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, part, int(direct),
             np.int32(span)), stream)
     if not direct:
-        blocks, threads = _check.grid_stride_launch(batch * m_rows * n_cols)
-        launch(gemm_splitk_reduce_kernel, blocks, threads,
-               (part, out, bias, has_bias, act, accumulate), stream)
+        _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
 
 
 def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumulate=False,
