@@ -61,12 +61,12 @@ def block_reduce(buf, v, use_max):
     reused at once. Every thread of the block must call it."""
     t = cuda.threadIdx.x
     buf[t] = v
-    cuda.syncthreads()
+    converged_syncthreads()   # callers reach here from per-thread loops
     step = cuda.blockDim.x // 2
     while step > 0:
         if t < step:
             buf[t] = max(buf[t], buf[t + step]) if use_max else buf[t] + buf[t + step]
-        cuda.syncthreads()
+        converged_syncthreads()
         step //= 2
     total = buf[0]
     cuda.syncthreads()

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from kernels import _check
+from kernels._reduce import converged_syncthreads
 from kernels.layernorm import block_threads
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -57,7 +58,9 @@ def _row_max_sumexp(x, row, length, buf_m, buf_s):
         elif v != _NEG_INF:
             s += math.exp(v - m)
     buf_m[t], buf_s[t] = m, s
-    cuda.syncthreads()
+    # The barriers follow per-thread branches (the scan above, `t < half` below): synccheck
+    # found warps arriving divergent at a plain syncthreads here.
+    converged_syncthreads()
     half = step // 2
     while half > 0:
         if t < half:
@@ -65,7 +68,7 @@ def _row_max_sumexp(x, row, length, buf_m, buf_s):
             mx = max(m1, m2)
             if mx != _NEG_INF:
                 buf_m[t], buf_s[t] = mx, s1 * math.exp(m1 - mx) + s2 * math.exp(m2 - mx)
-        cuda.syncthreads()
+        converged_syncthreads()
         half //= 2
     m, s = buf_m[0], buf_s[0]
     return m, s

@@ -29,9 +29,13 @@ import sys
 import time
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+# The graph layer's GPU tests, then every kernel's (convolutions last: the slowest checked).
 FILES = ("tests/test_graph_gpu.py", "tests/test_control.py", "tests/test_predicate.py",
          "tests/test_search_loop.py", "tests/test_attention.py", "tests/test_gemm.py",
-         "tests/test_sampling.py")
+         "tests/test_sampling.py", "tests/test_softmax.py", "tests/test_layernorm.py",
+         "tests/test_elementwise.py", "tests/test_embedding.py", "tests/test_loss.py",
+         "tests/test_relu.py", "tests/test_sgd.py", "tests/test_linear.py", "tests/test_lstm.py",
+         "tests/test_conv.py")
 _PYTEST_LAST = re.compile(r"\d+ (passed|failed|errors?)\b.* in [\d.]+s")
 _ERRORS = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)")
 
