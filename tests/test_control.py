@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import backend, graph
+from proto.graph.cuda import conditional_nodes_switched_off
 from proto.graph.ir import Conditional, KernelLaunch
 from proto.backend import cuda, jit, launch
 from tests.helpers import dev
@@ -133,6 +134,8 @@ def test_host_driven_fallback_matches():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(conditional_nodes_switched_off(),
+                    reason="PROTO_CONDITIONAL_NODES=off (the sanitizer lane): this test is about them")
 def test_a_while_graph_is_one_cuda_graph():
     # Real conditional nodes: the executable is one CUDA graph (no host-driven segments), and
     # a replay of 50 passes needs no host decision.
@@ -168,6 +171,25 @@ def test_a_driver_without_conditional_nodes_gets_predication_and_a_warning(monke
         warnings.simplefilter("error")
         assert executors.make_cuda_executor(plain) == "cuda"
     assert picked == ["cuda"]
+
+
+def test_conditional_nodes_switched_off_get_predication_and_say_why(monkeypatch):
+    # The sanitizer lane's switch: a driver with conditional nodes, told not to use them.
+    from proto.graph import cuda as executors
+    from proto.graph.predicate import PredicatedExecutor
+    monkeypatch.setattr(executors, "conditional_nodes_supported", lambda: True)
+    monkeypatch.setattr(executors, "CudaExecutor", lambda *a: "cuda")
+    loop = Loop()
+    with graph.record() as rec:
+        loop.step()
+    monkeypatch.setenv("PROTO_CONDITIONAL_NODES", "off")
+    with pytest.warns(RuntimeWarning, match="PROTO_CONDITIONAL_NODES=off: IF/WHILE run by predication"):
+        assert isinstance(executors.make_cuda_executor(rec.description()), PredicatedExecutor)
+    monkeypatch.setenv("PROTO_CONDITIONAL_NODES", "on")
+    assert executors.make_cuda_executor(rec.description()) == "cuda"
+    monkeypatch.setenv("PROTO_CONDITIONAL_NODES", "no")
+    with pytest.raises(ValueError, match="PROTO_CONDITIONAL_NODES: expected 'on' or 'off', got 'no'"):
+        executors.make_cuda_executor(rec.description())
 
 
 # ------------------------------------------------------------------------- loop bounds
@@ -257,3 +279,12 @@ def test_block_wide_kernels_inside_a_nested_if_in_a_while_match_their_references
     np.testing.assert_array_equal(values.copy_to_host(), want_v)
     assert loop.result() == 3 + 2 + 1   # every pass ran
     g_.close()
+
+
+@pytest.mark.parametrize("case", ["while", "if", "nested", "while_wide", "while_temp"])
+def test_the_sanitizer_repro_cases_replay_correctly(case):
+    """tests/conditional_repro.py's graphs (what the sanitizer lane's switch rests on) give
+    the right totals on every replay, here without a tool."""
+    from tests import conditional_repro
+    assert case in conditional_repro.CASES
+    assert conditional_repro.run_case(case, replays=4) == 0

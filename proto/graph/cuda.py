@@ -36,6 +36,7 @@ array's ``data`` pointer sits in it: that position is the slot patch binding rew
 from __future__ import annotations
 
 import collections
+import os
 import time
 import warnings
 from typing import NamedTuple
@@ -397,16 +398,32 @@ def conditional_nodes_supported() -> bool:
     return int(err) == 0 and version >= 12040
 
 
+def conditional_nodes_switched_off() -> bool:
+    """PROTO_CONDITIONAL_NODES=off: IF/WHILE run by predication even where the driver has
+    conditional nodes. The sanitizer lane sets it: compute-sanitizer 2025.3 stops WHILE bodies
+    of a few trivial kernels with an illegal address it attributes to nothing (memcheck,
+    initcheck) and racecheck crashes on block-wide kernels in an IF nested in a WHILE
+    (tests/conditional_repro.py), so under the tools the same kernels and graph logic run in
+    plain graphs."""
+    value = os.environ.get("PROTO_CONDITIONAL_NODES", "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"PROTO_CONDITIONAL_NODES: expected 'on' or 'off', got {value!r}")
+    return value == "off"
+
+
 def make_cuda_executor(description: Description, shared: SharedExecutables | None = None,
                        unroll: int = 16):
-    """The CUDA executor, or, for conditional nodes on a driver without them, predication
-    (proto.graph.predicate, with a warning: a WHILE then waits for the host every `unroll`
-    passes)."""
-    if description.has_conditionals and not conditional_nodes_supported():
-        warnings.warn("this CUDA driver has no conditional graph nodes (CUDA 12.4+): IF/WHILE "
-                      f"run by predication, the host relaunching a WHILE every {unroll} passes",
-                      RuntimeWarning, stacklevel=3)
-        return PredicatedExecutor(description, CudaExecutor, unroll)
+    """The CUDA executor, or, for conditional nodes on a driver without them (or switched
+    off), predication (proto.graph.predicate, with a warning: a WHILE then waits for the host
+    every `unroll` passes)."""
+    if description.has_conditionals:
+        why = ("PROTO_CONDITIONAL_NODES=off" if conditional_nodes_switched_off() else
+               None if conditional_nodes_supported() else
+               "this CUDA driver has no conditional graph nodes (CUDA 12.4+)")
+        if why:
+            warnings.warn(f"{why}: IF/WHILE run by predication, the host relaunching a WHILE "
+                          f"every {unroll} passes", RuntimeWarning, stacklevel=3)
+            return PredicatedExecutor(description, CudaExecutor, unroll)
     return CudaExecutor(description, shared)
 
 
