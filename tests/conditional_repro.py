@@ -110,7 +110,8 @@ def main(argv: list[str]) -> int:
                 print(line, flush=True)
         return 0
     if not argv or argv[0] not in CASES:
-        sys.exit(f"usage: python -m tests.conditional_repro {{{','.join(CASES)}}} [REPLAYS] | --all")
+        sys.exit(f"usage: python -m tests.conditional_repro {{{','.join(CASES)}}} [REPLAYS]"
+                 " | --all")
     replays = int(argv[1]) if len(argv) > 1 else 40
     wrong = run_case(argv[0], replays)
     print(f"{argv[0]}: {replays} replays, {wrong} wrong", flush=True)

@@ -135,7 +135,7 @@ def test_host_driven_fallback_matches():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(conditional_nodes_switched_off(),
-                    reason="PROTO_CONDITIONAL_NODES=off (the sanitizer lane): this test is about them")
+                    reason="PROTO_CONDITIONAL_NODES=off (the sanitizer lane): the test is about them")
 def test_a_while_graph_is_one_cuda_graph():
     # Real conditional nodes: the executable is one CUDA graph (no host-driven segments), and
     # a replay of 50 passes needs no host decision.
@@ -158,6 +158,7 @@ def test_a_driver_without_conditional_nodes_gets_predication_and_a_warning(monke
     from proto.graph.ir import Description
     from proto.graph.predicate import PredicatedExecutor
     picked = []
+    monkeypatch.delenv("PROTO_CONDITIONAL_NODES", raising=False)   # the driver's reason only
     monkeypatch.setattr(executors, "conditional_nodes_supported", lambda: False)
     monkeypatch.setattr(executors, "CudaExecutor", lambda *a: picked.append("cuda") or "cuda")
     loop = Loop()
@@ -183,12 +184,12 @@ def test_conditional_nodes_switched_off_get_predication_and_say_why(monkeypatch)
     with graph.record() as rec:
         loop.step()
     monkeypatch.setenv("PROTO_CONDITIONAL_NODES", "off")
-    with pytest.warns(RuntimeWarning, match="PROTO_CONDITIONAL_NODES=off: IF/WHILE run by predication"):
+    with pytest.warns(RuntimeWarning, match="CONDITIONAL_NODES=off: IF/WHILE run by predication"):
         assert isinstance(executors.make_cuda_executor(rec.description()), PredicatedExecutor)
     monkeypatch.setenv("PROTO_CONDITIONAL_NODES", "on")
     assert executors.make_cuda_executor(rec.description()) == "cuda"
     monkeypatch.setenv("PROTO_CONDITIONAL_NODES", "no")
-    with pytest.raises(ValueError, match="PROTO_CONDITIONAL_NODES: expected 'on' or 'off', got 'no'"):
+    with pytest.raises(ValueError, match="CONDITIONAL_NODES: expected 'on' or 'off', got 'no'"):
         executors.make_cuda_executor(rec.description())
 
 
