@@ -698,6 +698,8 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
                          f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(out.shape)}")
     if act not in ACTS:
         raise ValueError(f"act: expected one of {list(ACTS)}, got {act!r}")
+    trans_a, trans_b = _check.flag("trans_a", trans_a), _check.flag("trans_b", trans_b)
+    accumulate = _check.flag("accumulate", accumulate)
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     lead = a_shape[:-2]  # () or (B,)
     m_rows, k_len = a_shape[::-1][:2] if trans_a else a_shape[-2:]

@@ -14,6 +14,7 @@ from proto.vm import Executor, Link, PagingExecutor, PlanError, plan, validate
 from proto.vm.paging import PageTable
 from proto.vm.pool import DevicePool
 from proto.vm.synthetic import cnn_tape
+from tests.helpers import dev
 
 
 # ---------------------------------------------------------------------------- numbers
@@ -184,3 +185,49 @@ def test_executor_load_and_budget_fractions_name_the_problem():
     for frac in (math.nan, -0.1, 1.5):
         with pytest.raises(ValueError, match=r"frac: expected a number in \[0, 1\]"):
             Liveness(tape).budget_between(frac)
+
+
+def test_flags_and_callables_are_checked_before_anything_runs():
+    """A string read as True, or a body never called because the flag was clear, would hide
+    the mistake; each is refused naming the argument."""
+    from kernels import gemm
+    from proto import graph
+    a, b, out = dev(np.ones((3, 4), np.float32)), dev(np.ones((4, 5), np.float32)), \
+        dev(np.zeros((3, 5), np.float32))
+    for name, value in (("trans_a", "yes"), ("trans_b", 1), ("accumulate", 1.5)):
+        with pytest.raises(ValueError, match=f"{name}: expected True or False"):
+            gemm.gemm(a, b, out, **{name: value})
+    clear = dev(np.zeros(1, np.int32))
+    for loop in (graph.while_loop, graph.if_then):
+        with pytest.raises(TypeError, match="body: expected a function of no arguments, got int"):
+            loop(clear, 3)
+    with pytest.raises(TypeError, match="fn: expected the function to capture, got int"):
+        graph.capture(3, {"x": a})
+
+
+def test_closed_graphed_models_overlapping_copies_and_pool_sizes_are_refused():
+    """A closed graphed model would rebuild its graphs (or fail on a stale placeholder), an
+    overlapping copy is undefined, and shared_executables=0 would be dropped on the walk."""
+    from proto import graph
+    from proto.models.graphed import GraphedGPT2, GraphedLSTM, lstm_greedy
+    from proto.models.lstm import LSTMLM, LSTMConfig, random_state_dict as lstm_state_dict
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=8)
+    model = GPT2(config, random_state_dict(config, seed=1), max_batch=2, max_tokens=8)
+    g = GraphedGPT2(model, batch=2, max_len=4)
+    g.close()
+    with pytest.raises(RuntimeError, match="reset: this GraphedGPT2 is closed"):
+        g.greedy(np.ones((2, 2), np.int32), max_new_tokens=1)
+    lc = LSTMConfig(n_layer=1, n_embd=4, n_hidden=4, vocab_size=11)
+    lm = LSTMLM(lc, lstm_state_dict(lc, seed=1), max_batch=2)
+    with pytest.raises(ValueError, match="shared_executables: expected a positive integer"):
+        GraphedLSTM(lm, max_batch=2, shared_executables=0)
+    gl = GraphedLSTM(lm, max_batch=2)
+    gl.close()
+    with pytest.raises(RuntimeError, match="step: this GraphedLSTM is closed"):
+        gl.step(dev(np.zeros(2, np.int32)), 1)
+    with pytest.raises(ValueError, match="tokens: 1 rows, fewer than the prompt's 2"):
+        lstm_greedy(lambda t: None, dev(np.zeros(1, np.int32)), np.ones((2, 2), np.int32), 1,
+                    vocab=11)
+    x = dev(np.arange(4, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"copy: dst \(bytes .*\) overlaps src"):
+        graph.copy(x[1:], x[:3])

@@ -182,6 +182,8 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
     """
     if recording():
         raise RuntimeError("capture: called while recording a graph; captures cannot nest")
+    if not callable(fn):
+        raise TypeError(f"fn: expected the function to capture, got {type(fn).__name__}")
     if binding not in MODES:
         raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
     executor = executor or default_executor()

@@ -219,6 +219,11 @@ def copy(dst, src, stream=0) -> None:
     if np.dtype(dst.dtype) != np.dtype(src.dtype) or tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"copy: dst is {np.dtype(dst.dtype)} {tuple(dst.shape)}, "
                          f"src is {np.dtype(src.dtype)} {tuple(src.shape)}: expected them equal")
+    if is_device_array(dst) and is_device_array(src):
+        (lo, hi), (slo, shi) = backend.extent(dst), backend.extent(src)
+        if lo < shi and slo < hi:   # a DMA copy between overlapping bytes is undefined
+            raise ValueError(f"copy: dst (bytes [{lo:#x}, {hi:#x})) overlaps src (bytes "
+                             f"[{slo:#x}, {shi:#x}))")
     if _stack:
         _stack[-1].record_copy(dst, src, stream)
     else:
@@ -261,6 +266,12 @@ class LoopBoundError(RuntimeError):
     """A WHILE loop's flag was still set after `max_passes` passes."""
 
 
+def _check_body(body, what: str) -> None:
+    if not callable(body):   # eagerly with the flag clear, it would never be called to fail
+        raise TypeError(f"{what}: body: expected a function of no arguments, got "
+                        f"{type(body).__name__}")
+
+
 def _record_body(body: Callable[[], None], what: str) -> Description:
     parent = _stack[-1]
     with _push(Recorder(root=parent.root)) as inner:
@@ -276,6 +287,7 @@ def while_loop(flag, body: Callable[[], None], *, max_passes: int = DEFAULT_MAX_
     (eagerly at once; from a graph, after the replay that hit it). Eagerly returns the
     number of passes; recording returns 0 and runs nothing."""
     check_flag(flag)
+    _check_body(body, "while_loop")
     max_passes = _check.positive("while_loop: max_passes", max_passes)
     if _stack:
         passes = cuda.device_array(2, np.int32)   # passes made, bound hit (the CUDA executor's)
@@ -295,6 +307,7 @@ def while_loop(flag, body: Callable[[], None], *, max_passes: int = DEFAULT_MAX_
 def if_then(flag, body: Callable[[], None]) -> bool:
     """Run `body()` once if flag[0] != 0. Eagerly: returns whether it ran."""
     check_flag(flag)
+    _check_body(body, "if_then")
     if _stack:
         _stack[-1]._append(Conditional((flag,), _record_body(body, "if_then"), loop=False), 0)
         return False

@@ -74,7 +74,11 @@ class _Graphed:
     `binding` and `executor`, calls `_own_memory`, and lists its graphs in `_step_graphs`
     (those of the model step) and `_other_graphs` (helpers such as reorders)."""
 
+    closed = False
+
     def _own_memory(self, name: str, planned: bool, shared_executables: int | None) -> None:
+        if shared_executables is not None:   # (checked where no pool is made, too: the walk)
+            _check.positive("shared_executables", shared_executables)
         self.tape = Tape(name) if planned else None
         self.shared = (SharedExecutables(shared_executables)
                        if shared_executables is not None and self.executor == "cuda" else None)
@@ -127,7 +131,12 @@ class _Graphed:
         """Temporaries in private memory, summed over graphs (0 with the planner)."""
         return sum(g.private_bytes for g in self._step_graphs())
 
+    def _require_open(self, what: str) -> None:
+        if self.closed:   # its graphs and buffers are gone: a rebuild would hide the misuse
+            raise RuntimeError(f"{what}: this {type(self).__name__} is closed")
+
     def _close_memory(self) -> None:
+        self.closed = True
         if self.shared is not None:
             self.shared.close()
         if self.tape is not None:
@@ -283,6 +292,7 @@ class GraphedGPT2(_Graphed):
     def reset(self, prompt_len: int = 1) -> None:
         """Start a generation from a prompt of `prompt_len` tokens: position 0, the smallest
         capacity; the next step call is the prefill of prompt_len - 1 tokens (if any)."""
+        self._require_open("reset")
         self._position, self._pending, self._capacity = 0, False, None
         self._prefill = _check.positive("prompt_len", prompt_len, at_most=self.max_len) - 1
         self._use_capacity(self._capacity_for(1))
@@ -316,6 +326,7 @@ class GraphedGPT2(_Graphed):
         """GPT2.step's contract on `cache`, one of `self.caches`. The first call after
         reset(prompt_len > 1) is the prefill (eager); every other call is one decode step
         (T = 1) and replays the graph of its length."""
+        self._require_open("step")
         _check.device_array("tokens", tokens, dtype=np.int32, shape=(self.batch, None))
         _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
         if not (isinstance(cache, _SearchCache) and cache.owner is self):
@@ -474,6 +485,7 @@ class GraphedLSTM(_Graphed):
     def step(self, tokens, batch: int):
         """Logits (batch, V) of the next token for rows [:batch]; `tokens` device int32
         (max_batch,), rows past `batch` padding (valid ids). Updates `state` rows in place."""
+        self._require_open("step")
         _check.device_array("tokens", tokens, dtype=np.int32, shape=(self.max_batch,))
         _check.positive("batch", batch, at_most=self.max_batch)
         key = shapes.key_for(batch, self._graphs.keys)
@@ -500,7 +512,7 @@ def lstm_greedy(step, tokens, prompt, max_new_tokens: int, *, vocab: int) -> np.
         raise ValueError(f"max_new_tokens: expected a non-negative integer, got {max_new_tokens!r}")
     B, T0 = prompt.shape
     if B > tokens.shape[0]:
-        raise ValueError(f"prompt: {B} rows, but the token buffer holds {tokens.shape[0]}")
+        raise ValueError(f"tokens: {tokens.shape[0]} rows, fewer than the prompt's {B}")
     padded = np.zeros(tokens.shape[0], np.int32)
     for t in range(T0 - 1):
         padded[:B] = prompt[:, t]
