@@ -149,7 +149,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         # q first: its loads need no pos, so they overlap the load of pos.
-        scale = np.float32(1.0 / math.sqrt(hd))
+        scale = np.float32(1.0) / math.sqrt(np.float32(hd))   # float32: no double math
         for i in range(slots):
             d = _u(min(lane + 32 * i, hd - 1))
             q[i] = qkv[b, t, _u(h * hd) + d] * scale

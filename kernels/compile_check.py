@@ -1,7 +1,8 @@
 """Compile every kernel signature for a real GPU (sm_90) on a machine with no GPU.
 
 The simulator runs kernels as Python, so it accepts code that Numba's CUDA compiler rejects
-(typing errors, unsupported NumPy calls). This closes that gap without a device:
+(typing errors, unsupported NumPy calls). This closes that gap without a device, and refuses
+a kernel that computes in float64 (see `float64_instructions`):
 
     PROTO_BACKEND=ptx python -m kernels.compile_check
 """
@@ -9,10 +10,20 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 import sys
 
 from proto import backend
 from proto.backend import cuda
+
+
+def float64_instructions(ptx: str) -> list[str]:
+    """The PTX instructions that work on float64. Every kernel is float32; double precision
+    slips in silently: a Python float constant (the GELU ran 3x slower than torch's, its tanh
+    in double), or an unsigned index compared with a signed shape, which Numba compares in
+    float64 (a conversion and a double compare in a GEMM's staging loop)."""
+    return [line.split()[0] for line in ptx.splitlines()
+            if re.match(r"\s*[a-z]\w*(\.\w+)*\.f64\b", line)]
 
 
 def main(cc=(9, 0)) -> int:
@@ -31,10 +42,15 @@ def main(cc=(9, 0)) -> int:
     for pyfunc, sig in backend.KERNEL_SIGNATURES:
         name = f"{pyfunc.__module__}.{pyfunc.__name__}{sig}"
         try:
-            cuda.compile_ptx(pyfunc, sig, cc=cc)
+            ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=cc)
         except Exception as exc:  # report every failure, not just the first
             failures += 1
             print(f"FAIL {name}\n     {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            continue
+        doubles = float64_instructions(ptx)
+        if doubles:
+            failures += 1
+            print(f"FAIL {name}\n     {len(doubles)} float64 instructions ({doubles[0]}, ...)")
     # The graph layer's own kernels: the conditional nodes' setters and their CUDA C shim.
     from proto.graph import cuda as graph_cuda
     graph_failures = graph_cuda.compile_check(cc)

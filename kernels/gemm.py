@@ -43,14 +43,11 @@ import numpy as np
 
 from kernels import _check
 from kernels._reduce import warp_allreduce
-from kernels.elementwise import gelu_ref
+from kernels.elementwise import gelu_f32, gelu_ref
 from proto import backend
 from proto.backend import cuda, jit, launch
 
 ACTS = {None: 0, "gelu": 1, "relu": 2}
-_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
-_GELU_A = np.float32(0.044715)
-_HALF = np.float32(0.5)
 _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
 
@@ -117,13 +114,16 @@ def gemm_ref(a, b, bias=None, act=None, trans_a=False, trans_b=False, *, old=Non
 # Index arithmetic in the kernels is uint32 (`_u`): Numba guards every signed index against
 # Python's negative indexing (3 extra instructions per access, and a fresh address register
 # per access); unsigned indices compile to one base register plus immediate offsets.
+# _BOUNDS: the bounds they are compared with are unsigned too. Numba widens unsigned
+# arithmetic to uint64, and compares uint64 with a signed int64 (an array's shape) in float64:
+# two conversions and a double compare per test (kernels.compile_check refuses float64).
 _u = np.uint32
 
 
 @cuda.jit(device=True)
 def _act(v, act):
     if act == 1:
-        v = _HALF * v * (_ONE + math.tanh(_GELU_C * (v + _GELU_A * v * v * v)))
+        v = gelu_f32(v)
     elif act == 2:
         v = max(v, _ZERO)
     return v
@@ -148,13 +148,13 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
     rows of a column before storing any, so 8 reads are in flight."""
     vals = cuda.local.array(M8, np.float32)
     last = m_rows - 1
-    for kk in range(cuda.threadIdx.x, padded, cuda.blockDim.x):
-        k = _u(k_lo + min(kk, length - 1))
+    for kk in range(_u(cuda.threadIdx.x), padded, _u(cuda.blockDim.x)):   # (see _BOUNDS)
+        k = _u(k_lo + min(kk, length - _u(1)))
         for m in range(M8):
             mm = _u(min(m, last))
             vals[m] = a[bz, k, mm] if trans_a else a[bz, mm, k]
         for m in range(M8):
-            xs[_u(m * SPAN_MAX + kk)] = vals[m] if kk < length else _ZERO
+            xs[_u(m * SPAN_MAX) + kk] = vals[m] if kk < length else _ZERO
 
 
 @cuda.jit(device=True)
@@ -198,9 +198,12 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
     splits = part.shape[1]
     bz, split = _u(cuda.blockIdx.z // splits), cuda.blockIdx.z % splits
     m0, n0 = _u(cuda.blockIdx.y) * _u(BM), _u(cuda.blockIdx.x) * _u(BN)
-    m_rows, n_cols = out.shape[1], out.shape[2]
+    # Bounds as uint32, like the indices they are compared with: Numba compares an unsigned
+    # with a signed 64-bit integer in float64 (a conversion and a double compare per test).
+    m_rows, n_cols = _u(out.shape[1]), _u(out.shape[2])
     k_lo = split * span   # (signed: mixing signed and unsigned in min() would give a float)
     k_len = min(a.shape[1] if trans_a else a.shape[2], k_lo + span)   # the bounds clip to it
+    k_end = _u(k_len)
     for i in range(RB):
         for j in range(RB):
             acc[i, j] = _ZERO
@@ -215,7 +218,7 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
                 kk, mm = e % _u(BK), e // _u(BK)
             m, k = m0 + mm, _u(k0) + kk
             v = _ZERO
-            if m < m_rows and k < k_len:
+            if m < m_rows and k < k_end:
                 v = a[bz, k, m] if trans_a else a[bz, m, k]
             as_[kk, mm] = v
             if trans_b:   # b (N, K)
@@ -224,7 +227,7 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
                 nn, kk = e % _u(BN), e // _u(BN)
             n, k = n0 + nn, _u(k0) + kk
             v = _ZERO
-            if n < n_cols and k < k_len:
+            if n < n_cols and k < k_end:
                 v = b[bz, n, k] if trans_b else b[bz, k, n]
             bs[kk, nn] = v
         cuda.syncthreads()
@@ -307,16 +310,16 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
         j = lane % _u(lane_cols)
         rg = (tid // _u(32)) * _u(groups) + lane // _u(lane_cols)
         bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
-        m_rows, n_cols, k_len = out.shape[1], out.shape[2], b.shape[1]
+        m_rows, n_cols, k_len = _u(out.shape[1]), _u(out.shape[2]), _u(b.shape[1])  # (see _BOUNDS)
         k_lo = split * _u(span)
-        k_hi = _u(min(k_lo + _u(span), _u(k_len)))
+        k_hi = _u(min(k_lo + _u(span), k_len))
         length = k_hi - k_lo
         n_tiles = (n_cols + tile - 1) // tile
         kb0 = k_lo + rg
         tile_i = cuda.blockIdx.x
         # First batch of weight loads before staging, so staging overlaps their latency.
         for c in range(cols):  # past the last column, re-read the last one; never stored
-            col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - 1))
+            col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - _u(1)))
         load(wv, b, bz, kb0, k_hi, col)
         _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
                  m_rows, trans_a)
@@ -339,7 +342,7 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
             tile_i += cuda.gridDim.x
             if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
                 for c in range(cols):
-                    col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - 1))
+                    col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - _u(1)))
                 load(wv, b, bz, kb0, k_hi, col)
             # Block sum over the row groups, in a fixed order; rows past m_rows are padding.
             for m in range(M8):
@@ -406,14 +409,14 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
         rows = cuda.local.array(cols, np.uint32)
         lane, warp = _u(cuda.threadIdx.x % 32), _u(cuda.threadIdx.x // 32)
         bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
-        m_rows, n_cols, k_len = out.shape[1], out.shape[2], b.shape[2]
+        m_rows, n_cols, k_len = _u(out.shape[1]), _u(out.shape[2]), _u(b.shape[2])  # (see _BOUNDS)
         k_lo = split * _u(span)
-        length = _u(min(k_lo + _u(span), _u(k_len))) - k_lo
+        length = _u(min(k_lo + _u(span), k_len)) - k_lo
         n_tiles = (n_cols + tile - 1) // tile
         tile_i = cuda.blockIdx.x
         n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
         for c in range(cols):  # past the last column, re-read the last row; never stored
-            rows[c] = _u(min(n0 + _u(c), n_cols - 1))
+            rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
         load(wv, b, bz, k_lo, lane, length, rows)
         _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
                  m_rows, trans_a)
@@ -437,7 +440,7 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
             if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
                 n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
                 for c in range(cols):
-                    rows[c] = _u(min(n0 + _u(c), n_cols - 1))
+                    rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
                 load(wv, b, bz, k_lo, lane, length, rows)
             # Sum each (m, c) over the warp's 32 lanes with shuffles (no barrier: the warps
             # of a block stream independently); lane i then stores the i-th result. Rows
@@ -499,6 +502,7 @@ def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gam
     old = cuda.local.array(LN_COLS, np.float32)
     bv = cuda.local.array(LN_COLS, np.float32)
     B, S, M, N = part.shape
+    n_cols = _u(N)   # (see _BOUNDS)
     bz, m = _u(cuda.blockIdx.x // M), _u(cuda.blockIdx.x % M)
     tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
     last = _u(N - 1)
@@ -526,20 +530,20 @@ def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gam
             v += bv[c]
         v = _act(v, act)
         xv[c] = v
-        if n < N:
+        if n < n_cols:
             out[bz, m, n] = v
             s1 += v
     inv_n = _ONE / np.float32(N)
     mean = _block_sum(s1, red, 0) * inv_n
     s2 = _ZERO
     for c in range(LN_COLS):
-        if tid + nt * _u(c) < N:
+        if tid + nt * _u(c) < n_cols:
             d = xv[c] - mean
             s2 += d * d
     rstd = _ONE / math.sqrt(_block_sum(s2, red, 32) * inv_n + eps)
     for c in range(LN_COLS):
         n = tid + nt * _u(c)
-        if n < N:
+        if n < n_cols:
             y[bz, m, n] = (xv[c] - mean) * rstd * gamma[n] + beta[n]
 
 
