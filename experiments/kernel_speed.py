@@ -17,7 +17,8 @@ decode attention: the live K and V, positions 0..pos) or the FLOPs it must do gi
 fraction of the bound it reaches:
   memory-bound kernels   achieved GB/s over the device's copy bandwidth, measured here as a
                          device-to-device copy of 1 GiB (bytes read + written / time);
-  compute-bound kernels  achieved FLOP/s over the FP32 FMA peak (SMs x FP32 lanes x 2 x clock).
+  compute-bound kernels  achieved FLOP/s over the FP32 peak measured by an FMA loop
+                         (kernels.peak; the datasheet's SMs x lanes x 2 x clock is beside it).
 The decode GEMMs are GPT-2 small's, 5 beams (M = 5) with their fused epilogues: qkv
 (768x2304 + bias), attention projection (768x768 + bias + residual), fc (768x3072 + bias,
 GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @ wte.T,
@@ -26,6 +27,9 @@ GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @
 TF32 off (the residual as a second op, as a user writes it). An LSTM step's gates GEMM (64
 rows against a 4096 x 1024 weight) runs twice: as gemm() picks it (K split: few 64 x 64
 tiles) and forced to one span (`lstm_gates_split_over_unsplit_time`), against torch.addmm.
+A VGG layer at 224x224 input (conv3: N 16, 256 -> 256 channels, 56x56, 3x3) runs its forward
+(bias, ReLU), backward-data and backward-weight (with the bias gradient) against cuDNN's
+fp32 (`conv_fractions_of_fp32_peak`, `conv_over_cudnn_time`).
 
 Full size: d=768, vocab 50257, T=1024, batch 5. Toy size: tiny shapes for the simulator
 (its timings mean nothing; the run checks the script end to end).
@@ -51,10 +55,14 @@ NAME = "kernel_speed"
 HEADLINE = "gemm_decode_nt"
 DECODE_GEMMS = ("gemm_decode_qkv", "gemm_decode_attn_proj", "gemm_decode_fc",
                 "gemm_decode_mlp_proj", HEADLINE)  # GPT-2 small's five decode shapes
-SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden
-    "full": dict(D=768, V=50257, T=1024, B=5, H=12, L=1024, LB=64, copy_bytes=1 << 30),
-    "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=10, copy_bytes=1 << 16),  # B*T, LB > 8: tiled
+SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden;
+    # conv: (N, C=K, H=W) of a 3x3, pad-1 VGG layer (VGG's conv3 block at 224x224 input)
+    "full": dict(D=768, V=50257, T=1024, B=5, H=12, L=1024, LB=64, conv=(16, 256, 56),
+                 copy_bytes=1 << 30),
+    "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=10, conv=(1, 4, 6),  # B*T, LB > 8: tiled
+                copy_bytes=1 << 16),
 }
+CONVS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weight")
 REPS = {"full": dict(warmup=3, reps=20), "toy": dict(warmup=0, reps=1)}  # toy: simulated
 # FP32 lanes per SM by compute capability (8.0 and older datacenter parts have 64).
 _FP32_LANES = {(6, 0): 64, (7, 0): 64, (8, 0): 64}
@@ -222,6 +230,7 @@ def _cases(s: dict, torch) -> list[Case]:
         cases.extend(_sampling_cases(s, rng, torch, tt))
     if "lstm" in OPTIONAL:
         cases.append(_lstm_case(s, rng, torch, tt))
+    cases.extend(_conv_cases(s, rng, torch, tt))
     return cases
 
 
@@ -357,6 +366,49 @@ def _lstm_case(s, rng, torch, tt) -> Case:
                 theirs, their_result)
 
 
+def _conv_cases(s, rng, torch, tt) -> list[Case]:
+    """A VGG layer's three convolutions (3x3, pad 1, ReLU fused into the forward; the weight
+    gradient with the bias gradient) against cuDNN's fp32 (TF32 off) through torch."""
+    from kernels import conv
+    N, C, HW = s["conv"]
+    x = rng.standard_normal((N, C, HW, HW), dtype=np.float32)
+    w = rng.standard_normal((C, C, 3, 3), dtype=np.float32) * np.float32(0.05)
+    b = rng.standard_normal(C, dtype=np.float32)
+    dy = rng.standard_normal((N, C, HW, HW), dtype=np.float32)
+    dx_, dw_, db_, ddy = _dev(x), _dev(w), _dev(b), _dev(dy)
+    out, dxg = cuda.device_array(x.shape, np.float32), cuda.device_array(x.shape, np.float32)
+    dwg, dbg = cuda.device_array(w.shape, np.float32), cuda.device_array(C, np.float32)
+    work = cuda.device_array(max(1, conv.wgrad_workspace_size(x.shape, w.shape, pad=1)),
+                             np.float32)
+    flops = int(conv.conv2d_flops(N, C, C, 3, 3, HW, HW))
+    shape = f"N{N} C{C} K{C} {HW}x{HW}, 3x3 pad 1"
+    act_bytes = 4 * x.size
+    if torch:
+        F, grad = torch.nn.functional, torch.nn.grad
+        tx, tw, tb, tdy = tt(x), tt(w), tt(b), tt(dy)
+        fwd = lambda: F.relu(F.conv2d(tx, tw, tb, padding=1))  # noqa: E731
+        bwd_data = lambda: grad.conv2d_input(tx.shape, tw, tdy, padding=1)  # noqa: E731
+        bwd_weight = lambda: (grad.conv2d_weight(tx, tw.shape, tdy, padding=1),  # noqa: E731
+                              tdy.sum((0, 2, 3)))
+    else:
+        fwd = bwd_data = bwd_weight = None
+
+    def result_of(fn, index=None):
+        return None if fn is None else (
+            lambda: (fn() if index is None else fn()[index]).cpu().numpy())
+    return [
+        Case("conv_fwd", shape + ", bias, relu", "compute", 2 * act_bytes + 4 * (w.size + C),
+             flops, lambda: conv.conv2d(dx_, dw_, db_, out, pad=1, relu=True),
+             out.copy_to_host, fwd, result_of(fwd)),
+        Case("conv_bwd_data", shape, "compute", 2 * act_bytes + 4 * w.size, flops,
+             lambda: conv.conv2d_bwd_data(ddy, dw_, dxg, pad=1), dxg.copy_to_host,
+             bwd_data, result_of(bwd_data)),
+        Case("conv_bwd_weight", shape + ", with db", "compute", 2 * act_bytes + 4 * (w.size + C),
+             flops, lambda: conv.conv2d_bwd_weight(dx_, ddy, dwg, dbg, pad=1, workspace=work),
+             dwg.copy_to_host, bwd_weight, result_of(bwd_weight, 0)),
+    ]
+
+
 def copy_bandwidth_GBps(nbytes: int, reps: dict) -> float:
     """Device-to-device copy of `nbytes`: bytes read + written per second, in GB/s."""
     src = cuda.device_array(nbytes // 4, np.float32)
@@ -367,13 +419,26 @@ def copy_bandwidth_GBps(nbytes: int, reps: dict) -> float:
     return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
 
 
-def fp32_peak_TFLOPs() -> float | None:
-    """SMs x FP32 lanes x 2 FLOP (an FMA) x clock; None on the simulator."""
+def fp32_spec_TFLOPs() -> float | None:
+    """The datasheet peak: SMs x FP32 lanes x 2 FLOP (an FMA) x clock; None on the simulator."""
     if backend.SIMULATOR:
         return None
     dev = cuda.get_current_device()
     lanes = _FP32_LANES.get(tuple(dev.compute_capability), 128)
     return dev.MULTIPROCESSOR_COUNT * lanes * 2 * dev.CLOCK_RATE * 1e3 / 1e12
+
+
+def fp32_fma_peak_TFLOPs(reps: dict) -> float | None:
+    """The FP32 peak kernels can reach, measured: kernels.peak's FMA loop over two waves of
+    full blocks (the compute-bound kernels' bound). None on the simulator."""
+    if backend.SIMULATOR:
+        return None
+    from kernels import peak
+    blocks = 16 * cuda.get_current_device().MULTIPROCESSOR_COUNT
+    out = cuda.device_array(blocks * peak.THREADS, np.float32)
+    flops = []
+    t = timing.bench(lambda: flops.append(peak.fma_loop(out, blocks, 1024)), **reps)   # ~2 ms
+    return flops[0] / (t.median_ms * 1e-3) / 1e12
 
 
 def _release_device_memory():
@@ -410,7 +475,7 @@ def run(size: str = "toy") -> None:
     reps = REPS[size]
     torch = _torch()
     copy_GBps = copy_bandwidth_GBps(SIZES[size]["copy_bytes"], reps)
-    peak = fp32_peak_TFLOPs()
+    peak, spec = fp32_fma_peak_TFLOPs(reps), fp32_spec_TFLOPs()
     rows = []
     for case in common.progress(_cases(SIZES[size], torch), desc=NAME):
         impls = [("ours", case.ours)] + ([("torch", case.theirs)] if case.theirs else [])
@@ -451,6 +516,7 @@ def run(size: str = "toy") -> None:
                          "max_abs_diff_vs_torch": diff if impl == "ours" else "",
                          "copy_GBps": round(copy_GBps, 1),
                          "fp32_peak_TFLOPs": round(peak, 2) if peak else "",
+                         "fp32_spec_TFLOPs": round(spec, 2) if spec else "",
                          "reps": t.reps})
     _release_device_memory()
     common.write_csv(NAME, rows)
@@ -492,6 +558,19 @@ def summarize(rows: list[dict], s: dict) -> dict:
         torch_gates = us.get(("gemm_lstm_gates", "torch"))
         summary["lstm_gates_over_torch_time"] = (us[("gemm_lstm_gates", "ours")] / torch_gates
                                                  if torch_gates else None)
+    if all(c in ours for c in CONVS):
+        first = ours[CONVS[0]]
+        fractions = {c: ours[c]["fraction_of_bound"] for c in CONVS}
+        measured = "" not in fractions.values()   # no peak on the simulator
+        summary.update(
+            fp32_fma_peak_TFLOPs=first["fp32_peak_TFLOPs"] or None,
+            fp32_spec_TFLOPs=first["fp32_spec_TFLOPs"] or None,
+            conv_fractions_of_fp32_peak=(
+                {c: float(v) for c, v in fractions.items()} if measured else None),
+            conv_min_fraction_of_fp32_peak=(
+                min(float(v) for v in fractions.values()) if measured else None),
+            conv_over_cudnn_time={c: us[(c, "ours")] / us[(c, "torch")]
+                                  if (c, "torch") in us else None for c in CONVS})
     if "attention_decode" in ours:
         summary["attention_decode_fraction_of_bandwidth"] = fraction("attention_decode")
         summary["attention_decode_us"] = us[("attention_decode", "ours")]
