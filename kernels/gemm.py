@@ -84,8 +84,11 @@ else:
     LN_THREADS = 64
 BM = BN = TPB * RB
 # Shared/local array sizes must be literal constants in the kernel, hence precomputed here.
-_TILE_A = (BK, BM + 1)  # +1 column: the transposed staging writes hit distinct banks
-_TILE_B = (BK, BN + 1)
+# +4 columns: the transposed staging writes spread over the banks, and every row stays 16-byte
+# aligned, so a thread's RB adjacent values of a row are one 16-byte load (ld.shared.v4).
+_TILE_A = (BK, BM + 4)
+_TILE_B = (BK, BN + 4)
+_ALIGN = None if backend.SIMULATOR else 16   # (the simulator takes no alignment)
 _XS = M8 * SPAN_MAX
 _LN_VALS = LN_COLS * RED_CHUNK
 
@@ -188,8 +191,8 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
     """Grid (N tiles, M tiles, batch x K splits). Block (x, y, bz * S + s) multiplies K rows
     [s * span, (s + 1) * span) of its tile: with `direct` (S = 1) it applies the epilogue to
     out, else it writes part[bz, s] for gemm_splitk_reduce_kernel."""
-    as_ = cuda.shared.array(_TILE_A, np.float32)  # op(a) tile, k-major
-    bs = cuda.shared.array(_TILE_B, np.float32)  # op(b) tile
+    as_ = cuda.shared.array(_TILE_A, np.float32, alignment=_ALIGN)  # op(a) tile, k-major
+    bs = cuda.shared.array(_TILE_B, np.float32, alignment=_ALIGN)  # op(b) tile
     acc = cuda.local.array((RB, RB), np.float32)
     ra = cuda.local.array(RB, np.float32)
     rb = cuda.local.array(RB, np.float32)
@@ -233,17 +236,17 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
         cuda.syncthreads()
         for kk in range(BK):
             for i in range(RB):
-                ra[i] = as_[_u(kk), ty + _u(i * TPB)]
+                ra[i] = as_[_u(kk), ty * _u(RB) + _u(i)]
             for j in range(RB):
-                rb[j] = bs[_u(kk), tx + _u(j * TPB)]
+                rb[j] = bs[_u(kk), tx * _u(RB) + _u(j)]
             for i in range(RB):
                 for j in range(RB):
                     acc[i, j] += ra[i] * rb[j]
         cuda.syncthreads()
     for i in range(RB):
-        m = m0 + ty + _u(i * TPB)
+        m = m0 + ty * _u(RB) + _u(i)
         for j in range(RB):
-            n = n0 + tx + _u(j * TPB)
+            n = n0 + tx * _u(RB) + _u(j)
             if m < m_rows and n < n_cols:
                 if direct:
                     _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
