@@ -9,8 +9,9 @@ at the next step), so the global memory latency overlaps arithmetic instead of s
 every warp at the barrier; this also took the wide tile from 154 registers a thread (one
 256-thread block per SM) to 108 (two). Their inner loop reads each thread's operands as
 16-byte shared-memory loads (its rows and columns in groups of 4 adjacent, tiles 16-byte
-aligned): 4 loads per 64 multiply-adds instead of 16. Backward-weight, held at 128
-registers, would spill with the prefetch.
+aligned): 4 loads per 64 multiply-adds instead of 16; backward-weight reads the same way,
+but loads its next tiles only after the barrier (held at 128 registers, it would spill with
+the prefetch).
 
     forward       out[n,k,p,q]  = sum_{c,r,s} x[n,c,p*st-pad+r,q*st-pad+s] * w[k,c,r,s] + b[k]
                   (then ReLU, optionally: fused so VGG never stores a pre-activation)
@@ -308,8 +309,9 @@ def _make_wgrad_kernel(t: Tiles):
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     BIAS_ROWS = (BM + NT - 1) // NT
-    BMP, BNP = BM + 1, BN + 1          # +1: the l-fastest staging hits distinct banks
-    A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # double-buffered [buf][l][k | c]
+    VA, VB = (4 if TM % 4 == 0 else 1), (4 if TN % 4 == 0 else 1)   # as in the conv kernel
+    BMP, BNP = BM + 4, BN + 4          # +4: the l-fastest staging spreads over the banks,
+    A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # rows 16-byte aligned; [buf][l][k | c]
     L_SIZE = 2 * BK
 
     # 128 registers a thread lets two 256-thread blocks share an SM. The wide tile's 64
@@ -336,8 +338,8 @@ def _make_wgrad_kernel(t: Tiles):
         # Double-buffered like the tiles: step i+1's entries are written during step i.
         l_dy = cuda.shared.array(L_SIZE, np.int32)
         l_x = cuda.shared.array(L_SIZE, np.int32)
-        a_tile = cuda.shared.array(A_SIZE, np.float32)
-        b_tile = cuda.shared.array(B_SIZE, np.float32)
+        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=_ALIGN)
+        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=_ALIGN)
         acc = cuda.local.array((TM, TN), np.float32)
         bias_acc = cuda.local.array(BIAS_ROWS, np.float32)
         a_reg = cuda.local.array(TM, np.float32)
@@ -392,15 +394,17 @@ def _make_wgrad_kernel(t: Tiles):
                         v = x[_u(off + (c0 + nn) * HW)]
                     b_tile[buf * _u(BK * BNP) + kk * _u(BNP) + nn] = v
             cuda.syncthreads()   # one barrier per step, as in the conv kernel
-            a_base = buf * _u(BK * BMP) + tx
-            b_base = buf * _u(BK * BNP) + ty
+            a_base = buf * _u(BK * BMP) + tx * _u(VA)
+            b_base = buf * _u(BK * BNP) + ty * _u(VB)
             for kk in range(BK):
                 a_row = a_base + _u(kk * BMP)
                 b_row = b_base + _u(kk * BNP)
-                for i in range(TM):
-                    a_reg[i] = a_tile[a_row + _u(DX * i)]
-                for j in range(TN):
-                    b_reg[j] = b_tile[b_row + _u(DY * j)]
+                for g in range(TM // VA):
+                    for v in range(VA):
+                        a_reg[g * VA + v] = a_tile[a_row + _u(g * DX * VA + v)]
+                for g in range(TN // VB):
+                    for v in range(VB):
+                        b_reg[g * VB + v] = b_tile[b_row + _u(g * DY * VB + v)]
                 for i in range(TM):
                     for j in range(TN):
                         acc[i, j] += a_reg[i] * b_reg[j]
@@ -412,11 +416,11 @@ def _make_wgrad_kernel(t: Tiles):
                             bias_acc[i] += a_tile[buf * _u(BK * BMP) + _u(kk * BMP) + mm]
 
         w_base = split * K * C * RS
-        for i in range(TM):
-            k = k0 + tx + _u(DX * i)
+        for i in range(TM):   # (row and column of acc[i, j]: as the inner loop read them)
+            k = k0 + tx * _u(VA) + _u((i // VA) * (DX * VA) + i % VA)
             if k < K:
                 for j in range(TN):
-                    c = c0 + ty + _u(DY * j)
+                    c = c0 + ty * _u(VB) + _u((j // VB) * (DY * VB) + j % VB)
                     if c < C:
                         part_w[_u(w_base + (k * C + c) * RS + rs)] = acc[i, j]
         if sums_bias:
