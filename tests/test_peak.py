@@ -16,4 +16,5 @@ def test_the_fma_loop_does_the_flops_it_reports():
            for k in range(peak.LANES)]
     for _ in range(iters * peak.ROUNDS):
         acc = [a * m + c for a in acc]
-    np.testing.assert_allclose(out.copy_to_host(), sum(acc), rtol=1e-6)
+    # A GPU fuses each multiply-add (one rounding, NumPy two): 48 steps of a half-ulp each.
+    np.testing.assert_allclose(out.copy_to_host(), sum(acc), rtol=1e-4)
