@@ -3,7 +3,9 @@
 Two kernel families, chosen by `gemm` from the shapes:
 
 - `gemm_tiled_kernel`, for any shape: 64 x 64 output tiles, K consumed 16 at a time through
-  shared memory, a 4 x 4 register block per thread (each staged value feeds 4 products).
+  shared memory, a 4 x 4 register block per thread (each staged value feeds 4 products; a
+  thread's 4 rows and 4 columns are adjacent, so each is one 16-byte shared load). The next
+  16 rows of K are loaded into registers while the current ones are multiplied.
   Where the tiles alone make fewer blocks than two per SM (skinny products: an LSTM step's
   9..64 rows), K is split as in the decode path and the partial tiles are summed in order
   (`tiled_plan`).
@@ -175,6 +177,47 @@ def _block_sum(v, red, at):
     return total
 
 
+_STAGED = BM * BK // (TPB * TPB)   # elements of each tile a thread stages per step
+
+
+@cuda.jit(device=True)
+def _a_slot(e, trans_a):
+    """(row, k) in the op(a) tile of staged element e: consecutive threads walk the
+    contiguous axis of a, whichever it is, so global reads coalesce."""
+    if trans_a:   # a (K, M)
+        return e % _u(BM), e // _u(BM)
+    return e // _u(BK), e % _u(BK)   # a (M, K)
+
+
+@cuda.jit(device=True)
+def _b_slot(e, trans_b):
+    """(column, k) in the op(b) tile of staged element e (as _a_slot)."""
+    if trans_b:   # b (N, K)
+        return e // _u(BK), e % _u(BK)
+    return e % _u(BN), e // _u(BN)   # b (K, N)
+
+
+@cuda.jit(device=True)
+def _tiled_load(a, b, a_regs, b_regs, bz, tid, m0, n0, k0, m_rows, n_cols, k_end, trans_a,
+                trans_b):
+    """This thread's elements of the op(a) and op(b) tiles at K row k0, into registers (zero
+    past the bounds)."""
+    for i in range(_STAGED):
+        e = tid + _u(i * TPB * TPB)
+        mm, kk = _a_slot(e, trans_a)
+        m, k = m0 + mm, _u(k0) + kk
+        v = _ZERO
+        if m < m_rows and k < k_end:
+            v = a[bz, k, m] if trans_a else a[bz, m, k]
+        a_regs[i] = v
+        nn, kk = _b_slot(e, trans_b)
+        n, k = n0 + nn, _u(k0) + kk
+        v = _ZERO
+        if n < n_cols and k < k_end:
+            v = b[bz, n, k] if trans_b else b[bz, k, n]
+        b_regs[i] = v
+
+
 # ---------------------------------------------------------------------------- kernels
 _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
          "int32, int32, int32")
@@ -210,30 +253,23 @@ def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans
     for i in range(RB):
         for j in range(RB):
             acc[i, j] = _ZERO
+    # Step 0's loads, then each step stores the loads made during the step before and issues
+    # its successor's before it multiplies: global memory latency overlaps the arithmetic.
+    a_next = cuda.local.array(_STAGED, np.float32)
+    b_next = cuda.local.array(_STAGED, np.float32)
+    _tiled_load(a, b, a_next, b_next, bz, tid, m0, n0, k_lo, m_rows, n_cols, k_end,
+                trans_a, trans_b)
     for k0 in range(k_lo, k_len, BK):
-        # Each thread stages 4 elements of each tile; consecutive threads walk the
-        # contiguous axis of the source, whichever it is, so global reads coalesce.
-        for i in range(BM * BK // (TPB * TPB)):
+        for i in range(_STAGED):
             e = tid + _u(i * TPB * TPB)
-            if trans_a:   # a (K, M)
-                mm, kk = e % _u(BM), e // _u(BM)
-            else:         # a (M, K)
-                kk, mm = e % _u(BK), e // _u(BK)
-            m, k = m0 + mm, _u(k0) + kk
-            v = _ZERO
-            if m < m_rows and k < k_end:
-                v = a[bz, k, m] if trans_a else a[bz, m, k]
-            as_[kk, mm] = v
-            if trans_b:   # b (N, K)
-                kk, nn = e % _u(BK), e // _u(BK)
-            else:         # b (K, N)
-                nn, kk = e % _u(BN), e // _u(BN)
-            n, k = n0 + nn, _u(k0) + kk
-            v = _ZERO
-            if n < n_cols and k < k_end:
-                v = b[bz, n, k] if trans_b else b[bz, k, n]
-            bs[kk, nn] = v
+            mm, kk = _a_slot(e, trans_a)
+            as_[kk, mm] = a_next[i]
+            nn, kk = _b_slot(e, trans_b)
+            bs[kk, nn] = b_next[i]
         cuda.syncthreads()
+        if k0 + BK < k_len:
+            _tiled_load(a, b, a_next, b_next, bz, tid, m0, n0, k0 + BK, m_rows, n_cols, k_end,
+                        trans_a, trans_b)
         for kk in range(BK):
             for i in range(RB):
                 ra[i] = as_[_u(kk), ty * _u(RB) + _u(i)]
