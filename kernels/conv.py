@@ -125,6 +125,47 @@ _CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float
              "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
 
 
+def _register_tile(t: Tiles, a_stride: int, b_stride: int):
+    """The TM x TN register tile every kernel here multiplies with: (multiply, row, col).
+
+    A thread's TM rows are groups of VA adjacent ones, DX * VA apart (its TN columns: groups of
+    VB, DY * VB apart), so each group is one 16-byte shared-memory load (ld.shared.v4; the
+    tiles are 16-byte aligned and their strides multiples of 4). `multiply` adds one BK step
+    of the staged tiles (k-major: a row of a_tile every a_stride floats, of b_tile every
+    b_stride) into acc; `row(tx, i)` and `col(ty, j)` say which tile row and column acc[i, j]
+    holds."""
+    BM, BN, BK, TM, TN = t
+    DX, DY = BM // TM, BN // TN
+    VA, VB = (4 if TM % 4 == 0 else 1), (4 if TN % 4 == 0 else 1)
+
+    @cuda.jit(device=True)
+    def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, tx, ty):
+        a_base = a_start + tx * _u(VA)
+        b_base = b_start + ty * _u(VB)
+        for kk in range(BK):
+            a_row = a_base + _u(kk * a_stride)
+            b_row = b_base + _u(kk * b_stride)
+            for g in range(TM // VA):
+                for v in range(VA):
+                    a_reg[g * VA + v] = a_tile[a_row + _u(g * DX * VA + v)]
+            for g in range(TN // VB):
+                for v in range(VB):
+                    b_reg[g * VB + v] = b_tile[b_row + _u(g * DY * VB + v)]
+            for i in range(TM):
+                for j in range(TN):
+                    acc[i, j] += a_reg[i] * b_reg[j]
+
+    @cuda.jit(device=True)
+    def row(tx, i):
+        return tx * _u(VA) + _u((i // VA) * (DX * VA) + i % VA)
+
+    @cuda.jit(device=True)
+    def col(ty, j):
+        return ty * _u(VB) + _u((j // VB) * (DY * VB) + j % VB)
+
+    return multiply, row, col
+
+
 def _make_conv_kernel(t: Tiles, transposed: bool):
     """Forward (transposed=False) or backward-data (True) implicit GEMM for tile shape `t`.
 
@@ -135,11 +176,9 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
     BM, BN, BK, TM, TN = t
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
-    # A thread's TM rows (TN columns) are groups of VA (VB) adjacent ones, DX * VA (DY * VB)
-    # apart, so each group is one 16-byte shared-memory load (ld.shared.v4) in the inner loop.
-    VA, VB = (4 if TM % 4 == 0 else 1), (4 if TN % 4 == 0 else 1)
     BNP = BN + 4                       # +4 columns: the k-fastest staging hits distinct banks,
     A_SIZE, B_SIZE = 2 * BK * BM, 2 * BK * BNP   # and rows stay 16-byte aligned
+    multiply, row, col = _register_tile(t, BM, BNP)
 
     A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)   # staged elements per thread
 
@@ -260,27 +299,15 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
                 load_a(a_next, src, pix_src, pix_h, pix_w, tid, c0, r, rs - r * S,
                        CI, HI, WI, HWI, stride)
                 load_b(b_next, w, tid, c0, n0, rs, CI, CO, RS)
-            a_base = buf * _u(BK * BM) + tx * _u(VA)
-            b_base = buf * _u(BK * BNP) + ty * _u(VB)
-            for kk in range(BK):
-                a_row = a_base + _u(kk * BM)
-                b_row = b_base + _u(kk * BNP)
-                for g in range(TM // VA):
-                    for v in range(VA):
-                        a_reg[g * VA + v] = a_tile[a_row + _u(g * DX * VA + v)]
-                for g in range(TN // VB):
-                    for v in range(VB):
-                        b_reg[g * VB + v] = b_tile[b_row + _u(g * DY * VB + v)]
-                for i in range(TM):
-                    for j in range(TN):
-                        acc[i, j] += a_reg[i] * b_reg[j]
+            multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(BK * BM), buf * _u(BK * BNP),
+                     tx, ty)
 
-        for i in range(TM):   # (row and column of acc[i, j]: as the inner loop read them)
-            mm = tx * _u(VA) + _u((i // VA) * (DX * VA) + i % VA)
+        for i in range(TM):
+            mm = row(tx, i)
             if m0 + mm < M:
                 out_base = pix_dst[mm]
                 for j in range(TN):
-                    co = n0 + ty * _u(VB) + _u((j // VB) * (DY * VB) + j % VB)
+                    co = n0 + col(ty, j)
                     if co < CO:
                         v = acc[i, j]
                         if has_bias != 0:
@@ -309,9 +336,9 @@ def _make_wgrad_kernel(t: Tiles):
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     BIAS_ROWS = (BM + NT - 1) // NT
-    VA, VB = (4 if TM % 4 == 0 else 1), (4 if TN % 4 == 0 else 1)   # as in the conv kernel
     BMP, BNP = BM + 4, BN + 4          # +4: the l-fastest staging spreads over the banks,
     A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # rows 16-byte aligned; [buf][l][k | c]
+    multiply, row, col = _register_tile(t, BMP, BNP)
     L_SIZE = 2 * BK
 
     # 128 registers a thread lets two 256-thread blocks share an SM. The wide tile's 64
@@ -394,20 +421,8 @@ def _make_wgrad_kernel(t: Tiles):
                         v = x[_u(off + (c0 + nn) * HW)]
                     b_tile[buf * _u(BK * BNP) + kk * _u(BNP) + nn] = v
             cuda.syncthreads()   # one barrier per step, as in the conv kernel
-            a_base = buf * _u(BK * BMP) + tx * _u(VA)
-            b_base = buf * _u(BK * BNP) + ty * _u(VB)
-            for kk in range(BK):
-                a_row = a_base + _u(kk * BMP)
-                b_row = b_base + _u(kk * BNP)
-                for g in range(TM // VA):
-                    for v in range(VA):
-                        a_reg[g * VA + v] = a_tile[a_row + _u(g * DX * VA + v)]
-                for g in range(TN // VB):
-                    for v in range(VB):
-                        b_reg[g * VB + v] = b_tile[b_row + _u(g * DY * VB + v)]
-                for i in range(TM):
-                    for j in range(TN):
-                        acc[i, j] += a_reg[i] * b_reg[j]
+            multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(BK * BMP), buf * _u(BK * BNP),
+                     tx, ty)
             if sums_bias:
                 for i in range(BIAS_ROWS):
                     mm = tid + _u(NT * i)
@@ -416,11 +431,11 @@ def _make_wgrad_kernel(t: Tiles):
                             bias_acc[i] += a_tile[buf * _u(BK * BMP) + _u(kk * BMP) + mm]
 
         w_base = split * K * C * RS
-        for i in range(TM):   # (row and column of acc[i, j]: as the inner loop read them)
-            k = k0 + tx * _u(VA) + _u((i // VA) * (DX * VA) + i % VA)
+        for i in range(TM):
+            k = k0 + row(tx, i)
             if k < K:
                 for j in range(TN):
-                    c = c0 + ty * _u(VB) + _u((j // VB) * (DY * VB) + j % VB)
+                    c = c0 + col(ty, j)
                     if c < C:
                         part_w[_u(w_base + (k * C + c) * RS + rs)] = acc[i, j]
         if sums_bias:

@@ -74,6 +74,13 @@ def _row_max_sumexp(x, row, lo, hi, buf_m, buf_s):
     return m, s
 
 
+@cuda.jit(device=True)
+def _log_shift(m, s):
+    """log(sum exp(x)) from (max, sum of exp(x - max)): -inf for an empty or all -inf row
+    (log(0), which the simulator's math.log would raise on), NaN for a NaN sum."""
+    return m + (_NEG_INF if s == _ZERO else math.log(s))
+
+
 @jit("void(float32[:, ::1], int32[::1], float32[:, ::1])", writes=("out",), in_place=(("out", "x"),))
 def masked_softmax_kernel(x, length, out):
     buf_m = cuda.shared.array(MAX_THREADS, np.float32)
@@ -97,7 +104,7 @@ def log_softmax_kernel(x, out):
     row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     n = x.shape[1]
     m, s = _row_max_sumexp(x, row, 0, n, buf_m, buf_s)
-    shift = m + (_NEG_INF if s == _ZERO else math.log(s))   # (the simulator's log(0) raises)
+    shift = _log_shift(m, s)
     for j in range(t, n, step):
         out[row, j] = x[row, j] - shift
 
@@ -111,13 +118,11 @@ SPAN = SPLIT_THREADS * ELEMS_PER_THREAD       # columns a block scans
 SPLIT_MIN_COLS = 2 * SPAN                      # shorter rows keep one block each
 
 
+@cuda.jit(device=True)
 def _span(n, spans, i):
     """[lo, hi) of span i of `spans` over n columns (the last may be short)."""
     width = (n + spans - 1) // spans
     return min(i * width, n), min((i + 1) * width, n)
-
-
-_span_device = cuda.jit(device=True)(_span)
 
 
 @jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])", writes=("part_m", "part_s"))
@@ -126,7 +131,7 @@ def log_softmax_partials_kernel(x, part_m, part_s):
     buf_m = cuda.shared.array(SPLIT_THREADS, np.float32)
     buf_s = cuda.shared.array(SPLIT_THREADS, np.float32)
     i, row = cuda.blockIdx.x, cuda.blockIdx.y
-    lo, hi = _span_device(x.shape[1], part_m.shape[1], i)
+    lo, hi = _span(x.shape[1], part_m.shape[1], i)
     m, s = _row_max_sumexp(x, row, lo, hi, buf_m, buf_s)
     if cuda.threadIdx.x == 0:
         part_m[row, i] = m
@@ -150,8 +155,8 @@ def log_softmax_apply_kernel(x, part_m, part_s, out):
             s += sk
         elif mk != _NEG_INF:  # an empty or all -inf span adds nothing
             s += sk * math.exp(mk - m)
-    shift = m + (_NEG_INF if s == _ZERO else math.log(s))   # (the simulator's log(0) raises)
-    lo, hi = _span_device(x.shape[1], spans, i)
+    shift = _log_shift(m, s)
+    lo, hi = _span(x.shape[1], spans, i)
     for j in range(lo + cuda.threadIdx.x, hi, cuda.blockDim.x):
         out[row, j] = x[row, j] - shift
 
