@@ -44,6 +44,11 @@ FILES = ("tests/test_graph_gpu.py", "tests/test_control.py", "tests/test_predica
          "tests/test_elementwise.py", "tests/test_embedding.py", "tests/test_loss.py",
          "tests/test_relu.py", "tests/test_sgd.py", "tests/test_linear.py", "tests/test_lstm.py",
          "tests/test_conv.py")
+# racecheck tracks every shared-memory access of every block: the VGG-sized determinism test
+# (four 786k-pixel weight-gradient reductions) runs past any time limit under it. Its kernel's
+# split path is raced-checked by the small hypothesis cases of the same file (splits 1 and 3);
+# the other three tools run it.
+DESELECT = {"racecheck": ("tests/test_conv.py::test_split_wgrad_at_vgg_size_is_deterministic",)}
 _PYTEST_LAST = re.compile(r"\d+ (passed|failed|errors?)\b.* in [\d.]+s")
 _ERRORS = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)")
 
@@ -51,6 +56,7 @@ _ERRORS = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)")
 def _run_file(tool: str, path: str, timeout: float) -> tuple[str, dict]:
     cmd = ["compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--print-limit", "20",
            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE", path]
+    cmd += [f"--deselect={t}" for t in DESELECT.get(tool, ()) if t.startswith(path + "::")]
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "PROTO_TEST_SCALE": "1", "PROTO_QUIET": "1",
            "PROTO_CONDITIONAL_NODES": "off"}
     t0 = time.perf_counter()
@@ -125,6 +131,9 @@ def main(argv=None) -> int:
                "(PROTO_TEST_SCALE=1, HYPOTHESIS_PROFILE=ci, PROTO_CONDITIONAL_NODES=off: IF/WHILE "
                "by predication, see tests/conditional_repro.py)",
                ", ".join(f"{k}={v}" for k, v in made.items())]
+    summary += [f"{tool} deselects {t} (see DESELECT in tests/sanitize.py)"
+                for tool, tests in DESELECT.items() if tool in args.tools for t in tests
+                if t.split("::")[0] in args.files]
     summary += [_fmt(r) for r in rows]
     for tool in args.tools:
         mine = [r for r in rows if r["tool"] == tool]
