@@ -24,7 +24,8 @@ The decode GEMMs are GPT-2 small's, 5 beams (M = 5) with their fused epilogues: 
 GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @ wte.T,
 50257 columns; also in the [K, N] layout). Pure weight streaming: the summary's
 `decode_gemm_min_fraction_of_bandwidth` is the worst of the five. PyTorch runs the same with
-TF32 off (the residual as a second op, as a user writes it). An LSTM step's gates GEMM (64
+TF32 off for matmuls and cuDNN (the CSV's torch_tf32 reads torch's flags; the residual as a
+second op, as a user writes it). An LSTM step's gates GEMM (64
 rows against a 4096 x 1024 weight) runs twice: as gemm() picks it (K split: few 64 x 64
 tiles) and forced to one span (`lstm_gates_split_over_unsplit_time`), against torch.addmm.
 A VGG layer at 224x224 input (conv3: N 16, 256 -> 256 channels, 56x56, 3x3) runs its forward
@@ -96,7 +97,10 @@ def _torch():
     if backend.SIMULATOR or importlib.util.find_spec("torch") is None:
         return None
     import torch
-    return torch if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    common.no_tf32()   # cuDNN's convolutions default to TF32: float32 must mean float32 here
+    return torch
 
 
 def _dev(x):
@@ -515,6 +519,10 @@ def run(size: str = "toy") -> None:
                          "TFLOPs": round(TFLOPs, 4),
                          "fraction_of_bound": fraction if fraction == "" else round(fraction, 4),
                          "max_abs_diff_vs_torch": diff if impl == "ours" else "",
+                         # read from torch, not assumed: cuDNN's TF32 default once slipped in
+                         "torch_tf32": (torch.backends.cuda.matmul.allow_tf32
+                                        or torch.backends.cudnn.allow_tf32)
+                         if impl == "torch" else "",
                          "copy_GBps": round(copy_GBps, 1),
                          "fp32_peak_TFLOPs": round(peak, 2) if peak else "",
                          "fp32_spec_TFLOPs": round(spec, 2) if spec else "",
