@@ -99,9 +99,15 @@ def test_tape_lifetimes_are_explicit():
         uses = tape.uses(name)
         assert uses, f"{name} is declared but no op touches it"
         if spec.kind == "activation":
-            # born by a write (no op reads garbage), and written exactly once: no in-place
-            # activations, so re-running an op's producer recomputes it exactly
-            assert writers.get(name) == [uses[0]] and name not in tape.ops[uses[0]].reads, name
+            # born by a write (no op reads garbage)
+            assert writers[name][0] == uses[0] and name not in tape.ops[uses[0]].reads, name
+            # Forward tensors are written exactly once, so re-running an op's producer
+            # recomputes them exactly. The gradient of a ReLU layer's output is written twice:
+            # by its producer, then masked in place by that layer's ReLU backward.
+            relu_bwd = [op.name for op in tape.ops if op.name.endswith(".relu_bwd")
+                        and op.reads[0] + ".grad" == name]
+            assert [tape.ops[i].name for i in writers[name][1:]] == relu_bwd, name
+            assert all(name in tape.ops[i].reads for i in writers[name][1:]), name
     def readers(name):
         return [op.name for op in tape.ops if name in op.reads]
     # A pool output is read again only by the next conv's weight gradient; a conv output

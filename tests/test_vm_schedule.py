@@ -251,3 +251,33 @@ def test_fit_returns_new_choices_and_leaves_its_input_alone():
     with pytest.raises(dataclasses.FrozenInstanceError):
         next(iter(tight.values())).release_by = 0
     assert all(isinstance(c, Choice) for c in tight.values())
+
+
+def _mask_tapes():
+    """The same six ops twice; in the second, 'mask' also updates t in place (as VGG's ReLU
+    backward masks its gradient). t is cheap to make, the ops between are not, and the budget
+    holds three of the four tensors alive at big3: t must leave the device."""
+    t = {k: TensorSpec(k, (1 << 16,), "activation") for k in "tuvwxy"}
+
+    def ops(in_place):
+        return [Op("make", "forward", (), ("t",), _noop),
+                Op("mask", "forward", ("t",), ("u", "t") if in_place else ("u",), _noop),
+                Op("big1", "forward", ("u",), ("v",), _noop),
+                Op("big2", "forward", ("v",), ("w",), _noop),
+                Op("big3", "forward", ("w", "u"), ("x",), _noop),
+                Op("use", "forward", ("t", "x"), ("y",), _noop)]
+    return Tape(t, ops(False)), Tape(t, ops(True))
+
+
+def test_a_tensor_changed_in_place_is_copied_not_recomputed():
+    plain, masked = _mask_tapes()
+    kw = dict(op_seconds=[1e-6, 1e-6, 1e-3, 1e-3, 1e-3, 1e-3], link=Link(h2d=1e6, d2h=1e6),
+              recompute=True)
+    mine = plan(plain, Liveness(plain).min_budget, **kw)
+    assert [g.tensor for g in mine.recomputed] == ["t"]    # the control: cheap, so recomputed
+    theirs = plan(masked, Liveness(masked).min_budget, **kw)
+    assert not theirs.recomputed and [g.tensor for g in theirs.offloaded] == ["t"]
+    validate(masked, theirs)
+    # re-running 'make' would give t before its mask: the checker refuses that plan
+    with pytest.raises(PlanError, match="recomputes t with op 0, but op 1 wrote it last"):
+        validate(masked, mine)

@@ -14,8 +14,9 @@ def validate(tape: Tape, plan: Plan) -> None:
     Rules: what an op (or a recomputation) reads is resident and holds data; what an op writes
     is resident and not being copied out; resident bytes stay within the budget after every
     action; blocks lie inside the arena and never overlap; a tensor is discarded only while its
-    host copy is current; every tensor sent to the host is released, prefetched and waited for
-    before its next use; at the end only outputs remain, and homed tensors are back home.
+    host copy is current; a recomputation re-runs the op that wrote the tensor last, on inputs
+    no op has written since; every tensor sent to the host is released, prefetched and waited
+    for before its next use; at the end only outputs remain, and homed tensors are back home.
     """
     n = len(tape.ops)
     if not _check._is_integer(plan.budget) or plan.budget <= 0:   # NaN would pass every check
@@ -51,6 +52,10 @@ class _Checker(Visitor):
         self.host_current = set(plan.homed)                    # host copy equals the data
         self.held = {name: (off, align_up(tape.tensors[name].nbytes))
                      for name, off in plan.persistent.items()}
+        # Writes so far per tensor, and for each tensor its last writer with the versions of
+        # what that op read: a recomputation must re-run the last writer on the same inputs.
+        self.version: dict[str, int] = {}
+        self.made_by: dict[str, tuple[int, dict[str, int]]] = {}
         self.where = ""
 
     # -- the rules --------------------------------------------------------------------------
@@ -95,11 +100,14 @@ class _Checker(Visitor):
         self.where = f"op {i} ({op.name})"
         for name in op.reads:
             self._read(name)
+        inputs = {r: self.version.get(r, 0) for r in op.reads}
         for name in op.writes:
             if name not in self.plan.persistent and self.state.get(name) != "resident":
                 self.fail(f"writes {name} while it is {self.state.get(name, 'absent')}")
             self.filled.add(name)
             self.host_current.discard(name)
+            self.version[name] = self.version.get(name, 0) + 1
+            self.made_by[name] = (i, inputs)
 
     # -- the actions --------------------------------------------------------------------------
     def unknown(self, act: Action, at: At) -> None:
@@ -152,6 +160,12 @@ class _Checker(Visitor):
         name, ops = act.tensor, self.tape.ops
         if not 0 <= act.producer < len(ops) or tuple(ops[act.producer].writes) != (name,):
             self.fail(f"op {act.producer} does not write exactly {name}, so it cannot recompute it")
+        last, inputs = self.made_by.get(name, (None, {}))
+        if last != act.producer:
+            self.fail(f"recomputes {name} with op {act.producer}, but op {last} wrote it last")
+        changed = [r for r, v in inputs.items() if self.version.get(r, 0) != v]
+        if changed:
+            self.fail(f"recomputes {name}, but its producer's inputs {changed} changed since")
         for r in ops[act.producer].reads:
             self._read(r)
         self._move(name, ("dropped",), "resident")

@@ -40,7 +40,7 @@ def convert_to_recompute(tape: Tape, live: Liveness, chosen: dict[Gap, Choice], 
 
 def can_recompute(live: Liveness, g: Gap, chosen: dict[Gap, Choice], timeline: Timeline) -> bool:
     """Recompute g.tensor just before op g.before instead of copying it when: it is transient
-    and its producer writes only it; the producer's inputs still hold the same values there and
+    and its producer writes only it, and nothing changed it in place since; the producer's inputs still hold the same values there and
     stay alive past it anyway (so no lifetime grows) and none is itself dropped across that
     point; and the producer runs faster than one copy of the tensor over the host link."""
     if g.wrap or g.tensor in live.persistent:
@@ -48,6 +48,8 @@ def can_recompute(live: Liveness, g: Gap, chosen: dict[Gap, Choice], timeline: T
     p = live.first(g.tensor)
     if live.writes[p] != {g.tensor} or g.tensor in live.reads[p]:
         return False
+    if live.written_between(g.tensor, p + 1, g.after):   # changed in place since: the
+        return False                                      # producer would not give it back
     if timeline.op_seconds[p] >= g.nbytes / min(timeline.link.h2d, timeline.link.d2h):
         return False
     for y in live.reads[p]:
