@@ -1,0 +1,45 @@
+"""Two launches of each kernel the speed issues are about, at their real sizes, for a profiler.
+
+    ncu --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section MemoryWorkloadAnalysis --section WarpStateStats python -m kernels.profile_launches
+
+VGG's conv3 layer at 224x224 input (N 16, 256 -> 256 channels, 56x56, 3x3, pad 1): forward
+with bias and ReLU, backward-data, backward-weight with its split reduction; the prefill GEMM
+(5120 x 768 against 768 x 3072); two decode GEMMs of GPT-2 small (5 rows against 768 x 2304
+and 768 x 3072 with GELU). The first launch of each compiles, so profile the second
+(`--launch-skip`) or read both. Results: results/h200/profiles/.
+"""
+import numpy as np
+
+from kernels import conv, gemm
+from proto.backend import cuda, synchronize
+
+
+def _dev(rng, *shape, scale=1.0):
+    return cuda.to_device((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    N, C, HW = 16, 256, 56
+    x, dy = _dev(rng, N, C, HW, HW), _dev(rng, N, C, HW, HW)
+    w, b = _dev(rng, C, C, 3, 3, scale=0.05), _dev(rng, C)
+    out, dx = (cuda.device_array((N, C, HW, HW), np.float32) for _ in range(2))
+    dw, db = cuda.device_array((C, C, 3, 3), np.float32), cuda.device_array(C, np.float32)
+    work = cuda.device_array(max(1, conv.wgrad_workspace_size(x.shape, w.shape, pad=1)), np.float32)
+    a, wt = _dev(rng, 5120, 768), _dev(rng, 768, 3072)
+    prefill = cuda.device_array((5120, 3072), np.float32)
+    a5, w_qkv, w_fc = _dev(rng, 5, 768), _dev(rng, 768, 2304), _dev(rng, 768, 3072)
+    qkv, fc = cuda.device_array((5, 2304), np.float32), cuda.device_array((5, 3072), np.float32)
+    for _ in range(2):
+        conv.conv2d(x, w, b, out, pad=1, relu=True)
+        conv.conv2d_bwd_data(dy, w, dx, pad=1)
+        conv.conv2d_bwd_weight(x, dy, dw, db, pad=1, workspace=work)
+        gemm.gemm(a, wt, prefill)
+        gemm.gemm(a5, w_qkv, qkv)
+        gemm.gemm(a5, w_fc, fc, act="gelu")
+    synchronize()
+
+
+if __name__ == "__main__":
+    main()
