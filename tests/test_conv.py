@@ -121,6 +121,24 @@ def test_gpu_conv_tiles_on_a_small_problem(tiles):
     assert_sum_close(dx, conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=2), 5)
 
 
+@pytest.mark.parametrize("tiles", conv.GPU_CONV_TILES)
+@pytest.mark.parametrize("stride", [1, 2])
+def test_gpu_conv_tiles_over_many_steps(tiles, stride):
+    """A 3x3 conv over 10 channels: two channel chunks of the GPU tiles' 8 for each of the
+    nine taps, so the steps' tap and chunk counters wrap, and padding and stride put some
+    taps off the image."""
+    rng = np.random.default_rng(4)
+    x, w, b = rand(rng, 1, 10, 5, 4), rand(rng, 6, 10, 3, 3), rand(rng, 6)
+    P, Q = conv.conv_out_size(5, 3, stride, 1), conv.conv_out_size(4, 3, stride, 1)
+    out = cuda.device_array((1, 6, P, Q), np.float32)
+    conv.conv2d(dev(x), dev(w), dev(b), out, stride=stride, pad=1, tiles=tiles)
+    assert_sum_close(out, conv.conv2d_ref(x, w, b, stride=stride, pad=1), 90)
+    dy = rand(rng, 1, 6, P, Q)
+    dx = dev(np.full(x.shape, np.nan, np.float32))
+    conv.conv2d_bwd_data(dev(dy), dev(w), dx, stride=stride, pad=1, tiles=tiles)
+    assert_sum_close(dx, conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=stride, pad=1), 54)
+
+
 @pytest.mark.parametrize("tiles", conv.GPU_WGRAD_TILES)
 def test_gpu_wgrad_tiles_on_a_small_problem(tiles):
     rng = np.random.default_rng(2)
