@@ -13,7 +13,7 @@ aligned): 4 loads per 64 multiply-adds instead of 16, two reduction rows a loop 
 element a thread stages in a step lies on one output pixel and one weight channel, so the
 bounds and addresses are worked out once a step, and the step's tap and channel chunk are
 counted forward, not divided out of the step number: in the wide forward tile's SASS a step
-(512 multiply-adds) went from 1346 instructions to 928. Backward-weight reads the same way,
+(512 multiply-adds) went from 1346 instructions to 845. Backward-weight reads the same way,
 but loads its next tiles only after the barrier (held at 128 registers, it would spill with
 the prefetch).
 
@@ -125,6 +125,7 @@ def conv2d_bwd_weight_ref(x, dy, w_shape, *, stride=1, pad=0):
 # negative indexing (extra instructions and an address register per access); unsigned
 # shared-memory indices compile to one base register plus immediate offsets.
 _u = np.uint32
+_u64 = np.uint64
 
 _CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float32[::1], "
              "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
@@ -230,26 +231,34 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
             ww = p_w + s
             ok = p_base >= 0 and hh >= 0 and ww >= 0
         ok = ok and hh < HI and ww < WI
+        kk = np.int64(kk)             # signed: the simulator's NumPy wraps unsigned math
         c = c0 + kk
-        at = p_base + c * HWI + hh * WI + ww
+        # Elements left in this chunk for this thread's channels (none if the pixel is off
+        # the image). Offsets are unsigned 64-bit: no negative-index fix-up, no truncation.
+        left = min(CI - c, BK - kk) if ok else 0
+        at = _u64(p_base + c * HWI + hh * WI + ww) if ok else _u64(0)
+        gap = _u64(KS * HWI)
         for i in range(A_PER):
             v = np.float32(0.0)
-            if ok and kk + _u(i * KS) < _u(BK) and c + i * KS < CI:
-                v = src[_u(at + i * KS * HWI)]
+            if i * KS < left:
+                v = src[at + _u64(i) * gap]
             regs[i] = v
 
     @cuda.jit(device=True)
     def load_b(regs, w, kk, nn, c0, n0, rs, CI, CO, RS):
         """This thread's elements of step (c0, rs)'s weight tile, into registers."""
+        kk, nn = np.int64(kk), np.int64(nn)
         c, co = c0 + kk, n0 + nn
         if transposed:
-            at, step = (c * CO + co) * RS + rs, NS * RS
+            first, gap = (c * CO + co) * RS + rs, _u64(NS * RS)
         else:
-            at, step = (co * CI + c) * RS + rs, NS * CI * RS
+            first, gap = (co * CI + c) * RS + rs, _u64(NS * CI * RS)
+        left = min(CO - co, BN - nn) if c < CI else 0   # columns left for this thread
+        at = _u64(first) if left > 0 else _u64(0)
         for i in range(B_PER):
             v = np.float32(0.0)
-            if c < CI and nn + _u(i * NS) < _u(BN) and co + i * NS < CO:
-                v = w[_u(at + i * step)]
+            if i * NS < left:
+                v = w[at + _u64(i) * gap]
             regs[i] = v
 
     @jit(_CONV_SIG, writes=("dst",))
