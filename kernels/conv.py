@@ -70,7 +70,7 @@ GPU_WGRAD_TILES = (Tiles(128, 128, 16, 8, 8), Tiles(64, 64, 16, 4, 4), Tiles(64,
 # Simulator tiles: few threads; column count follows the channel count. As on the GPU, the
 # thread count is a multiple of bm and bk (each thread stages one pixel's channels).
 SIM_CONV_TILES = (Tiles(4, 4, 4, 1, 4), Tiles(8, 8, 4, 2, 4), Tiles(16, 16, 4, 4, 4))
-SIM_WGRAD_TILES = tuple(Tiles(bm, bn, 16, 4, 4) for bm in (4, 8, 16) for bn in (4, 8, 16))
+SIM_WGRAD_TILES = tuple(Tiles(bm, bn, bm * bn // 16, 4, 4) for bm in (4, 8, 16) for bn in (4, 8, 16))
 
 _MAX_INDEX = 2**31 - 1  # shared tables and offsets are int32
 _ALIGN = None if backend.SIMULATOR else 16   # tile alignment (the simulator takes none)
@@ -375,6 +375,11 @@ def _make_wgrad_kernel(t: Tiles):
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     BIAS_ROWS = (BM + NT - 1) // NT
+    if NT % BK:
+        raise ValueError(f"{t}: the weight-gradient kernel needs the thread count {NT} to be "
+                         f"a multiple of bk ({BK})")
+    NS = NT // BK                      # rows between a thread's staged elements
+    A_PER, B_PER = -(-BM // NS), -(-BN // NS)
     BMP, BNP = BM + 4, BN + 4          # +4: the l-fastest staging spreads over the banks,
     A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # rows 16-byte aligned; [buf][l][k | c]
     multiply, row, col = _register_tile(t, BMP, BNP, in_pairs=False)   # at 128 registers already
@@ -416,6 +421,9 @@ def _make_wgrad_kernel(t: Tiles):
         for i in range(BIAS_ROWS):
             bias_acc[i] = 0.0
 
+        s_row, s_kk = np.int64(tid // _u(BK)), tid % _u(BK)   # this thread's staging place
+        a_gap, b_gap = _u64(NS * PQ), _u64(NS * HW)
+
         steps = (l_end - l_begin + BK - 1) // BK
         for step in range(-1, steps):
             # Table for step+1 (step -1 only fills the first table).
@@ -439,26 +447,27 @@ def _make_wgrad_kernel(t: Tiles):
                 cuda.syncthreads()
                 continue
             buf = _u(step % 2)
-            for e0 in range(0, BK * BM, NT):     # l fastest: contiguous pixels of dy
-                e = tid + _u(e0)
-                if e < _u(BK * BM):
-                    mm = e // _u(BK)
-                    kk = e - mm * _u(BK)
-                    off = l_dy[buf * _u(BK) + kk]
-                    v = np.float32(0.0)
-                    if off >= 0 and k0 + mm < K:
-                        v = dy[_u(off + (k0 + mm) * PQ)]
-                    a_tile[buf * _u(BK * BMP) + kk * _u(BMP) + mm] = v
-            for e0 in range(0, BK * BN, NT):
-                e = tid + _u(e0)
-                if e < _u(BK * BN):
-                    nn = e // _u(BK)
-                    kk = e - nn * _u(BK)
-                    off = l_x[buf * _u(BK) + kk]
-                    v = np.float32(0.0)
-                    if off >= 0 and c0 + nn < C:
-                        v = x[_u(off + (c0 + nn) * HW)]
-                    b_tile[buf * _u(BK * BNP) + kk * _u(BNP) + nn] = v
+            # Element e = tid + i * NT of a tile is (row e // BK, reduction index e % BK): as
+            # NT is a multiple of BK (checked), a thread's elements share one reduction index
+            # (one table entry a step) and lie NS rows apart (a constant stride in dy and x).
+            off = l_dy[buf * _u(BK) + s_kk]
+            left = min(K - k0 - s_row, BM - s_row) if off >= 0 else 0
+            at = _u64(off + (k0 + s_row) * PQ) if left > 0 else _u64(0)
+            for i in range(A_PER):
+                v = np.float32(0.0)
+                if i * NS < left:
+                    v = dy[at + _u64(i) * a_gap]
+                if s_row + i * NS < BM:
+                    a_tile[buf * _u(BK * BMP) + s_kk * _u(BMP) + _u(s_row + i * NS)] = v
+            off = l_x[buf * _u(BK) + s_kk]
+            left = min(C - c0 - s_row, BN - s_row) if off >= 0 else 0
+            at = _u64(off + (c0 + s_row) * HW) if left > 0 else _u64(0)
+            for i in range(B_PER):
+                v = np.float32(0.0)
+                if i * NS < left:
+                    v = x[at + _u64(i) * b_gap]
+                if s_row + i * NS < BN:
+                    b_tile[buf * _u(BK * BNP) + s_kk * _u(BNP) + _u(s_row + i * NS)] = v
             cuda.syncthreads()   # one barrier per step, as in the conv kernel
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(BK * BMP), buf * _u(BK * BNP),
                      tx, ty)
@@ -522,7 +531,7 @@ def _pick_wgrad_tiles(K: int, C: int) -> Tiles:
     if backend.SIMULATOR:
         bm = next((b for b in (4, 8, 16) if b >= K), 16)
         bn = next((b for b in (4, 8, 16) if b >= C), 16)
-        return Tiles(bm, bn, 16, 4, 4)
+        return Tiles(bm, bn, bm * bn // 16, 4, 4)
     wide, medium, narrow = GPU_WGRAD_TILES
     return narrow if C <= 16 else wide if min(K, C) >= 128 else medium
 
