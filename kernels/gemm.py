@@ -2,7 +2,7 @@
 
 Two kernel families, chosen by `gemm` from the shapes:
 
-- `gemm_tiled_kernel`, for any shape: 64 x 64 output tiles, K consumed 16 at a time through
+- the tiled kernels (`TILED_KERNELS`, one per layout of a and b), for any shape: 64 x 64 output tiles, K consumed 16 at a time through
   shared memory, a 4 x 4 register block per thread (each staged value feeds 4 products; a
   thread's 4 rows and 4 columns are adjacent, so each is one 16-byte shared load). The next
   16 rows of K are loaded into registers while the current ones are multiplied.
@@ -177,47 +177,37 @@ def _block_sum(v, red, at):
     return total
 
 
-_STAGED = BM * BK // (TPB * TPB)   # elements of each tile a thread stages per step
+_NT = TPB * TPB
+_STAGED = BM * BK // _NT   # elements of each tile a thread stages per step
+if _NT % BM or _NT % BK:
+    raise ValueError(f"gemm: {_NT} threads a tile must be a multiple of BM {BM} and BK {BK}")
 
 
-@cuda.jit(device=True)
-def _a_slot(e, trans_a):
-    """(row, k) in the op(a) tile of staged element e: consecutive threads walk the
-    contiguous axis of a, whichever it is, so global reads coalesce."""
-    if trans_a:   # a (K, M)
-        return e % _u(BM), e // _u(BM)
-    return e // _u(BK), e % _u(BK)   # a (M, K)
+def _stager(contiguous_k: bool, rows: int):
+    """Where a thread's staged elements of one operand tile lie, for one layout.
+
+    The tile is BK x `rows` (k, row); element e = tid + i * NT. Consecutive threads walk the
+    operand's contiguous axis so that global reads coalesce: along k when `contiguous_k`
+    (row e // BK, k e % BK), else along the rows (row e % rows, k e // rows). As NT is a
+    multiple of both, a thread's elements keep one k and step DR rows, or keep one row and
+    step DK rows of k: its first element's place is worked out once, and the others are a
+    constant step away. Returns (place(tid) -> (row, k), DR, DK)."""
+    if contiguous_k:
+        DR, DK = _NT // BK, 0
+
+        @cuda.jit(device=True)
+        def place(tid):
+            return tid // _u(BK), tid % _u(BK)
+    else:
+        DR, DK = 0, _NT // rows
+
+        @cuda.jit(device=True)
+        def place(tid):
+            return tid % _u(rows), tid // _u(rows)
+    return place, DR, DK
 
 
-@cuda.jit(device=True)
-def _b_slot(e, trans_b):
-    """(column, k) in the op(b) tile of staged element e (as _a_slot)."""
-    if trans_b:   # b (N, K)
-        return e // _u(BK), e % _u(BK)
-    return e % _u(BN), e // _u(BN)   # b (K, N)
-
-
-@cuda.jit(device=True)
-def _tiled_load(a, b, a_regs, b_regs, bz, tid, m0, n0, k0, m_rows, n_cols, k_end, trans_a,
-                trans_b):
-    """This thread's elements of the op(a) and op(b) tiles at K row k0, into registers (zero
-    past the bounds)."""
-    for i in range(_STAGED):
-        e = tid + _u(i * TPB * TPB)
-        mm, kk = _a_slot(e, trans_a)
-        m, k = m0 + mm, _u(k0) + kk
-        v = _ZERO
-        if m < m_rows and k < k_end:
-            v = a[bz, k, m] if trans_a else a[bz, m, k]
-        a_regs[i] = v
-        nn, kk = _b_slot(e, trans_b)
-        n, k = n0 + nn, _u(k0) + kk
-        v = _ZERO
-        if n < n_cols and k < k_end:
-            v = b[bz, n, k] if trans_b else b[bz, k, n]
-        b_regs[i] = v
-
-
+# ---------------------------------------------------------------------------- kernels
 # ---------------------------------------------------------------------------- kernels
 _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
          "int32, int32, int32")
@@ -226,68 +216,96 @@ _DECODE_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[:
                 "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32")
 
 
-# Launch bounds (threads, blocks per SM) cap registers so that many blocks fit on an SM.
-@jit(f"void({_ARGS}, int32, int32, float32[:,:,:,::1], int32, int32)",
-     writes=("out", "part"), launch_bounds=(TPB * TPB, 2))
-def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, part,
-                      direct, span):
-    """Grid (N tiles, M tiles, batch x K splits). Block (x, y, bz * S + s) multiplies K rows
-    [s * span, (s + 1) * span) of its tile: with `direct` (S = 1) it applies the epilogue to
-    out, else it writes part[bz, s] for gemm_splitk_reduce_kernel."""
-    as_ = cuda.shared.array(_TILE_A, np.float32, alignment=_ALIGN)  # op(a) tile, k-major
-    bs = cuda.shared.array(_TILE_B, np.float32, alignment=_ALIGN)  # op(b) tile
-    acc = cuda.local.array((RB, RB), np.float32)
-    ra = cuda.local.array(RB, np.float32)
-    rb = cuda.local.array(RB, np.float32)
-    tx, ty = _u(cuda.threadIdx.x), _u(cuda.threadIdx.y)
-    tid = ty * _u(TPB) + tx
-    splits = part.shape[1]
-    bz, split = _u(cuda.blockIdx.z // splits), cuda.blockIdx.z % splits
-    m0, n0 = _u(cuda.blockIdx.y) * _u(BM), _u(cuda.blockIdx.x) * _u(BN)
-    # Bounds as uint32, like the indices they are compared with: Numba compares an unsigned
-    # with a signed 64-bit integer in float64 (a conversion and a double compare per test).
-    m_rows, n_cols = _u(out.shape[1]), _u(out.shape[2])
-    k_lo = split * span   # (signed: mixing signed and unsigned in min() would give a float)
-    k_len = min(a.shape[1] if trans_a else a.shape[2], k_lo + span)   # the bounds clip to it
-    k_end = _u(k_len)
-    for i in range(RB):
-        for j in range(RB):
-            acc[i, j] = _ZERO
-    # Step 0's loads, then each step stores the loads made during the step before and issues
-    # its successor's before it multiplies: global memory latency overlaps the arithmetic.
-    a_next = cuda.local.array(_STAGED, np.float32)
-    b_next = cuda.local.array(_STAGED, np.float32)
-    _tiled_load(a, b, a_next, b_next, bz, tid, m0, n0, k_lo, m_rows, n_cols, k_end,
-                trans_a, trans_b)
-    for k0 in range(k_lo, k_len, BK):
+def _make_tiled(trans_a: bool, trans_b: bool):
+    """The tiled kernel for one layout of a and b (compile-time: no per-element branch on
+    it). Arguments: a, b, out, bias, has_bias, act, accumulate, part, direct, span."""
+    a_place, A_DR, A_DK = _stager(not trans_a, BM)    # a (M, K) is contiguous along k
+    b_place, B_DR, B_DK = _stager(trans_b, BN)        # b (N, K) too; b (K, N) along n
+
+    @cuda.jit(device=True)
+    def load(a, b, a_regs, b_regs, bz, a_m, a_k, b_n, b_k, k0, m_rows, n_cols, k_end):
+        """This thread's elements of the op(a) and op(b) tiles at K row k0, into registers
+        (zero past the bounds)."""
         for i in range(_STAGED):
-            e = tid + _u(i * TPB * TPB)
-            mm, kk = _a_slot(e, trans_a)
-            as_[kk, mm] = a_next[i]
-            nn, kk = _b_slot(e, trans_b)
-            bs[kk, nn] = b_next[i]
-        cuda.syncthreads()
-        if k0 + BK < k_len:
-            _tiled_load(a, b, a_next, b_next, bz, tid, m0, n0, k0 + BK, m_rows, n_cols, k_end,
-                        trans_a, trans_b)
-        for kk in range(BK):
-            for i in range(RB):
-                ra[i] = as_[_u(kk), ty * _u(RB) + _u(i)]
+            m, k = a_m + _u(i * A_DR), _u(k0) + a_k + _u(i * A_DK)
+            v = _ZERO
+            if m < m_rows and k < k_end:
+                v = a[bz, k, m] if trans_a else a[bz, m, k]
+            a_regs[i] = v
+            n, k = b_n + _u(i * B_DR), _u(k0) + b_k + _u(i * B_DK)
+            v = _ZERO
+            if n < n_cols and k < k_end:
+                v = b[bz, n, k] if trans_b else b[bz, k, n]
+            b_regs[i] = v
+
+    # Launch bounds (threads, blocks per SM) cap registers so that many blocks fit on an SM.
+    @jit(f"void({_ARGS}, float32[:,:,:,::1], int32, int32)",
+         writes=("out", "part"), launch_bounds=(_NT, 2))
+    def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, part, direct, span):
+        """Grid (N tiles, M tiles, batch x K splits). Block (x, y, bz * S + s) multiplies K
+        rows [s * span, (s + 1) * span) of its tile: with `direct` (S = 1) it applies the
+        epilogue to out, else it writes part[bz, s] for gemm_splitk_reduce_kernel."""
+        as_ = cuda.shared.array(_TILE_A, np.float32, alignment=_ALIGN)  # op(a) tile, k-major
+        bs = cuda.shared.array(_TILE_B, np.float32, alignment=_ALIGN)  # op(b) tile
+        acc = cuda.local.array((RB, RB), np.float32)
+        ra = cuda.local.array(RB, np.float32)
+        rb = cuda.local.array(RB, np.float32)
+        tx, ty = _u(cuda.threadIdx.x), _u(cuda.threadIdx.y)
+        tid = ty * _u(TPB) + tx
+        splits = part.shape[1]
+        bz, split = _u(cuda.blockIdx.z // splits), cuda.blockIdx.z % splits
+        m0, n0 = _u(cuda.blockIdx.y) * _u(BM), _u(cuda.blockIdx.x) * _u(BN)
+        # Bounds as uint32, like the indices they are compared with: Numba compares an
+        # unsigned with a signed 64-bit integer in float64 (a conversion and a double compare
+        # per test).
+        m_rows, n_cols = _u(out.shape[1]), _u(out.shape[2])
+        k_lo = split * span   # (signed: mixing signed and unsigned in min() would give a float)
+        k_len = min(a.shape[1] if trans_a else a.shape[2], k_lo + span)   # the bounds clip to it
+        k_end = _u(k_len)
+        for i in range(RB):
             for j in range(RB):
-                rb[j] = bs[_u(kk), tx * _u(RB) + _u(j)]
-            for i in range(RB):
+                acc[i, j] = _ZERO
+        a_mm, a_kk = a_place(tid)   # this thread's first staged element of each tile
+        b_nn, b_kk = b_place(tid)
+        a_m, b_n = m0 + a_mm, n0 + b_nn
+        # Step 0's loads, then each step stores the loads made during the step before and
+        # issues its successor's before it multiplies: global memory latency overlaps the
+        # arithmetic.
+        a_next = cuda.local.array(_STAGED, np.float32)
+        b_next = cuda.local.array(_STAGED, np.float32)
+        load(a, b, a_next, b_next, bz, a_m, a_kk, b_n, b_kk, k_lo, m_rows, n_cols, k_end)
+        for k0 in range(k_lo, k_len, BK):
+            for i in range(_STAGED):
+                as_[a_kk + _u(i * A_DK), a_mm + _u(i * A_DR)] = a_next[i]
+                bs[b_kk + _u(i * B_DK), b_nn + _u(i * B_DR)] = b_next[i]
+            cuda.syncthreads()
+            if k0 + BK < k_len:
+                load(a, b, a_next, b_next, bz, a_m, a_kk, b_n, b_kk, k0 + BK, m_rows, n_cols,
+                     k_end)
+            for kk in range(BK):
+                for i in range(RB):
+                    ra[i] = as_[_u(kk), ty * _u(RB) + _u(i)]
                 for j in range(RB):
-                    acc[i, j] += ra[i] * rb[j]
-        cuda.syncthreads()
-    for i in range(RB):
-        m = m0 + ty * _u(RB) + _u(i)
-        for j in range(RB):
-            n = n0 + tx * _u(RB) + _u(j)
-            if m < m_rows and n < n_cols:
-                if direct:
-                    _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
-                else:
-                    part[bz, _u(split), m, n] = acc[i, j]
+                    rb[j] = bs[_u(kk), tx * _u(RB) + _u(j)]
+                for i in range(RB):
+                    for j in range(RB):
+                        acc[i, j] += ra[i] * rb[j]
+            cuda.syncthreads()
+        for i in range(RB):
+            m = m0 + ty * _u(RB) + _u(i)
+            for j in range(RB):
+                n = n0 + tx * _u(RB) + _u(j)
+                if m < m_rows and n < n_cols:
+                    if direct:
+                        _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
+                    else:
+                        part[bz, _u(split), m, n] = acc[i, j]
+
+    return gemm_tiled_kernel
+
+
+# One kernel per layout of a and b: (trans_a, trans_b) -> kernel
+TILED_KERNELS = {(ta, tb): _make_tiled(ta, tb) for ta in (False, True) for tb in (False, True)}
 
 
 class Decode(NamedTuple):
@@ -713,9 +731,9 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     direct = splits == 1
     part = _partials(out, splits, direct)
     grid = (-(-n_cols // BN), -(-m_rows // BM), batch * splits)
-    launch(gemm_tiled_kernel, grid, (TPB, TPB),
-           (a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, part, int(direct),
-            np.int32(span)), stream)
+    launch(TILED_KERNELS[(bool(trans_a), bool(trans_b))], grid, (TPB, TPB),
+           (a, b, out, bias, has_bias, act, accumulate, part, int(direct), np.int32(span)),
+           stream)
     if not direct:
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
 
