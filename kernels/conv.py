@@ -13,9 +13,9 @@ aligned): 4 loads per 64 multiply-adds instead of 16, two reduction rows a loop 
 element a thread stages in a step lies on one output pixel and one weight channel, so the
 bounds and addresses are worked out once a step, and the step's tap and channel chunk are
 counted forward, not divided out of the step number: in the wide forward tile's SASS a step
-(512 multiply-adds) went from 1346 instructions to 845. Backward-weight reads the same way,
-but loads its next tiles only after the barrier (held at 128 registers, it would spill with
-the prefetch).
+(512 multiply-adds) went from 1346 instructions to 845. Backward-weight reads the same way
+and prefetches too (at 128 registers without spilling, since its reduction indices are
+counted forward instead of divided out every step).
 
     forward       out[n,k,p,q]  = sum_{c,r,s} x[n,c,p*st-pad+r,q*st-pad+s] * w[k,c,r,s] + b[k]
                   (then ReLU, optionally: fused so VGG never stores a pre-activation)
@@ -385,6 +385,39 @@ def _make_wgrad_kernel(t: Tiles):
     multiply, row, col = _register_tile(t, BMP, BNP, in_pairs=False)   # at 128 registers already
     L_SIZE = 2 * BK
 
+    @cuda.jit(device=True)
+    def fill_table(l_dy, l_x, step, l, l_end, n, p, q, K, C, H, W, P, Q, r, s, stride, pad):
+        """Table entry tid of step `step` (buffer step % 2): where reduction index l =
+        (n, p, q) sits in dy and (for this tap) in x, -1 for zero. Threads tid < BK."""
+        tid = cuda.threadIdx.x
+        if tid < BK:
+            at = (step % 2) * BK + tid
+            l_dy[at] = -1
+            l_x[at] = -1
+            if l < l_end:
+                l_dy[at] = (n * K * P + p) * Q + q
+                h = p * stride - pad + r
+                ww = q * stride - pad + s
+                if h >= 0 and h < H and ww >= 0 and ww < W:
+                    l_x[at] = n * C * H * W + h * W + ww
+
+    def rows_loader(PER, ROWS):
+        @cuda.jit(device=True)
+        def load(regs, src, off, first, count, s_row, row_gap):
+            """This thread's elements of a staged tile: rows first + s_row + i * NS (of
+            `count`), at reduction offset `off` (-1: zeros), into registers."""
+            left = min(count - first - s_row, ROWS - s_row) if off >= 0 else 0
+            at = _u64(off + (first + s_row) * row_gap) if left > 0 else _u64(0)
+            gap = _u64(NS * row_gap)
+            for i in range(PER):
+                v = np.float32(0.0)
+                if i * NS < left:
+                    v = src[at + _u64(i) * gap]
+                regs[i] = v
+        return load
+
+    load_dy, load_x = rows_loader(A_PER, BM), rows_loader(B_PER, BN)
+
     # 128 registers a thread lets two 256-thread blocks share an SM. The wide tile's 64
     # accumulators sit right at that line (the compiler picks 130 on its own, which leaves
     # one block per SM and costs 40% of its speed on the H200), so hold it there.
@@ -422,53 +455,48 @@ def _make_wgrad_kernel(t: Tiles):
             bias_acc[i] = 0.0
 
         s_row, s_kk = np.int64(tid // _u(BK)), tid % _u(BK)   # this thread's staging place
-        a_gap, b_gap = _u64(NS * PQ), _u64(NS * HW)
+        a_next = cuda.local.array(A_PER, np.float32)   # the next step's tiles, in flight
+        b_next = cuda.local.array(B_PER, np.float32)
 
         steps = (l_end - l_begin + BK - 1) // BK
-        for step in range(-1, steps):
-            # Table for step+1 (step -1 only fills the first table).
-            tbuf = (step + 1) % 2
-            for kk in range(cuda.threadIdx.x, BK, NT):
-                l = l_begin + (step + 1) * BK + kk
-                at = tbuf * BK + kk
-                l_dy[at] = -1
-                l_x[at] = -1
-                if l < l_end:
-                    n = l // PQ
-                    pq = l - n * PQ
-                    p = pq // Q
-                    q = pq - p * Q
-                    l_dy[at] = n * K * PQ + pq
-                    h = p * stride - pad + r
-                    ww = q * stride - pad + s
-                    if h >= 0 and h < H and ww >= 0 and ww < W:
-                        l_x[at] = n * C * HW + h * W + ww
-            if step < 0:
-                cuda.syncthreads()
-                continue
+        # Step 0's table and loads; then each step stores the loads made during the step
+        # before, writes the table of the step after, and (past the barrier, which makes
+        # that table visible) issues that step's loads before its own multiply-adds.
+        # A table thread (tid < BK) follows its reduction index l = (n, p, q) by counting
+        # forward BK a step instead of dividing it out.
+        l = l_begin + np.int64(tid)
+        n = l // PQ
+        pq = l - n * PQ
+        p = pq // Q
+        q = pq - p * Q
+        fill_table(l_dy, l_x, 0, l, l_end, n, p, q, K, C, H, W, P, Q, r, s, stride, pad)
+        cuda.syncthreads()
+        load_dy(a_next, dy, l_dy[s_kk], k0, K, s_row, PQ)
+        load_x(b_next, x, l_x[s_kk], c0, C, s_row, HW)
+        for step in range(steps):
             buf = _u(step % 2)
-            # Element e = tid + i * NT of a tile is (row e // BK, reduction index e % BK): as
-            # NT is a multiple of BK (checked), a thread's elements share one reduction index
-            # (one table entry a step) and lie NS rows apart (a constant stride in dy and x).
-            off = l_dy[buf * _u(BK) + s_kk]
-            left = min(K - k0 - s_row, BM - s_row) if off >= 0 else 0
-            at = _u64(off + (k0 + s_row) * PQ) if left > 0 else _u64(0)
             for i in range(A_PER):
-                v = np.float32(0.0)
-                if i * NS < left:
-                    v = dy[at + _u64(i) * a_gap]
                 if s_row + i * NS < BM:
-                    a_tile[buf * _u(BK * BMP) + s_kk * _u(BMP) + _u(s_row + i * NS)] = v
-            off = l_x[buf * _u(BK) + s_kk]
-            left = min(C - c0 - s_row, BN - s_row) if off >= 0 else 0
-            at = _u64(off + (c0 + s_row) * HW) if left > 0 else _u64(0)
+                    a_tile[buf * _u(BK * BMP) + s_kk * _u(BMP) + _u(s_row + i * NS)] = a_next[i]
             for i in range(B_PER):
-                v = np.float32(0.0)
-                if i * NS < left:
-                    v = x[at + _u64(i) * b_gap]
                 if s_row + i * NS < BN:
-                    b_tile[buf * _u(BK * BNP) + s_kk * _u(BNP) + _u(s_row + i * NS)] = v
+                    b_tile[buf * _u(BK * BNP) + s_kk * _u(BNP) + _u(s_row + i * NS)] = b_next[i]
+            if tid < _u(BK):
+                l += BK
+                q += BK
+                while q >= Q:
+                    q -= Q
+                    p += 1
+                    if p == P:
+                        p = 0
+                        n += 1
+                fill_table(l_dy, l_x, step + 1, l, l_end, n, p, q, K, C, H, W, P, Q, r, s,
+                           stride, pad)
             cuda.syncthreads()   # one barrier per step, as in the conv kernel
+            if step + 1 < steps:
+                nbuf = _u((step + 1) % 2) * _u(BK) + s_kk
+                load_dy(a_next, dy, l_dy[nbuf], k0, K, s_row, PQ)
+                load_x(b_next, x, l_x[nbuf], c0, C, s_row, HW)
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(BK * BMP), buf * _u(BK * BNP),
                      tx, ty)
             if sums_bias:
