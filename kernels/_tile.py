@@ -1,0 +1,85 @@
+"""The register tile that the tiled GEMM and the convolutions multiply with.
+
+A block computes a bm x bn tile of a GEMM's output, stepping through the reduction bk rows at a
+time: both operand tiles staged in shared memory k-major (a row of each every a_stride or
+b_stride floats), each thread accumulating a tm x tn block of outputs in registers.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from proto.backend import cuda
+
+_u = np.uint32   # unsigned shared-memory indices: one base register plus immediate offsets
+
+
+class Tiles(NamedTuple):
+    bm: int   # GEMM rows per block
+    bn: int   # GEMM columns per block
+    bk: int   # reduction step
+    tm: int   # rows per thread
+    tn: int   # columns per thread
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.tm) * (self.bn // self.tn)
+
+
+def register_tile(t: Tiles, a_stride: int, b_stride: int, in_pairs: bool):
+    """The TM x TN register tile of tile shape `t`: (multiply, row, col).
+
+    A thread's TM rows are groups of VA adjacent ones, DX * VA apart (its TN columns: groups of
+    VB, DY * VB apart), so each group is one 16-byte shared-memory load (ld.shared.v4; the
+    tiles are 16-byte aligned and their strides multiples of 4). `multiply` adds one BK step
+    of the staged tiles (k-major: a row of a_tile every a_stride floats, of b_tile every
+    b_stride) into acc, two reduction rows a loop pass if `in_pairs` (BK even; more registers);
+    `row(tx, i)` and `col(ty, j)` say which tile row and column acc[i, j] holds."""
+    BM, BN, BK, TM, TN = t
+    DX, DY = BM // TM, BN // TN
+    VA, VB = (4 if TM % 4 == 0 else 1), (4 if TN % 4 == 0 else 1)
+
+    @cuda.jit(device=True)
+    def one_row(acc, a_reg, b_reg, a_tile, b_tile, a_row, b_row):
+        for g in range(TM // VA):
+            for v in range(VA):
+                a_reg[g * VA + v] = a_tile[a_row + _u(g * DX * VA + v)]
+        for g in range(TN // VB):
+            for v in range(VB):
+                b_reg[g * VB + v] = b_tile[b_row + _u(g * DY * VB + v)]
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] += a_reg[i] * b_reg[j]
+
+    if in_pairs:
+        @cuda.jit(device=True)
+        def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, tx, ty):
+            # The compiler keeps the BK loop rolled: about 18 instructions of counting and
+            # addressing a pass. Two reduction rows a pass, written out, halve that share.
+            a_base = a_start + tx * _u(VA)
+            b_base = b_start + ty * _u(VB)
+            for k0 in range(0, BK, 2):
+                a_row = a_base + _u(k0 * a_stride)
+                b_row = b_base + _u(k0 * b_stride)
+                one_row(acc, a_reg, b_reg, a_tile, b_tile, a_row, b_row)
+                one_row(acc, a_reg, b_reg, a_tile, b_tile, a_row + _u(a_stride),
+                        b_row + _u(b_stride))
+    else:
+        @cuda.jit(device=True)
+        def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, tx, ty):
+            a_base = a_start + tx * _u(VA)
+            b_base = b_start + ty * _u(VB)
+            for kk in range(BK):
+                one_row(acc, a_reg, b_reg, a_tile, b_tile, a_base + _u(kk * a_stride),
+                        b_base + _u(kk * b_stride))
+
+    @cuda.jit(device=True)
+    def row(tx, i):
+        return tx * _u(VA) + _u((i // VA) * (DX * VA) + i % VA)
+
+    @cuda.jit(device=True)
+    def col(ty, j):
+        return ty * _u(VB) + _u((j // VB) * (DY * VB) + j % VB)
+
+    return multiply, row, col
