@@ -2,13 +2,16 @@
 
 Two kernel families, chosen by `gemm` from the shapes:
 
-- the tiled kernels (`TILED_KERNELS`, one per layout of a and b), for any shape: 64 x 64 output tiles, K consumed 16 at a time through
-  shared memory, a 4 x 4 register block per thread (each staged value feeds 4 products; a
-  thread's 4 rows and 4 columns are adjacent, so each is one 16-byte shared load). The next
-  16 rows of K are loaded into registers while the current ones are multiplied.
-  Where the tiles alone make fewer blocks than two per SM (skinny products: an LSTM step's
-  9..64 rows), K is split as in the decode path and the partial tiles are summed in order
-  (`tiled_plan`).
+- the tiled kernels (`TILED_KERNELS`, one per layout of a and b and tile shape), for any
+  shape: a block computes a 64 x 64 output tile (TILE: 4 x 4 outputs a thread, K 16 rows a
+  step), or 128 x 128 (WIDE_TILE: 8 x 8 a thread, twice the multiply-adds per shared load,
+  K 8 rows a step) where those tiles alone make two blocks an SM (`tiled_tile`). Both
+  stage op(a) and op(b) in double-buffered shared memory and multiply with the convolutions'
+  register tile (kernels._tile), whose rows and columns are read as 16-byte shared loads;
+  the next step's rows of K are loaded into registers while the current ones are multiplied.
+  Where the 64 x 64 tiles alone make fewer blocks than two per SM (skinny products: an LSTM
+  step's 9..64 rows), K is split as in the decode path and the partial tiles are summed in
+  order (`tiled_plan`).
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
   3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
   pure weight streaming, so the one goal is to keep every SM's share of the weight in
@@ -44,6 +47,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check
+from kernels._tile import Tiles, register_tile
 from kernels._reduce import warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto import backend
@@ -56,8 +60,10 @@ _ZERO = np.float32(0.0)
 DECODE_MAX_M = 8  # rows of x multiplied with each weight load (the decode path's M limit)
 M8 = DECODE_MAX_M
 if not backend.SIMULATOR:
-    TPB, RB, BK = 16, 4, 16  # tiled: 16 x 16 threads, 4 x 4 outputs each, K slices of 16
-    TILED_MIN_SPAN = 8 * BK  # tiled: K rows a split takes at least
+    # tiled: 64 x 64 outputs a block (256 threads, 4 x 4 each), K slices of 16; 128 x 128
+    # (8 x 8 each, K slices of 8) where those alone make two blocks an SM
+    TILE, WIDE_TILE = Tiles(64, 64, 16, 4, 4), Tiles(128, 128, 8, 8, 8)
+    TILED_MIN_SPAN = 8 * TILE.bk  # tiled: K rows a split takes at least
     SPAN_MAX = 768           # decode: most K rows one block covers (op(a) staged in shared)
     # Decode geometries, measured on the H200 (kernels/NOTES_decode.md). [K, N]: (warps, row
     # groups per warp, columns per lane, rows per lane per batch, blocks per SM the registers
@@ -73,8 +79,8 @@ if not backend.SIMULATOR:
 else:
     # Each simulated thread is a Python thread (~0.1 ms each): the same code with smaller
     # blocks keeps tests fast, and a small K span makes tiny shapes take the split path.
-    TPB, RB, BK = 4, 2, 8
-    TILED_MIN_SPAN = 2 * BK
+    TILE, WIDE_TILE = Tiles(8, 8, 8, 2, 2), Tiles(16, 16, 8, 4, 4)
+    TILED_MIN_SPAN = 2 * TILE.bk
     SPAN_MAX = 64
     NN_SPLIT = (2, 2, 2, 2)
     NN_COLUMNS = (2, 4, 1, 2)
@@ -84,12 +90,7 @@ else:
     RED_CHUNK = 2
     LN_COLS = 2
     LN_THREADS = 64
-BM = BN = TPB * RB
-# Shared/local array sizes must be literal constants in the kernel, hence precomputed here.
-# +4 columns: the transposed staging writes spread over the banks, and every row stays 16-byte
-# aligned, so a thread's RB adjacent values of a row are one 16-byte load (ld.shared.v4).
-_TILE_A = (BK, BM + 4)
-_TILE_B = (BK, BN + 4)
+BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the tile K splits are planned for (tiled_plan)
 _ALIGN = None if backend.SIMULATOR else 16   # (the simulator takes no alignment)
 _XS = M8 * SPAN_MAX
 _LN_VALS = LN_COLS * RED_CHUNK
@@ -177,29 +178,23 @@ def _block_sum(v, red, at):
     return total
 
 
-_NT = TPB * TPB
-_STAGED = BM * BK // _NT   # elements of each tile a thread stages per step
-if _NT % BM or _NT % BK:
-    raise ValueError(f"gemm: {_NT} threads a tile must be a multiple of BM {BM} and BK {BK}")
-
-
-def _stager(contiguous_k: bool, rows: int):
+def _stager(contiguous_k: bool, rows: int, bk: int, nt: int):
     """Where a thread's staged elements of one operand tile lie, for one layout.
 
-    The tile is BK x `rows` (k, row); element e = tid + i * NT. Consecutive threads walk the
+    The tile is bk x `rows` (k, row); element e = tid + i * nt. Consecutive threads walk the
     operand's contiguous axis so that global reads coalesce: along k when `contiguous_k`
-    (row e // BK, k e % BK), else along the rows (row e % rows, k e // rows). As NT is a
+    (row e // bk, k e % bk), else along the rows (row e % rows, k e // rows). As nt is a
     multiple of both, a thread's elements keep one k and step DR rows, or keep one row and
     step DK rows of k: its first element's place is worked out once, and the others are a
     constant step away. Returns (place(tid) -> (row, k), DR, DK)."""
     if contiguous_k:
-        DR, DK = _NT // BK, 0
+        DR, DK = nt // bk, 0
 
         @cuda.jit(device=True)
         def place(tid):
-            return tid // _u(BK), tid % _u(BK)
+            return tid // _u(bk), tid % _u(bk)
     else:
-        DR, DK = 0, _NT // rows
+        DR, DK = 0, nt // rows
 
         @cuda.jit(device=True)
         def place(tid):
@@ -208,7 +203,6 @@ def _stager(contiguous_k: bool, rows: int):
 
 
 # ---------------------------------------------------------------------------- kernels
-# ---------------------------------------------------------------------------- kernels
 _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
          "int32, int32, int32")
 # a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span
@@ -216,45 +210,58 @@ _DECODE_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[:
                 "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32")
 
 
-def _make_tiled(trans_a: bool, trans_b: bool):
-    """The tiled kernel for one layout of a and b (compile-time: no per-element branch on
-    it). Arguments: a, b, out, bias, has_bias, act, accumulate, part, direct, span."""
-    a_place, A_DR, A_DK = _stager(not trans_a, BM)    # a (M, K) is contiguous along k
-    b_place, B_DR, B_DK = _stager(trans_b, BN)        # b (N, K) too; b (K, N) along n
+def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
+    """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
+    per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
+    accumulate, part, direct, span; a 1-D block of t.threads."""
+    TBM, TBN, TBK, TM, TN = t
+    NT, DX = t.threads, TBM // TM
+    if NT % TBM or NT % TBN or NT % TBK or (TBM * TBK) % NT or (TBN * TBK) % NT:
+        raise ValueError(f"{t}: the tiled GEMM needs its {NT} threads to divide the tiles and "
+                         "to be a multiple of bm, bn and bk")
+    A_PER, B_PER = TBM * TBK // NT, TBN * TBK // NT   # staged elements per thread
+    # +4 columns: the transposed staging writes spread over the banks, and every row stays
+    # 16-byte aligned for the register tile's 16-byte shared loads. Double-buffered.
+    BMP, BNP = TBM + 4, TBN + 4
+    A_SIZE, B_SIZE = 2 * TBK * BMP, 2 * TBK * BNP
+    multiply, row, col = register_tile(t, BMP, BNP, in_pairs=TBK % 2 == 0)
+    a_place, A_DR, A_DK = _stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
+    b_place, B_DR, B_DK = _stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
 
     @cuda.jit(device=True)
     def load(a, b, a_regs, b_regs, bz, a_m, a_k, b_n, b_k, k0, m_rows, n_cols, k_end):
         """This thread's elements of the op(a) and op(b) tiles at K row k0, into registers
         (zero past the bounds)."""
-        for i in range(_STAGED):
+        for i in range(A_PER):
             m, k = a_m + _u(i * A_DR), _u(k0) + a_k + _u(i * A_DK)
             v = _ZERO
             if m < m_rows and k < k_end:
                 v = a[bz, k, m] if trans_a else a[bz, m, k]
             a_regs[i] = v
+        for i in range(B_PER):
             n, k = b_n + _u(i * B_DR), _u(k0) + b_k + _u(i * B_DK)
             v = _ZERO
             if n < n_cols and k < k_end:
                 v = b[bz, n, k] if trans_b else b[bz, k, n]
             b_regs[i] = v
 
-    # Launch bounds (threads, blocks per SM) cap registers so that many blocks fit on an SM.
+    # Launch bounds (threads, blocks per SM) cap registers so that two blocks fit on an SM.
     @jit(f"void({_ARGS}, float32[:,:,:,::1], int32, int32)",
-         writes=("out", "part"), launch_bounds=(_NT, 2))
+         writes=("out", "part"), launch_bounds=(NT, 2))
     def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, part, direct, span):
         """Grid (N tiles, M tiles, batch x K splits). Block (x, y, bz * S + s) multiplies K
         rows [s * span, (s + 1) * span) of its tile: with `direct` (S = 1) it applies the
         epilogue to out, else it writes part[bz, s] for gemm_splitk_reduce_kernel."""
-        as_ = cuda.shared.array(_TILE_A, np.float32, alignment=_ALIGN)  # op(a) tile, k-major
-        bs = cuda.shared.array(_TILE_B, np.float32, alignment=_ALIGN)  # op(b) tile
-        acc = cuda.local.array((RB, RB), np.float32)
-        ra = cuda.local.array(RB, np.float32)
-        rb = cuda.local.array(RB, np.float32)
-        tx, ty = _u(cuda.threadIdx.x), _u(cuda.threadIdx.y)
-        tid = ty * _u(TPB) + tx
+        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=_ALIGN)  # op(a), k-major
+        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=_ALIGN)  # op(b), k-major
+        acc = cuda.local.array((TM, TN), np.float32)
+        a_reg = cuda.local.array(TM, np.float32)
+        b_reg = cuda.local.array(TN, np.float32)
+        tid = _u(cuda.threadIdx.x)
+        tx, ty = tid % _u(DX), tid // _u(DX)
         splits = part.shape[1]
         bz, split = _u(cuda.blockIdx.z // splits), cuda.blockIdx.z % splits
-        m0, n0 = _u(cuda.blockIdx.y) * _u(BM), _u(cuda.blockIdx.x) * _u(BN)
+        m0, n0 = _u(cuda.blockIdx.y) * _u(TBM), _u(cuda.blockIdx.x) * _u(TBN)
         # Bounds as uint32, like the indices they are compared with: Numba compares an
         # unsigned with a signed 64-bit integer in float64 (a conversion and a double compare
         # per test).
@@ -262,39 +269,39 @@ def _make_tiled(trans_a: bool, trans_b: bool):
         k_lo = split * span   # (signed: mixing signed and unsigned in min() would give a float)
         k_len = min(a.shape[1] if trans_a else a.shape[2], k_lo + span)   # the bounds clip to it
         k_end = _u(k_len)
-        for i in range(RB):
-            for j in range(RB):
+        for i in range(TM):
+            for j in range(TN):
                 acc[i, j] = _ZERO
         a_mm, a_kk = a_place(tid)   # this thread's first staged element of each tile
         b_nn, b_kk = b_place(tid)
         a_m, b_n = m0 + a_mm, n0 + b_nn
+        a_at = a_kk * _u(BMP) + a_mm   # ... and where it goes in the staged tiles
+        b_at = b_kk * _u(BNP) + b_nn
         # Step 0's loads, then each step stores the loads made during the step before and
         # issues its successor's before it multiplies: global memory latency overlaps the
         # arithmetic.
-        a_next = cuda.local.array(_STAGED, np.float32)
-        b_next = cuda.local.array(_STAGED, np.float32)
+        a_next = cuda.local.array(A_PER, np.float32)
+        b_next = cuda.local.array(B_PER, np.float32)
         load(a, b, a_next, b_next, bz, a_m, a_kk, b_n, b_kk, k_lo, m_rows, n_cols, k_end)
-        for k0 in range(k_lo, k_len, BK):
-            for i in range(_STAGED):
-                as_[a_kk + _u(i * A_DK), a_mm + _u(i * A_DR)] = a_next[i]
-                bs[b_kk + _u(i * B_DK), b_nn + _u(i * B_DR)] = b_next[i]
+        buf = _u(0)
+        for k0 in range(k_lo, k_len, TBK):
+            for i in range(A_PER):
+                a_tile[buf * _u(TBK * BMP) + a_at + _u(i * (A_DK * BMP + A_DR))] = a_next[i]
+            for i in range(B_PER):
+                b_tile[buf * _u(TBK * BNP) + b_at + _u(i * (B_DK * BNP + B_DR))] = b_next[i]
+            # One barrier per step: the next step fills the other buffer, and no thread can
+            # refill this one before every thread has passed the next step's barrier.
             cuda.syncthreads()
-            if k0 + BK < k_len:
-                load(a, b, a_next, b_next, bz, a_m, a_kk, b_n, b_kk, k0 + BK, m_rows, n_cols,
+            if k0 + TBK < k_len:
+                load(a, b, a_next, b_next, bz, a_m, a_kk, b_n, b_kk, k0 + TBK, m_rows, n_cols,
                      k_end)
-            for kk in range(BK):
-                for i in range(RB):
-                    ra[i] = as_[_u(kk), ty * _u(RB) + _u(i)]
-                for j in range(RB):
-                    rb[j] = bs[_u(kk), tx * _u(RB) + _u(j)]
-                for i in range(RB):
-                    for j in range(RB):
-                        acc[i, j] += ra[i] * rb[j]
-            cuda.syncthreads()
-        for i in range(RB):
-            m = m0 + ty * _u(RB) + _u(i)
-            for j in range(RB):
-                n = n0 + tx * _u(RB) + _u(j)
+            multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(TBK * BMP),
+                     buf * _u(TBK * BNP), tx, ty)
+            buf = _u(1) - buf
+        for i in range(TM):
+            m = m0 + row(tx, i)
+            for j in range(TN):
+                n = n0 + col(ty, j)
                 if m < m_rows and n < n_cols:
                     if direct:
                         _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
@@ -304,8 +311,9 @@ def _make_tiled(trans_a: bool, trans_b: bool):
     return gemm_tiled_kernel
 
 
-# One kernel per layout of a and b: (trans_a, trans_b) -> kernel
-TILED_KERNELS = {(ta, tb): _make_tiled(ta, tb) for ta in (False, True) for tb in (False, True)}
+# One kernel per layout of a and b and tile shape: (trans_a, trans_b, tile) -> kernel
+TILED_KERNELS = {(ta, tb, t): _make_tiled(ta, tb, t)
+                 for t in (TILE, WIDE_TILE) for ta in (False, True) for tb in (False, True)}
 
 
 class Decode(NamedTuple):
@@ -721,17 +729,28 @@ def tiled_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
     return -(-k_len // span), span
 
 
+def tiled_tile(batch: int, m_rows: int, n_cols: int) -> Tiles:
+    """WIDE_TILE (8 x 8 outputs a thread: twice the multiply-adds per shared load and per
+    staged element) where its tiles alone make two blocks an SM, else TILE."""
+    wide = -(-m_rows // WIDE_TILE.bm) * -(-n_cols // WIDE_TILE.bn) * batch
+    return WIDE_TILE if wide >= 2 * _sm_count() else TILE
+
+
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
           target_blocks=None) -> None:
     """The tiled kernel on validated 3-D arguments, K split where `tiled_plan` says, the
     partials then summed in split order (deterministic) by gemm_splitk_reduce_kernel."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
-    splits, span = tiled_plan(batch, m_rows, n_cols, k_len, target_blocks)
+    t = tiled_tile(batch, m_rows, n_cols)
+    if t == WIDE_TILE:
+        splits, span = 1, -(-k_len // t.bk) * t.bk
+    else:
+        splits, span = tiled_plan(batch, m_rows, n_cols, k_len, target_blocks)
     direct = splits == 1
     part = _partials(out, splits, direct)
-    grid = (-(-n_cols // BN), -(-m_rows // BM), batch * splits)
-    launch(TILED_KERNELS[(bool(trans_a), bool(trans_b))], grid, (TPB, TPB),
+    grid = (-(-n_cols // t.bn), -(-m_rows // t.bm), batch * splits)
+    launch(TILED_KERNELS[(bool(trans_a), bool(trans_b), t)], grid, t.threads,
            (a, b, out, bias, has_bias, act, accumulate, part, int(direct), np.int32(span)),
            stream)
     if not direct:

@@ -5,6 +5,8 @@ before any launch. Outputs start as NaN unless accumulated into, so an unwritten
 fails the comparison."""
 import itertools
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -144,6 +146,26 @@ def test_split_k_is_deterministic():
         G.gemm(a, b, out)
         runs.append(out.copy_to_host())
     np.testing.assert_array_equal(runs[0], runs[1])
+
+
+@given(k=st.integers(1, 40), flags=st.sampled_from(FLAGS), seed=st.integers(0, 2**16))
+def test_the_wide_tile_matches_reference(k, flags, seed):
+    """A product big enough for the 8 x 8-a-thread tile (two blocks an SM of it), with
+    partial tiles on both edges and K not a whole number of steps."""
+    trans_a, trans_b, act, has_bias, accumulate = flags
+    side = math.ceil(math.sqrt(2 * G._sm_count()))
+    m, n = side * G.WIDE_TILE.bm - 5, side * G.WIDE_TILE.bn + 3
+    assert G.tiled_tile(1, m, n) == G.WIDE_TILE   # (and one wide tile alone would not be:)
+    assert G.tiled_tile(1, G.WIDE_TILE.bm, G.WIDE_TILE.bn) == G.TILE
+    rng = np.random.default_rng(seed)
+    a, b, old = _operands(rng, (), m, n, k, trans_a, trans_b)
+    bias = rand(rng, n)
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    G.gemm(dev(a), dev(b), out, bias=dev(bias) if has_bias else None, act=act,
+           trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+    want = G.gemm_ref(a, b, bias if has_bias else None, act, trans_a, trans_b,
+                      old=old if accumulate else None)
+    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
 
 
 @given(m=st.integers(9, 40), n=st.integers(1, 40), k=st.integers(1, 200),
