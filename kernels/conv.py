@@ -114,6 +114,20 @@ def conv2d_bwd_weight_ref(x, dy, w_shape, *, stride=1, pad=0):
 _u = np.uint32
 _u64 = np.uint64
 
+
+def _gather(count: int, step: int):
+    """A device function gather(regs, src, at, gap, left): regs[i] = src[at + i * gap] for
+    the i with i * step < left, zero for the rest. A thread's staged elements: `count` of
+    them, `step` tile rows (or channels) apart, of which `left` are in bounds."""
+    @cuda.jit(device=True)
+    def gather(regs, src, at, gap, left):
+        for i in range(count):
+            v = np.float32(0.0)
+            if i * step < left:
+                v = src[at + _u64(i) * gap]
+            regs[i] = v
+    return gather
+
 _CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float32[::1], "
              "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
 
@@ -143,6 +157,7 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
     # each element costs a compare and a load.
     A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)   # staged elements per thread
     KS, NS = NT // BM, NT // BK
+    gather_a, gather_b = _gather(A_PER, KS), _gather(B_PER, NS)
 
     @cuda.jit(device=True)
     def load_a(regs, src, p_base, p_h, p_w, kk, c0, r, s, CI, HI, WI, HWI, stride):
@@ -166,12 +181,7 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
         # the image). Offsets are unsigned 64-bit: no negative-index fix-up, no truncation.
         left = min(CI - c, BK - kk) if ok else 0
         at = _u64(p_base + c * HWI + hh * WI + ww) if ok else _u64(0)
-        gap = _u64(KS * HWI)
-        for i in range(A_PER):
-            v = np.float32(0.0)
-            if i * KS < left:
-                v = src[at + _u64(i) * gap]
-            regs[i] = v
+        gather_a(regs, src, at, _u64(KS * HWI), left)
 
     @cuda.jit(device=True)
     def load_b(regs, w, kk, nn, c0, n0, rs, CI, CO, RS):
@@ -183,12 +193,7 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
         else:
             first, gap = (co * CI + c) * RS + rs, _u64(NS * CI * RS)
         left = min(CO - co, BN - nn) if c < CI else 0   # columns left for this thread
-        at = _u64(first) if left > 0 else _u64(0)
-        for i in range(B_PER):
-            v = np.float32(0.0)
-            if i * NS < left:
-                v = w[at + _u64(i) * gap]
-            regs[i] = v
+        gather_b(regs, w, _u64(first) if left > 0 else _u64(0), gap, left)
 
     @jit(_CONV_SIG, writes=("dst",))
     def conv_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S, stride, pad):
@@ -331,18 +336,15 @@ def _make_wgrad_kernel(t: Tiles):
                     l_x[at] = n * C * H * W + h * W + ww
 
     def rows_loader(PER, ROWS):
+        gather = _gather(PER, NS)
+
         @cuda.jit(device=True)
         def load(regs, src, off, first, count, s_row, row_gap):
             """This thread's elements of a staged tile: rows first + s_row + i * NS (of
             `count`), at reduction offset `off` (-1: zeros), into registers."""
             left = min(count - first - s_row, ROWS - s_row) if off >= 0 else 0
             at = _u64(off + (first + s_row) * row_gap) if left > 0 else _u64(0)
-            gap = _u64(NS * row_gap)
-            for i in range(PER):
-                v = np.float32(0.0)
-                if i * NS < left:
-                    v = src[at + _u64(i) * gap]
-                regs[i] = v
+            gather(regs, src, at, _u64(NS * row_gap), left)
         return load
 
     load_dy, load_x = rows_loader(A_PER, BM), rows_loader(B_PER, BN)
