@@ -202,6 +202,21 @@ def _stager(contiguous_k: bool, rows: int, bk: int, nt: int):
     return place, DR, DK
 
 
+def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
+    """A device function load(regs, src, bz, row, k, rows, k_end): a thread's `count` staged
+    elements of one operand, element i at (row + i * DR, k + i * DK) of op(src), read from
+    src[bz, k, row] if `k_first` else src[bz, row, k]; zero past the bounds."""
+    @cuda.jit(device=True)
+    def load(regs, src, bz, row, k, rows, k_end):
+        for i in range(count):
+            r, kk = row + _u(i * DR), k + _u(i * DK)
+            v = _ZERO
+            if r < rows and kk < k_end:
+                v = src[bz, kk, r] if k_first else src[bz, r, kk]
+            regs[i] = v
+    return load
+
+
 # ---------------------------------------------------------------------------- kernels
 _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
          "int32, int32, int32")
@@ -228,22 +243,15 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
     a_place, A_DR, A_DK = _stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = _stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
 
+    load_a = _operand_loader(A_PER, A_DR, A_DK, k_first=trans_a)      # a (K, M) or (M, K)
+    load_b = _operand_loader(B_PER, B_DR, B_DK, k_first=not trans_b)  # b (K, N) or (N, K)
+
     @cuda.jit(device=True)
     def load(a, b, a_regs, b_regs, bz, a_m, a_k, b_n, b_k, k0, m_rows, n_cols, k_end):
         """This thread's elements of the op(a) and op(b) tiles at K row k0, into registers
         (zero past the bounds)."""
-        for i in range(A_PER):
-            m, k = a_m + _u(i * A_DR), _u(k0) + a_k + _u(i * A_DK)
-            v = _ZERO
-            if m < m_rows and k < k_end:
-                v = a[bz, k, m] if trans_a else a[bz, m, k]
-            a_regs[i] = v
-        for i in range(B_PER):
-            n, k = b_n + _u(i * B_DR), _u(k0) + b_k + _u(i * B_DK)
-            v = _ZERO
-            if n < n_cols and k < k_end:
-                v = b[bz, n, k] if trans_b else b[bz, k, n]
-            b_regs[i] = v
+        load_a(a_regs, a, bz, a_m, _u(k0) + a_k, m_rows, k_end)
+        load_b(b_regs, b, bz, b_n, _u(k0) + b_k, n_cols, k_end)
 
     # Launch bounds (threads, blocks per SM) cap registers so that two blocks fit on an SM.
     @jit(f"void({_ARGS}, float32[:,:,:,::1], int32, int32)",
