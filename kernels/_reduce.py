@@ -40,7 +40,8 @@ if SIMULATOR:
         me.reduce_phase = phase ^ 1
         buf[phase, cuda.threadIdx.x] = v
         cuda.syncthreads()
-        lanes = buf[phase, cuda.threadIdx.x & ~31:(cuda.threadIdx.x & ~31) + 32]
+        lo = cuda.threadIdx.x & ~31   # the warp's lanes that exist (a block may be smaller)
+        lanes = buf[phase, lo:min(lo + 32, cuda.blockDim.x)]
         return type(v)(lanes.max() if use_max else lanes.sum())
 else:
     @cuda.jit(device=True)
@@ -70,4 +71,19 @@ def block_reduce(buf, v, use_max):
         step //= 2
     total = buf[0]
     cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def block_allreduce(v, use_max, red, at):
+    """Max (use_max) or sum of v over the block (at most 1024 threads), returned to every
+    thread: warp butterflies, then the warps' results combined in warp order (the same bits
+    every run). Uses red[at:at + 32]; every thread of the block must call it."""
+    v = warp_allreduce(v, use_max)
+    if cuda.threadIdx.x % 32 == 0:
+        red[at + cuda.threadIdx.x // 32] = v
+    converged_syncthreads()
+    total = red[at]
+    for w in range(1, (cuda.blockDim.x + 31) // 32):
+        total = max(total, red[at + w]) if use_max else total + red[at + w]
     return total

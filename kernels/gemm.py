@@ -48,7 +48,7 @@ import numpy as np
 
 from kernels import _check
 from kernels._tile import Tiles, register_tile
-from kernels._reduce import warp_allreduce
+from kernels._reduce import block_allreduce, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -161,21 +161,6 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
             vals[m] = a[bz, k, mm] if trans_a else a[bz, mm, k]
         for m in range(M8):
             xs[_u(m * SPAN_MAX) + kk] = vals[m] if kk < length else _ZERO
-
-
-@cuda.jit(device=True)
-def _block_sum(v, red, at):
-    """Sum of v over the block (blockDim.x a multiple of 32, at most 1024), returned to every
-    thread: warp butterflies, then the warp sums in order (deterministic). Uses red[at:at+32];
-    every thread must call it."""
-    v = warp_allreduce(v, False)
-    if cuda.threadIdx.x % 32 == 0:
-        red[at + cuda.threadIdx.x // 32] = v
-    cuda.syncthreads()
-    total = _ZERO
-    for w in range(cuda.blockDim.x // 32):
-        total += red[at + w]
-    return total
 
 
 def _stager(contiguous_k: bool, rows: int, bk: int, nt: int):
@@ -607,13 +592,13 @@ def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gam
             out[bz, m, n] = v
             s1 += v
     inv_n = _ONE / np.float32(N)
-    mean = _block_sum(s1, red, 0) * inv_n
+    mean = block_allreduce(s1, False, red, 0) * inv_n
     s2 = _ZERO
     for c in range(LN_COLS):
         if tid + nt * _u(c) < n_cols:
             d = xv[c] - mean
             s2 += d * d
-    rstd = _ONE / math.sqrt(_block_sum(s2, red, 32) * inv_n + eps)
+    rstd = _ONE / math.sqrt(block_allreduce(s2, False, red, 32) * inv_n + eps)
     for c in range(LN_COLS):
         n = tid + nt * _u(c)
         if n < n_cols:

@@ -1,8 +1,11 @@
 """Row softmax with a device-side length, and log-softmax.
 
-One block per row. Pass 1 keeps a running (max, sum of exp(x - max)) per thread, so the row
-is read twice in all (online softmax) instead of three times; the pairs are combined through
-a shared-memory tree. Subtracting the row max keeps exp() finite for any input.
+One block per row. A row of at most ELEMS_PER_THREAD elements a thread (GPT-2's attention
+rows, 1024 long, on 128 threads) is read once into registers: its max and then its sum of
+exp(x - max) are each one warp butterfly and one pass over the warps' results. Longer rows
+keep a running (max, sum of exp(x - max)) per thread, so the row is read twice in all
+(online softmax) instead of three times, the pairs combined through a shared-memory tree.
+Subtracting the row max keeps exp() finite for any input.
 
 `masked_softmax` reads the number of valid columns from a device int32 (1,) array, so one
 launch configuration (and one captured CUDA graph) serves every length.
@@ -14,7 +17,7 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels._reduce import converged_syncthreads
+from kernels._reduce import block_allreduce, converged_syncthreads
 from kernels.layernorm import ELEMS_PER_THREAD, block_threads
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -97,6 +100,34 @@ def masked_softmax_kernel(x, length, out):
         out[row, j] = math.exp(x[row, j] - m) * inv if j < valid else _ZERO
 
 
+@jit("void(float32[:, ::1], int32[::1], float32[:, ::1])", writes=("out",), in_place=(("out", "x"),))
+def masked_softmax_in_registers_kernel(x, length, out):
+    """masked_softmax_kernel for rows of at most ELEMS_PER_THREAD * blockDim.x elements."""
+    red = cuda.shared.array(64, np.float32)   # [0, 32): the warps' maxima; [32, 64): sums
+    vals = cuda.local.array(ELEMS_PER_THREAD, np.float32)
+    row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    n = x.shape[1]
+    valid = min(max(length[0], 0), n)
+    m = _NEG_INF
+    for i in range(ELEMS_PER_THREAD):
+        j = t + i * step
+        v = x[row, j] if j < valid else _NEG_INF
+        vals[i] = v
+        if v > m:            # (not max(): a NaN must reach the sum, and make the row NaN)
+            m = v
+    m = block_allreduce(m, True, red, 0)
+    s = _ZERO
+    for i in range(ELEMS_PER_THREAD):
+        if t + i * step < valid:
+            s += math.exp(vals[i] - m)
+    s = block_allreduce(s, False, red, 32)
+    inv = _ZERO if s == _ZERO else _ONE / s   # as in masked_softmax_kernel
+    for i in range(ELEMS_PER_THREAD):   # each element written by the thread that read it
+        j = t + i * step
+        if j < n:
+            out[row, j] = math.exp(vals[i] - m) * inv if j < valid else _ZERO
+
+
 @jit("void(float32[:, ::1], float32[:, ::1])", writes=("out",), in_place=(("out", "x"),))
 def log_softmax_kernel(x, out):
     buf_m = cuda.shared.array(MAX_THREADS, np.float32)
@@ -175,8 +206,10 @@ def masked_softmax(x, length, out, *, stream=0):
     A row whose first L entries are all -inf gives NaN there, as NumPy would."""
     _check_rows(x, out)
     _check.device_array("length", length, dtype=np.int32, shape=(1,))
-    launch(masked_softmax_kernel, x.shape[0], block_threads(x.shape[1], MAX_THREADS),
-           (x, length, out), stream)
+    threads = block_threads(x.shape[1], MAX_THREADS)
+    kernel = (masked_softmax_in_registers_kernel if x.shape[1] <= ELEMS_PER_THREAD * threads
+              else masked_softmax_kernel)
+    launch(kernel, x.shape[0], threads, (x, length, out), stream)
 
 
 def log_softmax(x, out, *, stream=0):

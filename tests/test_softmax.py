@@ -21,6 +21,18 @@ def test_masked_softmax_matches_reference(rows, cols, data, seed, scale):
     assert_close(out, S.masked_softmax_ref(x, length), "softmax")
 
 
+@given(rows=st.integers(1, 3), extra=st.integers(1, 40), data=st.data(), seed=st.integers(0, 2**16))
+def test_masked_softmax_past_the_register_rows_matches_reference(rows, extra, data, seed):
+    """Rows longer than a block holds in registers (ELEMS_PER_THREAD a thread of the widest
+    block) take the online kernel: both kernels are checked."""
+    cols = S.ELEMS_PER_THREAD * S.MAX_THREADS + extra
+    length = data.draw(st.integers(-2, cols + 3), label="length")
+    x = rand(np.random.default_rng(seed), rows, cols, scale=5.0)
+    out = cuda.device_array_like(x)
+    S.masked_softmax(dev(x), dev(np.array([length], np.int32)), out)
+    assert_close(out, S.masked_softmax_ref(x, length), "softmax")
+
+
 def test_one_launch_config_serves_every_length():
     """The length is read on the device: changing it needs no new launch arguments."""
     x = rand(np.random.default_rng(5), 2, 9)
