@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels._reduce import block_reduce
+from kernels._reduce import block_allreduce
 from proto import backend
 from proto.backend import cuda, jit, launch
 
@@ -38,19 +38,21 @@ def layernorm_ref(x, gamma, beta, eps: float = 1e-5) -> np.ndarray:
 @jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)",
      writes=("out",), in_place=(("out", "x"),))
 def layernorm_kernel(x, gamma, beta, out, eps):
-    buf = cuda.shared.array(MAX_THREADS, np.float32)
+    # Warp butterflies then the warps in order (one barrier a reduction, not one a tree level);
+    # the two sums use separate halves of red, so the second needs no barrier before it.
+    red = cuda.shared.array(64, np.float32)
     row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     n = x.shape[1]
     inv_n = _ONE / np.float32(n)
     s = _ZERO
     for j in range(t, n, step):
         s += x[row, j]
-    mean = block_reduce(buf, s, False) * inv_n
+    mean = block_allreduce(s, False, red, 0) * inv_n
     s = _ZERO
     for j in range(t, n, step):
         d = x[row, j] - mean
         s += d * d
-    rstd = _ONE / math.sqrt(block_reduce(buf, s, False) * inv_n + eps)
+    rstd = _ONE / math.sqrt(block_allreduce(s, False, red, 32) * inv_n + eps)
     # Each element is read and written by the same thread after every reduction, so out may be x.
     for j in range(t, n, step):
         out[row, j] = (x[row, j] - mean) * rstd * gamma[j] + beta[j]
