@@ -10,7 +10,9 @@ shapes (PROTO_TEST_SCALE=1) and the small hypothesis profile: the tools check ev
 so size buys nothing but time.
 
 A file gets --timeout seconds (300) and the whole run --deadline (900): what has not started
-by then is listed as not run, so the lane fits a bounded device session.
+by then is listed as not run, so the lane fits a bounded device session. A tool may deselect
+a test that runs past any time limit under it (DESELECT below, with the reason); sanitize.txt
+lists every deselection.
 
 Writes results/<device>/sanitize-<tool>.log (every file's output, one after another) and
 sanitize.txt: per tool and file, the tool's error count, pytest's last line and the exit
