@@ -223,8 +223,11 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
                 else:
                     pix_h[mm] = ho * stride - pad
                     pix_w[mm] = wo * stride - pad
-            else:
+            else:   # past the end: never read (p_base < 0), but defined
                 pix_src[mm] = -1
+                pix_h[mm] = 0
+                pix_w[mm] = 0
+                pix_dst[mm] = 0
         a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=_ALIGN)
         b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=_ALIGN)
         acc = cuda.local.array((TM, TN), np.float32)
