@@ -76,9 +76,11 @@ def block_reduce(buf, v, use_max):
 
 @cuda.jit(device=True)
 def block_allreduce(v, use_max, red, at):
-    """Max (use_max) or sum of v over the block (at most 1024 threads), returned to every
-    thread: warp butterflies, then the warps' results combined in warp order (the same bits
-    every run). Uses red[at:at + 32]; every thread of the block must call it."""
+    """Max (use_max) or sum of v over the block (at most 1024 threads; on a GPU a multiple of
+    32, as every lane takes part in the shuffles), returned to every thread: warp butterflies,
+    then the warps' results combined in warp order (the same bits every run). Uses
+    red[at:at + 32]; every thread of the block must call it, and a second call right after
+    needs another `at` (no barrier follows the reads)."""
     v = warp_allreduce(v, use_max)
     if cuda.threadIdx.x % 32 == 0:
         red[at + cuda.threadIdx.x // 32] = v
