@@ -10,9 +10,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from proto import backend
 from proto.backend import cuda
 
 _u = np.uint32   # unsigned shared-memory indices: one base register plus immediate offsets
+# The staged tiles' alignment: the register tile reads 16-byte groups (the simulator takes none).
+TILE_ALIGN = None if backend.SIMULATOR else 16
 
 
 class Tiles(NamedTuple):
@@ -83,3 +86,31 @@ def register_tile(t: Tiles, a_stride: int, b_stride: int, in_pairs: bool):
         return ty * _u(VB) + _u((j // VB) * (DY * VB) + j % VB)
 
     return multiply, row, col
+
+
+def stager(contiguous_k: bool, rows: int, bk: int, nt: int):
+    """Where a thread's staged elements of one operand tile lie.
+
+    The tile is bk x `rows` (k, row); element e = tid + i * nt. Consecutive threads walk the
+    operand's contiguous axis so that global reads coalesce: along k when `contiguous_k`
+    (row e // bk, k e % bk), else along the rows (row e % rows, k e // rows). As nt is a
+    multiple of that axis's length (checked), a thread's elements keep one k and step DR rows,
+    or keep one row and step DK rows of k: its first element's place is worked out once, and
+    the others are a constant step away. Returns (place(tid) -> (row, k), DR, DK)."""
+    if contiguous_k:
+        if nt % bk:
+            raise ValueError(f"{nt} threads stage a tile {bk} deep along k: need a multiple of {bk}")
+        DR, DK = nt // bk, 0
+
+        @cuda.jit(device=True)
+        def place(tid):
+            return tid // _u(bk), tid % _u(bk)
+    else:
+        if nt % rows:
+            raise ValueError(f"{nt} threads stage a tile {rows} rows wide: need a multiple of {rows}")
+        DR, DK = 0, nt // rows
+
+        @cuda.jit(device=True)
+        def place(tid):
+            return tid % _u(rows), tid // _u(rows)
+    return place, DR, DK

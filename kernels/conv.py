@@ -45,7 +45,7 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels._tile import Tiles, register_tile
+from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
 from proto import backend
 from proto.backend import cuda, jit, launch
 
@@ -60,7 +60,6 @@ SIM_CONV_TILES = (Tiles(4, 4, 4, 1, 4), Tiles(8, 8, 4, 2, 4), Tiles(16, 16, 4, 4
 SIM_WGRAD_TILES = tuple(Tiles(bm, bn, bm * bn // 16, 4, 4) for bm in (4, 8, 16) for bn in (4, 8, 16))
 
 _MAX_INDEX = 2**31 - 1  # shared tables and offsets are int32
-_ALIGN = None if backend.SIMULATOR else 16   # tile alignment (the simulator takes none)
 
 
 # ---------------------------------------------------------------------------- references
@@ -142,21 +141,17 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
     BM, BN, BK, TM, TN = t
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
-    if NT % BM or NT % BK:
-        raise ValueError(f"{t}: the conv kernels need the thread count {NT} to be a multiple "
-                         f"of bm ({BM}) and of bk ({BK})")
     BNP = BN + 4                       # +4 columns: the k-fastest staging hits distinct banks,
     A_SIZE, B_SIZE = 2 * BK * BM, 2 * BK * BNP   # and rows stay 16-byte aligned
     multiply, row, col = register_tile(t, BM, BNP, in_pairs=BK % 2 == 0)
 
-    # Staging: a step's patch tile is BK channels x BM pixels, element e = tid + i * NT at
-    # channel e // BM, pixel e % BM; its weight tile BN columns x BK channels, element e at
-    # column e // BK, channel e % BK. As NT is a multiple of BM and of BK (checked), all the
-    # elements a thread stages lie on one pixel (channels KS apart) and on one weight channel
-    # (columns NS apart): the pixel's bounds and address are worked out once a step, and
-    # each element costs a compare and a load.
+    # Staging (stager): the patch tile walks pixels (contiguous in src), so all the elements
+    # a thread stages lie on one pixel, channels KS apart; the weight tile walks channels, so
+    # they lie on one weight channel, columns NS apart. The pixel's bounds and address are
+    # worked out once a step, and each element costs a compare and a load.
     A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)   # staged elements per thread
-    KS, NS = NT // BM, NT // BK
+    a_place, _, KS = stager(False, BM, BK, NT)
+    b_place, NS, _ = stager(True, BN, BK, NT)
     gather_a, gather_b = _gather(A_PER, KS), _gather(B_PER, NS)
 
     @cuda.jit(device=True)
@@ -228,8 +223,8 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
                 pix_h[mm] = 0
                 pix_w[mm] = 0
                 pix_dst[mm] = 0
-        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=_ALIGN)
-        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=_ALIGN)
+        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)
+        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)
         acc = cuda.local.array((TM, TN), np.float32)
         a_reg = cuda.local.array(TM, np.float32)
         b_reg = cuda.local.array(TN, np.float32)
@@ -239,8 +234,8 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
             for j in range(TN):
                 acc[i, j] = 0.0
         cuda.syncthreads()
-        a_kk, a_mm = tid // _u(BM), tid % _u(BM)       # this thread's staging coordinates
-        b_nn, b_kk = tid // _u(BK), tid % _u(BK)
+        a_mm, a_kk = a_place(tid)                      # this thread's staging coordinates
+        b_nn, b_kk = b_place(tid)
         p_base, p_h, p_w = pix_src[a_mm], pix_h[a_mm], pix_w[a_mm]
         b_at = b_kk * _u(BNP) + b_nn                   # where its weight elements go
 
@@ -312,10 +307,7 @@ def _make_wgrad_kernel(t: Tiles):
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     BIAS_ROWS = (BM + NT - 1) // NT
-    if NT % BK:
-        raise ValueError(f"{t}: the weight-gradient kernel needs the thread count {NT} to be "
-                         f"a multiple of bk ({BK})")
-    NS = NT // BK                      # rows between a thread's staged elements
+    place, NS, _ = stager(True, BM, BK, NT)   # both tiles walk the reduction (contiguous)
     A_PER, B_PER = -(-BM // NS), -(-BN // NS)
     BMP, BNP = BM + 4, BN + 4          # +4: the l-fastest staging spreads over the banks,
     A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # rows 16-byte aligned; [buf][l][k | c]
@@ -376,8 +368,8 @@ def _make_wgrad_kernel(t: Tiles):
         # Double-buffered like the tiles: step i+1's entries are written during step i.
         l_dy = cuda.shared.array(L_SIZE, np.int32)
         l_x = cuda.shared.array(L_SIZE, np.int32)
-        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=_ALIGN)
-        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=_ALIGN)
+        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)
+        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)
         acc = cuda.local.array((TM, TN), np.float32)
         bias_acc = cuda.local.array(BIAS_ROWS, np.float32)
         a_reg = cuda.local.array(TM, np.float32)
@@ -388,7 +380,8 @@ def _make_wgrad_kernel(t: Tiles):
         for i in range(BIAS_ROWS):
             bias_acc[i] = 0.0
 
-        s_row, s_kk = np.int64(tid // _u(BK)), tid % _u(BK)   # this thread's staging place
+        first_row, s_kk = place(tid)                   # this thread's staging place
+        s_row = np.int64(first_row)   # signed: the simulator's NumPy wraps unsigned math
         a_next = cuda.local.array(A_PER, np.float32)   # the next step's tiles, in flight
         b_next = cuda.local.array(B_PER, np.float32)
 
@@ -493,7 +486,7 @@ def _pick_wgrad_tiles(K: int, C: int) -> Tiles:
     if backend.SIMULATOR:
         bm = next((b for b in (4, 8, 16) if b >= K), 16)
         bn = next((b for b in (4, 8, 16) if b >= C), 16)
-        return Tiles(bm, bn, bm * bn // 16, 4, 4)
+        return next(t for t in SIM_WGRAD_TILES if (t.bm, t.bn) == (bm, bn))
     wide, medium, narrow = GPU_WGRAD_TILES
     return narrow if C <= 16 else wide if min(K, C) >= 128 else medium
 

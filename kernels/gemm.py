@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check
-from kernels._tile import Tiles, register_tile
+from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
 from kernels._reduce import block_allreduce, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto import backend
@@ -91,7 +91,6 @@ else:
     LN_COLS = 2
     LN_THREADS = 64
 BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the tile K splits are planned for (tiled_plan)
-_ALIGN = None if backend.SIMULATOR else 16   # (the simulator takes no alignment)
 _XS = M8 * SPAN_MAX
 _LN_VALS = LN_COLS * RED_CHUNK
 
@@ -163,30 +162,6 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
             xs[_u(m * SPAN_MAX) + kk] = vals[m] if kk < length else _ZERO
 
 
-def _stager(contiguous_k: bool, rows: int, bk: int, nt: int):
-    """Where a thread's staged elements of one operand tile lie, for one layout.
-
-    The tile is bk x `rows` (k, row); element e = tid + i * nt. Consecutive threads walk the
-    operand's contiguous axis so that global reads coalesce: along k when `contiguous_k`
-    (row e // bk, k e % bk), else along the rows (row e % rows, k e // rows). As nt is a
-    multiple of both, a thread's elements keep one k and step DR rows, or keep one row and
-    step DK rows of k: its first element's place is worked out once, and the others are a
-    constant step away. Returns (place(tid) -> (row, k), DR, DK)."""
-    if contiguous_k:
-        DR, DK = nt // bk, 0
-
-        @cuda.jit(device=True)
-        def place(tid):
-            return tid // _u(bk), tid % _u(bk)
-    else:
-        DR, DK = 0, nt // rows
-
-        @cuda.jit(device=True)
-        def place(tid):
-            return tid % _u(rows), tid // _u(rows)
-    return place, DR, DK
-
-
 def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
     """A device function load(regs, src, bz, row, k, rows, k_end): a thread's `count` staged
     elements of one operand, element i at (row + i * DR, k + i * DK) of op(src), read from
@@ -216,27 +191,19 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
     accumulate, part, direct, span; a 1-D block of t.threads."""
     TBM, TBN, TBK, TM, TN = t
     NT, DX = t.threads, TBM // TM
-    if NT % TBM or NT % TBN or NT % TBK or (TBM * TBK) % NT or (TBN * TBK) % NT:
-        raise ValueError(f"{t}: the tiled GEMM needs its {NT} threads to divide the tiles and "
-                         "to be a multiple of bm, bn and bk")
+    if (TBM * TBK) % NT or (TBN * TBK) % NT:   # (stager checks the rest)
+        raise ValueError(f"{t}: the tiled GEMM stages whole tiles: {NT} threads must divide them")
     A_PER, B_PER = TBM * TBK // NT, TBN * TBK // NT   # staged elements per thread
     # +4 columns: the transposed staging writes spread over the banks, and every row stays
     # 16-byte aligned for the register tile's 16-byte shared loads. Double-buffered.
     BMP, BNP = TBM + 4, TBN + 4
     A_SIZE, B_SIZE = 2 * TBK * BMP, 2 * TBK * BNP
     multiply, row, col = register_tile(t, BMP, BNP, in_pairs=TBK % 2 == 0)
-    a_place, A_DR, A_DK = _stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
-    b_place, B_DR, B_DK = _stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
+    a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
+    b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
 
     load_a = _operand_loader(A_PER, A_DR, A_DK, k_first=trans_a)      # a (K, M) or (M, K)
     load_b = _operand_loader(B_PER, B_DR, B_DK, k_first=not trans_b)  # b (K, N) or (N, K)
-
-    @cuda.jit(device=True)
-    def load(a, b, a_regs, b_regs, bz, a_m, a_k, b_n, b_k, k0, m_rows, n_cols, k_end):
-        """This thread's elements of the op(a) and op(b) tiles at K row k0, into registers
-        (zero past the bounds)."""
-        load_a(a_regs, a, bz, a_m, _u(k0) + a_k, m_rows, k_end)
-        load_b(b_regs, b, bz, b_n, _u(k0) + b_k, n_cols, k_end)
 
     # Launch bounds (threads, blocks per SM) cap registers so that two blocks fit on an SM.
     @jit(f"void({_ARGS}, float32[:,:,:,::1], int32, int32)",
@@ -245,8 +212,8 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
         """Grid (N tiles, M tiles, batch x K splits). Block (x, y, bz * S + s) multiplies K
         rows [s * span, (s + 1) * span) of its tile: with `direct` (S = 1) it applies the
         epilogue to out, else it writes part[bz, s] for gemm_splitk_reduce_kernel."""
-        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=_ALIGN)  # op(a), k-major
-        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=_ALIGN)  # op(b), k-major
+        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)  # op(a), k-major
+        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)  # op(b), k-major
         acc = cuda.local.array((TM, TN), np.float32)
         a_reg = cuda.local.array(TM, np.float32)
         b_reg = cuda.local.array(TN, np.float32)
@@ -275,7 +242,8 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
         # arithmetic.
         a_next = cuda.local.array(A_PER, np.float32)
         b_next = cuda.local.array(B_PER, np.float32)
-        load(a, b, a_next, b_next, bz, a_m, a_kk, b_n, b_kk, k_lo, m_rows, n_cols, k_end)
+        load_a(a_next, a, bz, a_m, _u(k_lo) + a_kk, m_rows, k_end)
+        load_b(b_next, b, bz, b_n, _u(k_lo) + b_kk, n_cols, k_end)
         buf = _u(0)
         for k0 in range(k_lo, k_len, TBK):
             for i in range(A_PER):
@@ -286,8 +254,8 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
             # refill this one before every thread has passed the next step's barrier.
             cuda.syncthreads()
             if k0 + TBK < k_len:
-                load(a, b, a_next, b_next, bz, a_m, a_kk, b_n, b_kk, k0 + TBK, m_rows, n_cols,
-                     k_end)
+                load_a(a_next, a, bz, a_m, _u(k0 + TBK) + a_kk, m_rows, k_end)
+                load_b(b_next, b, bz, b_n, _u(k0 + TBK) + b_kk, n_cols, k_end)
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(TBK * BMP),
                      buf * _u(TBK * BNP), tx, ty)
             buf = _u(1) - buf
