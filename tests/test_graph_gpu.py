@@ -129,19 +129,20 @@ def _capture_with_views(size: int, warmup: int):
 
 
 def test_close_destroys_the_graph_and_frees_its_buffers():
+    # Free memory is compared across close() alone: a sanitizer allocates its own device
+    # memory at launches (racecheck took 96 MiB during the capture), never at close().
     big = 16 << 20  # 64 MiB of float32: far above the measurement's page granularity
-    before = free_bytes()
     g, (recorded_view,) = _capture_with_views(big, warmup=0)
     gc.collect()
-    assert recorded_view() is not None
-    assert free_bytes() <= before - big * 4  # the recorded buffer lives on in the description
+    assert recorded_view() is not None  # the recorded buffer lives on in the description
     assert g.memory_bytes >= 0
+    alive = free_bytes()
     executable = g._executable
     g.close()
     assert executable.closed
     gc.collect()
     assert recorded_view() is None  # no Python reference left ...
-    assert free_bytes() >= before - (4 << 20)  # ... and the driver has the memory back
+    assert free_bytes() >= alive + big * 4 - (4 << 20)  # ... and the driver has the memory back
 
 
 def test_the_graph_keeps_no_warm_up_buffer():
