@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 
 from proto import backend
 from proto.vm import BudgetError, Liveness, PagingExecutor, measure_link
-from proto.vm.paging import PageTable, _runs
+from proto.vm.paging import PageTable, page_runs
 from proto.vm.synthetic import cnn_tape
 
 P = 1024  # page size for these tests
@@ -68,8 +68,8 @@ def test_residency_never_passes_the_budget_and_needed_pages_are_resident(touches
 
 
 def test_runs_coalesce_consecutive_pages():
-    assert _runs(np.array([1, 2, 3, 7, 9, 10])) == [(1, 4), (7, 8), (9, 11)]
-    assert _runs(np.array([], dtype=np.int64)) == []
+    assert page_runs(np.array([1, 2, 3, 7, 9, 10])) == [(1, 4), (7, 8), (9, 11)]
+    assert page_runs(np.array([], dtype=np.int64)) == []
 
 
 def test_paging_moves_more_the_smaller_the_budget():
@@ -90,7 +90,8 @@ def test_paging_moves_more_the_smaller_the_budget():
 def test_measure_link_reports_every_rate():
     """NaN on the simulator (no link to measure); positive rates on a GPU."""
     rates = measure_link(1 << 20)
-    assert set(rates) == {"pinned_h2d_gbps", "pinned_d2h_gbps", "fault_h2d_gbps", "evict_d2h_gbps"}
+    assert set(rates) == {"pinned_h2d_gbps", "pinned_d2h_gbps", "fault_h2d_gbps", "prefetch_h2d_gbps",
+                          "evict_d2h_gbps"}
     if backend.SIMULATOR:
         assert all(np.isnan(v) for v in rates.values())
     else:

@@ -95,6 +95,24 @@ def test_a_tight_budget_moves_activations_and_an_ample_one_moves_nothing():
     assert 0 < tight.d2h_bytes < sum(g.nbytes for g in tight.offloaded)
 
 
+@given(tape=cnn_tapes(), frac=st.floats(0.1, 1.0))
+def test_without_host_copies_every_tensor_that_leaves_is_copied_and_waited_for(tape, frac):
+    # Managed memory: a prefetch moves the pages and the host keeps no copy, so nothing may
+    # leave by a discard; each gap sent away is evicted, and released before its bytes are
+    # reused, so the byte budget (validate) holds with the copies in flight.
+    try:
+        p = plan(tape, Liveness(tape).budget_between(frac), host_copy=False)
+    except BudgetError as e:
+        assert "fragmentation" in str(e), e
+        return
+    validate(tape, p)
+    kinds = [a.kind for _, _, a in p.actions()]
+    assert "discard" not in kinds
+    offloaded = [g for g in p.offloaded]
+    assert kinds.count("evict") == kinds.count("release") == len(offloaded)
+    assert p.d2h_bytes == sum(g.nbytes for g in offloaded)
+
+
 def test_estimated_step_time_is_compute_plus_waits():
     tape, _ = cnn_tape(4096, "cpcpc")
     live = Liveness(tape)
@@ -170,6 +188,8 @@ def test_bad_arguments_are_refused():
         plan(tape, 10**6, order="random")
     with pytest.raises(ValueError, match="lookahead"):
         plan(tape, 10**6, lookahead=0)
+    with pytest.raises(ValueError, match="host_copy"):
+        plan(tape, 10**6, host_copy="no")
 
 
 def test_read_before_write_is_refused():

@@ -8,14 +8,19 @@ its pages are. There is no pinned copy and no second device arena. The plan's ac
     release X    compute waits for "evicted": X's pages are off the GPU
     prefetch X   H2D waits for compute so far, cuMemPrefetchAsync(X, GPU), record "arrived"
     wait X       compute waits for "arrived"
-    alloc X      fresh pages for X's first write: a prefetch to the GPU on compute (after a
-                 discard that allocates without copying; a write would fault each page)
-    free/drop X  X is dead: cuMemDiscardBatchAsync on compute, in order after its last use
-                 (CUDA 13 drivers; older ones push the dead bytes to the host instead)
+    alloc X      X's first write: it reuses the dead pages of tensors placed there before;
+                 pages that none left resident are populated by a prefetch to the GPU on
+                 compute (a write would fault each page)
+    free/drop X  X is dead: its pages stay resident for the next tensor placed there. Where an
+                 action needs more pages than the budget holds, the ledger picks dead pages to
+                 discard first: cuMemDiscardBatchAsync on compute (CUDA 13 drivers; older ones
+                 push the dead bytes to the host instead)
     discard X    unlike the pool, not free: managed memory keeps one copy of each page, so "the
                  host copy is current" does not hold once X was prefetched; its pages travel to
                  the host like an eviction's, nobody waits for them, and they count as resident
-                 until compute next waits on the D2H stream (see residency.py)
+                 until compute next waits on the D2H stream (see residency.py). Plans made for
+                 managed memory (plan_for_pages: host_copy=False) have none: they evict and
+                 release instead, so the planner sees when those pages are free
     recompute X  as alloc, then re-run X's producer
 
 Hints. None in the step. cuMemAdvise is a synchronous host call, not stream-ordered, so it
@@ -138,9 +143,18 @@ class ManagedExecutor(StepRunner):
     # -- the step ---------------------------------------------------------------------------
     def _start_step(self) -> None:
         for name in [n for n in self.current if n not in self.plan.persistent]:
-            self.mem.drop(*self._span(name), self.compute)   # outputs of the previous step
-            del self.current[name]
-        self.ledger.start()
+            del self.current[name]   # the previous step's outputs: their pages are dead now
+        self._drop(self.ledger.start())
+
+    def _bytes(self, runs):
+        """Page runs -> byte ranges of the arena."""
+        page = self.layout.page_bytes
+        return [(first * page, min(end * page, self.arena.size)) for first, end in runs]
+
+    def _drop(self, runs) -> None:
+        """Discard dead pages, in order on the compute stream after their last use."""
+        for lo, hi in self._bytes(runs):
+            self.mem.drop(lo, hi, self.compute)
 
     def _end_step(self) -> None:
         # Discards are never released by the plan: the step ends once they are home too.
@@ -170,18 +184,18 @@ class _ManagedReplay(Replay):
         self._sent: set[str] = set()   # pushed to the host this step
 
     def visit(self, act: Action, at: At) -> None:
+        self.ex.ledger.visit(act, at)   # the same accounting the check ran before launch:
+        self.ex._drop(self.ex.ledger.dropped)   # it says which dead pages make room first
         super().visit(act, at)
-        self.ex.ledger.visit(act, at)   # the same accounting the check ran before launch
 
     def alloc(self, act: Action, at: At) -> None:
         ex = self.ex
-        ex.mem.populate(*ex._span(act.tensor), ex.compute)
+        for lo, hi in ex._bytes(ex.ledger.filled):   # pages no dead tensor left resident
+            ex.mem.populate(lo, hi, ex.compute)
         ex.current[act.tensor] = ex.views[act.tensor]
 
     def free(self, act: Action, at: At) -> None:
-        ex = self.ex
-        ex.mem.drop(*ex._span(act.tensor), ex.compute)
-        del ex.current[act.tensor]
+        del self.ex.current[act.tensor]   # its pages stay, dead (the ledger counts them)
 
     drop = free
 
@@ -208,11 +222,16 @@ class _ManagedReplay(Replay):
 
 
 def plan_for_pages(tape: Tape, budget: int, *, page_bytes: int = PAGE, **plan_kwargs) -> Plan:
-    """`schedule.plan(tape, budget, **plan_kwargs)`, re-planned under a smaller byte budget
-    while its pages on managed memory would pass `budget` (page rounding, discards in flight).
+    """`schedule.plan(tape, budget, host_copy=False, **plan_kwargs)`, re-planned under a
+    smaller byte budget while its pages on managed memory would pass `budget` (page rounding).
+    host_copy=False: managed memory keeps one copy of each page, so every tensor that leaves
+    is copied and holds its pages until the copy is done; the planner then places a release
+    where the pool's plan would discard the tensor and reuse its bytes at once (a discard's
+    pages still on their way home would pass the budget: 3 GiB of VGG-19's at 50%).
     The plan keeps the byte budget it was made for; give `budget` to ManagedExecutor."""
     budget = _check.positive("budget", budget)
     page_bytes = _check.positive("page_bytes", page_bytes)
+    plan_kwargs.setdefault("host_copy", False)
     target, too_small, too_many = budget, None, None   # byte budgets known to fail
     err, fewest = None, None
     for _ in range(16):

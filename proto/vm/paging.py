@@ -70,14 +70,14 @@ class PageTable:
         self.clock += 1
         self.evicted_pages += len(evict)
         self.faulted_pages += len(missing)
-        return _runs(evict), _runs(missing)
+        return page_runs(evict), page_runs(missing)
 
     def reset(self) -> None:
         """Everything on the host (after host I/O, which may have moved pages)."""
         self.resident[:] = False
 
 
-def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
+def page_runs(pages: np.ndarray) -> list[tuple[int, int]]:
     """Sorted page indices -> [(first, end)) runs of consecutive pages."""
     if len(pages) == 0:
         return []
@@ -181,8 +181,10 @@ class PagingExecutor(Executor):
 # ---------------------------------------------------------------------------- measuring
 def measure_link(nbytes: int = 256 << 20, reps: int = 3) -> dict[str, float]:
     """Host-link rates in GB/s: pinned copies each way, managed pages faulted in by a kernel,
-    and managed pages pushed out by a prefetch to the host. NaN on the simulator."""
-    keys = ("pinned_h2d_gbps", "pinned_d2h_gbps", "fault_h2d_gbps", "evict_d2h_gbps")
+    and managed pages prefetched each way (to the device; to the host, as an eviction). NaN
+    on the simulator."""
+    keys = ("pinned_h2d_gbps", "pinned_d2h_gbps", "fault_h2d_gbps", "prefetch_h2d_gbps",
+            "evict_d2h_gbps")
     if backend.SIMULATOR:
         return {k: float("nan") for k in keys}
     check_managed_fits(nbytes)
@@ -227,5 +229,6 @@ def _link_rates(nbytes: int, reps: int) -> dict[str, float]:
         "pinned_d2h_gbps": timed(lambda: dev.copy_to_host(host, stream=stream)),
         # every page starts on the host: the kernel faults each one in
         "fault_h2d_gbps": timed(lambda: ew.add(managed, managed, managed, stream=stream), to_host),
+        "prefetch_h2d_gbps": timed(to_device, to_host),
         "evict_d2h_gbps": timed(to_host, to_device),
     }

@@ -12,13 +12,25 @@ other, as they are always resident. The price is up to one page of slack per mov
 
 Accounting. The GPU is shared, so the budget is emulated: `PageLedger` walks the plan (a
 walk.py visitor, like the checker) and counts resident pages as the managed executor moves
-them: alloc, prefetch and recompute bring a tensor's pages in; free and drop give them back
-at once (in compute-stream order); evict and discard send them to the host on the D2H
-stream, and they count until compute has waited for that stream: a release waits for its
-eviction and, the stream being FIFO, for everything sent before it; the step's end waits
-for the rest. Run strict before any launch it raises BudgetError where the plan would pass the
-budget's pages; the executor runs it again alongside the step to keep `peak_pages` honest.
-A plan that fits by bytes may not fit by pages (rounding, discards still in flight):
+them: alloc, prefetch and recompute bring a tensor's pages in; evict and discard send them to
+the host on the D2H stream, and they count until compute has waited for that stream: a
+release waits for its eviction and, the stream being FIFO, for everything sent before it; the
+step's end waits for the rest.
+
+Dead pages. A tensor's pages stay resident after its last use (free, drop, or the step's end
+for its outputs): the next tensor placed in that range reuses them as they are, where
+discarding them and populating fresh pages would cost a driver call each way for every
+tensor. They count against the budget like any other. Only when an action would bring in
+more pages than the budget holds does the ledger pick dead pages to discard first, those
+dead longest first (`dropped`, for the executor to discard on the compute stream before the
+action); `filled` are the pages an alloc must populate because no dead page was there.
+Since dead pages outlive a step, a step starts where the last one ended: the check walks
+steps until the state at a step's start repeats, so every later step is one it checked
+(else, which no plan has needed so far, each step starts by discarding every dead page).
+
+Run strict before any launch it raises BudgetError where the plan would pass the budget's
+pages; the executor runs it again alongside the steps, so `peak_pages` is what they counted.
+A plan that fits by bytes may not fit by pages (rounding, copies in flight):
 `plan_for_pages` in managed.py re-plans under a smaller byte budget when that happens.
 """
 from __future__ import annotations
@@ -31,7 +43,7 @@ from proto.graph.plan import Block, place
 from proto.tape import Tape
 from proto.vm.actions import Action, Plan
 from proto.vm.liveness import BudgetError, Liveness, fmt_bytes
-from proto.vm.paging import PageTable
+from proto.vm.paging import PageTable, page_runs
 from proto.vm.walk import At, Visitor, walk
 
 
@@ -61,6 +73,8 @@ def layout(tape: Tape, plan: Plan, page_bytes: int) -> Layout:
 class PageLedger(Visitor):
     """Resident pages of a managed arena as a plan's actions move its tensors (see above)."""
 
+    MAX_CHECKED_STEPS = 4   # steps walked before a repeating start state; else no carry-over
+
     def __init__(self, tape: Tape, lay: Layout, budget: int):
         self.tape = tape
         self.table = PageTable(lay.arena_bytes, budget, lay.page_bytes)   # checks budget, page size
@@ -68,34 +82,70 @@ class PageLedger(Visitor):
         self._pages = {name: self.table.pages([(off, tape.tensors[name].nbytes)])
                        for name, off in lay.offsets.items()}
         self._fixed = self.table.pages([(0, lay.fixed_bytes)])
-        self.held = np.zeros(self.table.n_pages, dtype=np.int64)
+        n = self.table.n_pages
+        self.held = np.zeros(n, dtype=np.int64)   # live tensors on each page
+        self.dead = np.zeros(n, dtype=bool)       # resident, no live tensor: reusable, droppable
+        self.died = np.zeros(n, dtype=np.int64)   # when each dead page died (oldest dropped first)
+        self.clock = 0
+        self.carry = True          # dead pages outlive the step (decided by check)
         self.sending: list[str] = []   # pushed on the D2H stream, not yet waited for
+        self.dropped: list[tuple[int, int]] = []   # page runs the last action discards first
+        self.filled: list[tuple[int, int]] = []    # page runs the last alloc populates
         self.strict = False
         self.peak_pages = 0
         self.where = "at the start of the step"
 
     @property
     def resident_pages(self) -> int:
-        return int(np.count_nonzero(self.held))
+        return int(np.count_nonzero((self.held > 0) | self.dead))
 
-    def start(self) -> None:
-        """A step begins: the fixed tensors resident, everything else away."""
+    def reset(self) -> None:
+        """A fresh arena: only the fixed tensors resident."""
         self.held[:] = 0
-        self.held[self._fixed] += 1
+        self.dead[:] = False
         self.sending.clear()
+
+    def start(self) -> list[tuple[int, int]]:
+        """A step begins: the fixed tensors resident, the previous step's outputs dead; the
+        page runs to discard first (every dead page, where dead pages do not carry over)."""
+        self.dead |= self.held > 0
+        self.held[:] = 0
+        self.held[self._fixed] = 1
+        self.dead[self._fixed] = False
+        self.sending.clear()
+        self.dropped = [] if self.carry else page_runs(np.flatnonzero(self.dead))
+        if not self.carry:
+            self.dead[:] = False
         self.where = "at the start of the step"
         self._note()
+        return self.dropped
 
     def check(self, plan: Plan, strict: bool = True) -> int:
-        """Walk `plan`; the most pages it keeps resident (strict: BudgetError past the budget)."""
+        """Walk `plan` over steps from a fresh arena until a step starts as an earlier one did;
+        the most pages it keeps resident (strict: BudgetError past the budget). Leaves the
+        ledger fresh, for the executor's steps."""
         self.strict = strict
         try:
-            self.start()
-            walk(plan, self)
-            self.drain()
+            for self.carry in (True, False):
+                self.reset()
+                seen, peak = [], 0
+                for _ in range(self.MAX_CHECKED_STEPS):
+                    self.peak_pages = 0
+                    self.start()
+                    state = (self.held.tobytes(), self.dead.tobytes())
+                    if state in seen:
+                        break
+                    seen.append(state)
+                    walk(plan, self)
+                    self.drain()
+                    peak = max(peak, self.peak_pages)
+                else:
+                    continue   # no repeat: check again without carry-over
+                break
         finally:
             self.strict = False
-        peak, self.peak_pages = self.peak_pages, 0
+            self.reset()
+        self.peak_pages = 0
         return peak
 
     def _note(self) -> None:
@@ -113,16 +163,45 @@ class PageLedger(Visitor):
     def visit(self, act: Action, at: At) -> None:
         self.where = (f"at the end, {act.kind} {act.tensor}" if at.slot == "end" else
                       f"{at.slot} op {at.op} ({self.tape.ops[at.op].name}), {act.kind} {act.tensor}")
+        self.dropped, self.filled = [], []
+        self.clock += 1
         super().visit(act, at)
 
     def alloc(self, act: Action, at: At) -> None:
-        self.held[self._pages[act.tensor]] += 1
+        pages = self._pages[act.tensor]
+        new = pages[~self.dead[pages] & (self.held[pages] == 0)]
+        self._make_room(len(new), pages)
+        self.held[pages] += 1
+        self.dead[pages] = False
+        self.filled = page_runs(new)
         self._note()
 
-    prefetch = recompute = alloc
+    recompute = alloc
+
+    def prefetch(self, act: Action, at: At) -> None:
+        pages = self._pages[act.tensor]
+        self._make_room(int(np.count_nonzero((self.held[pages] == 0) & ~self.dead[pages])), pages)
+        self.held[pages] += 1
+        self.dead[pages] = False
+        self._note()
+
+    def _make_room(self, coming: int, keep: np.ndarray) -> None:
+        """Discard the oldest dead pages (none of `keep`) so `coming` more pages fit."""
+        excess = self.resident_pages + coming - self.max_pages
+        if excess <= 0:
+            return
+        dead = np.flatnonzero(self.dead)
+        dead = dead[~np.isin(dead, keep)]
+        gone = np.sort(dead[np.argsort(self.died[dead], kind="stable")[:excess]])
+        self.dead[gone] = False
+        self.dropped = page_runs(gone)
 
     def free(self, act: Action, at: At) -> None:
-        self.held[self._pages[act.tensor]] -= 1
+        pages = self._pages[act.tensor]
+        self.held[pages] -= 1
+        died = pages[self.held[pages] == 0]
+        self.dead[died] = True
+        self.died[died] = self.clock
 
     drop = free
 

@@ -20,7 +20,8 @@ from proto.vm.timeline import Link, Timeline
 
 
 def plan(tape: Tape, budget: int | None = None, *, op_seconds=None, link: Link = Link(),
-         lookahead: int | None = None, recompute: bool = False, order: str = "per_traffic") -> Plan:
+         lookahead: int | None = None, recompute: bool = False, order: str = "per_traffic",
+         host_copy: bool = True) -> Plan:
     """Schedule one training step of `tape` to hold at most `budget` device bytes.
 
     budget None: the unconstrained plan (nothing moves; the arena is the placed peak).
@@ -30,6 +31,10 @@ def plan(tape: Tape, budget: int | None = None, *, op_seconds=None, link: Link =
     order: which gap to spend first: 'gap' (longest), 'bytes_x_gap' (most byte-ops freed) or
         'per_traffic' (most byte-ops freed per byte the link must carry: clean tensors, which
         go back without a copy, are cheap).
+    host_copy: whether a tensor brought back to the device keeps its host copy (pinned
+        buffers, the pool executor: True), so that it can leave again without a copy if nothing
+        wrote it. Managed memory moves pages and keeps one copy of each (False): every tensor
+        that leaves is copied, and its bytes are free only once the copy is done.
     Raises BudgetError (naming the op and the bytes it needs) if the budget cannot work.
     """
     if order not in GAP_ORDERS:
@@ -38,7 +43,9 @@ def plan(tape: Tape, budget: int | None = None, *, op_seconds=None, link: Link =
         lookahead = _check.positive("lookahead", lookahead)
     if not isinstance(link, Link):
         raise ValueError(f"link: expected a Link, got {type(link).__name__}")
-    timeline = Timeline(tape, op_seconds, link, lookahead)
+    if not isinstance(host_copy, bool):
+        raise ValueError(f"host_copy: expected True or False, got {host_copy!r}")
+    timeline = Timeline(tape, op_seconds, link, lookahead, host_copy)
     if budget is None:
         return lower(Liveness(tape), {}, timeline, budget=None)[0]
     budget = _check.positive("budget", budget)

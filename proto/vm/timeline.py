@@ -57,8 +57,10 @@ class Timeline:
     """Op start times of one tape (this step and the next) and, from them, the window each
     chosen gap spends off the device and the bytes resident during each op."""
 
-    def __init__(self, tape: Tape, op_seconds, link: Link, lookahead: int | None):
+    def __init__(self, tape: Tape, op_seconds, link: Link, lookahead: int | None,
+                 host_copy: bool = True):
         self.tape, self.link, self.lookahead = tape, link, lookahead
+        self.host_copy = host_copy
         self.n = n = len(tape.ops)
         self.op_seconds = list(op_seconds) if op_seconds is not None else estimate_op_seconds(tape)
         if len(self.op_seconds) != n:
@@ -107,7 +109,10 @@ class Timeline:
 
     def dirty(self, live: Liveness, chosen: dict[Gap, Choice]) -> set[Gap]:
         """Offloaded gaps whose eviction must copy: the tensor was written since it last came
-        from the host (homed tensors start the step with a current host copy)."""
+        from the host (homed tensors start the step with a current host copy). Without a host
+        copy (managed memory: a prefetch moves the pages, and the host keeps none), all."""
+        if not self.host_copy:
+            return {g for g, c in chosen.items() if c.mode == "offload"}
         out = set()
         by_tensor: dict[str, list[Gap]] = {}
         for g in chosen:
