@@ -16,6 +16,8 @@ after its last use). Policies, each running the same VGG tape (proto.models.vgg)
                     that leaves is copied), the budget counted in pages (re-planned under
                     fewer bytes where the plan would not fit in pages: plan_for_pages); eager,
                     a prefetch has no graph node
+  autovm_managed_recompute   the same, recomputing cheap activations where the link is the
+                    bottleneck (managed pages leave at a fraction of the pinned rate)
   torch, torch_save_on_cpu   (GPU) torchvision's VGG with the same weights, plainly and
                     under torch.autograd.graph.save_on_cpu(pin_memory=True): an outside anchor
 The host-link bound of a budget is max(unconstrained step, time the AutoVM plan's copies
@@ -51,8 +53,8 @@ from proto.vm import (BudgetError, Executor, Liveness, Link, ManagedExecutor, Pa
 
 NAME = "autovm"
 POLICIES = ["unconstrained", "paging", "autovm", "autovm_recompute", "autovm_graph",
-            "autovm_managed", "torch", "torch_save_on_cpu"]
-CHECKED = POLICIES[1:6]   # our policies: their results must equal the unconstrained run's
+            "autovm_managed", "autovm_managed_recompute", "torch", "torch_save_on_cpu"]
+CHECKED = POLICIES[1:7]   # our policies: their results must equal the unconstrained run's
 SIZES = {
     "toy": {"depths": [11], "fracs": [1.0, 0.5], "page_bytes": 4096, "host_math": True,
             "config": dict(width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32),
@@ -175,18 +177,20 @@ def _autovm(case: _Case, policy: str, frac: float, seconds, link: Link) -> dict:
                     profiled_compute_ms=round(unconstrained_ms, 3))
 
 
-def _autovm_managed(case: _Case, frac: float, seconds, link: Link) -> dict:
+def _autovm_managed(case: _Case, policy: str, frac: float, seconds, link: Link) -> dict:
     budget, page = int(frac * case.live.peak), case.spec["page_bytes"]
     t0 = time.perf_counter()
-    p = plan_for_pages(case.tape, budget, page_bytes=page, op_seconds=seconds, link=link)
+    p = plan_for_pages(case.tape, budget, page_bytes=page, op_seconds=seconds, link=link,
+                       recompute=policy == "autovm_managed_recompute")
     planning = time.perf_counter() - t0
     with ManagedExecutor(case.tape, p, budget=budget, page_bytes=page) as ex:
         t, got = case.measure(ex)
         pages = dict(peak_pages=ex.peak_pages, max_pages=ex.max_pages, page_bytes=page,
                      arena_bytes=ex.layout.arena_bytes)
-    return case.row("autovm_managed", frac, t, got, **pages, planned_budget_bytes=p.budget,
+    return case.row(policy, frac, t, got, **pages, planned_budget_bytes=p.budget,
                     planned_peak_bytes=p.peak_bytes, d2h_bytes=p.d2h_bytes,
-                    h2d_bytes=p.h2d_bytes, offloaded=len(p.offloaded), homed=len(p.homed),
+                    h2d_bytes=p.h2d_bytes, offloaded=len(p.offloaded),
+                    recomputed=len(p.recomputed), homed=len(p.homed),
                     link_ms=round(p.link_seconds(link) * 1e3, 3), plan_seconds=round(planning, 3),
                     estimated_ms=round(estimate_seconds(case.tape, p, seconds, link) * 1e3, 3))
 
@@ -256,7 +260,7 @@ def run(size: str = "toy", deadline_s: float = 300.0) -> None:
         "managed": Link(h2d=rates["prefetch_h2d_gbps"] * 1e9, d2h=rates["evict_d2h_gbps"] * 1e9)}
     depths = sorted(spec["depths"], key=lambda d: d != HEADLINE_DEPTH[size])
     fracs = sorted(spec["fracs"], key=lambda f: f != HEADLINE_FRAC)
-    policies = (["paging", "autovm", "autovm_recompute", "autovm_managed"]
+    policies = (["paging", "autovm", "autovm_recompute", "autovm_managed", "autovm_managed_recompute"]
                 + ([] if spec["host_math"] else ["autovm_graph"]))
     bar = common.progress(range(len(depths) * (len(policies) * len(fracs) + 2)), desc=NAME)
     rows: list[dict] = []
@@ -289,8 +293,8 @@ def _job(case: _Case, policy: str, frac: float, seconds, links: dict[str, Link],
     try:
         if policy == "paging":
             return _paging(case, frac)
-        if policy == "autovm_managed":
-            return _autovm_managed(case, frac, seconds, links["managed"])
+        if policy.startswith("autovm_managed"):
+            return _autovm_managed(case, policy, frac, seconds, links["managed"])
         return _autovm(case, policy, frac, seconds, links["pinned"])
     except (BudgetError, MemoryError, RuntimeError) as exc:
         print(f"[{NAME}] vgg{case.cfg.depth} {policy} at {frac:.0%}: {exc}", file=sys.stderr)
@@ -336,9 +340,11 @@ def summarize(rows: list[dict], size: str) -> dict:
     graphed = ms("autovm_graph")
     if graphed == graphed:   # present (not NaN)
         summary.update(autovm_graph_step_ms=graphed, autovm_graph_over_autovm_step=graphed / avm)
-    managed = ms("autovm_managed")
+    managed, managed_rc = ms("autovm_managed"), ms("autovm_managed_recompute")
     summary.update(paging_over_autovm_managed_step=pag / managed, autovm_managed_step_ms=managed,
-                   autovm_managed_over_autovm_step=managed / avm)
+                   autovm_managed_over_autovm_step=managed / avm,
+                   paging_over_autovm_managed_recompute_step=pag / managed_rc,
+                   autovm_managed_recompute_step_ms=managed_rc)
     for policy in ("torch", "torch_save_on_cpu"):
         if ms(policy, None) == ms(policy, None):
             summary[f"{policy}_step_ms"] = ms(policy, None)
@@ -353,7 +359,8 @@ def plot(device: str | None = None):
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = common.new_figure(rows, 1, len(models), figsize=(5.5 * len(models), 4.3), squeeze=False)
     styles = {"paging": ("C3", "o"), "autovm": ("C0", "s"), "autovm_recompute": ("C2", "^"),
-              "autovm_graph": ("C5", "D"), "autovm_managed": ("C6", "v")}
+              "autovm_graph": ("C5", "D"), "autovm_managed": ("C6", "v"),
+              "autovm_managed_recompute": ("C4", "<")}
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model]
         for policy, (color, marker) in styles.items():

@@ -13,7 +13,8 @@ def test_autovm_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     autovm.run("toy")
     rows = common.read_csv("autovm")
     spec = autovm.SIZES["toy"]
-    for policy in ("paging", "autovm", "autovm_recompute", "autovm_managed"):
+    for policy in ("paging", "autovm", "autovm_recompute", "autovm_managed",
+                   "autovm_managed_recompute"):
         mine = [r for r in rows if r["policy"] == policy]
         assert sorted(float(r["budget_frac"]) for r in mine) == sorted(spec["fracs"])
         assert all(float(r["step_ms"]) > 0 and not r.get("error") for r in mine)
@@ -29,13 +30,15 @@ def test_autovm_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert all(r["git_commit"] and r["device"] for r in rows)  # provenance on every row
     summary = common.read_summary("autovm")
     assert summary["all_policies_bit_identical"] is True
-    assert summary["policies_checked"] == len(ours) == 4 * len(spec["fracs"])
-    managed = [r for r in rows if r["policy"] == "autovm_managed"]
+    assert summary["policies_checked"] == len(ours) == 5 * len(spec["fracs"])
+    managed = [r for r in rows if r["policy"].startswith("autovm_managed")]
     assert all(0 < int(r["peak_pages"]) <= int(r["max_pages"]) for r in managed)
     by = {(r["policy"], r["budget_frac"]): float(r["step_ms"]) for r in rows}
     assert summary["autovm_managed_step_ms"] == by[("autovm_managed", "0.5")]
     assert summary["paging_over_autovm_managed_step"] == pytest.approx(
         by[("paging", "0.5")] / by[("autovm_managed", "0.5")])
+    assert summary["paging_over_autovm_managed_recompute_step"] == pytest.approx(
+        by[("paging", "0.5")] / by[("autovm_managed_recompute", "0.5")])
     assert summary["paging_step_ms"] == by[("paging", "0.5")]
     assert summary["autovm_step_ms"] == by[("autovm", "0.5")]
     assert summary["unconstrained_step_ms"] == by[("unconstrained", "")]
