@@ -30,14 +30,15 @@ class Tiles(NamedTuple):
         return (self.bm // self.tm) * (self.bn // self.tn)
 
 
-def register_tile(t: Tiles, a_stride: int, b_stride: int, in_pairs: bool):
+def register_tile(t: Tiles, a_stride: int, b_stride: int, rows_per_pass: int):
     """The TM x TN register tile of tile shape `t`: (multiply, row, col).
 
     A thread's TM rows are groups of VA adjacent ones, DX * VA apart (its TN columns: groups of
     VB, DY * VB apart), so each group is one 16-byte shared-memory load (ld.shared.v4; the
     tiles are 16-byte aligned and their strides multiples of 4). `multiply` adds one BK step
     of the staged tiles (k-major: a row of a_tile every a_stride floats, of b_tile every
-    b_stride) into acc, two reduction rows a loop pass if `in_pairs` (BK even; more registers);
+    b_stride) into acc, `rows_per_pass` reduction rows written out a loop pass (more: fewer
+    instructions of counting and addressing, more registers);
     `row(tx, i)` and `col(ty, j)` say which tile row and column acc[i, j] holds."""
     BM, BN, BK, TM, TN = t
     DX, DY = BM // TM, BN // TN
@@ -55,27 +56,21 @@ def register_tile(t: Tiles, a_stride: int, b_stride: int, in_pairs: bool):
             for j in range(TN):
                 acc[i, j] += a_reg[i] * b_reg[j]
 
-    if in_pairs:
-        @cuda.jit(device=True)
-        def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, tx, ty):
-            # The compiler keeps the BK loop rolled: about 18 instructions of counting and
-            # addressing a pass. Two reduction rows a pass, written out, halve that share.
-            a_base = a_start + tx * _u(VA)
-            b_base = b_start + ty * _u(VB)
-            for k0 in range(0, BK, 2):
-                a_row = a_base + _u(k0 * a_stride)
-                b_row = b_base + _u(k0 * b_stride)
-                one_row(acc, a_reg, b_reg, a_tile, b_tile, a_row, b_row)
-                one_row(acc, a_reg, b_reg, a_tile, b_tile, a_row + _u(a_stride),
-                        b_row + _u(b_stride))
-    else:
-        @cuda.jit(device=True)
-        def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, tx, ty):
-            a_base = a_start + tx * _u(VA)
-            b_base = b_start + ty * _u(VB)
-            for kk in range(BK):
-                one_row(acc, a_reg, b_reg, a_tile, b_tile, a_base + _u(kk * a_stride),
-                        b_base + _u(kk * b_stride))
+    # The compiler keeps the BK loop rolled: about 18 instructions of counting and addressing
+    # a pass. Reduction rows written out, several a pass, cut that share (more registers).
+    if rows_per_pass < 1 or rows_per_pass & (rows_per_pass - 1) or BK % rows_per_pass:
+        raise ValueError(f"rows_per_pass: expected a power of two dividing {BK}, got {rows_per_pass}")
+    rows, n = one_row, 1
+    while n < rows_per_pass:   # n rows, then the n after them
+        rows, n = _twice(rows, n * a_stride, n * b_stride), 2 * n
+
+    @cuda.jit(device=True)
+    def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, tx, ty):
+        a_base = a_start + tx * _u(VA)
+        b_base = b_start + ty * _u(VB)
+        for k0 in range(0, BK, rows_per_pass):
+            rows(acc, a_reg, b_reg, a_tile, b_tile, a_base + _u(k0 * a_stride),
+                 b_base + _u(k0 * b_stride))
 
     @cuda.jit(device=True)
     def row(tx, i):
@@ -86,6 +81,16 @@ def register_tile(t: Tiles, a_stride: int, b_stride: int, in_pairs: bool):
         return ty * _u(VB) + _u((j // VB) * (DY * VB) + j % VB)
 
     return multiply, row, col
+
+
+def _twice(rows, a_gap: int, b_gap: int):
+    """`rows` (some reduction rows of the register tile), then as many after them (a_gap and
+    b_gap floats further on)."""
+    @cuda.jit(device=True)
+    def twice(acc, a_reg, b_reg, a_tile, b_tile, a_row, b_row):
+        rows(acc, a_reg, b_reg, a_tile, b_tile, a_row, b_row)
+        rows(acc, a_reg, b_reg, a_tile, b_tile, a_row + _u(a_gap), b_row + _u(b_gap))
+    return twice
 
 
 def stager(contiguous_k: bool, rows: int, bk: int, nt: int):

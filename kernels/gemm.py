@@ -198,7 +198,7 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
     # 16-byte aligned for the register tile's 16-byte shared loads. Double-buffered.
     BMP, BNP = TBM + 4, TBN + 4
     A_SIZE, B_SIZE = 2 * TBK * BMP, 2 * TBK * BNP
-    multiply, row, col = register_tile(t, BMP, BNP, in_pairs=TBK % 2 == 0)
+    multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=2 if TBK % 2 == 0 else 1)
     a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
 

@@ -188,3 +188,10 @@ def test_fused_relu_keeps_nan():
     conv.conv2d(dev(x), dev(w), None, out, relu=True)
     np.testing.assert_array_equal(out.copy_to_host(), conv.conv2d_ref(x, w, relu=True))
     assert np.isnan(out.copy_to_host()[0, :, 0, 0]).all()
+
+
+def test_register_tile_refuses_a_pass_that_does_not_split_the_step():
+    from kernels._tile import Tiles, register_tile
+    for bad in (3, 8, 0):   # not a power of two, more rows than the step, none
+        with pytest.raises(ValueError, match="rows_per_pass"):
+            register_tile(Tiles(8, 8, 4, 2, 2), 8, 8, rows_per_pass=bad)
