@@ -264,10 +264,12 @@ def run(size: str = "toy", deadline_s: float = 300.0) -> None:
                 + ([] if spec["host_math"] else ["autovm_graph"]))
     bar = common.progress(range(len(depths) * (len(policies) * len(fracs) + 2)), desc=NAME)
     rows: list[dict] = []
+    op_rows: list[dict] = []
     for depth in depths:
         case = _Case(depth, size)
         row, seconds = _unconstrained(case)
         rows.append(row)
+        op_rows.extend(_op_rows(case, seconds))
         bar.update(1)
         # The outside anchor next to the floor it anchors (ours_over_torch_step), before the
         # budgets can use up the time limit.
@@ -282,8 +284,23 @@ def run(size: str = "toy", deadline_s: float = 300.0) -> None:
                 rows.append(_job(case, policy, frac, seconds, links, start + deadline_s))
                 bar.update(1)
         case.pinned.clear()
-        _write(rows, rates, size)
+        _write(rows, rates, size, op_rows)
     bar.close()
+
+
+def _op_rows(case: _Case, seconds) -> list[dict]:
+    """Where the unconstrained step's time goes: each op's profiled time (the planner's
+    timing model), with its layer's kind, so a slow kernel shows by name."""
+    kinds = {L.name: L.kind for L in vgg.layers(case.cfg)}
+    out = []
+    for op, s in zip(case.tape.ops, seconds):
+        kind = (f"{kinds[op.layer]} {op.name.rsplit('.', 1)[-1]}"
+                if op.name.startswith(op.layer + ".") else op.name)   # "conv bwd_data", "loss"
+        out.append({"model": f"vgg{case.cfg.depth}", "op": op.name, "layer": op.layer,
+                    "kind": kind, "ms": round(s * 1e3, 4),
+                    "gflop": round(op.flops / 1e9, 3),
+                    "tflops": round(op.flops / s / 1e12, 2) if s > 0 else float("nan")})
+    return out
 
 
 def _job(case: _Case, policy: str, frac: float, seconds, links: dict[str, Link],
@@ -301,11 +318,18 @@ def _job(case: _Case, policy: str, frac: float, seconds, links: dict[str, Link],
         return case.row(policy, frac, None, None, error=str(exc)[:200])
 
 
-def _write(rows: list[dict], rates: dict, size: str) -> None:
+def _write(rows: list[dict], rates: dict, size: str, op_rows: list[dict]) -> None:
     out = [{**row, **{k: round(v, 3) for k, v in rates.items()}} for row in rows]
     keys = list(dict.fromkeys(k for row in out for k in row))
     common.write_csv(NAME, [{k: row.get(k, "") for k in keys} for row in out])
-    common.write_summary(NAME, summarize(out, size))
+    common.write_csv(f"{NAME}_ops", op_rows)
+    summary = summarize(out, size)
+    by_kind: dict[str, float] = {}
+    for r in op_rows:   # the headline model's unconstrained step, by kind of op
+        if r["model"] == summary["model"]:
+            by_kind[r["kind"]] = round(by_kind.get(r["kind"], 0.0) + r["ms"], 3)
+    summary["unconstrained_ms_by_kind"] = dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))
+    common.write_summary(NAME, summary)
 
 
 def summarize(rows: list[dict], size: str) -> dict:

@@ -42,6 +42,13 @@ def test_autovm_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert summary["paging_step_ms"] == by[("paging", "0.5")]
     assert summary["autovm_step_ms"] == by[("autovm", "0.5")]
     assert summary["unconstrained_step_ms"] == by[("unconstrained", "")]
+    # where the unconstrained step's time goes: one row per op of the tape, by kind
+    ops = common.read_csv("autovm_ops")
+    tape_ops = [op.name for op in autovm._Case(11, "toy").tape.ops]
+    assert [r["op"] for r in ops] == tape_ops and all(float(r["ms"]) >= 0 for r in ops)
+    assert {"conv fwd", "conv bwd_data", "conv bwd_weight", "pool fwd", "loss"} <= {r["kind"] for r in ops}
+    assert sum(summary["unconstrained_ms_by_kind"].values()) == pytest.approx(
+        sum(float(r["ms"]) for r in ops), rel=1e-3)
     figure = autovm.plot()
     assert figure.exists() and figure.stat().st_size > 10_000
     assert figure.is_relative_to(tmp_path)
