@@ -113,6 +113,29 @@ def test_without_host_copies_every_tensor_that_leaves_is_copied_and_waited_for(t
     assert p.d2h_bytes == sum(g.nbytes for g in offloaded)
 
 
+@given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc"]), frac=st.floats(0.15, 0.9),
+       d2h=st.floats(1e5, 1e8), host_copy=st.booleans())
+def test_the_plan_is_the_fastest_of_those_fitted_under_each_link_scale(layers, frac, d2h, host_copy):
+    tape, _ = cnn_tape(2048, layers)
+    seconds = [1e-4 * (1 + i % 3) for i in range(len(tape.ops))]
+    link = Link(h2d=4 * d2h, d2h=d2h)
+    kw = dict(op_seconds=seconds, link=link, host_copy=host_copy)
+    budget = Liveness(tape).budget_between(frac)
+    try:
+        best = plan(tape, budget, **kw)
+    except BudgetError as e:
+        assert "fragmentation" in str(e), e
+        return
+    validate(tape, best)
+    t_best = estimate_seconds(tape, best, seconds, link)
+    for f in (1.0, 0.5, 2.0, 4.0, 8.0):   # each alone, timed with the real link
+        try:
+            one = plan(tape, budget, link_scales=(f,), **kw)
+        except BudgetError:
+            continue
+        assert t_best <= estimate_seconds(tape, one, seconds, link) + 1e-12
+
+
 def test_estimated_step_time_is_compute_plus_waits():
     tape, _ = cnn_tape(4096, "cpcpc")
     live = Liveness(tape)
@@ -190,6 +213,10 @@ def test_bad_arguments_are_refused():
         plan(tape, 10**6, lookahead=0)
     with pytest.raises(ValueError, match="host_copy"):
         plan(tape, 10**6, host_copy="no")
+    with pytest.raises(ValueError, match="link_scales"):
+        plan(tape, 10**6, link_scales=())
+    with pytest.raises(ValueError, match=r"link_scales\[1\]"):
+        plan(tape, 10**6, link_scales=(1.0, 0.0))
 
 
 def test_read_before_write_is_refused():
