@@ -33,6 +33,18 @@ def test_masked_softmax_past_the_register_rows_matches_reference(rows, extra, da
     assert_close(out, S.masked_softmax_ref(x, length), "softmax")
 
 
+@pytest.mark.parametrize("cols", sorted({c for e in S.WARP_ELEMS for c in (32 * e - 1, 32 * e, 32 * e + 1)}))
+def test_masked_softmax_at_each_warp_width_and_past_it(cols):
+    """Rows up to 32 * E take a warp each (E values a lane), wider ones the block kernels; 5
+    rows leave the second block of 4 warps three without a row."""
+    rng = np.random.default_rng(cols)
+    x = rand(rng, 5, cols, scale=5.0)
+    for length in (cols, cols - 1, 1, 0, cols + 7):
+        out = cuda.device_array_like(x)
+        S.masked_softmax(dev(x), dev(np.array([length], np.int32)), out)
+        assert_close(out, S.masked_softmax_ref(x, length), "softmax")
+
+
 def test_one_launch_config_serves_every_length():
     """The length is read on the device: changing it needs no new launch arguments."""
     x = rand(np.random.default_rng(5), 2, 9)
