@@ -12,6 +12,18 @@ from proto.backend import SIMULATOR, cuda
 FULL_MASK = 0xFFFFFFFF
 MAX_THREADS = 1024  # threads per block, at most
 
+# Rows of up to 32 * E elements can run a warp a row: E values in each lane's registers,
+# reduced by shuffles alone (no shared memory, no barrier), as PyTorch's softmax and layer
+# norm do up to 1024 columns. The simulator takes one short width, so that its short test
+# rows reach the block-a-row kernels too.
+WARP_ELEMS = (2,) if SIMULATOR else (8, 16, 24, 32)   # 24: GPT-2 small's 768
+WARP_ROWS = 4   # rows (warps) a block
+
+
+def warp_elems(cols: int) -> int | None:
+    """Values a lane holds for a warp-a-row kernel over `cols` columns (None: too wide)."""
+    return next((e for e in WARP_ELEMS if cols <= 32 * e), None)
+
 if SIMULATOR:   # the simulator's threads are never a warp: the barrier alone
     @cuda.jit(device=True)
     def converged_syncthreads():

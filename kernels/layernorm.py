@@ -4,9 +4,10 @@ GPT-2's decode step normalizes the residual stream inside the GEMM that produces
 (`kernels.gemm.gemm(..., ln_out=...)`); this standalone kernel serves the rest (the first
 layer norm after the embedding, prefill).
 
-One block per row. Two passes over the row: the mean, then the mean of (x - mean)^2, which
-avoids the cancellation of E[x^2] - mean^2 on rows with a large mean. Block sums go through
-a shared-memory tree (the simulator has no warp shuffles).
+Rows of up to 1024 run a warp a row, the row in the lanes' registers, reduced by shuffles
+(kernels._reduce.WARP_ELEMS); wider rows a block a row. Two passes over the row: the mean,
+then the mean of (x - mean)^2, which avoids the cancellation of E[x^2] - mean^2 on rows with
+a large mean.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels._reduce import block_allreduce
+from kernels._reduce import WARP_ELEMS, WARP_ROWS, block_allreduce, warp_allreduce, warp_elems
 from proto import backend
 from proto.backend import cuda, jit, launch
 
@@ -58,6 +59,43 @@ def layernorm_kernel(x, gamma, beta, out, eps):
         out[row, j] = (x[row, j] - mean) * rstd * gamma[j] + beta[j]
 
 
+def _make_layernorm_warp_kernel(E: int):
+    @jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)",
+         writes=("out",), in_place=(("out", "x"),))
+    def layernorm_warp_kernel(x, gamma, beta, out, eps):
+        vals = cuda.local.array(E, np.float32)
+        lane = cuda.threadIdx.x % 32
+        row = cuda.blockIdx.x * WARP_ROWS + cuda.threadIdx.x // 32
+        n = x.shape[1]
+        # A warp past the last row reads nothing but still takes part in the reductions (the
+        # simulator's stand-in for the shuffles holds a block barrier).
+        here = row < x.shape[0]
+        r = row if here else 0
+        inv_n = _ONE / np.float32(n)
+        s = _ZERO
+        for i in range(E):
+            j = lane + i * 32
+            v = x[r, j] if here and j < n else _ZERO
+            vals[i] = v
+            s += v
+        mean = warp_allreduce(s, False) * inv_n
+        s = _ZERO
+        for i in range(E):
+            if lane + i * 32 < n:
+                d = vals[i] - mean
+                s += d * d
+        rstd = _ONE / math.sqrt(warp_allreduce(s, False) * inv_n + eps)
+        if here:
+            for i in range(E):   # each element written by the lane that read it: out may be x
+                j = lane + i * 32
+                if j < n:
+                    out[r, j] = (vals[i] - mean) * rstd * gamma[j] + beta[j]
+    return layernorm_warp_kernel
+
+
+_LAYERNORM_WARP = {E: _make_layernorm_warp_kernel(E) for E in WARP_ELEMS}
+
+
 # ---------------------------------------------------------------------------- launcher
 def block_threads(n: int, at_most: int) -> int:
     """Threads per block for a row of n: a power of two (the tree reductions need one) giving
@@ -80,5 +118,10 @@ def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
         raise ValueError(f"eps: expected a positive number, got {eps!r}")
     if rows > 2**31 - 1:
         raise ValueError(f"x: {rows} rows exceed the grid limit")
+    E = warp_elems(cols)
+    if E is not None:   # a warp a row
+        launch(_LAYERNORM_WARP[E], -(-rows // WARP_ROWS), 32 * WARP_ROWS,
+               (x, gamma, beta, out, np.float32(eps)), stream)
+        return
     launch(layernorm_kernel, rows, block_threads(cols, MAX_THREADS),
            (x, gamma, beta, out, np.float32(eps)), stream)

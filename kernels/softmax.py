@@ -17,7 +17,8 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels._reduce import block_allreduce, converged_syncthreads, warp_allreduce
+from kernels._reduce import (WARP_ELEMS, WARP_ROWS, block_allreduce, converged_syncthreads,
+                             warp_allreduce, warp_elems)
 from kernels.layernorm import ELEMS_PER_THREAD, block_threads
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -128,15 +129,9 @@ def masked_softmax_in_registers_kernel(x, length, out):
             out[row, j] = math.exp(vals[i] - m) * inv if j < valid else _ZERO
 
 
-# Rows of up to 32 * E elements: a warp a row, E of them in each lane's registers, reduced by
-# shuffles alone: no shared memory, no barrier (PyTorch's softmax does the same up to 1024
-# columns). A block a row spent two block-wide reductions on every 4 KB row: 270 us for
-# 61440 rows of 1024 on the H200, where torch took 126. The simulator takes one short width,
-# so that its short test rows reach the block kernels too.
-WARP_ELEMS = (2,) if backend.SIMULATOR else (8, 16, 32)
-WARP_ROWS = 4   # rows (warps) a block
-
-
+# Rows of up to 32 * E elements run a warp a row (kernels._reduce.WARP_ELEMS). A block a row
+# spent two block-wide reductions on every 4 KB row: 270 us for 61440 rows of 1024 on the
+# H200, where torch took 126.
 def _make_masked_softmax_warp_kernel(E: int):
     @jit("void(float32[:, ::1], int32[::1], float32[:, ::1])", writes=("out",),
          in_place=(("out", "x"),))
@@ -253,7 +248,7 @@ def masked_softmax(x, length, out, *, stream=0):
     A row whose first L entries are all -inf gives NaN there, as NumPy would."""
     _check_rows(x, out)
     _check.device_array("length", length, dtype=np.int32, shape=(1,))
-    E = next((e for e in WARP_ELEMS if x.shape[1] <= 32 * e), None)
+    E = warp_elems(x.shape[1])
     if E is not None:   # a warp a row
         launch(_MASKED_SOFTMAX_WARP[E], -(-x.shape[0] // WARP_ROWS), 32 * WARP_ROWS,
                (x, length, out), stream)

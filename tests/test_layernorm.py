@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import layernorm as L
+from kernels._reduce import WARP_ELEMS
 from proto.backend import cuda
 from tests.helpers import assert_close, dev, rand
 
@@ -22,6 +23,18 @@ def test_matches_reference(rows, cols, offset, seed, scale):
     atol = 1e-3 if offset else 1e-5
     np.testing.assert_allclose(out.copy_to_host(), L.layernorm_ref(x, gamma, beta),
                                atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cols", sorted({c for e in WARP_ELEMS for c in (32 * e - 1, 32 * e, 32 * e + 1)}))
+def test_each_warp_width_and_past_it_in_place(cols):
+    """Rows up to 32 * E take a warp each, wider ones a block; 5 rows leave the second block
+    of 4 warps three without a row. In place, with a large row mean."""
+    rng = np.random.default_rng(cols)
+    x = rand(rng, 5, cols) + np.float32(100.0)
+    gamma, beta = rand(rng, cols), rand(rng, cols)
+    dx = dev(x)
+    L.layernorm(dx, dev(gamma), dev(beta), dx)
+    np.testing.assert_allclose(dx.copy_to_host(), L.layernorm_ref(x, gamma, beta), atol=2e-4, rtol=1e-4)
 
 
 def test_in_place_and_eps():

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import softmax as S
+from kernels._reduce import WARP_ELEMS
 from proto.backend import cuda
 from tests.helpers import assert_close, dev, rand
 
@@ -33,7 +34,7 @@ def test_masked_softmax_past_the_register_rows_matches_reference(rows, extra, da
     assert_close(out, S.masked_softmax_ref(x, length), "softmax")
 
 
-@pytest.mark.parametrize("cols", sorted({c for e in S.WARP_ELEMS for c in (32 * e - 1, 32 * e, 32 * e + 1)}))
+@pytest.mark.parametrize("cols", sorted({c for e in WARP_ELEMS for c in (32 * e - 1, 32 * e, 32 * e + 1)}))
 def test_masked_softmax_at_each_warp_width_and_past_it(cols):
     """Rows up to 32 * E take a warp each (E values a lane), wider ones the block kernels; 5
     rows leave the second block of 4 warps three without a row."""
