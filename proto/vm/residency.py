@@ -100,7 +100,7 @@ class PageLedger(Visitor):
         return int(np.count_nonzero((self.held > 0) | self.dead))
 
     def reset(self) -> None:
-        """A fresh arena: only the fixed tensors resident."""
+        """A fresh arena: nothing resident, nothing dead (start() brings the fixed tensors)."""
         self.held[:] = 0
         self.dead[:] = False
         self.sending.clear()
@@ -132,7 +132,11 @@ class PageLedger(Visitor):
                 for _ in range(self.MAX_CHECKED_STEPS):
                     self.peak_pages = 0
                     self.start()
-                    state = (self.held.tobytes(), self.dead.tobytes())
+                    # what a step does depends on which pages are dead and the order they
+                    # died in (the oldest are dropped first), not on when
+                    dead = np.flatnonzero(self.dead)
+                    order = dead[np.argsort(self.died[dead], kind="stable")]
+                    state = (self.held.tobytes(), order.tobytes())
                     if state in seen:
                         break
                     seen.append(state)
