@@ -190,6 +190,28 @@ def test_dead_pages_are_reused_in_place_and_discarded_only_for_room():
                      want, "tight, three steps")
 
 
+@given(layers=st.sampled_from(["ccpccp", "cpcpc", "ccpc"]), frac=st.floats(0.1, 1.0),
+       page=st.sampled_from([256, 1024]))
+def test_steps_after_the_checked_ones_stay_within_the_budget(layers, frac, page):
+    # The check walks steps until one starts as an earlier one did; dead pages carry over,
+    # so the claim is that no later step can pass the budget either. Walk six, strictly.
+    tape, _ = cnn_tape(1024, layers)
+    budget = Liveness(tape).budget_between(frac)
+    try:
+        p = plan_for_pages(tape, budget, page_bytes=page)
+    except BudgetError:
+        return
+    ledger = PageLedger(tape, layout(tape, p, page), budget)
+    peak = ledger.check(p)
+    ledger.strict = True
+    for _ in range(6):
+        ledger.start()
+        for slot, i, act in p.actions():
+            ledger.visit(act, At(slot, i))
+        ledger.drain()
+    assert ledger.peak_pages <= peak <= ledger.max_pages
+
+
 def test_checker_cost_model_ledger_and_managed_replay_see_the_same_actions(monkeypatch):
     tape, init = cnn_tape(4096, "cpcpc")
     seconds = [1e-6 if op.name.startswith("p") or "act" in op.name else 1e-3 for op in tape.ops]
