@@ -28,9 +28,11 @@ TF32 off for matmuls and cuDNN (the CSV's torch_tf32 reads torch's flags; the re
 second op, as a user writes it). An LSTM step's gates GEMM (64
 rows against a 4096 x 1024 weight) runs twice: as gemm() picks it (K split: few 64 x 64
 tiles) and forced to one span (`lstm_gates_split_over_unsplit_time`), against torch.addmm.
-A VGG layer at 224x224 input (conv3: N 16, 256 -> 256 channels, 56x56, 3x3) runs its forward
-(bias, ReLU), backward-data and backward-weight (with the bias gradient) against cuDNN's
-fp32 (`conv_fractions_of_fp32_peak`, `conv_over_cudnn_time`).
+A layer of each of VGG's five convolution stages at 224x224 input (conv1: 64 channels at
+224x224 ... conv5: 512 at 14x14, 3x3, each over a batch that makes about 50,000 output pixels,
+as a training batch does and more) runs its forward (bias, ReLU), backward-data and
+backward-weight (with the bias gradient) against cuDNN's fp32 (`conv_fractions_of_fp32_peak`,
+`conv_min_fraction_of_fp32_peak`, `conv_over_cudnn_time`; kernels `conv3_fwd` and so on).
 
 Full size: d=768, vocab 50257, T=1024, batch 5. Toy size: tiny shapes for the simulator
 (its timings mean nothing; the run checks the script end to end).
@@ -57,13 +59,15 @@ HEADLINE = "gemm_decode_nt"
 DECODE_GEMMS = ("gemm_decode_qkv", "gemm_decode_attn_proj", "gemm_decode_fc",
                 "gemm_decode_mlp_proj", HEADLINE)  # GPT-2 small's five decode shapes
 SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden;
-    # conv: (N, C=K, H=W) of a 3x3, pad-1 VGG layer (VGG's conv3 block at 224x224 input)
-    "full": dict(D=768, V=50257, T=1024, B=5, H=12, L=1024, LB=64, conv=(16, 256, 56),
+    # convs: stage -> (N, C=K, H=W) of a 3x3, pad-1 VGG layer at 224x224 input
+    "full": dict(D=768, V=50257, T=1024, B=5, H=12, L=1024, LB=64,
+                 convs={"conv1": (1, 64, 224), "conv2": (4, 128, 112), "conv3": (16, 256, 56),
+                        "conv4": (64, 512, 28), "conv5": (256, 512, 14)},
                  copy_bytes=1 << 30),
-    "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=10, conv=(1, 4, 6),  # B*T, LB > 8: tiled
-                copy_bytes=1 << 16),
+    "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=10,  # B*T, LB > 8: tiled
+                convs={"conv1": (1, 2, 6), "conv3": (1, 4, 6)}, copy_bytes=1 << 16),
 }
-CONVS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weight")
+CONV_KINDS = ("fwd", "bwd_data", "bwd_weight")
 REPS = {"full": dict(warmup=3, reps=20), "toy": dict(warmup=0, reps=1)}  # toy: simulated
 # FP32 lanes per SM by compute capability (8.0 and older datacenter parts have 64).
 _FP32_LANES = {(6, 0): 64, (7, 0): 64, (8, 0): 64}
@@ -234,7 +238,8 @@ def _cases(s: dict, torch) -> list[Case]:
         cases.extend(_sampling_cases(s, rng, torch, tt))
     if "lstm" in OPTIONAL:
         cases.append(_lstm_case(s, rng, torch, tt))
-    cases.extend(_conv_cases(s, rng, torch, tt))
+    for stage, dims in s["convs"].items():
+        cases.extend(_conv_cases(stage, dims, rng, torch, tt))
     return cases
 
 
@@ -370,11 +375,12 @@ def _lstm_case(s, rng, torch, tt) -> Case:
                 theirs, their_result)
 
 
-def _conv_cases(s, rng, torch, tt) -> list[Case]:
+def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
     """A VGG layer's three convolutions (3x3, pad 1, ReLU fused into the forward; the weight
-    gradient with the bias gradient) against cuDNN's fp32 (TF32 off) through torch."""
+    gradient with the bias gradient) against cuDNN's fp32 (TF32 off) through torch; kernels
+    named f"{stage}_fwd" and so on."""
     from kernels import conv
-    N, C, HW = s["conv"]
+    N, C, HW = dims
     x = rng.standard_normal((N, C, HW, HW), dtype=np.float32)
     w = rng.standard_normal((C, C, 3, 3), dtype=np.float32) * np.float32(0.05)
     b = rng.standard_normal(C, dtype=np.float32)
@@ -401,13 +407,13 @@ def _conv_cases(s, rng, torch, tt) -> list[Case]:
         return None if fn is None else (
             lambda: (fn() if index is None else fn()[index]).cpu().numpy())
     return [
-        Case("conv_fwd", shape + ", bias, relu", "compute", 2 * act_bytes + 4 * (w.size + C),
+        Case(f"{stage}_fwd", shape + ", bias, relu", "compute", 2 * act_bytes + 4 * (w.size + C),
              flops, lambda: conv.conv2d(dx_, dw_, db_, out, pad=1, relu=True),
              out.copy_to_host, fwd, result_of(fwd)),
-        Case("conv_bwd_data", shape, "compute", 2 * act_bytes + 4 * w.size, flops,
+        Case(f"{stage}_bwd_data", shape, "compute", 2 * act_bytes + 4 * w.size, flops,
              lambda: conv.conv2d_bwd_data(ddy, dw_, dxg, pad=1), dxg.copy_to_host,
              bwd_data, result_of(bwd_data)),
-        Case("conv_bwd_weight", shape + ", with db", "compute", 2 * act_bytes + 4 * (w.size + C),
+        Case(f"{stage}_bwd_weight", shape + ", with db", "compute", 2 * act_bytes + 4 * (w.size + C),
              flops, lambda: conv.conv2d_bwd_weight(dx_, ddy, dwg, dbg, pad=1, workspace=work),
              dwg.copy_to_host, bwd_weight, result_of(bwd_weight, 0)),
     ]
@@ -567,9 +573,10 @@ def summarize(rows: list[dict], s: dict) -> dict:
         torch_gates = us.get(("gemm_lstm_gates", "torch"))
         summary["lstm_gates_over_torch_time"] = (us[("gemm_lstm_gates", "ours")] / torch_gates
                                                  if torch_gates else None)
-    if all(c in ours for c in CONVS):
-        first = ours[CONVS[0]]
-        fractions = {c: ours[c]["fraction_of_bound"] for c in CONVS}
+    convs = [f"{stage}_{kind}" for stage in s["convs"] for kind in CONV_KINDS]
+    if all(c in ours for c in convs):
+        first = ours[convs[0]]
+        fractions = {c: ours[c]["fraction_of_bound"] for c in convs}
         measured = "" not in fractions.values()   # no peak on the simulator
         summary.update(
             fp32_fma_peak_TFLOPs=first["fp32_peak_TFLOPs"] or None,
@@ -579,7 +586,7 @@ def summarize(rows: list[dict], s: dict) -> dict:
             conv_min_fraction_of_fp32_peak=(
                 min(float(v) for v in fractions.values()) if measured else None),
             conv_over_cudnn_time={c: us[(c, "ours")] / us[(c, "torch")]
-                                  if (c, "torch") in us else None for c in CONVS})
+                                  if (c, "torch") in us else None for c in convs})
     if "attention_decode" in ours:
         summary["attention_decode_fraction_of_bandwidth"] = fraction("attention_decode")
         summary["attention_decode_us"] = us[("attention_decode", "ours")]

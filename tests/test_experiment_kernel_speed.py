@@ -13,6 +13,10 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
             "masked_softmax", "log_softmax", "embed", "gelu", "add"} <= kernels
     for cases in kernel_speed.OPTIONAL.values():  # kernels of modules present in this tree
         assert set(cases) <= kernels
+    # a layer of each VGG stage in the size, each of its three convolutions
+    convs = {f"{stage}_{kind}" for stage in kernel_speed.SIZES["toy"]["convs"]
+             for kind in kernel_speed.CONV_KINDS}
+    assert len(convs) == 6 and convs <= kernels
     ours = [r for r in rows if r["impl"] == "ours"]
     assert len(ours) == len(kernels)  # one row per kernel per implementation
     assert all(float(r["median_us"]) > 0 and float(r["eager_us"]) > 0 and int(r["bytes"]) > 0
@@ -24,6 +28,7 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
                 "attention_decode_fraction_of_bandwidth"):
         assert key in summary
     assert summary["copy_bandwidth_GBps"] > 0
+    assert set(summary["conv_over_cudnn_time"]) == convs
     # Each fraction is the row's bytes / its time over the copy bandwidth; the headline
     # minimum is over GPT-2's five decode shapes.
     by_kernel = {r["kernel"]: r for r in ours}
