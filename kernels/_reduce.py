@@ -24,6 +24,21 @@ def warp_elems(cols: int) -> int | None:
     """Values a lane holds for a warp-a-row kernel over `cols` columns (None: too wide)."""
     return next((e for e in WARP_ELEMS if cols <= 32 * e), None)
 
+
+def warp_grid(rows: int) -> tuple[int, int]:
+    """(blocks, threads) of a warp-a-row launch over `rows` rows."""
+    return -(-rows // WARP_ROWS), 32 * WARP_ROWS
+
+
+@cuda.jit(device=True)
+def warp_row(rows):
+    """(row, lane, here) of this thread in a warp-a-row kernel. A warp past the last row gets
+    row 0 and here False: it must read nothing, yet take part in the warp's reductions (the
+    simulator's stand-in for the shuffles holds a block barrier)."""
+    row = cuda.blockIdx.x * WARP_ROWS + cuda.threadIdx.x // 32
+    here = row < rows
+    return (row if here else 0), cuda.threadIdx.x % 32, here
+
 if SIMULATOR:   # the simulator's threads are never a warp: the barrier alone
     @cuda.jit(device=True)
     def converged_syncthreads():

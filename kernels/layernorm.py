@@ -16,7 +16,8 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels._reduce import WARP_ELEMS, WARP_ROWS, block_allreduce, warp_allreduce, warp_elems
+from kernels._reduce import (WARP_ELEMS, block_allreduce, warp_allreduce, warp_elems, warp_grid,
+                             warp_row)
 from proto import backend
 from proto.backend import cuda, jit, launch
 
@@ -64,13 +65,8 @@ def _make_layernorm_warp_kernel(E: int):
          writes=("out",), in_place=(("out", "x"),))
     def layernorm_warp_kernel(x, gamma, beta, out, eps):
         vals = cuda.local.array(E, np.float32)
-        lane = cuda.threadIdx.x % 32
-        row = cuda.blockIdx.x * WARP_ROWS + cuda.threadIdx.x // 32
+        r, lane, here = warp_row(x.shape[0])
         n = x.shape[1]
-        # A warp past the last row reads nothing but still takes part in the reductions (the
-        # simulator's stand-in for the shuffles holds a block barrier).
-        here = row < x.shape[0]
-        r = row if here else 0
         inv_n = _ONE / np.float32(n)
         s = _ZERO
         for i in range(E):
@@ -120,8 +116,8 @@ def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
         raise ValueError(f"x: {rows} rows exceed the grid limit")
     E = warp_elems(cols)
     if E is not None:   # a warp a row
-        launch(_LAYERNORM_WARP[E], -(-rows // WARP_ROWS), 32 * WARP_ROWS,
-               (x, gamma, beta, out, np.float32(eps)), stream)
+        launch(_LAYERNORM_WARP[E], *warp_grid(rows), (x, gamma, beta, out, np.float32(eps)),
+               stream)
         return
     launch(layernorm_kernel, rows, block_threads(cols, MAX_THREADS),
            (x, gamma, beta, out, np.float32(eps)), stream)

@@ -17,8 +17,8 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels._reduce import (WARP_ELEMS, WARP_ROWS, block_allreduce, converged_syncthreads,
-                             warp_allreduce, warp_elems)
+from kernels._reduce import (WARP_ELEMS, block_allreduce, converged_syncthreads, warp_allreduce,
+                             warp_elems, warp_grid, warp_row)
 from kernels.layernorm import ELEMS_PER_THREAD, block_threads
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -137,14 +137,9 @@ def _make_masked_softmax_warp_kernel(E: int):
          in_place=(("out", "x"),))
     def masked_softmax_warp_kernel(x, length, out):
         vals = cuda.local.array(E, np.float32)
-        lane = cuda.threadIdx.x % 32
-        row = cuda.blockIdx.x * WARP_ROWS + cuda.threadIdx.x // 32
+        r, lane, here = warp_row(x.shape[0])
         n = x.shape[1]
-        here = row < x.shape[0]
-        # A warp past the last row reads nothing (valid 0) but still takes part in the
-        # reductions: the simulator's stand-in for the shuffles holds a block barrier.
-        valid = min(max(length[0], 0), n) if here else 0
-        r = row if here else 0
+        valid = min(max(length[0], 0), n) if here else 0   # (a warp past the end reads nothing)
         m = _NEG_INF
         for i in range(E):
             j = lane + i * 32
@@ -250,8 +245,7 @@ def masked_softmax(x, length, out, *, stream=0):
     _check.device_array("length", length, dtype=np.int32, shape=(1,))
     E = warp_elems(x.shape[1])
     if E is not None:   # a warp a row
-        launch(_MASKED_SOFTMAX_WARP[E], -(-x.shape[0] // WARP_ROWS), 32 * WARP_ROWS,
-               (x, length, out), stream)
+        launch(_MASKED_SOFTMAX_WARP[E], *warp_grid(x.shape[0]), (x, length, out), stream)
         return
     threads = block_threads(x.shape[1], MAX_THREADS)
     kernel = (masked_softmax_in_registers_kernel if x.shape[1] <= ELEMS_PER_THREAD * threads

@@ -18,7 +18,7 @@ from proto.vm import (BudgetError, Executor, Link, Liveness, ManagedExecutor, Pl
 from proto.vm.actions import Action
 from proto.vm.residency import PageLedger, layout
 from proto.vm.synthetic import cnn_tape
-from proto.vm.walk import At
+from proto.vm.walk import At, walk
 from tests.helpers import assert_identical, run_plan, spy_on_plan_visits
 
 
@@ -206,8 +206,7 @@ def test_steps_after_the_checked_ones_stay_within_the_budget(layers, frac, page)
     ledger.strict = True
     for _ in range(6):
         ledger.start()
-        for slot, i, act in p.actions():
-            ledger.visit(act, At(slot, i))
+        walk(p, ledger)
         ledger.drain()
     assert ledger.peak_pages <= peak <= ledger.max_pages
 

@@ -26,13 +26,7 @@ def fit(timeline: Timeline, live: Liveness, limits: list[int], chosen: dict[Gap,
     def traffic(g):
         """Bytes over the link per step if g is spent on the host (a guess: the exact
         count depends on the other choices), counting the wrap gap it would drag in."""
-        if not timeline.host_copy:
-            written = True   # every eviction copies (managed memory keeps no host copy)
-        elif g.wrap:
-            written = live.written_between(g.tensor, 0, n - 1)
-        else:
-            written = live.written_between(g.tensor, live.first(g.tensor), g.after)
-        moved = g.nbytes * (written + live.reads_at(g.tensor, g.before % n))
+        moved = g.nbytes * (timeline.may_copy(live, g) + live.reads_at(g.tensor, g.before % n))
         drag = wrap_of.get(g.tensor)
         return moved + (traffic(drag) if drag is not None and drag != g and drag not in chosen else 0)
 

@@ -56,6 +56,7 @@ from proto.tape import Tape
 from proto.vm import schedule, um
 from proto.vm.actions import Action, Plan
 from proto.vm.liveness import BudgetError, fmt_bytes
+from proto.vm.paging import run_bytes
 from proto.vm.residency import Layout, PageLedger, layout
 from proto.vm.runner import Replay, StepRunner
 from proto.vm.um import PAGE
@@ -147,9 +148,7 @@ class ManagedExecutor(StepRunner):
         self._drop(self.ledger.start())
 
     def _bytes(self, runs):
-        """Page runs -> byte ranges of the arena."""
-        page = self.layout.page_bytes
-        return [(first * page, min(end * page, self.arena.size)) for first, end in runs]
+        return run_bytes(runs, self.layout.page_bytes, self.arena.size)
 
     def _drop(self, runs) -> None:
         """Discard dead pages, in order on the compute stream after their last use."""

@@ -77,6 +77,12 @@ class PageTable:
         self.resident[:] = False
 
 
+def run_bytes(runs, page_bytes: int, nbytes: int) -> list[tuple[int, int]]:
+    """[(first, end)) page runs -> [lo, hi) byte ranges of an arena of `nbytes` (the last page
+    may be partial)."""
+    return [(first * page_bytes, min(end * page_bytes, nbytes)) for first, end in runs]
+
+
 def page_runs(pages: np.ndarray) -> list[tuple[int, int]]:
     """Sorted page indices -> [(first, end)) runs of consecutive pages."""
     if len(pages) == 0:
@@ -96,7 +102,7 @@ class _Pages:
         self.nbytes = mem.arena.size
 
     def _spans(self, runs):
-        return [(first * self.page_bytes, min(end * self.page_bytes, self.nbytes)) for first, end in runs]
+        return run_bytes(runs, self.page_bytes, self.nbytes)
 
     def evict(self, runs) -> None:
         for lo, hi in self._spans(runs):

@@ -39,10 +39,11 @@ def convert_to_recompute(tape: Tape, live: Liveness, chosen: dict[Gap, Choice], 
 
 
 def can_recompute(live: Liveness, g: Gap, chosen: dict[Gap, Choice], timeline: Timeline) -> bool:
-    """Recompute g.tensor just before op g.before instead of copying it when: it is transient
-    and its producer writes only it, and nothing changed it in place since; the producer's inputs still hold the same values there and
-    stay alive past it anyway (so no lifetime grows) and none is itself dropped across that
-    point; and the producer runs faster than one copy of the tensor over the host link."""
+    """Recompute g.tensor just before op g.before instead of copying it when: it is transient,
+    its producer writes only it, and nothing changed it in place since; the producer's inputs
+    still hold the same values there and stay alive past it anyway (so no lifetime grows) and
+    none is itself dropped across that point; and the producer runs faster than one copy of
+    the tensor over the host link."""
     if g.wrap or g.tensor in live.persistent:
         return False
     p = live.first(g.tensor)

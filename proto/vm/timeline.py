@@ -107,6 +107,16 @@ class Timeline:
             wait += max(0.0, self.start[after_i] + g.nbytes / self.link.h2d - self.start[g.before])
         return wait
 
+    def may_copy(self, live: Liveness, g: Gap) -> bool:
+        """Whether g's eviction would copy, guessed before the other choices are known: the
+        tensor is written in the step before g (anywhere in it, for a wrap gap), or the host
+        keeps no copy at all."""
+        if not self.host_copy:
+            return True
+        if g.wrap:
+            return live.written_between(g.tensor, 0, self.n - 1)
+        return live.written_between(g.tensor, live.first(g.tensor), g.after)
+
     def dirty(self, live: Liveness, chosen: dict[Gap, Choice]) -> set[Gap]:
         """Offloaded gaps whose eviction must copy: the tensor was written since it last came
         from the host (homed tensors start the step with a current host copy). Without a host
