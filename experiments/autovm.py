@@ -403,10 +403,17 @@ def plot(device: str | None = None):
                 if r["policy"] == policy:
                     ax.axhline(float(r["step_ms"]), color=color, linestyle=line, linewidth=1,
                                label=policy.replace("_", " "))
+        # Jobs that did not run (past the time limit, refused, failed) are listed, not drawn.
+        missing = dict.fromkeys(f"{float(r['budget_frac']):.0%}: {r['error'].split(':')[0]}"
+                                for r in sorted(mine, key=lambda r: -float(r["budget_frac"] or 0))
+                                if r.get("error") and r.get("budget_frac"))
+        if missing:
+            ax.text(0.98, 0.02, "not run or refused\n" + "\n".join(missing), ha="right",
+                    va="bottom", fontsize=7, transform=ax.transAxes, color="0.35")
         ax.set_xlabel("device-memory budget (% of the unconstrained peak)")
         ax.set_ylabel("training step time (ms)")
         ax.set_title(f"{model.upper()}: step time vs budget")
-        ax.invert_xaxis()
+        ax.set_xlim(105, 30)   # every budget the experiment knows, largest left
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
