@@ -42,6 +42,8 @@ its own small tiles sized to the problem (tests also run every GPU tile on small
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
+
 import numpy as np
 
 from kernels import _check
@@ -50,14 +52,20 @@ from proto import backend
 from proto.backend import cuda, jit, launch
 
 
-# GPU tiles: 256 threads each, wide (8x8 outputs a thread: 64 FMAs per 16 shared loads) for
-# wide layers, then narrower ones so layers with few channels (VGG's first) waste little.
+# GPU tiles: 256 threads each (but one, below), wide (8x8 outputs a thread: 64 FMAs per 16
+# shared loads) for wide layers, then narrower ones so layers with few channels waste little.
 GPU_CONV_TILES = (Tiles(128, 128, 8, 8, 8), Tiles(128, 64, 8, 8, 4), Tiles(128, 16, 8, 8, 1))
-GPU_WGRAD_TILES = (Tiles(128, 128, 16, 8, 8), Tiles(64, 64, 16, 4, 4), Tiles(64, 16, 16, 4, 1))
+# The weight gradient's 64 x 64 tile has 128 threads of 8 x 4: per 512 multiply-adds a step
+# takes ~1020 SASS instructions, where 256 threads of 4 x 4 took ~1190 (static count).
+GPU_WGRAD_TILES = (Tiles(128, 128, 16, 8, 8), Tiles(64, 64, 16, 8, 4), Tiles(64, 16, 16, 4, 1))
 # Simulator tiles: few threads; column count follows the channel count. As on the GPU, the
 # thread count is a multiple of bm and bk (each thread stages one pixel's channels).
 SIM_CONV_TILES = (Tiles(4, 4, 4, 1, 4), Tiles(8, 8, 4, 2, 4), Tiles(16, 16, 4, 4, 4))
 SIM_WGRAD_TILES = tuple(Tiles(bm, bn, bm * bn // 16, 4, 4) for bm in (4, 8, 16) for bn in (4, 8, 16))
+# Backward-weight with all taps in a block (_make_wgrad_taps_kernel): layers whose C*R*S fits
+# the column tile, VGG's first conv (27 columns). 256 threads on the GPU, 8 on the simulator.
+GPU_WGRAD_TAPS_TILES = (Tiles(64, 32, 32, 4, 2),)
+SIM_WGRAD_TAPS_TILES = (Tiles(4, 32, 4, 2, 8),)
 
 _MAX_INDEX = 2**31 - 1  # shared tables and offsets are int32
 
@@ -463,6 +471,128 @@ def _make_wgrad_kernel(t: Tiles):
     return wgrad_kernel
 
 
+def _make_wgrad_taps_kernel(t: Tiles):
+    """Backward-weight with every tap of a block's channels at once, for layers whose C*R*S
+    fits one column tile (VGG's first conv: 3 channels x 9 taps = 27 columns). The per-tap
+    kernel above would give each block 3 useful columns of 16 and do one tap per block.
+
+    GEMM rows: k (bm a block); columns: j = (c, r, s), all C*R*S <= bn of them; the reduction
+    over l = (n, p, q) steps bk rows at a time, cut into splits along grid z exactly as the
+    per-tap kernel's (same partial layout, same second kernel). A step: threads tid < bk
+    decode their row l into a shared table (dy offset, x offset, top-left input pixel) with
+    the step's only divisions, then the block stages dy (bk x bm) and the patch columns
+    (bk x bn, zero outside the image) and each thread adds its tm x tn outer products. Rows k
+    and columns j of a thread are DX and DY apart, so a warp's shared loads broadcast or hit
+    distinct banks."""
+    BM, BN, BK, TM, TN = t
+    DX, DY = BM // TM, BN // TN
+    NT = DX * DY
+    A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)
+    if NT < BK:   # a thread decodes each step's row of the table
+        raise ValueError(f"all-taps wgrad tiles {t}: {NT} threads, fewer than the step's {BK} rows")
+    BMP, BNP = BM + 1, BN + 1   # +1: a column of the tile spreads over the banks
+    A_SIZE, B_SIZE = BK * BMP, BK * BNP   # (shared sizes must be constants, not expressions)
+
+    # 128 registers: two 256-thread blocks an SM (unbounded, the unrolled step takes 201).
+    @jit(_WGRAD_SIG, writes=("part_w", "part_b"), in_place=(("part_b", "part_w"),),
+         max_registers=128)
+    def wgrad_taps_kernel(x, dy, part_w, part_b, has_bias, N, C, H, W, K, P, Q, R, S, stride,
+                          pad, chunk):
+        tid = _u(cuda.threadIdx.x)
+        tx, ty = tid % _u(DX), tid // _u(DX)
+        k0 = cuda.blockIdx.x * BM
+        split = cuda.blockIdx.z
+        RS, PQ = R * S, P * Q
+        CRS = C * RS
+        l_begin = split * chunk
+        l_end = min(N * PQ, l_begin + chunk)
+        sums_bias = has_bias != 0 and ty == _u(0)
+        t_dy = cuda.shared.array(BK, np.int32)    # dy offset of row l (k = 0); -1: past the end
+        t_x = cuda.shared.array(BK, np.int32)     # x offset of image n (c = 0)
+        t_h = cuda.shared.array(BK, np.int32)     # top-left input pixel of row l's patch
+        t_w = cuda.shared.array(BK, np.int32)
+        a_tile = cuda.shared.array(A_SIZE, np.float32)   # [l][k]
+        b_tile = cuda.shared.array(B_SIZE, np.float32)   # [l][j]
+        acc = cuda.local.array((TM, TN), np.float32)
+        bias_acc = cuda.local.array(TM, np.float32)
+        a_reg = cuda.local.array(TM, np.float32)
+        b_reg = cuda.local.array(TN, np.float32)
+        # A patch column j = (c, r, s): x offset of channel c (-1: past C*R*S), tap r, s;
+        # worked out once a block (the first barrier of the loop publishes it).
+        col_c = cuda.shared.array(BN, np.int32)
+        col_r = cuda.shared.array(BN, np.int32)
+        col_s = cuda.shared.array(BN, np.int32)
+        for j in range(np.int32(tid), BN, NT):
+            c = j // RS
+            rs = j - c * RS
+            col_c[j] = c * H * W if j < CRS else -1
+            col_r[j] = rs // S
+            col_s[j] = rs - (rs // S) * S
+        for i in range(TM):
+            bias_acc[i] = 0.0
+            for j in range(TN):
+                acc[i, j] = 0.0
+        HW = H * W
+        for l0 in range(l_begin, l_end, BK):
+            if tid < _u(BK):
+                l = l0 + np.int32(tid)
+                t_dy[tid] = -1
+                if l < l_end:
+                    n = l // PQ
+                    pq = l - n * PQ
+                    p = pq // Q
+                    t_dy[tid] = n * K * PQ + pq
+                    t_x[tid] = n * C * HW
+                    t_h[tid] = p * stride - pad
+                    t_w[tid] = (pq - p * Q) * stride - pad
+            cuda.syncthreads()
+            for i in range(A_PER):
+                e = tid + _u(NT * i)
+                if BK * BM % NT == 0 or e < _u(BK * BM):
+                    ll, kk = e % _u(BK), e // _u(BK)
+                    v = np.float32(0.0)
+                    at = t_dy[ll]
+                    if at >= 0 and k0 + np.int32(kk) < K:
+                        v = dy[_u(at + (k0 + np.int32(kk)) * PQ)]
+                    a_tile[ll * _u(BMP) + kk] = v
+            for i in range(B_PER):
+                e = tid + _u(NT * i)
+                if BK * BN % NT == 0 or e < _u(BK * BN):
+                    ll, jj = e % _u(BK), e // _u(BK)
+                    v = np.float32(0.0)
+                    h = t_h[ll] + col_r[jj]
+                    w = t_w[ll] + col_s[jj]
+                    if t_dy[ll] >= 0 and col_c[jj] >= 0 and 0 <= h < H and 0 <= w < W:
+                        v = x[_u(t_x[ll] + col_c[jj] + h * W + w)]
+                    b_tile[ll * _u(BNP) + jj] = v
+            cuda.syncthreads()
+            for ll in range(BK):
+                for i in range(TM):
+                    a_reg[i] = a_tile[_u(ll * BMP) + tx + _u(DX * i)]
+                for j in range(TN):
+                    b_reg[j] = b_tile[_u(ll * BNP) + ty + _u(DY * j)]
+                for i in range(TM):
+                    for j in range(TN):
+                        acc[i, j] += a_reg[i] * b_reg[j]
+                if sums_bias:
+                    for i in range(TM):
+                        bias_acc[i] += a_reg[i]
+            cuda.syncthreads()   # the next step's table and tiles overwrite these
+
+        w_base = split * K * CRS
+        for i in range(TM):
+            k = k0 + np.int32(tx + _u(DX * i))
+            if k < K:
+                for j in range(TN):
+                    jj = np.int32(ty + _u(DY * j))
+                    if jj < CRS:
+                        part_w[_u(w_base + k * CRS + jj)] = acc[i, j]
+                if sums_bias:
+                    part_b[_u(split * K + k)] = bias_acc[i]
+
+    return wgrad_taps_kernel
+
+
 @jit("void(float32[::1], float32[::1], int32)", writes=("out",))
 def sum_splits_kernel(part, out, splits):
     """out[i] = part[0*n + i] + part[1*n + i] + ..., always in that order (n = out.size)."""
@@ -484,6 +614,8 @@ _WGRAD_TILES = GPU_WGRAD_TILES + (SIM_WGRAD_TILES if backend.SIMULATOR else ())
 _FWD = _build(_CONV_TILES, lambda t: _make_conv_kernel(t, transposed=False))
 _BWD_DATA = _build(_CONV_TILES, lambda t: _make_conv_kernel(t, transposed=True))
 _WGRAD = _build(_WGRAD_TILES, _make_wgrad_kernel)
+_WGRAD_TAPS = _build(GPU_WGRAD_TAPS_TILES + (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else ()),
+                     _make_wgrad_taps_kernel)
 
 
 # ---------------------------------------------------------------------------- tile choice
@@ -577,16 +709,32 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, tiles=None, stream=0):
             N, K, P, Q, C, H, W, R, S, stride, pad), stream)
 
 
-def _wgrad_split(geometry, tiles, splits) -> tuple[Tiles, int, int]:
-    """(tiles, splits, chunk) of a backward-weight launch: the reduction over L = N*P*Q is cut
-    into `splits` chunks of `chunk` rows (a multiple of the tile's BK)."""
+class _WgradLaunch(NamedTuple):
+    kernel: object
+    tiles: Tiles
+    grid: tuple      # (k tiles, column tiles, blocks a split) before splitting
+    splits: int
+    chunk: int       # reduction rows a split (a multiple of the tile's bk)
+
+
+def _wgrad_launch(geometry, tiles, splits) -> _WgradLaunch:
+    """How a backward-weight runs: the all-taps kernel where C*R*S fits its column tile, else
+    a tap per block; the reduction over L = N*P*Q cut into `splits` chunks."""
     N, C, H, W, K, R, S, P, Q = geometry
-    t = _tiles_or(tiles, _WGRAD, lambda: _pick_wgrad_tiles(K, C))
+    taps_tile = (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else GPU_WGRAD_TAPS_TILES)[0]
+    if tiles in _WGRAD_TAPS or (tiles is None and C * R * S <= taps_tile.bn):
+        t = taps_tile if tiles is None else tiles
+        if C * R * S > t.bn:
+            raise ValueError(f"tiles: {t} takes at most {t.bn} columns (C*R*S), got {C * R * S}")
+        kernel, grid = _WGRAD_TAPS[t], (math.ceil(K / t.bm), 1, 1)
+    else:
+        t = _tiles_or(tiles, _WGRAD, lambda: _pick_wgrad_tiles(K, C))
+        kernel, grid = _WGRAD[t], (math.ceil(K / t.bm), math.ceil(C / t.bn), R * S)
     L = N * P * Q
-    base = math.ceil(K / t.bm) * math.ceil(C / t.bn) * R * S
-    n_split = _wgrad_splits(base, L, t.bk) if splits is None else _check.positive("splits", splits)
+    n_split = (_wgrad_splits(math.prod(grid), L, t.bk) if splits is None
+               else _check.positive("splits", splits))
     chunk = math.ceil(math.ceil(L / n_split) / t.bk) * t.bk
-    return t, math.ceil(L / chunk), chunk
+    return _WgradLaunch(kernel, t, grid, math.ceil(L / chunk), chunk)
 
 
 def wgrad_workspace_size(x_shape, dw_shape, *, stride=1, pad=0, tiles=None, splits=None) -> int:
@@ -595,8 +743,8 @@ def wgrad_workspace_size(x_shape, dw_shape, *, stride=1, pad=0, tiles=None, spli
     K, C, R, S = dw_shape
     N, _, H, W = x_shape
     P, Q = conv_out_size(H, R, stride, pad), conv_out_size(W, S, stride, pad)
-    _, n_split, _ = _wgrad_split((N, C, H, W, K, R, S, P, Q), tiles, splits)
-    return _partials_size(n_split, K * C * R * S, K)
+    plan = _wgrad_launch((N, C, H, W, K, R, S, P, Q), tiles, splits)
+    return _partials_size(plan.splits, K * C * R * S, K)
 
 
 def _partials_size(n_split: int, dw_size: int, K: int) -> int:
@@ -617,7 +765,8 @@ def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None
     _check.device_array("dy", dy, shape=(N, K, P, Q))
     if db is not None:
         _check.device_array("db", db, shape=(K,))
-    t, n_split, chunk = _wgrad_split(geometry, tiles, splits)
+    plan = _wgrad_launch(geometry, tiles, splits)
+    n_split = plan.splits
     flat_dw = dw.reshape(dw.size)
     part_w, part_b = flat_dw, (flat_dw if db is None else db)
     if n_split > 1:
@@ -633,10 +782,10 @@ def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None
     # Split, the launches below write the workspace, then dw and db from it: check all at once.
     _check.separate({"dw": dw, "db": db, "workspace": workspace if n_split > 1 else None},
                     {"x": x, "dy": dy})
-    grid = (math.ceil(K / t.bm), math.ceil(C / t.bn), R * S * n_split)
-    launch(_WGRAD[t], grid, t.threads,
+    gx, gy, gz = plan.grid
+    launch(plan.kernel, (gx, gy, gz * n_split), plan.tiles.threads,
            (x.reshape(x.size), dy.reshape(dy.size), part_w, part_b,
-            int(db is not None), N, C, H, W, K, P, Q, R, S, stride, pad, chunk), stream)
+            int(db is not None), N, C, H, W, K, P, Q, R, S, stride, pad, plan.chunk), stream)
     if n_split > 1:
         for part, out in ((part_w, flat_dw),) + (((part_b, db),) if db is not None else ()):
             blocks, threads = _check.grid_stride_launch(out.size)

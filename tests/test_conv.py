@@ -139,7 +139,30 @@ def test_gpu_conv_tiles_over_many_steps(tiles, stride):
     assert_sum_close(dx, conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=stride, pad=1), 54)
 
 
-@pytest.mark.parametrize("tiles", conv.GPU_WGRAD_TILES)
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_all_taps_wgrad_matches_reference_at_vggs_first_layer_shape(splits):
+    # 3 channels x 9 taps = 27 columns: every tap of a block's rows in one kernel, the
+    # image's border taps reading zeros, the reduction split or not.
+    rng = np.random.default_rng(5)
+    x, dy = rand(rng, 2, 3, 7, 6), rand(rng, 2, 5, 7, 6)
+    dw = dev(np.full((5, 3, 3, 3), np.nan, np.float32))
+    db = dev(np.full(5, np.nan, np.float32))
+    part = _workspace(x.shape, (5, 3, 3, 3), pad=1, splits=splits)
+    conv.conv2d_bwd_weight(dev(x), dev(dy), dw, db, pad=1, splits=splits, workspace=part)
+    ref_w, ref_b = conv.conv2d_bwd_weight_ref(x, dy, (5, 3, 3, 3), pad=1)
+    assert_sum_close(dw, ref_w, 84)
+    assert_sum_close(db, ref_b, 84)
+
+
+def test_all_taps_wgrad_refuses_a_layer_wider_than_its_tile():
+    t = conv.GPU_WGRAD_TAPS_TILES[0]
+    x, dy = dev(np.zeros((1, 4, 3, 3), np.float32)), dev(np.zeros((1, 2, 3, 3), np.float32))
+    dw = cuda.device_array((2, 4, 3, 3), np.float32)   # 36 columns > 32
+    with pytest.raises(ValueError, match="tiles: .* at most 32 columns"):
+        conv.conv2d_bwd_weight(x, dy, dw, None, pad=1, tiles=t)
+
+
+@pytest.mark.parametrize("tiles", conv.GPU_WGRAD_TILES + conv.GPU_WGRAD_TAPS_TILES)
 def test_gpu_wgrad_tiles_on_a_small_problem(tiles):
     rng = np.random.default_rng(2)
     x, dy = rand(rng, 2, 3, 3, 3), rand(rng, 2, 5, 3, 3)
