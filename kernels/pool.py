@@ -61,29 +61,39 @@ def maxpool_kernel(x, out):
 
 @jit("void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1])", writes=("dx",))
 def maxpool_bwd_kernel(x, dy, dx):
-    """One thread per input element: it receives dy if it is its window's first maximum."""
+    """One thread per window: it finds the window's first maximum once and writes all four
+    of its dx elements (dy there, 0 elsewhere), two adjacent pairs, so a warp's loads and
+    stores are contiguous rows. An odd last row or column, in no window, gets zeros from the
+    threads of the windows beside it."""
     N, C, H, W = x.shape
     P, Q = dy.shape[2], dy.shape[3]
+    zero = np.float32(0.0)
     start, stride = cuda.grid(1), cuda.gridsize(1)
-    for i in range(start, x.size, stride):
-        w = i % W
-        h = (i // W) % H
-        nc = i // (H * W)
+    for i in range(start, dy.size, stride):
+        q = i % Q
+        row = i // Q           # (n, c, p) flattened
+        p = row % P
+        nc = row // P
         n, c = nc // C, nc % C
-        p, q = h // 2, w // 2
-        g = np.float32(0.0)
-        if p < P and q < Q:
-            h0, w0 = 2 * p, 2 * q
-            best_h, best_w = h0, w0
-            best = x[n, c, h0, w0]
-            for k in range(1, 4):
-                hh, ww = h0 + k // 2, w0 + k % 2
-                if _beats(x[n, c, hh, ww], best):
-                    best = x[n, c, hh, ww]
-                    best_h, best_w = hh, ww
-            if best_h == h and best_w == w:
-                g = dy[n, c, p, q]
-        dx[n, c, h, w] = g
+        h0, w0 = 2 * p, 2 * q
+        best_k = 0
+        best = x[n, c, h0, w0]
+        for k in range(1, 4):
+            v = x[n, c, h0 + k // 2, w0 + k % 2]
+            if _beats(v, best):
+                best = v
+                best_k = k
+        g = dy[n, c, p, q]
+        for k in range(4):
+            dx[n, c, h0 + k // 2, w0 + k % 2] = g if k == best_k else zero
+        if q == Q - 1 and W % 2 == 1:   # the odd last column
+            dx[n, c, h0, W - 1] = zero
+            dx[n, c, h0 + 1, W - 1] = zero
+        if p == P - 1 and H % 2 == 1:   # the odd last row (and its corner)
+            dx[n, c, H - 1, w0] = zero
+            dx[n, c, H - 1, w0 + 1] = zero
+            if q == Q - 1 and W % 2 == 1:
+                dx[n, c, H - 1, W - 1] = zero
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -105,7 +115,7 @@ def maxpool2x2_bwd(x, dy, dx, *, stream=0):
     N, C, H, W = x.shape
     _check.device_array("dy", dy, shape=(N, C, H // 2, W // 2))
     _check.device_array("dx", dx, shape=(N, C, H, W))
-    blocks, threads = _check.grid_stride_launch(x.size)
+    blocks, threads = _check.grid_stride_launch(dy.size)
     launch(maxpool_bwd_kernel, blocks, threads, (x, dy, dx), stream)
 
 
