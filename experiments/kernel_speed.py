@@ -32,7 +32,10 @@ A layer of each of VGG's five convolution stages at 224x224 input (conv1: 64 cha
 224x224 ... conv5: 512 at 14x14, 3x3, each over a batch that makes about 50,000 output pixels,
 as a training batch does and more) runs its forward (bias, ReLU), backward-data and
 backward-weight (with the bias gradient) against cuDNN's fp32 (`conv_fractions_of_fp32_peak`,
-`conv_min_fraction_of_fp32_peak`, `conv_over_cudnn_time`; kernels `conv3_fwd` and so on).
+`conv_min_fraction_of_fp32_peak`, `conv_over_cudnn_time`; kernels `conv3_fwd` and so on);
+so does VGG's first layer, `conv1_1` (3 -> 64 channels on the images: forward and weight
+gradient, the two a training step runs). `maxpool_bwd` is the 2x2 max-pool's backward at VGG's
+first pool (64 channels at 224x224), against PyTorch's.
 
 Full size: d=768, vocab 50257, T=1024, batch 5. Toy size: tiny shapes for the simulator
 (its timings mean nothing; the run checks the script end to end).
@@ -59,15 +62,24 @@ HEADLINE = "gemm_decode_nt"
 DECODE_GEMMS = ("gemm_decode_qkv", "gemm_decode_attn_proj", "gemm_decode_fc",
                 "gemm_decode_mlp_proj", HEADLINE)  # GPT-2 small's five decode shapes
 SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden;
-    # convs: stage -> (N, C=K, H=W) of a 3x3, pad-1 VGG layer at 224x224 input
+    # convs: layer -> (N, C, K, H=W) of a 3x3, pad-1 VGG conv at 224x224 input; pool: (N, C,
+    # H=W) of VGG's first 2x2 max-pool
     "full": dict(D=768, V=50257, T=1024, B=5, H=12, L=1024, LB=64,
-                 convs={"conv1": (1, 64, 224), "conv2": (4, 128, 112), "conv3": (16, 256, 56),
-                        "conv4": (64, 512, 28), "conv5": (256, 512, 14)},
-                 copy_bytes=1 << 30),
+                 convs={"conv1_1": (1, 3, 64, 224), "conv1": (1, 64, 64, 224),
+                        "conv2": (4, 128, 128, 112), "conv3": (16, 256, 256, 56),
+                        "conv4": (64, 512, 512, 28), "conv5": (256, 512, 512, 14)},
+                 pool=(4, 64, 224), copy_bytes=1 << 30),
     "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=10,  # B*T, LB > 8: tiled
-                convs={"conv1": (1, 2, 6), "conv3": (1, 4, 6)}, copy_bytes=1 << 16),
+                convs={"conv1_1": (1, 3, 2, 6), "conv1": (1, 2, 2, 6), "conv3": (1, 4, 4, 6)},
+                pool=(1, 2, 6), copy_bytes=1 << 16),
 }
 CONV_KINDS = ("fwd", "bwd_data", "bwd_weight")
+
+
+def conv_kinds(layer: str) -> tuple:
+    """The convolutions a training step runs for a layer: VGG's first (conv1_1, on the
+    images) needs no input gradient."""
+    return ("fwd", "bwd_weight") if layer == "conv1_1" else CONV_KINDS
 REPS = {"full": dict(warmup=3, reps=20), "toy": dict(warmup=0, reps=1)}  # toy: simulated
 # FP32 lanes per SM by compute capability (8.0 and older datacenter parts have 64).
 _FP32_LANES = {(6, 0): 64, (7, 0): 64, (8, 0): 64}
@@ -239,7 +251,9 @@ def _cases(s: dict, torch) -> list[Case]:
     if "lstm" in OPTIONAL:
         cases.append(_lstm_case(s, rng, torch, tt))
     for stage, dims in s["convs"].items():
-        cases.extend(_conv_cases(stage, dims, rng, torch, tt))
+        cases.extend(c for c in _conv_cases(stage, dims, rng, torch, tt)
+                     if c.name in {f"{stage}_{kind}" for kind in conv_kinds(stage)})
+    cases.append(_pool_bwd_case(s["pool"], rng, torch, tt))
     return cases
 
 
@@ -380,19 +394,19 @@ def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
     gradient with the bias gradient) against cuDNN's fp32 (TF32 off) through torch; kernels
     named f"{stage}_fwd" and so on."""
     from kernels import conv
-    N, C, HW = dims
+    N, C, K, HW = dims
     x = rng.standard_normal((N, C, HW, HW), dtype=np.float32)
-    w = rng.standard_normal((C, C, 3, 3), dtype=np.float32) * np.float32(0.05)
-    b = rng.standard_normal(C, dtype=np.float32)
-    dy = rng.standard_normal((N, C, HW, HW), dtype=np.float32)
+    w = rng.standard_normal((K, C, 3, 3), dtype=np.float32) * np.float32(0.05)
+    b = rng.standard_normal(K, dtype=np.float32)
+    dy = rng.standard_normal((N, K, HW, HW), dtype=np.float32)
     dx_, dw_, db_, ddy = _dev(x), _dev(w), _dev(b), _dev(dy)
-    out, dxg = cuda.device_array(x.shape, np.float32), cuda.device_array(x.shape, np.float32)
-    dwg, dbg = cuda.device_array(w.shape, np.float32), cuda.device_array(C, np.float32)
+    out, dxg = cuda.device_array(dy.shape, np.float32), cuda.device_array(x.shape, np.float32)
+    dwg, dbg = cuda.device_array(w.shape, np.float32), cuda.device_array(K, np.float32)
     work = cuda.device_array(max(1, conv.wgrad_workspace_size(x.shape, w.shape, pad=1)),
                              np.float32)
-    flops = int(conv.conv2d_flops(N, C, C, 3, 3, HW, HW))
-    shape = f"N{N} C{C} K{C} {HW}x{HW}, 3x3 pad 1"
-    act_bytes = 4 * x.size
+    flops = int(conv.conv2d_flops(N, C, K, 3, 3, HW, HW))
+    shape = f"N{N} C{C} K{K} {HW}x{HW}, 3x3 pad 1"
+    act_bytes = 2 * (x.size + dy.size)   # 4 bytes each, half of it in, half out
     if torch:
         F, grad = torch.nn.functional, torch.nn.grad
         tx, tw, tb, tdy = tt(x), tt(w), tt(b), tt(dy)
@@ -407,16 +421,37 @@ def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
         return None if fn is None else (
             lambda: (fn() if index is None else fn()[index]).cpu().numpy())
     return [
-        Case(f"{stage}_fwd", shape + ", bias, relu", "compute", 2 * act_bytes + 4 * (w.size + C),
+        Case(f"{stage}_fwd", shape + ", bias, relu", "compute", 2 * act_bytes + 4 * (w.size + K),
              flops, lambda: conv.conv2d(dx_, dw_, db_, out, pad=1, relu=True),
              out.copy_to_host, fwd, result_of(fwd)),
         Case(f"{stage}_bwd_data", shape, "compute", 2 * act_bytes + 4 * w.size, flops,
              lambda: conv.conv2d_bwd_data(ddy, dw_, dxg, pad=1), dxg.copy_to_host,
              bwd_data, result_of(bwd_data)),
-        Case(f"{stage}_bwd_weight", shape + ", with db", "compute", 2 * act_bytes + 4 * (w.size + C),
+        Case(f"{stage}_bwd_weight", shape + ", with db", "compute", 2 * act_bytes + 4 * (w.size + K),
              flops, lambda: conv.conv2d_bwd_weight(dx_, ddy, dwg, dbg, pad=1, workspace=work),
              dwg.copy_to_host, bwd_weight, result_of(bwd_weight, 0)),
     ]
+
+
+def _pool_bwd_case(dims, rng, torch, tt) -> Case:
+    """VGG's 2x2 max-pool backward at its first pool (dx from the pool's input and dy),
+    against PyTorch's max_pool2d backward (which reads the indices its forward saved)."""
+    from kernels import pool
+    N, C, HW = dims
+    x = rng.standard_normal((N, C, HW, HW), dtype=np.float32)
+    dy = rng.standard_normal((N, C, HW // 2, HW // 2), dtype=np.float32)
+    dx_, ddy = _dev(x), _dev(dy)
+    dxg = cuda.device_array(x.shape, np.float32)
+    theirs = their_result = None
+    if torch:
+        tx, tdy = tt(x), tt(dy)
+        _, idx = torch.nn.functional.max_pool2d(tx, 2, 2, return_indices=True)
+        theirs = lambda: torch.ops.aten.max_pool2d_with_indices_backward(  # noqa: E731
+            tdy, tx, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
+        their_result = lambda: theirs().cpu().numpy()  # noqa: E731
+    return Case("maxpool_bwd", f"N{N} C{C} {HW}x{HW}, 2x2 stride 2", "memory",
+                4 * (2 * x.size + dy.size), 0, lambda: pool.maxpool2x2_bwd(dx_, ddy, dxg),
+                dxg.copy_to_host, theirs, their_result)
 
 
 def copy_bandwidth_GBps(nbytes: int, reps: dict) -> float:
@@ -573,7 +608,7 @@ def summarize(rows: list[dict], s: dict) -> dict:
         torch_gates = us.get(("gemm_lstm_gates", "torch"))
         summary["lstm_gates_over_torch_time"] = (us[("gemm_lstm_gates", "ours")] / torch_gates
                                                  if torch_gates else None)
-    convs = [f"{stage}_{kind}" for stage in s["convs"] for kind in CONV_KINDS]
+    convs = [f"{stage}_{kind}" for stage in s["convs"] for kind in conv_kinds(stage)]
     if all(c in ours for c in convs):
         first = ours[convs[0]]
         fractions = {c: ours[c]["fraction_of_bound"] for c in convs}

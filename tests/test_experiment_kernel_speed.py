@@ -13,10 +13,12 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
             "masked_softmax", "log_softmax", "embed", "gelu", "add"} <= kernels
     for cases in kernel_speed.OPTIONAL.values():  # kernels of modules present in this tree
         assert set(cases) <= kernels
-    # a layer of each VGG stage in the size, each of its three convolutions
+    # a layer of each VGG stage in the size, each of its three convolutions; the first
+    # layer's forward and weight gradient; the pool's backward
     convs = {f"{stage}_{kind}" for stage in kernel_speed.SIZES["toy"]["convs"]
-             for kind in kernel_speed.CONV_KINDS}
-    assert len(convs) == 6 and convs <= kernels
+             for kind in kernel_speed.conv_kinds(stage)}
+    assert len(convs) == 8 and convs <= kernels and "maxpool_bwd" in kernels
+    assert "conv1_1_bwd_data" not in kernels
     ours = [r for r in rows if r["impl"] == "ours"]
     assert len(ours) == len(kernels)  # one row per kernel per implementation
     assert all(float(r["median_us"]) > 0 and float(r["eager_us"]) > 0 and int(r["bytes"]) > 0
