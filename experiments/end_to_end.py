@@ -68,11 +68,12 @@ SIZES = {
     # (label, config, positions generated to); step: how the decode step alone is timed
     # (replays per sample: the host's checks overlap the GPU's work)
     "toy": dict(setups=[("toy-1L-d8", GPT2Config(1, 8, 2, 13, 8), 2)], beam=2, prompt_len=1,
-                build_all=False, reps=2, step=dict(replays=1, warmup=1, reps=2)),
+                build_all=False, reps=2, step=dict(replays=1, warmup=1, reps=2,
+                                                   copy_bytes=1 << 16)),
     "full": dict(setups=[("4L-d256", GPT2Config(4, 256, 4, 50257, 1024), 1024),
                          ("12L-d768", GPT2Config(12, 768, 12, 50257, 1024), 1024)],
                  beam=5, prompt_len=5, build_all=True, reps=5,
-                 step=dict(replays=10, warmup=3, reps=20)),
+                 step=dict(replays=10, warmup=3, reps=20, copy_bytes=1 << 30)),
 }
 
 
@@ -264,7 +265,8 @@ def _step_timings(label: str, position: int, alias, torch_graph, torch_live, ker
         replays["torch"] = torch_live.graphs[position + 1].replay
     for who, replay in replays.items():
         kernels = _kernels(replay) if profile else None
-        row[f"{who}_step_us"] = round(_replay_us(replay, **step), 2)
+        row[f"{who}_step_us"] = round(_replay_us(replay, step["replays"], step["warmup"],
+                                                 step["reps"]), 2)
         row[f"{who}_kernel_sum_us"] = None if kernels is None else \
             round(sum(us for us, _ in kernels.values()), 2)
         row[f"{who}_kernels_per_step"] = None if kernels is None else \
@@ -273,6 +275,12 @@ def _step_timings(label: str, position: int, alias, torch_graph, torch_live, ker
             kernel_rows.append({"setup": label, "who": who, "kernel": name[:90],
                                 "us_per_step": round(us, 2), "launches_per_step": count})
     row["ours_graph_nodes"] = alias.g.num_nodes // max(alias.g.num_graphs, 1)
+    # The bandwidth floor: the bytes the step must read (every weight once, the live K and V
+    # of every layer) at the device-to-device copy rate measured here.
+    weights, kv = alias.g.model.decode_read_bytes(alias.g.batch, position + 1)
+    gbps = timing.copy_bandwidth_GBps(step["copy_bytes"])
+    row.update(weight_bytes=weights, kv_bytes=kv, copy_GBps=round(gbps, 1),
+               floor_us=round((weights + kv) / (gbps * 1e3), 2))
     return row
 
 
@@ -443,6 +451,14 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
     step = next((r for r in step_rows if r["setup"] == label), None)
     if step is not None:
         summary["ours_step_us"] = float(step["ours_step_us"])
+        summary["ours_graph_nodes_per_step"] = int(step["ours_graph_nodes"])
+        if step.get("floor_us"):   # (rows from before the floor was measured lack it)
+            summary.update(weight_bytes_per_step=int(step["weight_bytes"]),
+                           kv_bytes_per_step=int(step["kv_bytes"]),
+                           copy_bandwidth_GBps=float(step["copy_GBps"]),
+                           bandwidth_floor_us=float(step["floor_us"]),
+                           step_over_bandwidth_floor=float(step["ours_step_us"])
+                           / float(step["floor_us"]))
         # a whole generation in one WHILE graph, per token, against one replayed step at the
         # middle position: what the search adds (top-k, beam choice, reorder, stop test)
         summary["while_per_token_over_step"] = ms["graph_while"] * 1e3 / float(step["ours_step_us"])
@@ -480,10 +496,20 @@ def plot():
     split into input preparation, model and search. Returns figure 1's path."""
     rows = common.read_csv(NAME)
     setups, by = _by_setup(rows)
+    steps = {r["setup"]: r for r in common.read_csv(NAME + "_step")} \
+        if (common.results_dir() / f"{NAME}_step.csv").exists() else {}
     fig, axes = common.new_figure(rows, 1, len(setups), figsize=(5.5 * len(setups), 4.2),
                                   squeeze=False)
     for ax, setup in zip(axes[0], setups):
         mine = by[setup]
+        step = steps.get(setup, {})
+        # One replayed step at the middle position, and the bytes it must read at the copy
+        # rate: what a token would cost if the search were free, and if the step were too.
+        for key, style, label in (("ours_step_us", "-", "our step at the middle position"),
+                                  ("floor_us", "--", "its bandwidth floor")):
+            if step.get(key):
+                ax.axhline(float(step[key]) / 1e3, color="k", linestyle=style, linewidth=0.8,
+                           label=label)
         names = [r["method"] for r in mine]
         values = np.array([float(r["ms_per_token"]) for r in mine])
         spread = np.array([[values[i] - float(r["p10_ms_per_token"]),
@@ -496,6 +522,8 @@ def plot():
         ax.set_title(f"GPT-2 {setup}, beam {mine[0]['beam']}, to {mine[0]['max_len']} positions",
                      fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
+        if step.get("floor_us") or step.get("ours_step_us"):
+            ax.legend(fontsize=7)
     path = common.save_figure(fig, NAME)
 
     fig, axes = common.new_figure(rows, 1, len(setups), figsize=(5.5 * len(setups), 4.2),

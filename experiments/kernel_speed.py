@@ -454,16 +454,6 @@ def _pool_bwd_case(dims, rng, torch, tt) -> Case:
                 dxg.copy_to_host, theirs, their_result)
 
 
-def copy_bandwidth_GBps(nbytes: int, reps: dict) -> float:
-    """Device-to-device copy of `nbytes`: bytes read + written per second, in GB/s."""
-    src = cuda.device_array(nbytes // 4, np.float32)
-    dst = cuda.device_array(nbytes // 4, np.float32)
-    t = timing.bench(lambda: dst.copy_to_device(src), **reps)
-    del src, dst
-    _release_device_memory()
-    return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
-
-
 def fp32_spec_TFLOPs() -> float | None:
     """The datasheet peak: SMs x FP32 lanes x 2 FLOP (an FMA) x clock; None on the simulator."""
     if backend.SIMULATOR:
@@ -520,7 +510,8 @@ def _graphed(impl: str, fns: list, torch):
 def run(size: str = "toy") -> None:
     reps = REPS[size]
     torch = _torch()
-    copy_GBps = copy_bandwidth_GBps(SIZES[size]["copy_bytes"], reps)
+    copy_GBps = timing.copy_bandwidth_GBps(SIZES[size]["copy_bytes"], **reps)
+    _release_device_memory()
     peak, spec = fp32_fma_peak_TFLOPs(reps), fp32_spec_TFLOPs()
     rows = []
     for case in common.progress(_cases(SIZES[size], torch), desc=NAME):

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from proto import backend
+from proto import backend, timing
 from proto.backend import cuda, jit, launch
 from kernels import attention as A
 from kernels import gemm as G
@@ -132,24 +132,6 @@ def graph_time_us(fns, samples: int = 7, replays: int = 5, profile: bool = False
     t = np.asarray(times)
     spread = (float(np.percentile(t, 10)), float(np.percentile(t, 90)))
     return float(np.median(t)), spread, kernel_us
-
-
-def copy_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
-    src = cuda.device_array(nbytes // 4, np.float32)
-    dst = cuda.device_array(nbytes // 4, np.float32)
-    for _ in range(20):  # clocks up first (the first run found the SMs at 390 MHz)
-        dst.copy_to_device(src)
-    cuda.synchronize()
-    times = []
-    for _ in range(20):
-        e0, e1 = cuda.event(), cuda.event()
-        e0.record()
-        dst.copy_to_device(src)
-        e1.record()
-        e1.synchronize()
-        times.append(cuda.event_elapsed_time(e0, e1))
-    del src, dst
-    return 2 * nbytes / (float(np.median(times)) * 1e-3) / 1e9
 
 
 def read_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
@@ -530,7 +512,7 @@ def main(quick: bool = False) -> None:
     dev = cuda.get_current_device()
     LOG["device"] = backend.describe()
     print(f"device {backend.describe()}, SMs {dev.MULTIPROCESSOR_COUNT}, torch {torch.__version__}")
-    copy_GBps = copy_bandwidth_GBps()
+    copy_GBps = timing.copy_bandwidth_GBps(1 << 30, warmup=20)  # warm-up: clocks up first
     read_GBps = read_bandwidth_GBps()
     LOG.update(copy_GBps=copy_GBps, read_GBps=read_GBps)
     print(f"copy bandwidth {copy_GBps:.0f} GB/s (read + written); "

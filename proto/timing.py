@@ -91,3 +91,13 @@ def bench_host(fn, *, warmup: int = 3, reps: int = 20) -> Timing:
         backend.synchronize()
         samples.append((time.perf_counter() - t0) * 1e3)
     return _summarize(samples, simulated=backend.SIMULATOR)
+
+
+def copy_bandwidth_GBps(nbytes: int, *, warmup: int = 3, reps: int = 20) -> float:
+    """Device-to-device copy of `nbytes`: bytes read + written per second, in GB/s (the
+    bandwidth floors of memory-bound kernels and steps are measured against this)."""
+    src = cuda.device_array(nbytes // 4, np.float32)
+    dst = cuda.device_array(nbytes // 4, np.float32)
+    t = bench(lambda: dst.copy_to_device(src), warmup=warmup, reps=reps)
+    del src, dst
+    return 2 * nbytes / (t.median_ms * 1e-3) / 1e9

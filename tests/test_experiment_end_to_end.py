@@ -28,6 +28,14 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     step = common.read_csv("end_to_end_step")   # measured by the child process
     assert [r["setup"] for r in step] == ["toy-1L-d8"] and float(step[0]["ours_step_us"]) > 0
     assert int(step[0]["ours_graph_nodes"]) > 0
+    # The bandwidth floor's bytes, restated: V*d (the tied embedding, once), the final layer
+    # norm 2d, one wpe row d, and per layer 12 d^2 + 13 d weights (two layer norms 4d, qkv
+    # 3d^2 + 3d, projection d^2 + d, fc 4d^2 + 4d, MLP projection 4d^2 + d); K and V of 1
+    # layer, beam 2, d wide, at the step's position 1 (2 live positions).
+    d, V = 8, 13
+    assert int(step[0]["weight_bytes"]) == 4 * (V * d + 3 * d + 12 * d * d + 13 * d)
+    assert int(step[0]["kv_bytes"]) == 4 * 2 * 1 * 2 * d * 2
+    assert float(step[0]["floor_us"]) > 0 and float(step[0]["copy_GBps"]) > 0
     by = {r["method"]: r for r in rows}
     assert int(by["graph_alias_device"]["bytes_copied_per_step"]) == 0
     # PtGraph copies, at position p, the tokens (beam 2, int32) and the reordered KV cache's
@@ -41,6 +49,9 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert summary["all_ours_same_tokens"] is True
     assert summary["while_over_alias_per_token"] > 0 and summary["while_per_token_over_step"] > 0
     assert set(summary["ms_per_token_by_setup"]["toy-1L-d8"]) == set(methods)
+    assert summary["step_over_bandwidth_floor"] == \
+        float(step[0]["ours_step_us"]) / float(step[0]["floor_us"])
+    assert summary["ours_graph_nodes_per_step"] == int(step[0]["ours_graph_nodes"])
     for key in ("graphed_step_over_kernel_sum", "ours_over_torch_graph_step"):
         assert key in summary  # measured on a GPU only (None on the simulator)
     figure = end_to_end.plot()

@@ -176,6 +176,18 @@ class GPT2:
                 "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")))
             for i in range(config.n_layer)]
 
+    def decode_read_bytes(self, batch: int, length: int) -> tuple[int, int]:
+        """(weight bytes, KV-cache bytes) a decode step of `batch` sequences at `length` live
+        positions must read at least once: every weight (the tied embedding counts once: the
+        output head reads all of it) but one position row of wpe, and every layer's live K
+        and V. What a bandwidth floor for the step counts."""
+        arrays = [self.wte, self.ln_f_w, self.ln_f_b]
+        arrays += [getattr(layer, f.name) for layer in self.layers
+                   for f in dataclasses.fields(layer)]
+        weights = sum(a.nbytes for a in arrays) + self.wpe.nbytes // self.wpe.shape[0]
+        c = self.config
+        return int(weights), 2 * c.n_layer * batch * length * c.n_embd * 4
+
     def _empty(self, name: str, *shape):
         return empty(shape, np.float32, name, owner=self)
 
