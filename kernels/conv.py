@@ -35,6 +35,11 @@ The reduction of forward/backward-data runs tap-major ((r,s) outer, channels inn
 tap is uniform across a step and a patch element costs adds and compares, no divisions: each
 block decodes its pixels once into a shared table.
 
+Layers whose C*R*S is at most 32 (VGG's first: 3 channels x 9 taps = 27) have all-taps
+variants of the forward and the weight gradient: the whole reduction in one step (forward),
+every tap in one block (weight gradient), with (c, r, s) decoded into a shared table, where
+the tap-major kernels would use 3 of their 8 or 16 channel rows a step.
+
 Tile shapes are compile-time constants, so each `Tiles` is its own kernel. The GPU tiles have
 256 threads; the simulator, which pays about a millisecond per thread and per barrier, gets
 its own small tiles sized to the problem (tests also run every GPU tile on small problems).
@@ -66,6 +71,9 @@ SIM_WGRAD_TILES = tuple(Tiles(bm, bn, bm * bn // 16, 4, 4) for bm in (4, 8, 16) 
 # the column tile, VGG's first conv (27 columns). 256 threads on the GPU, 8 on the simulator.
 GPU_WGRAD_TAPS_TILES = (Tiles(64, 32, 32, 4, 2),)
 SIM_WGRAD_TAPS_TILES = (Tiles(4, 32, 4, 2, 8),)
+# The forward's all-taps kernel (_make_conv_taps_kernel): the whole C*R*S <= 32 in one step.
+GPU_CONV_TAPS_TILES = (Tiles(128, 64, 32, 8, 4),)
+SIM_CONV_TAPS_TILES = (Tiles(4, 4, 32, 1, 4),)
 
 _MAX_INDEX = 2**31 - 1  # shared tables and offsets are int32
 
@@ -471,6 +479,104 @@ def _make_wgrad_kernel(t: Tiles):
     return wgrad_kernel
 
 
+def _make_conv_taps_kernel(t: Tiles):
+    """Forward for layers whose whole reduction C*R*S fits one step of bk (VGG's first conv:
+    3 channels x 9 taps = 27 of 32), where the tap-major kernel above would take 9 steps each
+    using 3 of its 8 channel rows. One step: the block decodes its output pixels (as the
+    kernel above) and the reduction columns j = (c, r, s) into shared tables, stages the
+    patch tile (bk x bm, pixels fastest so loads coalesce, zero off the image) and the
+    weight tile (bk x bn: w is (K, C, R, S), so j is its fastest index), multiplies once with
+    the register tile, and stores bias and ReLU as the kernel above does."""
+    BM, BN, BK, TM, TN = t
+    DX, DY = BM // TM, BN // TN
+    NT = DX * DY
+    BNP = BN + 4
+    A_SIZE, B_SIZE = BK * BM, BK * BNP
+    A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)
+    multiply, row, col = register_tile(t, BM, BNP, rows_per_pass=4 if BK % 4 == 0 else 1)
+
+    @jit(_CONV_SIG, writes=("dst",))
+    def conv_taps_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S,
+                         stride, pad):
+        tid = _u(cuda.threadIdx.x)
+        tx, ty = tid % _u(DX), tid // _u(DX)
+        m0, n0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
+        HWI, HWO, RS = HI * WI, HO * WO, R * S
+        CRS = CI * RS
+        M = N * HWO
+        pix_src = cuda.shared.array(BM, np.int32)   # n * CI * HI * WI, or -1 past the end
+        pix_h = cuda.shared.array(BM, np.int32)     # top-left input pixel of its patch
+        pix_w = cuda.shared.array(BM, np.int32)
+        pix_dst = cuda.shared.array(BM, np.int32)   # n * CO * HO * WO + pixel
+        col_c = cuda.shared.array(BK, np.int32)     # c * HI * WI of column j, -1 past C*R*S
+        col_r = cuda.shared.array(BK, np.int32)
+        col_s = cuda.shared.array(BK, np.int32)
+        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)   # [j][pixel]
+        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)   # [j][channel]
+        acc = cuda.local.array((TM, TN), np.float32)
+        a_reg = cuda.local.array(TM, np.float32)
+        b_reg = cuda.local.array(TN, np.float32)
+        for mm in range(cuda.threadIdx.x, BM, NT):
+            m = m0 + mm
+            pix_src[mm] = -1
+            pix_h[mm] = 0
+            pix_w[mm] = 0
+            pix_dst[mm] = 0
+            if m < M:
+                n = m // HWO
+                pix = m - n * HWO
+                ho = pix // WO
+                pix_src[mm] = n * CI * HWI
+                pix_dst[mm] = n * CO * HWO + pix
+                pix_h[mm] = ho * stride - pad
+                pix_w[mm] = (pix - ho * WO) * stride - pad
+        for j in range(cuda.threadIdx.x, BK, NT):
+            c = j // RS
+            rs = j - c * RS
+            col_c[j] = c * HWI if j < CRS else -1
+            col_r[j] = rs // S
+            col_s[j] = rs - (rs // S) * S
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] = 0.0
+        cuda.syncthreads()
+        for i in range(A_PER):
+            e = tid + _u(NT * i)
+            if BK * BM % NT == 0 or e < _u(BK * BM):
+                mm, jj = e % _u(BM), e // _u(BM)
+                v = np.float32(0.0)
+                h = pix_h[mm] + col_r[jj]
+                ww = pix_w[mm] + col_s[jj]
+                if pix_src[mm] >= 0 and col_c[jj] >= 0 and 0 <= h < HI and 0 <= ww < WI:
+                    v = src[_u(pix_src[mm] + col_c[jj] + h * WI + ww)]
+                a_tile[e] = v
+        for i in range(B_PER):
+            e = tid + _u(NT * i)
+            if BK * BN % NT == 0 or e < _u(BK * BN):
+                jj, nn = e % _u(BK), e // _u(BK)
+                v = np.float32(0.0)
+                if np.int32(jj) < CRS and n0 + np.int32(nn) < CO:
+                    v = w[_u((n0 + np.int32(nn)) * CRS + np.int32(jj))]
+                b_tile[jj * _u(BNP) + nn] = v
+        cuda.syncthreads()
+        multiply(acc, a_reg, b_reg, a_tile, b_tile, _u(0), _u(0), tx, ty)
+        for i in range(TM):
+            mm = row(tx, i)
+            if m0 + mm < M:
+                out_base = pix_dst[mm]
+                for j in range(TN):
+                    co = n0 + col(ty, j)
+                    if co < CO:
+                        v = acc[i, j]
+                        if has_bias != 0:
+                            v += bias[_u(co)]
+                        if relu != 0 and v < np.float32(0.0):   # not max(): keeps NaN
+                            v = np.float32(0.0)
+                        dst[_u(out_base + co * HWO)] = v
+
+    return conv_taps_kernel
+
+
 def _make_wgrad_taps_kernel(t: Tiles):
     """Backward-weight with every tap of a block's channels at once, for layers whose C*R*S
     fits one column tile (VGG's first conv: 3 channels x 9 taps = 27 columns). The per-tap
@@ -616,6 +722,8 @@ _BWD_DATA = _build(_CONV_TILES, lambda t: _make_conv_kernel(t, transposed=True))
 _WGRAD = _build(_WGRAD_TILES, _make_wgrad_kernel)
 _WGRAD_TAPS = _build(GPU_WGRAD_TAPS_TILES + (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else ()),
                      _make_wgrad_taps_kernel)
+_FWD_TAPS = _build(GPU_CONV_TAPS_TILES + (SIM_CONV_TAPS_TILES if backend.SIMULATOR else ()),
+                   _make_conv_taps_kernel)
 
 
 # ---------------------------------------------------------------------------- tile choice
@@ -688,10 +796,19 @@ def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, stream=0
     relu = _check.flag("relu", relu)
     if bias is not None:
         _check.device_array("bias", bias, shape=(K,))
-    t = _tiles_or(tiles, _FWD, lambda: _pick_conv_tiles(K))
+    taps_tile = (SIM_CONV_TAPS_TILES if backend.SIMULATOR else GPU_CONV_TAPS_TILES)[0]
+    if tiles in _FWD_TAPS or (tiles is None and C * R * S <= taps_tile.bk):
+        t = taps_tile if tiles is None else tiles
+        if C * R * S > t.bk:
+            raise ValueError(f"tiles: {t} reduces at most {t.bk} (C*R*S) in its one step, "
+                             f"got {C * R * S}")
+        kernel = _FWD_TAPS[t]
+    else:
+        t = _tiles_or(tiles, _FWD, lambda: _pick_conv_tiles(K))
+        kernel = _FWD[t]
     flat_w = w.reshape(w.size)
     grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn))
-    launch(_FWD[t], grid, t.threads,
+    launch(kernel, grid, t.threads,
            (x.reshape(x.size), flat_w, flat_w if bias is None else bias, int(bias is not None),
             int(bool(relu)), out.reshape(out.size), N, C, H, W, K, P, Q, R, S, stride, pad), stream)
 

@@ -154,6 +154,30 @@ def test_all_taps_wgrad_matches_reference_at_vggs_first_layer_shape(splits):
     assert_sum_close(db, ref_b, 84)
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_all_taps_forward_matches_reference_at_vggs_first_layer_shape(stride):
+    # 27 reduction columns in one step; 70 output channels: two column tiles of the GPU's
+    # 64, the second mostly past the end; pixels past the image's edge read zeros.
+    rng = np.random.default_rng(6)
+    x, w, b = rand(rng, 2, 3, 9, 7), rand(rng, 70, 3, 3, 3), rand(rng, 70)
+    P, Q = conv.conv_out_size(9, 3, stride, 1), conv.conv_out_size(7, 3, stride, 1)
+    out = dev(np.full((2, 70, P, Q), np.nan, np.float32))
+    conv.conv2d(dev(x), dev(w), dev(b), out, stride=stride, pad=1, relu=True)
+    assert_sum_close(out, conv.conv2d_ref(x, w, b, stride=stride, pad=1, relu=True), 27)
+
+
+@pytest.mark.parametrize("tiles", conv.GPU_CONV_TAPS_TILES)
+def test_gpu_all_taps_forward_tile_on_a_small_problem(tiles):
+    rng = np.random.default_rng(7)
+    x, w = rand(rng, 1, 2, 5, 4), rand(rng, 3, 2, 3, 3)
+    out = cuda.device_array((1, 3, 5, 4), np.float32)
+    conv.conv2d(dev(x), dev(w), None, out, pad=1, tiles=tiles)
+    assert_sum_close(out, conv.conv2d_ref(x, w, None, pad=1), 18)
+    with pytest.raises(ValueError, match="tiles: .* at most 32"):
+        conv.conv2d(dev(rand(rng, 1, 4, 5, 4)), dev(rand(rng, 3, 4, 3, 3)), None, out, pad=1,
+                    tiles=tiles)   # 36 reduction columns
+
+
 def test_all_taps_wgrad_refuses_a_layer_wider_than_its_tile():
     t = conv.GPU_WGRAD_TAPS_TILES[0]
     x, dy = dev(np.zeros((1, 4, 3, 3), np.float32)), dev(np.zeros((1, 2, 3, 3), np.float32))
