@@ -165,8 +165,10 @@ def _make_conv_kernel(t: Tiles, transposed: bool):
     per_pass = BK if not transposed and BK <= 8 else (2 if BK % 2 == 0 else 1)
     multiply, row, col = register_tile(t, BM, BNP, rows_per_pass=per_pass)
     # The wide tile (64 accumulators a thread) must stay within 128 registers, so that two
-    # 256-thread blocks share an SM; the others take what the compiler gives them.
-    regs = {"max_registers": 128} if t.tm * t.tn >= 64 else {}
+    # 256-thread blocks share an SM; the medium one (32) within 80, so that three do (the
+    # compiler takes 93 on its own; at 80 the step's SASS is the same, with no spills); the
+    # narrow one takes what the compiler gives it.
+    regs = {"max_registers": {64: 128, 32: 80}[t.tm * t.tn]} if t.tm * t.tn in (64, 32) else {}
 
     # Staging (stager): the patch tile walks pixels (contiguous in src), so all the elements
     # a thread stages lie on one pixel, channels KS apart; the weight tile walks channels, so
@@ -587,21 +589,25 @@ def _make_wgrad_taps_kernel(t: Tiles):
     per-tap kernel's (same partial layout, same second kernel). A step: threads tid < bk
     decode their row l into a shared table (dy offset, x offset, top-left input pixel) with
     the step's only divisions, then the block stages dy (bk x bm) and the patch columns
-    (bk x bn, zero outside the image) and each thread adds its tm x tn outer products. Rows k
-    and columns j of a thread are DX and DY apart, so a warp's shared loads broadcast or hit
-    distinct banks."""
+    (bk x bn, zero outside the image) and the register tile adds each thread's tm x tn outer
+    products. For the bias, each thread also sums its tm rows of dy over every DY-th row of
+    the step (the work spread evenly: a barrier waits for the slowest warp), and the block
+    adds those DY partial sums in a fixed order at the end."""
     BM, BN, BK, TM, TN = t
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)
-    if NT < BK:   # a thread decodes each step's row of the table
-        raise ValueError(f"all-taps wgrad tiles {t}: {NT} threads, fewer than the step's {BK} rows")
-    BMP, BNP = BM + 1, BN + 1   # +1: a column of the tile spreads over the banks
+    if NT < BK or BK % DY:   # a thread decodes each step's row; bias rows split evenly
+        raise ValueError(f"all-taps wgrad tiles {t}: need at least {BK} threads and {BK} "
+                         f"a multiple of {DY}")
+    BMP, BNP = BM + 4, BN + 4   # rows stay 16-byte aligned for the register tile's loads
     A_SIZE, B_SIZE = BK * BMP, BK * BNP   # (shared sizes must be constants, not expressions)
+    RED_SIZE = DY * BM
+    multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=4 if BK % 4 == 0 else 1)
 
-    # 128 registers: two 256-thread blocks an SM (unbounded, the unrolled step takes 201).
+    # 80 registers: three 256-thread blocks an SM, with no spills.
     @jit(_WGRAD_SIG, writes=("part_w", "part_b"), in_place=(("part_b", "part_w"),),
-         max_registers=128)
+         max_registers=80)
     def wgrad_taps_kernel(x, dy, part_w, part_b, has_bias, N, C, H, W, K, P, Q, R, S, stride,
                           pad, chunk):
         tid = _u(cuda.threadIdx.x)
@@ -612,13 +618,12 @@ def _make_wgrad_taps_kernel(t: Tiles):
         CRS = C * RS
         l_begin = split * chunk
         l_end = min(N * PQ, l_begin + chunk)
-        sums_bias = has_bias != 0 and ty == _u(0)
         t_dy = cuda.shared.array(BK, np.int32)    # dy offset of row l (k = 0); -1: past the end
         t_x = cuda.shared.array(BK, np.int32)     # x offset of image n (c = 0)
         t_h = cuda.shared.array(BK, np.int32)     # top-left input pixel of row l's patch
         t_w = cuda.shared.array(BK, np.int32)
-        a_tile = cuda.shared.array(A_SIZE, np.float32)   # [l][k]
-        b_tile = cuda.shared.array(B_SIZE, np.float32)   # [l][j]
+        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)   # [l][k]
+        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)   # [l][j]
         acc = cuda.local.array((TM, TN), np.float32)
         bias_acc = cuda.local.array(TM, np.float32)
         a_reg = cuda.local.array(TM, np.float32)
@@ -672,29 +677,32 @@ def _make_wgrad_taps_kernel(t: Tiles):
                         v = x[_u(t_x[ll] + col_c[jj] + h * W + w)]
                     b_tile[ll * _u(BNP) + jj] = v
             cuda.syncthreads()
-            for ll in range(BK):
-                for i in range(TM):
-                    a_reg[i] = a_tile[_u(ll * BMP) + tx + _u(DX * i)]
-                for j in range(TN):
-                    b_reg[j] = b_tile[_u(ll * BNP) + ty + _u(DY * j)]
-                for i in range(TM):
-                    for j in range(TN):
-                        acc[i, j] += a_reg[i] * b_reg[j]
-                if sums_bias:
+            multiply(acc, a_reg, b_reg, a_tile, b_tile, _u(0), _u(0), tx, ty)
+            if has_bias != 0:
+                for u in range(BK // DY):
                     for i in range(TM):
-                        bias_acc[i] += a_reg[i]
+                        bias_acc[i] += a_tile[(ty + _u(DY * u)) * _u(BMP) + row(tx, i)]
             cuda.syncthreads()   # the next step's table and tiles overwrite these
 
         w_base = split * K * CRS
         for i in range(TM):
-            k = k0 + np.int32(tx + _u(DX * i))
+            k = k0 + np.int32(row(tx, i))
             if k < K:
                 for j in range(TN):
-                    jj = np.int32(ty + _u(DY * j))
+                    jj = np.int32(col(ty, j))
                     if jj < CRS:
                         part_w[_u(w_base + k * CRS + jj)] = acc[i, j]
-                if sums_bias:
-                    part_b[_u(split * K + k)] = bias_acc[i]
+        if has_bias != 0:   # the DY partial sums of each row k, added in order
+            red = cuda.shared.array(RED_SIZE, np.float32)   # [column group][k]
+            for i in range(TM):
+                red[ty * _u(BM) + row(tx, i)] = bias_acc[i]
+            cuda.syncthreads()
+            for kk in range(cuda.threadIdx.x, BM, NT):
+                v = np.float32(0.0)
+                for y in range(DY):
+                    v += red[y * BM + kk]
+                if k0 + kk < K:
+                    part_b[_u(split * K + k0 + kk)] = v
 
     return wgrad_taps_kernel
 
