@@ -5,6 +5,8 @@ argument and shows expected against actual, never as a wrong result or a GPU fau
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from proto.backend import extent, is_device_array
@@ -86,6 +88,23 @@ def same_shape(names_arrays) -> None:
     for n, a in rest:
         if tuple(a.shape) != tuple(a0.shape):
             raise ValueError(f"{n}: expected the shape of {n0} {tuple(a0.shape)}, got {tuple(a.shape)}")
+
+
+@functools.cache
+def resident_blocks(kernel, threads: int) -> int:
+    """How many blocks of `kernel` (`threads` each) the whole device runs at once: one wave.
+    2 on the simulator (one block at a time there; 2 still exercises grid strides)."""
+    from proto.backend import SIMULATOR
+    if SIMULATOR:
+        return 2
+    return next(iter(kernel.overloads.values())).max_cooperative_grid_blocks(threads)
+
+
+@functools.cache
+def sm_count() -> int:
+    """The device's SMs (2 on the simulator)."""
+    from proto.backend import SIMULATOR, cuda
+    return 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def grid_stride_launch(n: int, threads: int = 256) -> tuple[int, int]:

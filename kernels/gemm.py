@@ -40,7 +40,6 @@ runs after the product instead.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -582,19 +581,6 @@ gemm_decode_nt_kernel = NT.kernel
 
 
 # ---------------------------------------------------------------------------- launcher
-@functools.cache
-def _resident_blocks(kernel, threads: int) -> int:
-    """How many blocks of `kernel` the whole device runs at once (one wave)."""
-    if backend.SIMULATOR:  # one block at a time there; 2 still exercises the tile loop's stride
-        return 2
-    return next(iter(kernel.overloads.values())).max_cooperative_grid_blocks(threads)
-
-
-@functools.cache
-def _sm_count() -> int:
-    return 2 if backend.SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
-
-
 def pick_decode(trans_b: bool, batch: int, n_cols: int) -> Decode:
     """The decode kernel for a shape (H200 measurements, NOTES_decode.md): trans_b has one;
     [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
@@ -603,7 +589,7 @@ def pick_decode(trans_b: bool, batch: int, n_cols: int) -> Decode:
     split (768 columns)."""
     if trans_b:
         return NT
-    sms = _sm_count()
+    sms = _check.sm_count()
     if -(-n_cols // NN_WIDE_K.tile) * batch >= 2 * sms:
         return NN_WIDE_K
     if sms <= -(-n_cols // NN_COLS.tile) * batch <= 4 * sms:
@@ -627,7 +613,7 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
     span = -(-(-(-k_len // splits)) // step) * step  # whole batches per split
     span = min(span, SPAN_MAX)
     splits = -(-k_len // span)
-    cap = _resident_blocks(dk.kernel, dk.threads) if grid_cap is None else grid_cap
+    cap = _check.resident_blocks(dk.kernel, dk.threads) if grid_cap is None else grid_cap
     blocks = max(1, min(n_tiles, cap // (splits * batch)))
     return blocks, splits, span
 
@@ -681,7 +667,7 @@ def tiled_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
     products (an LSTM step: 9..64 rows against 4096 columns is 64 blocks for 132 SMs), so K is
     split until the grid has about `target_blocks` (two resident blocks per SM), each split
     at least TILED_MIN_SPAN rows of K so that its partial tile is worth writing."""
-    target = 2 * _sm_count() if target_blocks is None else target_blocks
+    target = 2 * _check.sm_count() if target_blocks is None else target_blocks
     tiles = -(-n_cols // BN) * -(-m_rows // BM) * batch
     splits = min(-(-target // tiles), k_len // TILED_MIN_SPAN, 65535 // batch)
     if splits < 2:
@@ -694,7 +680,7 @@ def tiled_tile(batch: int, m_rows: int, n_cols: int) -> Tiles:
     """WIDE_TILE (8 x 8 outputs a thread: twice the multiply-adds per shared load and per
     staged element) where its tiles alone make two blocks an SM, else TILE."""
     wide = -(-m_rows // WIDE_TILE.bm) * -(-n_cols // WIDE_TILE.bn) * batch
-    return WIDE_TILE if wide >= 2 * _sm_count() else TILE
+    return WIDE_TILE if wide >= 2 * _check.sm_count() else TILE
 
 
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,

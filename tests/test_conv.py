@@ -178,6 +178,26 @@ def test_gpu_all_taps_forward_tile_on_a_small_problem(tiles):
                     tiles=tiles)   # 36 reduction columns
 
 
+@given(base=st.integers(1, 600), L=st.integers(1, 10**7), wave=st.integers(1, 1200))
+def test_wgrad_splits_fill_whole_rounds_of_blocks(base, L, wave):
+    s = conv.wgrad_splits(base, L, 16, wave)
+    assert 1 <= s <= max(1, L // 128)                  # at least 8 steps of 16 a block
+    assert base * s <= max(base, 2 * wave + base)      # at most about two waves of blocks
+
+    def rounds_per_work(k):   # rounds of `wave` blocks, each block 1/k of the reduction
+        return -(-base * k // wave) / k
+    # never (beyond 2%) worse than the plain rule: as many splits as two waves hold
+    plain = max(1, min(L // 128, -(-2 * wave // base)))
+    assert rounds_per_work(s) <= 1.02 * rounds_per_work(plain)
+
+
+def test_wgrad_splits_of_vggs_layers_end_in_full_rounds():
+    # 9 blocks a split (a 64- or 128-channel layer's taps), 2 x 132 a wave: 29 splits run
+    # 261 blocks in one round, where 59 ran 531 in three (the third of 3 blocks).
+    assert conv.wgrad_splits(9, 4 * 12544, 16, 264) == 29
+    assert conv.wgrad_splits(36, 16 * 3136, 16, 264) == 7     # 252 blocks, one round
+
+
 def test_all_taps_wgrad_refuses_a_layer_wider_than_its_tile():
     t = conv.GPU_WGRAD_TAPS_TILES[0]
     x, dy = dev(np.zeros((1, 4, 3, 3), np.float32)), dev(np.zeros((1, 2, 3, 3), np.float32))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kernels import gemm as G
+from kernels import _check, gemm as G
 from kernels.layernorm import layernorm_ref
 from proto import backend
 from proto.backend import cuda
@@ -153,7 +153,7 @@ def test_the_wide_tile_matches_reference(k, flags, seed):
     """A product big enough for the 8 x 8-a-thread tile (two blocks an SM of it), with
     partial tiles on both edges and K not a whole number of steps."""
     trans_a, trans_b, act, has_bias, accumulate = flags
-    side = math.ceil(math.sqrt(2 * G._sm_count()))
+    side = math.ceil(math.sqrt(2 * _check.sm_count()))
     m, n = side * G.WIDE_TILE.bm - 5, side * G.WIDE_TILE.bn + 3
     assert G.tiled_tile(1, m, n) == G.WIDE_TILE   # (and one wide tile alone would not be:)
     assert G.tiled_tile(1, G.WIDE_TILE.bm, G.WIDE_TILE.bn) == G.TILE
@@ -195,7 +195,7 @@ def test_tiled_plan_covers_k_in_whole_slices_within_the_grid(m, n, k, batch, tar
     assert batch * splits <= max(batch, 65535)   # the grid's z dimension
     tiles = -(-n // G.BN) * -(-m // G.BM) * batch
     if splits > 1:   # split only while the grid is short of its target, in long spans
-        assert tiles < (target or 2 * G._sm_count()) and span >= G.TILED_MIN_SPAN
+        assert tiles < (target or 2 * _check.sm_count()) and span >= G.TILED_MIN_SPAN
     else:
         assert span >= k
 
