@@ -45,7 +45,8 @@ def _i(*shape):
 _BEAM = dict(values=_f(1, 4), indices=_i(1, 4), scores=_f(2, 1), tokens=_i(2, 1), parents=_i(2),
              hist_src=_i(2, 4), hist_dst=_i(2, 4), best=_f(1), best_hist=_i(4), best_meta=_i(3),
              state=_i(5), pos=_i(1), flag=_i(1))
-_WGRAD = dict(x=_f(2, 2, 4, 4), dy=_f(2, 3, 4, 4), dw=_f(3, 2, 3, 3), db=_f(3))
+# 2 x 8 x 8 = 128 reduction rows: a forced 2-way split stays two even at the widest step (32)
+_WGRAD = dict(x=_f(2, 2, 8, 8), dy=_f(2, 3, 8, 8), dw=_f(3, 2, 3, 3), db=_f(3))
 
 CASES = {
     "gelu": Case(dict(x=_f(6), out=_f(6)), lambda a: elementwise.gelu(a["x"], a["out"]),
@@ -96,8 +97,8 @@ CASES = {
     "conv2d_bwd_weight": Case(_WGRAD, lambda a: conv.conv2d_bwd_weight(
         a["x"], a["dy"], a["dw"], a["db"], pad=1, splits=1), ("dw", "db")),
     "conv2d_bwd_weight_split": Case(
-        {**_WGRAD, "workspace": _f(conv.wgrad_workspace_size((2, 2, 4, 4), (3, 2, 3, 3), pad=1,
-                                                             splits=2))},   # 2 splits of 16
+        {**_WGRAD, "workspace": _f(conv.wgrad_workspace_size((2, 2, 8, 8), (3, 2, 3, 3), pad=1,
+                                                             splits=2))},   # 2 splits of 64
         lambda a: conv.conv2d_bwd_weight(a["x"], a["dy"], a["dw"], a["db"], pad=1, splits=2,
                                          workspace=a["workspace"]), ("dw", "db", "workspace")),
     "topk": Case(dict(x=_f(2, 10), values=_f(2, 3), indices=_i(2, 3)),
