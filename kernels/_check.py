@@ -1,7 +1,8 @@
-"""Argument validation shared by every kernel launcher.
+"""Argument validation shared by every kernel launcher, and the launch geometry they share.
 
 Launchers call these before any launch so bad input fails with a message that names the
-argument and shows expected against actual, never as a wrong result or a GPU fault.
+argument and shows expected against actual, never as a wrong result or a GPU fault. The
+geometry helpers (grid-stride grids, resident blocks, SM count) size grids to the device.
 """
 from __future__ import annotations
 
