@@ -133,12 +133,14 @@ _CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float
              "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
 
 
-def make_conv_kernel(t: Tiles, transposed: bool):
+def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     """Forward (transposed=False) or backward-data (True) implicit GEMM for tile shape `t`.
 
     Arguments: src (N, CI, HI, WI), w, bias, has_bias, relu, dst (N, CO, HO, WO), then
     N, CI, HI, WI, CO, HO, WO, R, S, stride, pad. Forward: w is (CO, CI, R, S); backward-data
     reads dy as src and w (CI, CO, R, S), i.e. the forward weight with its roles swapped.
+    `unit_stride` (backward-data): compiled for stride 1 only, where every tap feeds an
+    output pixel, so no divisibility test (VGG's layers).
     """
     BM, BN, BK, TM, TN = t
     DX, DY = BM // TM, BN // TN
@@ -146,8 +148,11 @@ def make_conv_kernel(t: Tiles, transposed: bool):
     BNP = BN + 4                       # +4 columns: the k-fastest staging hits distinct banks,
     A_SIZE, B_SIZE = 2 * BK * BM, 2 * BK * BNP   # and rows stay 16-byte aligned
     # The forward writes a whole step's reduction rows out (one pass, 7% fewer instructions a
-    # step than pairs); backward-data would need 149 registers for that, so it takes pairs.
-    per_pass = BK if not transposed and BK <= 8 else (2 if BK % 2 == 0 else 1)
+    # step than pairs); so does backward-data at stride 1 with the wide tile (767 SASS
+    # instructions a step of 512 multiply-adds, ~870 in pairs); with its stride test it would
+    # need 149 registers, and the medium tile would spill at its 80, so those take pairs.
+    whole = BK <= 8 and (not transposed or (unit_stride and t.tm * t.tn >= 64))
+    per_pass = BK if whole else (2 if BK % 2 == 0 else 1)
     multiply, row, col = register_tile(t, BM, BNP, rows_per_pass=per_pass)
     store = _tile_store(TM, TN, row, col)
     # The wide tile (64 accumulators a thread) must stay within 128 registers, so that two
@@ -172,7 +177,7 @@ def make_conv_kernel(t: Tiles, transposed: bool):
             hh = p_h - r
             ww = p_w - s
             ok = p_base >= 0 and hh >= 0 and ww >= 0
-            if ok and stride != 1:
+            if not unit_stride and ok and stride != 1:
                 ok = hh % stride == 0 and ww % stride == 0
                 hh //= stride
                 ww //= stride

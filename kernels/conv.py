@@ -105,6 +105,8 @@ _CONV_TILES = GPU_CONV_TILES + (SIM_CONV_TILES if backend.SIMULATOR else ())
 _WGRAD_TILES = GPU_WGRAD_TILES + (SIM_WGRAD_TILES if backend.SIMULATOR else ())
 _FWD = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=False))
 _BWD_DATA = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=True))
+_BWD_DATA_UNIT = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=True,
+                                                                 unit_stride=True))
 _WGRAD = _build(_WGRAD_TILES, make_wgrad_kernel)
 _WGRAD_TAPS = _build(GPU_WGRAD_TAPS_TILES + (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else ()),
                      make_wgrad_taps_kernel)
@@ -218,7 +220,7 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, tiles=None, stream=0):
     t = _tiles_or(tiles, _BWD_DATA, lambda: _pick_conv_tiles(C))
     flat_w = w.reshape(w.size)
     grid = (math.ceil(N * H * W / t.bm), math.ceil(C / t.bn))
-    launch(_BWD_DATA[t], grid, t.threads,
+    launch((_BWD_DATA_UNIT if stride == 1 else _BWD_DATA)[t], grid, t.threads,
            (dy.reshape(dy.size), flat_w, flat_w, 0, 0, dx.reshape(dx.size),
             N, K, P, Q, C, H, W, R, S, stride, pad), stream)
 
