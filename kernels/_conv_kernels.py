@@ -299,8 +299,12 @@ def make_wgrad_kernel(t: Tiles):
     A_FULL, B_FULL = BM % NS == 0, BN % NS == 0
     BMP, BNP = BM + 4, BN + 4          # +4: the l-fastest staging spreads over the banks,
     A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # rows 16-byte aligned; [buf][l][k | c]
-    # Two reduction rows a loop pass: the wide tile stays at 128 registers with no spills.
-    multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=2 if BK % 2 == 0 else 1)
+    # Reduction rows a loop pass: two for the wide tile (128 registers, no spills; four
+    # spill), four for the others (the 64 x 64 tile's step: 966 SASS instructions, 1022 in
+    # pairs, still no spills).
+    per_pass = 2 if t.tm * t.tn >= 64 else 4
+    multiply, row, col = register_tile(t, BMP, BNP,
+                                       rows_per_pass=per_pass if BK % per_pass == 0 else 1)
     L_SIZE = 2 * BK
 
     @cuda.jit(device=True)
