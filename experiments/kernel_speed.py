@@ -251,8 +251,7 @@ def _cases(s: dict, torch) -> list[Case]:
     if "lstm" in OPTIONAL:
         cases.append(_lstm_case(s, rng, torch, tt))
     for stage, dims in s["convs"].items():
-        cases.extend(c for c in _conv_cases(stage, dims, rng, torch, tt)
-                     if c.name in {f"{stage}_{kind}" for kind in conv_kinds(stage)})
+        cases.extend(_conv_cases(stage, dims, rng, torch, tt))
     cases.append(_pool_bwd_case(s["pool"], rng, torch, tt))
     return cases
 
@@ -390,9 +389,9 @@ def _lstm_case(s, rng, torch, tt) -> Case:
 
 
 def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
-    """A VGG layer's three convolutions (3x3, pad 1, ReLU fused into the forward; the weight
-    gradient with the bias gradient) against cuDNN's fp32 (TF32 off) through torch; kernels
-    named f"{stage}_fwd" and so on."""
+    """A VGG layer's convolutions (3x3, pad 1, ReLU fused into the forward; the weight
+    gradient with the bias gradient; those of `conv_kinds(stage)`) against cuDNN's fp32 (TF32
+    off) through torch; kernels named f"{stage}_fwd" and so on."""
     from kernels import conv
     N, C, K, HW = dims
     x = rng.standard_normal((N, C, HW, HW), dtype=np.float32)
@@ -420,7 +419,7 @@ def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
     def result_of(fn, index=None):
         return None if fn is None else (
             lambda: (fn() if index is None else fn()[index]).cpu().numpy())
-    return [
+    cases = [
         Case(f"{stage}_fwd", shape + ", bias, relu", "compute", 2 * act_bytes + 4 * (w.size + K),
              flops, lambda: conv.conv2d(dx_, dw_, db_, out, pad=1, relu=True),
              out.copy_to_host, fwd, result_of(fwd)),
@@ -431,6 +430,7 @@ def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
              flops, lambda: conv.conv2d_bwd_weight(dx_, ddy, dwg, dbg, pad=1, workspace=work),
              dwg.copy_to_host, bwd_weight, result_of(bwd_weight, 0)),
     ]
+    return [c for c in cases if c.name in {f"{stage}_{kind}" for kind in conv_kinds(stage)}]
 
 
 def _pool_bwd_case(dims, rng, torch, tt) -> Case:

@@ -112,6 +112,9 @@ _WGRAD_TAPS = _build(GPU_WGRAD_TAPS_TILES + (SIM_WGRAD_TAPS_TILES if backend.SIM
                      make_wgrad_taps_kernel)
 _FWD_TAPS = _build(GPU_CONV_TAPS_TILES + (SIM_CONV_TAPS_TILES if backend.SIMULATOR else ()),
                    make_conv_taps_kernel)
+# The all-taps tiles this device takes unless a test forces another
+_FWD_TAPS_TILE = (SIM_CONV_TAPS_TILES if backend.SIMULATOR else GPU_CONV_TAPS_TILES)[0]
+_WGRAD_TAPS_TILE = (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else GPU_WGRAD_TAPS_TILES)[0]
 
 
 # ---------------------------------------------------------------------------- tile choice
@@ -177,6 +180,20 @@ def _check_geometry(x_shape, w, stride, pad, w_name="w"):
     return int(stride), int(pad), (N, C, H, W, K, R, S, P, Q)
 
 
+def _all_taps(tiles, table, default: Tiles, axis: str, columns: int) -> Tiles | None:
+    """The all-taps tile for a layer of `columns` (C*R*S) reduction columns, which a tile
+    holds `axis` ("bk" or "bn") of: `tiles` where it is one of `table`'s (refused if too
+    narrow), `default` where none is forced and the columns fit it; else None, the tap-major
+    kernels."""
+    if tiles not in table and not (tiles is None and columns <= getattr(default, axis)):
+        return None
+    t = default if tiles is None else tiles
+    if columns > getattr(t, axis):
+        raise ValueError(f"tiles: {t} takes at most {getattr(t, axis)} columns (C*R*S), "
+                         f"got {columns}")
+    return t
+
+
 def _tiles_or(tiles, table, pick):
     if tiles is None:
         return pick()
@@ -195,12 +212,8 @@ def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, stream=0
     relu = _check.flag("relu", relu)
     if bias is not None:
         _check.device_array("bias", bias, shape=(K,))
-    taps_tile = (SIM_CONV_TAPS_TILES if backend.SIMULATOR else GPU_CONV_TAPS_TILES)[0]
-    if tiles in _FWD_TAPS or (tiles is None and C * R * S <= taps_tile.bk):
-        t = taps_tile if tiles is None else tiles
-        if C * R * S > t.bk:
-            raise ValueError(f"tiles: {t} reduces at most {t.bk} (C*R*S) in its one step, "
-                             f"got {C * R * S}")
+    t = _all_taps(tiles, _FWD_TAPS, _FWD_TAPS_TILE, "bk", C * R * S)   # all in one step
+    if t is not None:
         kernel = _FWD_TAPS[t]
     else:
         t = _tiles_or(tiles, _FWD, lambda: _pick_conv_tiles(K))
@@ -237,11 +250,8 @@ def _wgrad_launch(geometry, tiles, splits) -> _WgradLaunch:
     """How a backward-weight runs: the all-taps kernel where C*R*S fits its column tile, else
     a tap per block; the reduction over L = N*P*Q cut into `splits` chunks."""
     N, C, H, W, K, R, S, P, Q = geometry
-    taps_tile = (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else GPU_WGRAD_TAPS_TILES)[0]
-    if tiles in _WGRAD_TAPS or (tiles is None and C * R * S <= taps_tile.bn):
-        t = taps_tile if tiles is None else tiles
-        if C * R * S > t.bn:
-            raise ValueError(f"tiles: {t} takes at most {t.bn} columns (C*R*S), got {C * R * S}")
+    t = _all_taps(tiles, _WGRAD_TAPS, _WGRAD_TAPS_TILE, "bn", C * R * S)   # all in a block
+    if t is not None:
         kernel, grid = _WGRAD_TAPS[t], (math.ceil(K / t.bm), 1, 1)
     else:
         t = _tiles_or(tiles, _WGRAD, lambda: _pick_wgrad_tiles(K, C))

@@ -171,23 +171,24 @@ class PageLedger(Visitor):
         self.clock += 1
         super().visit(act, at)
 
-    def alloc(self, act: Action, at: At) -> None:
-        pages = self._pages[act.tensor]
+    def _bring_in(self, name: str) -> np.ndarray:
+        """`name`'s pages resident and live, room made for those that were not; returns
+        those that were not (no live or dead tensor left them resident)."""
+        pages = self._pages[name]
         new = pages[~self.dead[pages] & (self.held[pages] == 0)]
         self._make_room(len(new), pages)
         self.held[pages] += 1
         self.dead[pages] = False
-        self.filled = page_runs(new)
         self._note()
+        return new
+
+    def alloc(self, act: Action, at: At) -> None:
+        self.filled = page_runs(self._bring_in(act.tensor))
 
     recompute = alloc
 
     def prefetch(self, act: Action, at: At) -> None:
-        pages = self._pages[act.tensor]
-        self._make_room(int(np.count_nonzero((self.held[pages] == 0) & ~self.dead[pages])), pages)
-        self.held[pages] += 1
-        self.dead[pages] = False
-        self._note()
+        self._bring_in(act.tensor)
 
     def _make_room(self, coming: int, keep: np.ndarray) -> None:
         """Discard the oldest dead pages (none of `keep`) so `coming` more pages fit."""
