@@ -154,7 +154,9 @@ class _HF(_Method):
 
     def __init__(self, config, state_dict, beam: int, compiled: bool):
         from experiments.hf_gpt2 import HFChild   # its own process, as a user runs it
-        self.search = HFChild(config, state_dict, beam=beam, compiled=compiled)
+        # (a generation, compilation included, takes a few minutes at most; a child silent
+        # for ten is stuck, and a device session cannot wait for it)
+        self.search = HFChild(config, state_dict, beam=beam, compiled=compiled, timeout_s=600)
 
     def warmup(self, prompt, new: int) -> None:
         self.search.generate(prompt, new if self.search.compiled else min(8, new))
