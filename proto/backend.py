@@ -95,6 +95,16 @@ def _lock_simulated_shared_arrays() -> None:
 if SIMULATOR:
     _lock_simulated_shared_arrays()
 
+if SIMULATOR:
+    def ldcg(array, index):
+        """A plain load: the simulator has no caches (and Numba's simulator no cache hints)."""
+        return array[index]
+else:
+    # ld.global.cg: a load served by L2, never by the SM's own L1. L1 is not coherent across
+    # SMs, so a block that reads what other blocks of the same launch wrote (after their
+    # threadfence and an atomic count) reads it this way.
+    ldcg = cuda.ldcg
+
 if os.environ.get("PROTO_QUIET") != "1":
     print(f"[proto] backend: {NAME}", file=sys.stderr)
 
@@ -271,6 +281,20 @@ def launch(kernel, griddim, blockdim, args, stream=0, sharedmem=0):
 
 
 ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects it to
+
+
+def persistent_zeros(size: int, dtype):
+    """A zeroed device array made without a host copy (cuMemsetD8), so also while a graph is
+    being recorded, where host<->device copies are refused: for state that lives beside
+    every graph and that its kernels keep consistent (kernels.gemm's tile counters), never
+    for a graph's data."""
+    arr = cuda.device_array(size, dtype)
+    if SIMULATOR:   # (the simulator's device arrays are host memory)
+        arr[:] = 0
+    else:
+        from numba.cuda.cudadrv import driver
+        driver.device_memset(arr, 0, arr.nbytes)   # synchronous
+    return arr
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
