@@ -299,21 +299,23 @@ def attention_combine_kernel(pos, tmax, span, part_o, part_ml, out):
         out[b, t, h * hd + d] = NAN if bad else o / total
 
 
-@jit("void(float32[:, :, ::1], int32[::1], int32[::1], int32, int32, float32[:, :, ::1])",
-     writes=("dst",))
+@jit("void(float32[:, :, :, ::1], int32[::1], int32[::1], int32, int32, "
+     "float32[:, :, :, ::1])", writes=("dst",))
 def gather_batch_kernel(src, index, length, width, fixed, dst):
-    """Grid (X, H, B) over (B, H, P * width) views: dst[b, h, :n * width] =
-    src[index[b], h, :n * width], the first n of P positions, n = fixed if fixed >= 0 else
-    length[0] (read on the device). An index or n out of range gives a whole NaN row."""
-    b, h = cuda.blockIdx.z, cuda.blockIdx.y
+    """Grid (X, H, G * B) over (G, B, H, P * width) views: dst[g, b, h, :n * width] =
+    src[g, index[b], h, :n * width] for every group g (the layers' K and V of a cache move
+    in one launch), the first n of P positions, n = fixed if fixed >= 0 else length[0]
+    (read on the device). An index or n out of range gives a whole NaN row."""
+    B = dst.shape[1]
+    g, b, h = cuda.blockIdx.z // B, cuda.blockIdx.z % B, cuda.blockIdx.y
     i = index[b]
     n = fixed if fixed >= 0 else length[0]
-    row = dst.shape[2]
-    ok = 0 <= i < src.shape[0] and 0 <= n and n * width <= row
+    row = dst.shape[3]
+    ok = 0 <= i < B and 0 <= n and n * width <= row
     end = n * width if ok else row
     for e in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, end,
                    cuda.gridDim.x * cuda.blockDim.x):
-        dst[b, h, e] = src[i, h, e] if ok else NAN
+        dst[g, b, h, e] = src[g, i, h, e] if ok else NAN
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -380,25 +382,31 @@ def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
     caches with this. dst must not overlap src (checked at launch): rows are read while
     others are written.
 
-    With `length` (device int32 (1,), read on the device), src and dst are caches (B, H, T,
-    hd) and only the live prefix moves: dst[b, :, :n] = src[index[b], :, :n], n = length[0];
-    the rest of dst is left as it was. n outside 0..T gives NaN rows (every position)."""
+    With `length` (device int32 (1,), read on the device), src and dst are caches
+    (..., B, H, T, hd) and only the live prefix moves: dst[..., b, :, :n] =
+    src[..., index[b], :, :n], n = length[0]; the rest of dst is left as it was. Leading
+    axes stack caches that move together (GPT-2's K and V of every layer: one launch). n
+    outside 0..T gives NaN rows (every position)."""
     _check.device_array("src", src)
-    B = src.shape[0]
+    if length is None:   # one "position" per row, taken whole; `length` is never read
+        B = src.shape[0]
+        G, H, positions, width, fixed, length = 1, 1, 1, src.size // max(B, 1), 1, index
+    else:
+        if src.ndim < 4:
+            raise ValueError(f"src: a live-prefix gather needs (..., B, H, T, hd) caches, got "
+                             f"{src.ndim} dimensions")
+        B, H, positions, width = src.shape[-4:]
+        G, fixed = src.size // max(B * H * positions * width, 1), -1
+        _check.device_array("length", length, dtype=np.int32, shape=(1,))
     _check.device_array("index", index, dtype=np.int32, shape=(B,))
     _check.device_array("dst", dst, shape=tuple(src.shape))
-    if length is None:   # one "position" per row, taken whole; `length` is never read
-        H, positions, width, fixed, length = 1, 1, src.size // B, 1, index
-    else:
-        if src.ndim != 4:
-            raise ValueError(f"src: a live-prefix gather needs a (B, H, T, hd) cache, got "
-                             f"{src.ndim} dimensions")
-        _check.device_array("length", length, dtype=np.int32, shape=(1,))
-        _, H, positions, width = src.shape
-        fixed = -1
     row = positions * width
     threads = min(256, _round_warp(row))
-    blocks = max(1, min(math.ceil(row / threads), 1024 // (B * H)))
-    launch(gather_batch_kernel, (blocks, H, B), threads,
-           (src.reshape(B, H, row), index, length, np.int32(width), np.int32(fixed),
-            dst.reshape(B, H, row)), stream)
+    # about 4096 blocks in all, however many caches are stacked: enough to keep every SM's
+    # loads in flight, few enough that a short prefix does not launch thousands of idle ones
+    blocks = max(1, min(math.ceil(row / threads), 4096 // (G * B * H)))
+    if G * B > 65535:
+        raise ValueError(f"src: {G} stacked caches of batch {B} exceed the grid's 65535")
+    launch(gather_batch_kernel, (blocks, H, G * B), threads,
+           (src.reshape(G, B, H, row), index, length, np.int32(width), np.int32(fixed),
+            dst.reshape(G, B, H, row)), stream)

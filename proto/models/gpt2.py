@@ -111,9 +111,12 @@ def random_state_dict(config: GPT2Config, seed: int = 0) -> dict[str, np.ndarray
 
 
 class KVCache:
-    """Keys and values of every layer: `k[i]`, `v[i]` device float32 (B, H, max_len, hd).
+    """Keys and values of every layer: `k[i]`, `v[i]` device float32 (B, H, max_len, hd),
+    views of one array `data` (2, L, B, H, max_len, hd).
 
-    Batch first, so `reorder_into` moves whole beams with kernels.attention.gather_batch.
+    Batch first, so `reorder_into` moves whole beams with kernels.attention.gather_batch, and
+    one allocation, so it moves every layer's K and V in one launch (2L launches cost a
+    beam-search step 2L graph nodes).
     Beam search keeps two caches and gathers from one into the other, never in place.
     """
 
@@ -121,9 +124,11 @@ class KVCache:
         _check.positive("batch", batch)
         _check.positive("max_len", max_len, at_most=config.n_positions)
         self.config, self.batch, self.max_len = config, batch, max_len
-        shape = (batch, config.n_head, max_len, config.head_dim)
-        self.k = [zeros(shape) for _ in range(config.n_layer)]
-        self.v = [zeros(shape) for _ in range(config.n_layer)]
+        L = config.n_layer
+        self.data = zeros((2, L, batch, config.n_head, max_len, config.head_dim))
+        self.k = [self.data[0, i] for i in range(L)]
+        self.v = [self.data[1, i] for i in range(L)]
+        self._capacity = cuda.to_device(np.array([max_len], np.int32))  # reorder's default length
 
     def arrays(self) -> list:
         """Every batch-first device array of the cache (what a reorder must move)."""
@@ -137,8 +142,9 @@ class KVCache:
             raise ValueError("dst: expected a KVCache of the same config, batch and max_len")
         if dst is self:
             raise ValueError("dst: must be another KVCache (gather_batch cannot work in place)")
-        for src_array, dst_array in zip(self.arrays(), dst.arrays()):
-            attention.gather_batch(src_array, index, dst_array, length=length, stream=stream)
+        if length is None:   # the whole capacity moves
+            length = self._capacity
+        attention.gather_batch(self.data, index, dst.data, length=length, stream=stream)
 
 
 @dataclasses.dataclass(frozen=True)
