@@ -32,6 +32,7 @@ import numpy as np
 from proto import backend, timing
 from proto.backend import cuda, jit, launch
 from kernels import attention as A
+from kernels._lastblock import launch_counters
 from kernels import gemm as G
 from kernels import layernorm as LN
 
@@ -325,10 +326,8 @@ class AttentionCase:
             part_o = backend.empty((1, 1, 1, 1), np.float32, "attention.partials")
             part_ml = backend.empty((1, 1, 1, 2), np.float32, "attention.stats")
         launch(variant.kernel, (B_ATT * H_ATT, 1, splits), variant.threads,
-               (qkv, k, v, self.pos, out, np.int32(span), part_o, part_ml), stream)
-        if splits > 1:
-            launch(A.attention_combine_kernel, (B_ATT * H_ATT, 1), A._round_warp(HD),
-                   (self.pos, np.int32(TMAX), np.int32(span), part_o, part_ml, out), stream)
+               (qkv, k, v, self.pos, out, np.int32(span), part_o, part_ml,
+                launch_counters(B_ATT * H_ATT)), stream)
 
     def check(self, variant, pos, target) -> float:
         qkv = RNG.standard_normal((B_ATT, 1, 3 * self.C), dtype=np.float32)

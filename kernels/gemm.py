@@ -24,9 +24,8 @@ Two kernel families, chosen by `gemm` from the shapes:
   for 132 SMs, so K is split too: each block writes its partial sums to scratch and counts
   itself in on an atomic counter per tile; the tile's last block adds the partials in split
   order (deterministic: the order never depends on which block came last) and applies the
-  epilogue, in the same launch ("last block reduces", as CUDA's threadFenceReduction
-  sample does). A second launch for the sum cost more than the sum: a graph node and a
-  kernel's fixed cost, 24 times a GPT-2 small step. 2304 and 3072 columns make enough
+  epilogue, in the same launch (kernels._lastblock). A second launch for the sum cost more
+  than the sum: a graph node and a kernel's fixed cost, 24 times a GPT-2 small step. 2304 and 3072 columns make enough
   16-column tiles to stream the whole K in one launch, which applies the epilogue itself. Each block issues its first
   batch of weight loads before it stages op(a), and a persistent block the next tile's
   before it sums the last, so the weight's memory latency hides that work. Full batches
@@ -51,6 +50,7 @@ import numpy as np
 
 from kernels import _check
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
+from kernels._lastblock import count_in, launch_counters
 from kernels._reduce import block_allreduce, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto import backend
@@ -163,25 +163,6 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
             vals[m] = a[bz, k, mm] if trans_a else a[bz, mm, k]
         for m in range(M8):
             xs[_u(m * SPAN_MAX) + kk] = vals[m] if kk < length else _ZERO
-
-
-@cuda.jit(device=True)
-def _count_in(counters, at, total, flag):
-    """Every thread of the block: make this block's global writes visible, then count the
-    block in at counters[at]; returns whether it was the last of `total` (the counter is then
-    back at zero for the next launch). Ends with a barrier, so `flag` (shared) is free
-    again once every thread has read the result."""
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        last = cuda.atomic.add(counters, at, 1) == np.int32(total) - np.int32(1)
-        if last:
-            counters[at] = 0
-        flag[0] = 1 if last else 0
-    cuda.syncthreads()
-    last = flag[0] != 0
-    cuda.syncthreads()
-    return last
 
 
 @cuda.jit(device=True)
@@ -423,7 +404,7 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
         writes y = layernorm(out) row by row. Counters end each launch at zero."""
         xs = cuda.shared.array(_XS, np.float32)        # (8, SPAN_MAX) op(a), this K range
         red = cuda.shared.array(red_size, np.float32)  # (row groups, 8, tile) partial sums
-        flag = cuda.shared.array(1, np.int32)          # _count_in's answer
+        flag = cuda.shared.array(1, np.int32)          # count_in's answer
         acc = cuda.local.array(acc_size, np.float32)   # [m * cols + c]
         wv = cuda.local.array(wv_size, np.float32)     # [u * cols + c]
         col = cuda.local.array(cols, np.uint32)
@@ -491,11 +472,11 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
                         part[bz, split, m, n] = v
             cuda.syncthreads()  # `red` is rewritten by the next tile
             done = direct   # (uniform over the block, as every branch around a barrier here)
-            if reduces and not direct and _count_in(counters, counter, splits, flag):
+            if reduces and not direct and count_in(counters, counter, splits, flag):
                 _reduce_tile(part, out, bias, has_bias, act, accumulate, bz, n0, tile,
                              m_rows, n_cols, splits, vals)
                 done = True
-            if reduces and has_ln and done and _count_in(
+            if reduces and has_ln and done and count_in(
                     counters, _u(cuda.gridDim.z) * _u(n_tiles) + bz, n_tiles, flag):
                 _layernorm_rows(out, gamma, beta, eps, y, bz, m_rows, n_cols, xv, red)
 
@@ -674,20 +655,6 @@ def fuses_layernorm(dk: Decode, n_cols: int) -> bool:
     return dk.reduces and n_cols <= LN_TAIL_COLS * dk.threads
 
 
-_counters: list = []   # every counter array ever handed out (graphs keep their addresses)
-
-
-def _tile_counters(n: int):
-    """A zeroed device int32 array of at least n counters for the in-kernel split-K
-    reduction. One array serves every launch: a launch leaves its counters at zero, and
-    launches that share it run one after another (a launch declares it written, so the
-    graph layer's race check refuses two that could run at once). Never freed: a graph
-    holds its address."""
-    if not _counters or _counters[-1].size < n:
-        _counters.append(backend.persistent_zeros(max(n, 1024), np.int32))
-    return _counters[-1]
-
-
 def _partials(out, splits: int, direct: bool):
     """The split-K scratch (batch, splits, M, N) for `out`: scratch of this call only (the
     reduction right after reads it, nothing later); a placeholder no kernel touches when the
@@ -728,7 +695,7 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
             eps, y = 1.0, backend.empty((1, 1, 1), np.float32, "gemm.no_ln")
         else:
             gamma, beta, eps, y = ln_out
-        counters = _tile_counters(batch * (-(-n_cols // dk.tile) + 1))
+        counters = launch_counters(batch * (-(-n_cols // dk.tile) + 1))
         launch(dk.kernel, (blocks, splits, batch), dk.threads,
                (a, b, out, bias, part, counters, gamma, beta, y, has_bias, act, accumulate,
                 trans_a, int(ln_out is not None), np.float32(eps), np.int32(span)), stream)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kernels import _check, gemm as G
+from kernels import _check, _lastblock, gemm as G
 from kernels.layernorm import layernorm_ref
 from proto import backend
 from proto.backend import cuda
@@ -154,7 +154,7 @@ def test_in_kernel_reduction_leaves_its_counters_at_zero():
         if ln:
             np.testing.assert_allclose(y.copy_to_host(), layernorm_ref(want, gamma, beta),
                                        atol=2e-5, rtol=1e-4)
-        assert not G._counters[-1].copy_to_host().any()
+        assert not _lastblock._counters[-1].copy_to_host().any()
 
 
 def test_two_split_gemms_that_could_run_at_once_are_a_race():
@@ -297,7 +297,7 @@ def test_residual_shapes_reduce_and_normalize_in_one_launch(k):
     for out, y in runs[1:]:
         np.testing.assert_array_equal(out, runs[0][0])
         np.testing.assert_array_equal(y, runs[0][1])
-    assert not G._counters[-1].copy_to_host().any()
+    assert not _lastblock._counters[-1].copy_to_host().any()
 
 
 def test_bias_may_alias_an_input():

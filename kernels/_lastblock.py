@@ -1,0 +1,51 @@
+"""The "last block reduces" pattern: blocks of one launch that each produce a part of a
+result count themselves in on a device counter, and the block that arrives last combines the
+parts, in the same launch (as CUDA's threadFenceReduction sample does). It saves the second
+launch (a graph node and a kernel's fixed cost) that a separate combining kernel costs.
+
+Why it is correct: every block makes its writes visible device-wide (threadfence) before it
+counts in with an atomic add; the block that sees the count reach the total is therefore
+after every part in memory order, and it reads the parts through L2 (`proto.backend.ldcg`),
+because its SM's L1 is not coherent with the other SMs' writes. The combining order is fixed
+by the data (split 0, 1, ...), never by which block came last: results are deterministic.
+
+The counters live in one persistent device array (`launch_counters`): the last block resets
+its counter, so each launch leaves them at zero for the next. Launches that share them must
+run one after another; kernels declare the array written, so the graph layer's race check
+refuses two launches that could run at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from proto import backend
+from proto.backend import cuda
+
+_counters: list = []   # every counter array ever handed out (graphs keep their addresses)
+
+
+def launch_counters(n: int):
+    """A device int32 array of at least n counters, all zero between launches. Never freed:
+    a graph holds its address."""
+    if not _counters or _counters[-1].size < n:
+        _counters.append(backend.persistent_zeros(max(n, 4096), np.int32))
+    return _counters[-1]
+
+
+@cuda.jit(device=True)
+def count_in(counters, at, total, flag):
+    """Every thread of the block: make this block's global writes visible, then count the
+    block in at counters[at]; returns whether it was the last of `total` (the counter is then
+    back at zero). `flag`: a shared int32 array of 1. Ends with a barrier, so the caller may
+    reuse `flag` and shared memory at once."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        last = cuda.atomic.add(counters, at, 1) == np.int32(total) - np.int32(1)
+        if last:
+            counters[at] = 0
+        flag[0] = 1 if last else 0
+    cuda.syncthreads()
+    last = flag[0] != 0
+    cuda.syncthreads()
+    return last
