@@ -86,7 +86,7 @@ _FP32_LANES = {(6, 0): 64, (7, 0): 64, (8, 0): 64}
 
 # Kernels of other modules, measured only where the module exists: module -> its cases.
 OPTIONAL = {m: cases for m, cases in {"attention": ["attention_decode"],
-                                      "sampling": ["argmax", "topk"],
+                                      "sampling": ["argmax", "topk", "beam_topk"],
                                       "lstm": ["lstm_cell"]}.items()
             if importlib.util.find_spec(f"kernels.{m}") is not None}
 
@@ -362,7 +362,30 @@ def _sampling_cases(s, rng, torch, tt) -> list[Case]:
              lambda: sampling.topk(dscores, k, values, indices), values.copy_to_host,
              (lambda: torch.topk(ts, k)) if torch else None,
              (lambda: torch.topk(ts, k).values.cpu().numpy()) if torch else None),
+        _beam_topk_case(s, rng, torch, tt),
     ]
+
+
+def _beam_topk_case(s, rng, torch, tt) -> Case:
+    """A beam-search step's whole candidate choice: the top 2B of log_softmax(logits) + the
+    beams' scores over B x vocab (PyTorch: log_softmax, add, topk over the flattened row)."""
+    from kernels import sampling
+    B, V = s["B"], s["V"]
+    k = min(2 * B, sampling.KMAX)
+    logits = rng.standard_normal((B, V), dtype=np.float32)
+    scores = -np.abs(rng.standard_normal((B, 1), dtype=np.float32))
+    dl, ds = _dev(logits), _dev(scores)
+    values, indices = cuda.device_array((1, k), np.float32), cuda.device_array((1, k), np.int32)
+    theirs = None
+    if torch:
+        import torch.nn.functional as F
+        tl, tsc = tt(logits), tt(scores)
+
+        def theirs():
+            return torch.topk((F.log_softmax(tl, -1) + tsc).reshape(1, -1), k)
+    return Case("beam_topk", f"{B}x{V}, k {k}", "memory", 4 * B * V, 0,
+                lambda: sampling.beam_topk(dl, ds, k, values, indices), values.copy_to_host,
+                theirs, (lambda: theirs().values.cpu().numpy()) if torch else None)
 
 
 def _lstm_case(s, rng, torch, tt) -> Case:

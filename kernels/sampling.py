@@ -22,8 +22,10 @@ import math
 
 import numpy as np
 
-from kernels import _check
+from kernels import _check, softmax
+from kernels._lastblock import count_in, launch_counters
 from kernels._reduce import converged_syncthreads
+from proto import backend
 from proto.backend import cuda, jit, launch
 
 KMAX = 8                  # local arrays are sized by this; k is a runtime argument up to it
@@ -231,6 +233,91 @@ def argmax(x, out, *, stream=0) -> None:
     _check.separate({"out": out}, {"x": x})   # two launches
     _, _, scratch_values = _candidates(R, _stage1_config(V)[0])
     _launch_topk(x, 1, scratch_values, out.reshape(R, 1), stream)
+
+
+# ---------------------------------------------------------------------------- a beam step's top-k
+def beam_topk_ref(logits: np.ndarray, scores: np.ndarray, k: int):
+    """The top k of log_softmax(logits) + scores over all beams and tokens (one row of
+    beams * vocab, flat index b * V + token), as topk_ref orders them."""
+    from kernels.softmax import log_softmax_ref
+    flat = (log_softmax_ref(logits) + np.asarray(scores, np.float32)).reshape(1, -1)
+    return topk_ref(flat.astype(np.float32), k)
+
+
+@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
+     "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1])",
+     writes=("cand_v", "cand_i", "counters", "values", "indices"))
+def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
+    """Grid (spans, R), after softmax.log_softmax_partials_kernel: block (i, row) ranks
+    (x[row, j] - shift[row]) + scores[row] over span i of the row (the log-softmax and the
+    beam's running score, the same float32 operations as log_softmax then adding the score)
+    into k candidates of flat index row * V + j; the launch's last block merges every
+    block's candidates into values/indices[0, :k] (kernels._lastblock)."""
+    flag = cuda.shared.array(1, np.int32)
+    tv = cuda.local.array(KMAX, np.float32)
+    ti = cuda.local.array(KMAX, np.int32)
+    i, row = cuda.blockIdx.x, cuda.blockIdx.y
+    R, V = x.shape
+    spans = part_m.shape[1]
+    shift = softmax.row_shift(part_m, part_s, row)
+    score = scores[row, 0]
+    lo, hi = softmax.span_bounds(V, spans, i)
+    for q in range(KMAX):
+        tv[q] = NEG_INF
+        ti[q] = SENTINEL
+    for base in range(lo, hi, cuda.blockDim.x):   # the same trips in every thread
+        j = base + cuda.threadIdx.x
+        if j < hi:
+            v = (x[row, j] - shift) + score
+            if v != v:  # NaN ranks as -inf
+                v = NEG_INF
+            _insert(tv, ti, k, v, np.int32(row * V + j))
+    _merge_block(tv, ti, k, cand_v[row, i], cand_i[row, i])
+    if count_in(counters, 0, cuda.gridDim.x * cuda.gridDim.y, flag):
+        for q in range(KMAX):
+            tv[q] = NEG_INF
+            ti[q] = SENTINEL
+        n = R * spans * k
+        for base in range(0, n, cuda.blockDim.x):   # the same trips in every thread
+            e = base + cuda.threadIdx.x
+            if e < n:
+                r = e // (spans * k)
+                rest = e - r * spans * k
+                blk = rest // k
+                q = rest - blk * k
+                at = (np.int32(r), np.int32(blk), np.int32(q))
+                _insert(tv, ti, k, backend.ldcg(cand_v, at), backend.ldcg(cand_i, at))
+        _merge_block(tv, ti, k, values[0], indices[0])
+
+
+def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:
+    """values/indices[0] = the k best continuations of a beam-search step: the top k of
+    log_softmax(logits[b]) + scores[b] over every beam b and token (flat index b * V +
+    token), descending, ties to the lower index, NaN as -inf. Two launches: the rows' span
+    partials (max, sum of exp), then one that ranks each span and merges (topk's order,
+    log_softmax's arithmetic), instead of log_softmax, adding the scores and topk (five).
+
+    logits (R, V) float32, at most 65535 rows; scores (R, 1) float32; values (1, k)
+    float32; indices (1, k) int32; 1 <= k <= min(8, R * V)."""
+    R, V = _check_x(logits)
+    _check.device_array("scores", scores, shape=(R, 1))
+    k = _check.positive("k", k, at_most=min(KMAX, R * V))
+    _check.device_array("values", values, shape=(1, k))
+    _check.device_array("indices", indices, dtype=np.int32, shape=(1, k))
+    _check.separate({"values": values, "indices": indices}, {"logits": logits, "scores": scores})
+    if R * V > 2**31 - 1:
+        raise ValueError(f"logits: {R} x {V} candidates exceed int32 indices")
+    spans = -(-V // softmax.SPAN)
+    part_m = backend.empty((R, spans), np.float32, "beam_topk.max")
+    part_s = backend.empty((R, spans), np.float32, "beam_topk.sumexp")
+    cand_v = backend.empty((R, spans, KMAX), np.float32, "beam_topk.cand_v")
+    cand_i = backend.empty((R, spans, KMAX), np.int32, "beam_topk.cand_i")
+    threads = softmax.SPLIT_THREADS
+    launch(softmax.log_softmax_partials_kernel, (spans, R), threads, (logits, part_m, part_s),
+           stream)
+    launch(beam_topk_kernel, (spans, R), threads,
+           (logits, scores, part_m, part_s, np.int32(k), cand_v, cand_i, launch_counters(1),
+            values, indices), stream)
 
 
 # ---------------------------------------------------------------------------- a search's score check

@@ -187,7 +187,7 @@ SPLIT_MIN_COLS = 2 * SPAN                      # shorter rows keep one block eac
 
 
 @cuda.jit(device=True)
-def _span(n, spans, i):
+def span_bounds(n, spans, i):
     """[lo, hi) of span i of `spans` over n columns (the last may be short)."""
     width = (n + spans - 1) // spans
     return min(i * width, n), min((i + 1) * width, n)
@@ -199,19 +199,17 @@ def log_softmax_partials_kernel(x, part_m, part_s):
     buf_m = cuda.shared.array(SPLIT_THREADS, np.float32)
     buf_s = cuda.shared.array(SPLIT_THREADS, np.float32)
     i, row = cuda.blockIdx.x, cuda.blockIdx.y
-    lo, hi = _span(x.shape[1], part_m.shape[1], i)
+    lo, hi = span_bounds(x.shape[1], part_m.shape[1], i)
     m, s = _row_max_sumexp(x, row, lo, hi, buf_m, buf_s)
     if cuda.threadIdx.x == 0:
         part_m[row, i] = m
         part_s[row, i] = s
 
 
-@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1])",
-     writes=("out",), in_place=(("out", "x"),))
-def log_softmax_apply_kernel(x, part_m, part_s, out):
-    """Block (i, row): the row's shift from all its partials (every thread, in span order),
-    then out = x - shift over span i (each element read and written by one thread)."""
-    i, row = cuda.blockIdx.x, cuda.blockIdx.y
+@cuda.jit(device=True)
+def row_shift(part_m, part_s, row):
+    """log(sum exp(x[row])) from the row's span partials (max, sum of exp(x - max)), combined
+    in span order (the same bits in every block and every run)."""
     spans = part_m.shape[1]
     m = _NEG_INF
     for k in range(spans):
@@ -223,8 +221,18 @@ def log_softmax_apply_kernel(x, part_m, part_s, out):
             s += sk
         elif mk != _NEG_INF:  # an empty or all -inf span adds nothing
             s += sk * math.exp(mk - m)
-    shift = _log_shift(m, s)
-    lo, hi = _span(x.shape[1], spans, i)
+    return _log_shift(m, s)
+
+
+@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1])",
+     writes=("out",), in_place=(("out", "x"),))
+def log_softmax_apply_kernel(x, part_m, part_s, out):
+    """Block (i, row): the row's shift from all its partials (every thread, in span order),
+    then out = x - shift over span i (each element read and written by one thread)."""
+    i, row = cuda.blockIdx.x, cuda.blockIdx.y
+    spans = part_m.shape[1]
+    shift = row_shift(part_m, part_s, row)
+    lo, hi = span_bounds(x.shape[1], spans, i)
     for j in range(lo + cuda.threadIdx.x, hi, cuda.blockDim.x):
         out[row, j] = x[row, j] - shift
 

@@ -198,3 +198,65 @@ def test_beam_histories_give_minus_one_for_a_parent_that_names_no_row():
     backend.launch(sampling.beam_histories_kernel, blocks, threads, args)
     np.testing.assert_array_equal(dst.copy_to_host(), [[4, 5, 3, -7], [-1, -1, 4, -7]])
     assert (best_hist.copy_to_host() == -7).all()
+
+
+def _run_beam_topk(logits: np.ndarray, scores: np.ndarray, k: int):
+    values = cuda.device_array((1, k), np.float32)
+    indices = cuda.device_array((1, k), np.int32)
+    sampling.beam_topk(dev(logits), dev(scores), k, values, indices)
+    return values.copy_to_host()[0], indices.copy_to_host()[0]
+
+
+@given(beams=st.integers(1, 5), spans=st.integers(2, 3), k=st.integers(1, 8),
+       levels=st.sampled_from([3, 50, None]), seed=st.integers(0, 2**16))
+def test_beam_topk_is_log_softmax_plus_scores_then_topk(beams, spans, k, levels, seed):
+    """One beam-search step's candidates in two launches give exactly what log_softmax,
+    adding each beam's score and topk over the beams x vocab row give (the float32 values
+    bit for bit, ties to the lower flat index b * V + token): rows of several spans, as a
+    vocabulary's, and few distinct logits (levels) so that ties are common."""
+    from kernels import softmax
+    rng = np.random.default_rng(seed)
+    V = spans * softmax.SPAN - int(rng.integers(0, softmax.SPAN // 2))
+    k = min(k, beams * V)
+    logits = (rng.integers(0, levels, (beams, V)) if levels else
+              rng.standard_normal((beams, V))).astype(np.float32)
+    scores = rng.choice([0.0, -1.5, -3.25], (beams, 1)).astype(np.float32)
+    logprobs = cuda.device_array((beams, V), np.float32)
+    softmax.log_softmax(dev(logits), logprobs)           # the three-step way
+    want_v, want_i = sampling.topk_ref((logprobs.copy_to_host() + scores).reshape(1, -1), k)
+    values, indices = _run_beam_topk(logits, scores, k)
+    np.testing.assert_array_equal(indices, want_i[0])
+    np.testing.assert_array_equal(values, want_v[0])
+    # and against float64 NumPy (values only: float32 rounding may reorder near-ties)
+    ref_v, _ = sampling.beam_topk_ref(logits, scores, k)
+    np.testing.assert_allclose(values, ref_v[0], rtol=1e-5, atol=1e-5)
+
+
+def test_beam_topk_ranks_nan_as_minus_infinity_and_leaves_counters_clean():
+    """A NaN row (a broken beam) never wins; the launch's counter is back at zero, so the
+    next call (a second step) is right too."""
+    from kernels import _lastblock, softmax
+    rng = np.random.default_rng(4)
+    V = 2 * softmax.SPAN + 3
+    for _ in range(2):
+        logits = rng.standard_normal((3, V)).astype(np.float32)
+        logits[1] = np.nan
+        scores = np.zeros((3, 1), np.float32)
+        values, indices = _run_beam_topk(logits, scores, 4)
+        assert not np.isin(indices // V, [1]).any() and np.isfinite(values).all()
+        ref_v, ref_i = sampling.beam_topk_ref(logits, scores, 4)
+        np.testing.assert_array_equal(indices, ref_i[0])
+        assert not _lastblock._counters[-1].copy_to_host().any()
+
+
+def test_beam_topk_rejects_bad_input_before_launch():
+    logits, scores = dev(np.zeros((2, 10), np.float32)), dev(np.zeros((2, 1), np.float32))
+    values, indices = cuda.device_array((1, 3), np.float32), cuda.device_array((1, 3), np.int32)
+    with pytest.raises(ValueError, match=r"scores: expected shape \(2, 1\)"):
+        sampling.beam_topk(logits, dev(np.zeros((2,), np.float32)), 3, values, indices)
+    with pytest.raises(ValueError, match="k: expected"):
+        sampling.beam_topk(logits, scores, 9, values, indices)
+    with pytest.raises(ValueError, match=r"values: expected shape \(1, 3\)"):
+        sampling.beam_topk(logits, scores, 3, cuda.device_array((2, 3), np.float32), indices)
+    with pytest.raises(TypeError, match="indices: expected dtype int32"):
+        sampling.beam_topk(logits, scores, 3, values, cuda.device_array((1, 3), np.float32))

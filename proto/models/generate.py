@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from kernels import _check, gemm, sampling, softmax
+from kernels import _check, sampling
 from proto import backend
 from proto.backend import cuda
 from proto.models.gpt2 import KVCache
@@ -221,9 +221,7 @@ class _BeamBuffers:
     """Device buffers of the search side, allocated once per run (none inside the loop)."""
 
     def __init__(self, beam: int, vocab: int, k: int):
-        self.logprobs = cuda.device_array((beam, vocab), np.float32)  # (B, V)
         self.scores = cuda.device_array((beam, 1), np.float32)        # running score per beam
-        self.ones = cuda.to_device(np.ones((1, vocab), np.float32))   # broadcasts scores over V
         self.values = cuda.device_array((1, k), np.float32)
         self.indices = cuda.device_array((1, k), np.int32)
         self.parents = cuda.device_array(beam, np.int32)
@@ -279,10 +277,8 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
         clock.lap("prep_s")
         logits = _logits(step, inputs.tokens, inputs.pos, caches[cur], beam, V)  # (B, V)
         clock.lap("model_s")
-        softmax.log_softmax(logits, buf.logprobs)
-        # logprobs += scores (B, 1) @ ones (1, V): the running score added to its beam's row
-        gemm.gemm(buf.scores, buf.ones, buf.logprobs, accumulate=True)
-        sampling.topk(buf.logprobs.reshape(1, beam * V), k, buf.values, buf.indices)
+        # the top k of log_softmax(logits) + each beam's running score, over beams x vocab
+        sampling.beam_topk(logits, buf.scores, k, buf.values, buf.indices)
         values, indices = buf.values.copy_to_host()[0], buf.indices.copy_to_host()[0]
         # Finite logits give k finite candidates from live beams. NaN ranks as -inf, so a
         # NaN row lets -inf, or an empty slot's DEAD + log-prob, into the top k.

@@ -10,7 +10,8 @@ search is over:
                               argmax(logits) -> tokens              (the next pass's input)
                               greedy_advance: record tokens, done |= eos, pos += 1, flag
     BeamLoop     WHILE flag:  logits = step(tokens, pos, cache)
-                              logprobs = log_softmax(logits) + scores;  top-k over beams x vocab
+                              top-k of log_softmax(logits) + scores over beams x vocab
+                              (sampling.beam_topk)
                               beam_advance: choose beams in rank order (finished on eos), new
                                             tokens, scores, parents, histories, best finished,
                                             pos += 1, flag
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels import _check, gemm, sampling, softmax
+from kernels import _check, sampling
 from proto.backend import cuda
 from proto.graph import capture, if_then, while_loop
 from proto.models import generate
@@ -175,8 +176,6 @@ class BeamLoop(_DeviceLoop):
             raise ValueError(f"vocab_size {V}: beam search needs at least {self.k} tokens")
         self.scratch = KVCache(self.config, beam, self.max_len)   # the other cache set
         self.scores = _zeros(beam, 1, dtype=np.float32)
-        self.ones = cuda.to_device(np.ones((1, V), np.float32))
-        self.logprobs = _zeros(beam, V, dtype=np.float32)
         self.values, self.indices = _zeros(1, self.k, dtype=np.float32), _zeros(1, self.k)
         self.parents = _zeros(beam)
         cap = self.max_len + 1                 # a history holds the prompt and every new token
@@ -194,9 +193,8 @@ class BeamLoop(_DeviceLoop):
         `hist_next`."""
         beam, V = self.batch, self.config.vocab_size
         logits = self.model.step(self.tokens, self.pos, cache)
-        softmax.log_softmax(logits.reshape(beam, V), self.logprobs)
-        gemm.gemm(self.scores, self.ones, self.logprobs, accumulate=True)   # + running scores
-        sampling.topk(self.logprobs.reshape(1, beam * V), self.k, self.values, self.indices)
+        sampling.beam_topk(logits.reshape(beam, V), self.scores, self.k, self.values,
+                           self.indices)   # top k of log_softmax + running scores
         sampling.check_scores(self.values, generate.DEAD / 2, self.bad)   # as the host search
         sampling.beam_advance(self.values, self.indices, V, self.scores, self.tokens, self.parents,
                               hist, hist_next, self.best, self.best_hist,
