@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels import _check
+from kernels import _check, _pdl
 from kernels._lastblock import count_in, launch_counters
 from kernels._reduce import warp_allreduce
 from proto import backend
@@ -282,7 +282,8 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
                     part_ml[bh, t, split, 1] = total
 
     @jit(f"void({_ATT_ARGS})",
-         writes=("k_cache", "v_cache", "out", "part_o", "part_ml", "counters"), **bounds)
+         writes=("k_cache", "v_cache", "out", "part_o", "part_ml", "counters"),
+         early_launch=True, **bounds)
     def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, counters):
         """Grid (B*H, T, S), 32*warps threads. Query t of head bh against split s of the
         cache. With S == 1 writes out[b, t, h*hd:(h+1)*hd]; otherwise the unnormalized
@@ -310,6 +311,8 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
         split = cuda.blockIdx.z
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
+        _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
+        _pdl.launch_dependents()
         # q first: its loads need no pos, so they overlap the load of pos.
         scale = np.float32(1.0) / math.sqrt(np.float32(hd))   # float32: no double math
         for i in range(slots):

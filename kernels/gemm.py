@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels import _check
+from kernels import _check, _pdl
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
 from kernels._lastblock import count_in, launch_counters
 from kernels._reduce import block_allreduce, warp_allreduce
@@ -392,7 +392,8 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
                     v = b[bz, kk, col[c]]
                     wv[u * cols + c] = v if k < k_hi else _ZERO
 
-    @jit(f"void({_DECODE_NN_ARGS})", writes=("out", "part", "counters", "y"), **bounds)
+    @jit(f"void({_DECODE_NN_ARGS})", writes=("out", "part", "counters", "y"),
+         early_launch=True, **bounds)
     def gemm_decode_nn_kernel(a, b, out, bias, part, counters, gamma, beta, y, has_bias, act,
                               accumulate, trans_a, has_ln, eps, span):
         """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
@@ -428,6 +429,8 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
         for c in range(cols):  # past the last column, re-read the last one; never stored
             col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - _u(1)))
         load(wv, b, bz, kb0, k_hi, col)
+        _pdl.wait()   # (early launch: the weights above are nobody's output; a is)
+        _pdl.launch_dependents()
         _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
                  m_rows, trans_a)
         cuda.syncthreads()
@@ -513,7 +516,7 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
                     v = b[bz, rows[c], kk]
                     wv[u * cols + c] = v if k < length else _ZERO
 
-    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), **bounds)
+    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
     def gemm_decode_nt_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
                               direct, span):
         """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
@@ -534,6 +537,8 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
         for c in range(cols):  # past the last column, re-read the last row; never stored
             rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
         load(wv, b, bz, k_lo, lane, length, rows)
+        _pdl.wait()   # (early launch: the weights above are nobody's output; a is)
+        _pdl.launch_dependents()
         _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
                  m_rows, trans_a)
         cuda.syncthreads()

@@ -116,7 +116,7 @@ KERNEL_SIGNATURES: list[tuple[object, str]] = []
 _GPU_CODEGEN_OPTIONS = ("max_registers", "launch_bounds")
 
 
-def jit(signature, *, writes=(), in_place=(), **options):
+def jit(signature, *, writes=(), in_place=(), early_launch=False, **options):
     """`cuda.jit(signature)`: the one kernel decorator of this project.
 
     Kernels get an eager signature (one fixed argument layout, which the graph layer relies
@@ -128,6 +128,9 @@ def jit(signature, *, writes=(), in_place=(), **options):
     element). Every launch checks that no written array overlaps another argument except as
     `in_place` allows (`check_writes`), and graph passes (race checks, the memory planner)
     read which arguments a node writes from here.
+
+    `early_launch`: the kernel calls kernels._pdl.wait() before it touches anything another
+    kernel writes, so a graph may start it while its predecessor runs (kernels/_pdl.py).
     """
     signatures = [signature] if isinstance(signature, str) else list(signature)
     if SIMULATOR:   # register limits mean nothing to the simulator, which rejects them
@@ -147,6 +150,7 @@ def jit(signature, *, writes=(), in_place=(), **options):
         kernel.writes = tuple(params.index(w) for w in writes)
         kernel.in_place = frozenset((params.index(o), params.index(i)) for o, i in in_place)
         kernel.source = (pyfunc, signatures, options, tuple(writes), tuple(in_place))
+        kernel.early_launch = bool(early_launch)
         return kernel
 
     return decorate

@@ -1,7 +1,8 @@
 """Graphed decode on a real GPU: the simulator lane's properties on the real GPT-2 and LSTM,
 with real CUDA graphs (and the walk executor, the eager-launch reference), at larger sizes.
-The GPT-2 path has no atomics, so a replay computes exactly what eager launches compute:
-tokens and logits are compared bitwise.
+The GPT-2 path adds no values atomically (its split reductions count blocks atomically and
+sum in a fixed order), so a replay computes exactly what eager launches compute: tokens and
+logits are compared bitwise.
 
     PYTHONPATH=. python3 -m pytest -q tests/test_graphed_models_gpu.py
 """
@@ -146,3 +147,27 @@ def test_torch_baseline_is_the_same_model():
         got = dec.beam_search(prompt, max_new_tokens=8)
         np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"graphed={graphed}")
         dec.close()
+
+
+def test_early_launch_gives_the_same_search(monkeypatch):
+    """Programmatic dependent launch (PROTO_EARLY_LAUNCH=on, kernels/_pdl.py): the decode
+    GEMMs and attention start while their predecessor runs, loading weights, and wait on
+    the device before touching its outputs. Graphed beam search (per-step graphs and the
+    whole search in one WHILE graph) must still give eager's tokens, and the graphs must
+    really hold programmatic edges."""
+    from proto.graph import cuda as graph_cuda
+    from proto.models.search_loop import BeamLoop
+    monkeypatch.setenv("PROTO_EARLY_LAUNCH", "on")
+    config = GPT2Config(n_layer=3, n_embd=256, n_head=4, vocab_size=2000, n_positions=64)
+    model = _model(config, 7, 5)
+    prompt = np.random.default_rng(7).integers(0, config.vocab_size, 4)
+    want = generate.beam_search(model, prompt, beam=5, max_new_tokens=20)
+    early = []
+    real = graph_cuda._launches_early
+    monkeypatch.setattr(graph_cuda, "_launches_early",
+                        lambda *a: early.append(real(*a)) or early[-1])
+    check_beam_search(model, prompt, 5, 20, executor="cuda", combos=[("alias", "device")])
+    with BeamLoop(model, beam=5, max_len=len(prompt) + 20) as loop:
+        got = loop.generate(prompt, max_new_tokens=20)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert sum(early) >= 4 * config.n_layer   # (3 GEMMs and attention a layer at least)

@@ -139,7 +139,12 @@ class _Lowered:
                 cukernel, flat, data_slots = flatten_args(node.kernel, node.args)
                 config = LaunchConfig(grid=node.griddim, block=node.blockdim,
                                       shmem_size=node.sharedmem)
-                first = handle = start.launch(config, cukernel, *flat)
+                if _launches_early(node, waits, description):
+                    # a node of no dependencies, then one programmatic edge from its parent
+                    first = handle = target.launch(config, cukernel, *flat)
+                    _programmatic_edge(target, parents[0], handle)
+                else:
+                    first = handle = start.launch(config, cukernel, *flat)
                 params = _KernelParams(config, cukernel, flat, data_slots)
             elif isinstance(node, Copy):  # device or pinned host addresses; the driver tells which
                 dst, src = node.args
@@ -183,6 +188,36 @@ class _Lowered:
     def close(self) -> None:
         # ... and lets the description's arrays go: closing a graph frees its buffers
         self.definition, self.description, self.handles, self.params = None, None, [], []
+
+
+def early_launch_switched_on() -> bool:
+    """PROTO_EARLY_LAUNCH=on: programmatic dependent launch (kernels/_pdl.py) for the kernels
+    that opted in. Off by default until the GPU has timed it against plain edges."""
+    value = os.environ.get("PROTO_EARLY_LAUNCH", "off")
+    if value not in ("on", "off"):
+        raise ValueError(f"PROTO_EARLY_LAUNCH: expected 'on' or 'off', got {value!r}")
+    return value == "on"
+
+
+def _launches_early(node: KernelLaunch, waits, description: Description) -> bool:
+    """A kernel that opted in to early launch, whose one dependency is a kernel: its edge can
+    be programmatic (after a copy or a conditional node the plain edge stays)."""
+    return (early_launch_switched_on() and getattr(node.kernel, "early_launch", False)
+            and len(waits) == 1 and isinstance(description.nodes[waits[0]], KernelLaunch))
+
+
+def _programmatic_edge(graph, parent, child) -> None:
+    """parent -> child as a programmatic edge: child may launch once every block of parent
+    has called launch_dependents (or exited); child's griddepcontrol.wait then waits for
+    parent's completion (CUDA 12.3's edge data)."""
+    from cuda.bindings import driver
+    edge = driver.CUgraphEdgeData()
+    edge.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    edge.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    add = getattr(driver, "cuGraphAddDependencies_v2", driver.cuGraphAddDependencies)
+    err, = add(graph.handle, [parent.handle], [child.handle], [edge], 1)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuGraphAddDependencies (programmatic edge): {err!r}")
 
 
 def _loops(description: Description) -> list[Conditional]:

@@ -1,0 +1,44 @@
+"""Programmatic dependent launch (Hopper): a kernel of a graph may start while the kernel
+before it still runs, so its launch, its blocks' start-up and its loads of constant data
+(weights) overlap its predecessor's tail. A decode step is a chain of ~60 short kernels whose
+fixed cost, not their bytes, sets its time (kernels/NOTES_decode.md); this hides part of it.
+
+A kernel opts in with `proto.backend.jit(..., early_launch=True)` and keeps one rule: before
+`wait()` it reads only data no kernel of the graph writes (weights, shapes) and writes
+nothing. `wait()` (PTX griddepcontrol.wait) returns once the predecessor has completed and its
+writes are visible; without a programmatic predecessor (eager launches, the simulator) it
+returns at once. `launch_dependents()` (griddepcontrol.launch_dependents) lets the successor
+start once every block of this kernel has called it; kernels call it right after `wait()`,
+so at most two kernels of a chain overlap. The graph layer (proto.graph.cuda) turns an edge
+into a programmatic one only where the successor opted in and PROTO_EARLY_LAUNCH=on.
+"""
+from __future__ import annotations
+
+from proto.backend import SIMULATOR
+
+if SIMULATOR:   # the simulator runs one kernel at a time: there is nothing to wait for
+    def wait():
+        pass
+
+    def launch_dependents():
+        pass
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    def _ptx(text: str):
+        """A device function of no arguments that is one PTX instruction, ordered against
+        the memory accesses around it (the "memory" clobber)."""
+        @intrinsic
+        def instruction(typingctx):
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return instruction
+
+    wait = _ptx("griddepcontrol.wait;")
+    launch_dependents = _ptx("griddepcontrol.launch_dependents;")
