@@ -177,7 +177,7 @@ def _combine(p0, tmax, span, part_o, part_ml, out, b, h, bh, t, m_s, l_s, o_s, s
 
 _ATT_ARGS = ("float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], "
              "float32[:, :, ::1], int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
-             "int32[::1]")
+             "int32[::1], int32[:, ::1], int32")
 
 
 class Variant(NamedTuple):
@@ -204,10 +204,11 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
 
     @cuda.jit(device=True)
     def _attend(qkv, k_cache, v_cache, out, part_o, part_ml, b, h, t, split, p0, lo, hi,
-                q, acc, kv, vv, sc, red_ml, red_o):
+                rows, use_rows, q, acc, kv, vv, sc, red_ml, red_o):
         """Positions [lo, hi) of the cache against query t (q scaled, in registers): each
         warp an online softmax over its positions, then the warps merged in order into
-        out (S == 1) or this split's partials."""
+        out (S == 1) or this split's partials. With `use_rows`, position p of sequence b is
+        in cache row rows[b, p] (a row outside the cache gives NaN)."""
         T = qkv.shape[1]
         H, hd = k_cache.shape[1], k_cache.shape[3]
         C = H * hd
@@ -218,16 +219,22 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
         qk, qv = _u(C + h * hd), _u(2 * C + h * hd)  # this head's k, v columns in qkv
         m = NEG_INF    # this warp's running max (uniform over the warp)
         l_sum = ZERO   # its running sum of exp(score - m)
+        B = k_cache.shape[0]
         for base in range(lo, hi, unit):  # the same trip count for every warp of the block
             first = base + warp * positions
             for r in range(positions):
                 # Past hi, re-read position hi-1 (in bounds); its score is masked below.
                 p = _u(min(first + r, hi - 1))
+                row = b
+                if use_rows and p < p0:
+                    row = rows[b, p]
+                ok = 0 <= row < B
+                row = _u(row if ok else b)
                 for i in range(slots):
                     d = _u(min(lane + 32 * i, hd_last))  # q is 0 on dims past hd
                     if p < p0:
-                        kv[r * slots + i] = k_cache[b, h, p, d]
-                        vv[r * slots + i] = v_cache[b, h, p, d]
+                        kv[r * slots + i] = k_cache[row, h, p, d] if ok else NAN
+                        vv[r * slots + i] = v_cache[row, h, p, d] if ok else NAN
                     else:  # this step's token: from qkv (the cache row may be unwritten)
                         kv[r * slots + i] = qkv[b, _u(p - p0), qk + d]
                         vv[r * slots + i] = qkv[b, _u(p - p0), qv + d]
@@ -284,11 +291,13 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
     @jit(f"void({_ATT_ARGS})",
          writes=("k_cache", "v_cache", "out", "part_o", "part_ml", "counters"),
          early_launch=True, **bounds)
-    def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, counters):
+    def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, counters,
+                         rows, use_rows):
         """Grid (B*H, T, S), 32*warps threads. Query t of head bh against split s of the
         cache. With S == 1 writes out[b, t, h*hd:(h+1)*hd]; otherwise the unnormalized
         output, max and sum to part_o[bh, t, s], part_ml[bh, t, s], and the query's last
-        block to count in at counters[bh * T + t] combines the S splits into out."""
+        block to count in at counters[bh * T + t] combines the S splits into out.
+        `use_rows`: cached position p of sequence b is in row rows[b, p] (see `attention`)."""
         red_ml = cuda.shared.array(ml_size, np.float32)     # per warp: max, then sum
         red_o = cuda.shared.array(red_o_size, np.float32)   # per warp: output (width)
         flag = cuda.shared.array(1, np.int32)               # count_in's answer
@@ -339,7 +348,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
             _empty_split(part_o, part_ml, bh, t, split, tid, hd)   # values (it skips them)
         else:
             _attend(qkv, k_cache, v_cache, out, part_o, part_ml, b, h, t, split, p0, lo, hi,
-                    q, acc, kv, vv, sc, red_ml, red_o)
+                    rows, use_rows, q, acc, kv, vv, sc, red_ml, red_o)
         if cuda.gridDim.z > 1 and count_in(counters, bh * T + t, cuda.gridDim.z, flag):
             _combine(p0, Tmax, span, part_o, part_ml, out, b, h, bh, t, m_s, l_s, o_s, sh)
 
@@ -388,7 +397,7 @@ def _plan(B: int, H: int, T: int, Tmax: int, hd: int, variant: Variant | None = 
     return v, -(-Tmax // span), span
 
 
-def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
+def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -> None:
     """Causal attention of this step's T queries over the cache, after appending its k, v.
 
     qkv (B, T, 3C): fused q | k | v, head h at [h*hd:(h+1)*hd] of each; k_cache, v_cache
@@ -396,6 +405,11 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
     read on the device; out (B, T, C). Query t (absolute position pos+t) attends to cache
     positions 0..pos+t with scale 1/sqrt(hd). pos < 0 or pos + T > Tmax (only checkable on
     the device) leaves the caches alone and writes NaN to out.
+
+    rows (B, Tmax) int32, optional: sequence b's earlier positions p < pos are read from
+    cache row rows[b, p] instead of row b (this step's are still written to row b). Beam
+    search then reorders a table of rows (`reorder_rows`) instead of moving the cache: a
+    hypothesis's prefix stays where it was written. A row outside 0..B-1 gives NaN.
     """
     _check.device_array("qkv", qkv, ndim=3)
     B, T, C3 = qkv.shape
@@ -422,9 +436,61 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, stream=0) -> None:
     else:  # placeholders, never touched
         part_o = backend.empty((1, 1, 1, 1), np.float32, "attention.partials")
         part_ml = backend.empty((1, 1, 1, 2), np.float32, "attention.stats")
+    if rows is None:   # a placeholder, never read
+        rows_arg = backend.empty((1, 1), np.int32, "attention.no_rows")
+    else:
+        rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
     counters = launch_counters(B * n_head * T if splits > 1 else 1)   # (one split: unused)
     launch(variant.kernel, (B * n_head, T, splits), variant.threads,
-           (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, counters), stream)
+           (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, counters,
+            rows_arg, int(rows is not None)), stream)
+
+
+@jit("void(int32[:, ::1], int32[::1], int32[::1], int32[:, ::1])", writes=("dst",))
+def reorder_rows_kernel(src, index, length, dst):
+    """Grid over (B, Tmax) entries: dst[b, p] = src[index[b], p] for p < n = length[0], and
+    dst[b, n] = b (the row the next step writes position n to). An index or n out of range
+    gives -1 (attention then reads NaN)."""
+    B, T = dst.shape
+    n = length[0]
+    for e in range(cuda.grid(1), B * T, cuda.gridsize(1)):
+        b = e // T
+        p = e - b * T
+        i = index[b]
+        if not (0 <= i < B and 0 <= n <= T):
+            dst[b, p] = -1
+        elif p < n:
+            dst[b, p] = src[i, p]
+        elif p == n:
+            dst[b, p] = b
+
+
+def reorder_rows_ref(src: np.ndarray, index: np.ndarray, n: int, before: np.ndarray):
+    """`reorder_rows` on the host, dst starting as `before`."""
+    B, T = src.shape
+    out = before.copy()
+    for b in range(B):
+        if not (0 <= index[b] < B and 0 <= n <= T):
+            out[b] = -1
+            continue
+        out[b, :n] = src[index[b], :n]
+        if n < T:
+            out[b, n] = b
+    return out
+
+
+def reorder_rows(src, index, dst, *, length, stream=0) -> None:
+    """A beam-search reorder of row tables (see `attention`'s rows): hypothesis b continues
+    hypothesis index[b], so its first n = length[0] positions (read on the device) are where
+    index[b]'s are, and position n will be written to row b. src, dst (B, Tmax) int32, not
+    overlapping; index (B,) int32. Entries of dst past n are left as they were."""
+    _check.device_array("src", src, dtype=np.int32, ndim=2)
+    B, T = src.shape
+    _check.device_array("index", index, dtype=np.int32, shape=(B,))
+    _check.device_array("dst", dst, dtype=np.int32, shape=(B, T))
+    _check.device_array("length", length, dtype=np.int32, shape=(1,))
+    blocks, threads = _check.grid_stride_launch(B * T)
+    launch(reorder_rows_kernel, blocks, threads, (src, index, length, dst), stream)
 
 
 def gather_batch(src, index, dst, *, length=None, stream=0) -> None:

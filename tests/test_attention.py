@@ -211,6 +211,60 @@ def test_gather_batch_moves_stacked_caches_alike(lead, B, n, bad_index, seed):
         np.testing.assert_array_equal(got[g], _prefix_reference(s, index, n, b))
 
 
+@given(B=st.integers(1, 4), T=st.integers(1, 2), pos=st.integers(0, 20), bad=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_rows_read_each_position_from_its_row(B, T, pos, bad, seed):
+    """With a table of rows (beam search's KVCache.pair), position p < pos of sequence b is
+    read from cache row rows[b, p]: the result is, bit for bit, attention over a cache whose
+    row b holds those positions; this step's k, v still go to row b. A row outside the
+    cache gives NaN for that sequence only."""
+    H, Tmax, hd = 2, 24, 8   # several splits on the simulator
+    rng = np.random.default_rng(seed)
+    qkv, kc, vc = _case(rng, B, H, T, Tmax, hd)
+    pos = min(pos, Tmax - T)
+    rows = rng.integers(0, B, (B, Tmax)).astype(np.int32)
+    broken = int(rng.integers(0, B))
+    if bad and pos > 0:
+        rows[broken, int(rng.integers(0, pos))] = B   # a row that does not exist
+    gathered_k, gathered_v = kc.copy(), vc.copy()
+    for b in range(B):
+        for p in range(pos):
+            gathered_k[b, :, p] = kc[min(rows[b, p], B - 1), :, p]
+            gathered_v[b, :, p] = vc[min(rows[b, p], B - 1), :, p]
+    want, want_k, want_v = _attend(qkv, gathered_k, gathered_v, pos, H)
+    dk, dv = dev(kc), dev(vc)
+    out = dev(np.full(want.shape, np.nan, np.float32))
+    attention.attention(dev(qkv), dk, dv, dev(np.array([pos], np.int32)), out, n_head=H,
+                        rows=dev(rows))
+    got = out.copy_to_host()
+    if bad and pos > 0:
+        assert np.isnan(got[broken]).all()
+        keep = [b for b in range(B) if b != broken]
+        got, want = got[keep], want[keep]
+    np.testing.assert_array_equal(got, want)
+    # this step's k, v in row b at pos..pos+T-1; every other cache entry untouched
+    np.testing.assert_array_equal(dk.copy_to_host()[:, :, pos:pos + T], want_k[:, :, pos:pos + T])
+    rest = np.ones(Tmax, bool)
+    rest[pos:pos + T] = False
+    np.testing.assert_array_equal(dk.copy_to_host()[:, :, rest], kc[:, :, rest])
+    np.testing.assert_array_equal(dv.copy_to_host()[:, :, rest], vc[:, :, rest])
+
+
+@given(B=st.integers(1, 5), T=st.integers(1, 9), n=st.integers(-1, 10), bad_index=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_reorder_rows_matches_numpy(B, T, n, bad_index, seed):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, B, (B, T)).astype(np.int32)
+    before = rng.integers(-5, 5, (B, T)).astype(np.int32)
+    index = rng.integers(0, B, B).astype(np.int32)
+    if bad_index:
+        index[rng.integers(0, B)] = rng.choice([-1, B])
+    dst = dev(before)
+    attention.reorder_rows(dev(src), dev(index), dst, length=dev(np.array([n], np.int32)))
+    np.testing.assert_array_equal(dst.copy_to_host(),
+                                  attention.reorder_rows_ref(src, index, n, before))
+
+
 def test_rejects_bad_input_before_launch():
     B, H, T, Tmax, hd = 1, 2, 2, 6, 4
     qkv, kc, vc = (dev(a) for a in _case(np.random.default_rng(0), B, H, T, Tmax, hd))

@@ -30,10 +30,12 @@ COMBOS = [(b, s) for b in MODES for s in shapes.STRATEGIES]
 
 
 # ---------------------------------------------------------------------------- stand-in model
-@jit("void(int32[:, ::1], int32[::1], float32[:, :, :, ::1], float32[:, ::1], float32, int32)")
-def history_cache_kernel(tokens, pos, cache, acc, salt, first):
+@jit("void(int32[:, ::1], int32[::1], float32[:, :, :, ::1], float32[:, ::1], float32, int32, "
+     "int32[:, ::1], int32)")
+def history_cache_kernel(tokens, pos, cache, acc, salt, first, rows, use_rows):
     """Thread b: cache[b, :, pos+t, :] = (token+1) * salt * (1+h+d); acc[b, t] (+)= the
-    position-weighted sum of the cache up to pos+t (NaN when the step does not fit)."""
+    position-weighted sum of the cache up to pos+t (NaN when the step does not fit), earlier
+    positions p < pos read from row rows[b, p] when `use_rows` (KVCache.pair)."""
     b = cuda.grid(1)
     if b >= tokens.shape[0]:
         return
@@ -50,9 +52,10 @@ def history_cache_kernel(tokens, pos, cache, acc, salt, first):
         if ok:
             s = np.float32(0.0)
             for p in range(p0 + t + 1):
+                row = rows[b, p] if use_rows and p < p0 else b
                 for h in range(H):
                     for d in range(hd):
-                        s += cache[b, h, p, d] * np.float32(0.01 * (p + 1))
+                        s += cache[row, h, p, d] * np.float32(0.01 * (p + 1))
         acc[b, t] = s if first else acc[b, t] + s
 
 
@@ -76,9 +79,12 @@ class HistoryDecoder:
         B, T = tokens.shape
         V = self.config.vocab_size
         acc = empty((B, T), np.float32, "acc", owner=self)
+        rows = getattr(cache, "rows", None)
+        rows_arg = empty((1, 1), np.int32, "no_rows", owner=self) if rows is None else rows
         for j, array in enumerate(cache.arrays()):
             launch(history_cache_kernel, 1, 32,
-                   (tokens, pos, array, acc, np.float32(j + 1), np.int32(j == 0)), stream)
+                   (tokens, pos, array, acc, np.float32(j + 1), np.int32(j == 0), rows_arg,
+                    np.int32(rows is not None)), stream)
         logits = empty((B, T, V), np.float32, "logits", owner=self)
         launch(history_logits_kernel, 1, 32, (acc, pos, logits), stream)
         return logits

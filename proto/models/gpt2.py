@@ -129,6 +129,28 @@ class KVCache:
         self.k = [self.data[0, i] for i in range(L)]
         self.v = [self.data[1, i] for i in range(L)]
         self._capacity = cuda.to_device(np.array([max_len], np.int32))  # reorder's default length
+        self.rows = None   # a pair's table of rows (see `pair`)
+
+    @classmethod
+    def pair(cls, config: GPT2Config, batch: int, max_len: int) -> tuple["KVCache", "KVCache"]:
+        """Two caches of one `data` for beam search, each with a table `rows` (batch,
+        max_len): sequence b's position p is in row rows[b, p] (attention's `rows`). A
+        reorder then rewrites the other cache's table (a few KB) instead of moving the live
+        K and V (hundreds of MB a token at GPT-2 small's size), and the pair needs one cache's
+        memory, not two. Call `reset_rows` before a generation's prefill."""
+        a = cls(config, batch, max_len)
+        b = cls.__new__(cls)
+        b.__dict__.update(a.__dict__)
+        a.rows, b.rows = zeros((batch, max_len), np.int32), zeros((batch, max_len), np.int32)
+        a.reset_rows()
+        b.reset_rows()
+        return a, b
+
+    def reset_rows(self) -> None:
+        """Every sequence in its own row again (a generation's start: the prefill writes each
+        beam's prompt into its row)."""
+        identity = np.repeat(np.arange(self.batch, dtype=np.int32)[:, None], self.max_len, 1)
+        self.rows.copy_to_device(identity)
 
     def arrays(self) -> list:
         """Every batch-first device array of the cache (what a reorder must move)."""
@@ -144,6 +166,11 @@ class KVCache:
             raise ValueError("dst: must be another KVCache (gather_batch cannot work in place)")
         if length is None:   # the whole capacity moves
             length = self._capacity
+        if self.rows is not None:   # a pair: the table moves, the data stays
+            if dst.rows is None or dst.data is not self.data:
+                raise ValueError("dst: expected the other cache of this KVCache.pair")
+            attention.reorder_rows(self.rows, index, dst.rows, length=length, stream=stream)
+            return
         attention.gather_batch(self.data, index, dst.data, length=length, stream=stream)
 
 
@@ -230,6 +257,7 @@ class GPT2:
             gemm.gemm(ln, L.attn_w, qkv.reshape(N, 3 * C), bias=L.attn_b, stream=stream)
             att = self._empty(f"h{i}.att", B, T, C)
             attention.attention(qkv, cache.k[i], cache.v[i], pos, att,
+                                rows=getattr(cache, "rows", None),
                                 n_head=self.config.n_head, stream=stream)
             # x += att @ W + b (the residual add fused), then ln = ln_2(x)
             ln = self._empty(f"h{i}.ln_2", N, C)

@@ -15,11 +15,13 @@ search is over:
                               beam_advance: choose beams in rank order (finished on eos), new
                                             tokens, scores, parents, histories, best finished,
                                             pos += 1, flag
-                              reorder the KV cache by parents: the live prefix only (the
-                              length read on the device), into the other cache set
-                              IF flag: the same step with the cache sets and histories
-                              swapped (a graph's body is fixed; two steps a pass bring it
-                              back to the sets it started from, so nothing is copied back)
+                              reorder by parents the table of cache rows each position of
+                              a hypothesis is in (KVCache.pair: the K and V stay where they
+                              were written; the table's live prefix, read on the device,
+                              goes into the other table)
+                              IF flag: the same step with the tables and histories swapped
+                              (a graph's body is fixed; two steps a pass bring it back to
+                              the tables it started from, so nothing is copied back)
 
 Everything the loop changes lives in device buffers recorded once, so the same graph serves
 every prompt, budget and EOS id: a run writes the starting state, launches, and reads the
@@ -58,11 +60,11 @@ class _DeviceLoop:
 
     steps_per_pass = 1
 
-    def __init__(self, model, batch: int, max_len: int):
+    def __init__(self, model, batch: int, max_len: int, cache: KVCache | None = None):
         self.model, self.config = model, model.config
         self.batch = _check.positive("batch", batch)
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
-        self.cache = KVCache(self.config, self.batch, self.max_len)
+        self.cache = cache or KVCache(self.config, self.batch, self.max_len)
         self.tokens, self.pos, self.flag = _zeros(self.batch, 1), _zeros(1), _zeros(1)
         self.bad = _zeros(1)   # set on the device when a step's scores are not finite
 
@@ -169,12 +171,14 @@ class BeamLoop(_DeviceLoop):
                  control: str = "conditional", unroll: int = 16):
         if not isinstance(beam, (int, np.integer)) or not 1 <= beam <= generate.MAX_BEAM:
             raise ValueError(f"beam: expected an integer in 1..{generate.MAX_BEAM}, got {beam!r}")
-        super().__init__(model, beam, max_len)
+        # One cache for both steps of a pass, two tables of rows: a reorder rewrites a table
+        # (KVCache.pair), the K and V stay where they were written.
+        self.cache, self.scratch = KVCache.pair(model.config, beam, max_len)
+        super().__init__(model, beam, max_len, cache=self.cache)
         V = self.config.vocab_size
         self.k = generate.topk_width(beam)
         if V < self.k:
             raise ValueError(f"vocab_size {V}: beam search needs at least {self.k} tokens")
-        self.scratch = KVCache(self.config, beam, self.max_len)   # the other cache set
         self.scores = _zeros(beam, 1, dtype=np.float32)
         self.values, self.indices = _zeros(1, self.k, dtype=np.float32), _zeros(1, self.k)
         self.parents = _zeros(beam)
@@ -223,6 +227,8 @@ class BeamLoop(_DeviceLoop):
         prompt = generate._check_prompt(prompt, self.config.vocab_size, ndim=1)
         self._check_need(len(prompt), max_new_tokens, eos)
         self.pos.copy_to_device(np.zeros(1, np.int32))
+        self.cache.reset_rows()
+        self.scratch.reset_rows()
         generate._prefill(self.model.step, np.tile(prompt, (self.batch, 1)), self.pos, self.cache)
         self._set(prompt, max_new_tokens, -1 if eos is None else eos, go=True)
         return prompt
