@@ -25,8 +25,9 @@ Two kernel families, chosen by `gemm` from the shapes:
   itself in on an atomic counter per tile; the tile's last block adds the partials in split
   order (deterministic: the order never depends on which block came last) and applies the
   epilogue, in the same launch (kernels._lastblock). A second launch for the sum cost more
-  than the sum: a graph node and a kernel's fixed cost, 24 times a GPT-2 small step. 2304 and 3072 columns make enough
-  16-column tiles to stream the whole K in one launch, which applies the epilogue itself. Each block issues its first
+  than the sum: a graph node and a kernel's fixed cost, 24 times a GPT-2 small step. 2304
+  and 3072 columns make enough 16-column tiles to stream the whole K in one launch, which
+  applies the epilogue itself. Each block issues its first
   batch of weight loads before it stages op(a), and a persistent block the next tile's
   before it sums the last, so the weight's memory latency hides that work. Full batches
   load at constant offsets; only a last partial batch clips its indices.
