@@ -209,7 +209,6 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
         warp an online softmax over its positions, then the warps merged in order into
         out (S == 1) or this split's partials. With `use_rows`, position p of sequence b is
         in cache row rows[b, p] (a row outside the cache gives NaN)."""
-        T = qkv.shape[1]
         H, hd = k_cache.shape[1], k_cache.shape[3]
         C = H * hd
         bh = b * H + h
@@ -319,7 +318,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
         t = cuda.blockIdx.y
         split = cuda.blockIdx.z
         tid = cuda.threadIdx.x
-        lane, warp = tid % 32, tid // 32
+        lane = tid % 32
         _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
         _pdl.launch_dependents()
         # q first: its loads need no pos, so they overlap the load of pos.

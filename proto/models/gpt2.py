@@ -246,10 +246,14 @@ class GPT2:
         C, V, N = self.config.n_embd, self.config.vocab_size, B * T
         x = self._empty("x", B, T, C)               # the residual stream, updated in place
         x2 = x.reshape(N, C)
-        embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
         first = self.layers[0]
         ln = self._empty("h0.ln_1", N, C)
-        layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
+        if embedding.fuses_layernorm(C):   # the first layer norm rides on the embedding
+            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
+                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, ln.reshape(B, T, C)))
+        else:
+            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
+            layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
         # Every later layer norm rides on the residual GEMM before it (gemm's ln_out: the
         # norm of the updated rows, computed where the split-K sums are added).
         for i, L in enumerate(self.layers):
