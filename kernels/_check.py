@@ -84,6 +84,20 @@ def flag(name: str, value) -> bool:
     return bool(value)
 
 
+def ln_out(value, shape: tuple) -> tuple:
+    """A fused layer norm's (gamma, beta, eps, y) for rows of shape[-1] columns, y shaped
+    `shape` (the output it normalizes); returns it checked, eps as a float."""
+    if not (isinstance(value, tuple) and len(value) == 4):
+        raise ValueError(f"ln_out: expected (gamma, beta, eps, y), got {value!r}")
+    gamma, beta, eps, y = value
+    device_array("ln_out gamma", gamma, shape=(shape[-1],))
+    device_array("ln_out beta", beta, shape=(shape[-1],))
+    device_array("ln_out y", y, shape=tuple(shape))
+    if not (isinstance(eps, (float, int)) and eps > 0):
+        raise ValueError(f"ln_out eps: expected a positive number, got {eps!r}")
+    return gamma, beta, float(eps), y
+
+
 def same_shape(names_arrays) -> None:
     (n0, a0), *rest = names_arrays
     for n, a in rest:

@@ -3,6 +3,7 @@ stand-in on the simulator (which has no shuffles); and a block barrier that reco
 warp first."""
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -116,3 +117,29 @@ def block_allreduce(v, use_max, red, at):
     for w in range(1, (cuda.blockDim.x + 31) // 32):
         total = max(total, red[at + w]) if use_max else total + red[at + w]
     return total
+
+
+@cuda.jit(device=True)
+def block_layernorm_row(vals, at, count, n, gamma, beta, eps, y):
+    """y[j] = (x[j] - mean) * rstd * gamma[j] + beta[j] for a row x of n values spread over
+    the block, thread t holding x[t + c * blockDim] in vals[at + c], c < count: two passes
+    over the values in registers (no E[x^2] - mean^2 cancellation), each a block_allreduce.
+    Every thread of the block must call it (its own row's values in hand); uses red of 64."""
+    red = cuda.shared.array(64, np.float32)   # two rounds of per-warp sums
+    tid, nt, n = np.uint32(cuda.threadIdx.x), np.uint32(cuda.blockDim.x), np.uint32(n)
+    inv_n = np.float32(1.0) / np.float32(n)
+    s1 = np.float32(0.0)
+    for c in range(count):
+        if tid + nt * np.uint32(c) < n:
+            s1 += vals[at + c]
+    mean = block_allreduce(s1, False, red, 0) * inv_n
+    s2 = np.float32(0.0)
+    for c in range(count):
+        if tid + nt * np.uint32(c) < n:
+            d = vals[at + c] - mean
+            s2 += d * d
+    rstd = np.float32(1.0) / math.sqrt(block_allreduce(s2, False, red, 32) * inv_n + eps)
+    for c in range(count):
+        j = tid + nt * np.uint32(c)
+        if j < n:
+            y[j] = (vals[at + c] - mean) * rstd * gamma[j] + beta[j]

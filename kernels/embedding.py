@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import math
-
 from kernels import _check
-from kernels._reduce import block_allreduce
+from kernels._reduce import block_layernorm_row
 from proto import backend
 from proto.backend import cuda, jit, launch
 
@@ -24,7 +22,6 @@ MAX_THREADS = 256 if not backend.SIMULATOR else 32
 LN_COLS = 8   # row values a thread holds for the fused layer norm: C <= LN_COLS * MAX_THREADS
 _NAN = np.float32(np.nan)
 _ZERO = np.float32(0.0)
-_ONE = np.float32(1.0)
 
 
 # ---------------------------------------------------------------------------- reference
@@ -42,57 +39,48 @@ def embed_ref(tokens, wte, wpe=None, pos0: int = 0) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernel
+@cuda.jit(device=True)
+def _entry(wte, wpe, tok, p, j, bad, has_wpe):
+    """Element j of a row: wte[tok, j] (+ wpe[p, j]), NaN for a bad id or position."""
+    if bad:
+        return _NAN
+    return wte[tok, j] + wpe[p, j] if has_wpe else wte[tok, j]
+
+
 @jit("void(int32[:, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, ::1], int32[::1], "
      "int32, int32, float32[::1], float32[::1], float32, float32[:, :, ::1], int32)",
      writes=("out", "y"))
 def embed_kernel(tokens, wte, out, wpe, pos0, has_wpe, has_pos0, gamma, beta, eps, y, has_ln):
-    red = cuda.shared.array(64, np.float32)   # two rounds of per-warp sums (layer norm)
     xv = cuda.local.array(LN_COLS, np.float32)
     t, b = cuda.blockIdx.x, cuda.blockIdx.y
     tok = tokens[b, t]
     p = t + (pos0[0] if has_pos0 else 0)
     bad = tok < 0 or tok >= wte.shape[0] or (has_wpe and (p < 0 or p >= wpe.shape[0]))
     n, tid, nt = out.shape[2], cuda.threadIdx.x, cuda.blockDim.x
-    s1 = _ZERO
     for c in range(LN_COLS):   # (has_ln: n <= LN_COLS * blockDim, checked at launch)
         j = tid + c * nt
         v = _ZERO
         if j < n:
-            if bad:
-                v = _NAN
-            elif has_wpe:
-                v = wte[tok, j] + wpe[p, j]
-            else:
-                v = wte[tok, j]
+            v = _entry(wte, wpe, tok, p, j, bad, has_wpe)
             out[b, t, j] = v
-            s1 += v
         xv[c] = v
     for j in range(tid + LN_COLS * nt, n, nt):   # rows wider than the registers hold
-        if bad:
-            out[b, t, j] = _NAN
-        elif has_wpe:
-            out[b, t, j] = wte[tok, j] + wpe[p, j]
-        else:
-            out[b, t, j] = wte[tok, j]
+        out[b, t, j] = _entry(wte, wpe, tok, p, j, bad, has_wpe)
     if has_ln:   # uniform over the block: the barriers inside are safe
-        inv_n = _ONE / np.float32(n)
-        mean = block_allreduce(s1, False, red, 0) * inv_n
-        s2 = _ZERO
-        for c in range(LN_COLS):
-            if tid + c * nt < n:
-                d = xv[c] - mean
-                s2 += d * d
-        rstd = _ONE / math.sqrt(block_allreduce(s2, False, red, 32) * inv_n + eps)
-        for c in range(LN_COLS):
-            j = tid + c * nt
-            if j < n:
-                y[b, t, j] = (xv[c] - mean) * rstd * gamma[j] + beta[j]
+        block_layernorm_row(xv, 0, LN_COLS, n, gamma, beta, eps, y[b, t])
 
 
 # ---------------------------------------------------------------------------- launcher
+def _threads(width: int, ln: bool) -> int:
+    """Threads a row: one a column up to MAX_THREADS; whole warps with the layer norm (its
+    reductions shuffle)."""
+    threads = min(MAX_THREADS, width)
+    return max(32, -(-threads // 32) * 32) if ln else threads
+
+
 def fuses_layernorm(width: int) -> bool:
     """Whether `embed` can write ln_out for rows of `width` (else run layernorm after it)."""
-    return width <= LN_COLS * max(32, -(-min(MAX_THREADS, width) // 32) * 32)
+    return width <= LN_COLS * _threads(width, True)
 
 
 def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
@@ -114,23 +102,15 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
         _check.device_array("pos0", pos0, dtype=np.int32, shape=(1,))
     if batch > 65535:
         raise ValueError(f"tokens: batch {batch} exceeds the grid limit 65535")
-    threads = min(MAX_THREADS, width)
+    threads = _threads(width, ln_out is not None)
     if ln_out is None:   # placeholders, never touched (has_ln is 0): y a scratch element
         gamma = beta = wte.reshape(wte.size)
         eps, y = 1.0, backend.empty((1, 1, 1), np.float32, "embed.no_ln")
     else:
-        if not (isinstance(ln_out, tuple) and len(ln_out) == 4):
-            raise ValueError(f"ln_out: expected (gamma, beta, eps, y), got {ln_out!r}")
-        gamma, beta, eps, y = ln_out
-        _check.device_array("ln_out gamma", gamma, shape=(width,))
-        _check.device_array("ln_out beta", beta, shape=(width,))
-        _check.device_array("ln_out y", y, shape=(batch, steps, width))
-        if not (isinstance(eps, (float, int)) and eps > 0):
-            raise ValueError(f"ln_out eps: expected a positive number, got {eps!r}")
+        gamma, beta, eps, y = _check.ln_out(ln_out, (batch, steps, width))
         if not fuses_layernorm(width):
             raise ValueError(f"ln_out: rows of {width} exceed the fused layer norm's "
                              f"{LN_COLS * threads} (run kernels.layernorm after)")
-        threads = max(32, -(-threads // 32) * 32)   # (whole warps: the reductions shuffle)
     # Unused tables are replaced by ones of the right type, never read (flags are 0).
     args = (tokens, wte, out, wte if wpe is None else wpe,
             tokens.reshape(tokens.size) if pos0 is None else pos0,

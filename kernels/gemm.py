@@ -44,7 +44,6 @@ after the product instead.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -52,13 +51,12 @@ import numpy as np
 from kernels import _check, _pdl
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
 from kernels._lastblock import count_in, launch_counters
-from kernels._reduce import block_allreduce, warp_allreduce
+from kernels._reduce import block_layernorm_row, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto import backend
 from proto.backend import cuda, jit, launch
 
 ACTS = {None: 0, "gelu": 1, "relu": 2}
-_ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
 
 DECODE_MAX_M = 8  # rows of x multiplied with each weight load (the decode path's M limit)
@@ -167,62 +165,54 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
 
 
 @cuda.jit(device=True)
-def _reduce_tile(part, out, bias, has_bias, act, accumulate, bz, n0, tile, m_rows, n_cols,
-                 splits, vals):
-    """out[bz, :, n0:n0 + tile] = epilogue(the tile's partials summed in split order), the
-    arithmetic of gemm_splitk_reduce_kernel. The partials were written by other blocks of
-    this launch: read through L2 (ldcg)."""
-    for idx in range(_u(cuda.threadIdx.x), m_rows * _u(tile), _u(cuda.blockDim.x)):
-        m = idx // _u(tile)
-        n = n0 + idx % _u(tile)
-        if n < n_cols:
-            old = out[bz, m, n] if accumulate else _ZERO
-            bv = bias[n] if has_bias else _ZERO
-            v = _ZERO
-            for s0 in range(0, splits, RED_CHUNK):
-                for u in range(RED_CHUNK):
-                    vals[u] = backend.ldcg(part, (_u(bz), _u(min(s0 + u, splits - 1)),
-                                                  _u(m), _u(n)))
-                for u in range(RED_CHUNK):
-                    if s0 + u < splits:
-                        v += vals[u]
-            if accumulate:
-                v += old
-            if has_bias:
-                v += bv
-            out[bz, m, n] = _act(v, act)
+def _reduce_one(part, out, bias, has_bias, act, accumulate, bz, m, n, vals):
+    """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order: (sum + old) +
+    bias, then act, as _finish. Every load (old value, bias, RED_CHUNK partials) is issued
+    before any is used: one memory round trip per chunk, not one per partial. The partials
+    are read through L2 (ldcg): in the split kernel itself other blocks wrote them."""
+    splits = part.shape[1]
+    old = out[bz, m, n] if accumulate else _ZERO
+    bv = bias[n] if has_bias else _ZERO
+    v = _ZERO
+    for s0 in range(0, splits, RED_CHUNK):
+        for u in range(RED_CHUNK):
+            vals[u] = backend.ldcg(part, (_u(bz), _u(min(s0 + u, splits - 1)), _u(m), _u(n)))
+        for u in range(RED_CHUNK):
+            if s0 + u < splits:
+                v += vals[u]
+    if accumulate:
+        v += old
+    if has_bias:
+        v += bv
+    out[bz, m, n] = _act(v, act)
 
 
 @cuda.jit(device=True)
-def _layernorm_rows(out, gamma, beta, eps, y, bz, m_rows, n_cols, xv, red):
+def _reduce_tile(part, out, bias, has_bias, act, accumulate, bz, n0, tile, m_rows, n_cols,
+                 vals):
+    """out[bz, :, n0:n0 + tile] = epilogue(the tile's partials summed in split order)."""
+    for idx in range(_u(cuda.threadIdx.x), m_rows * _u(tile), _u(cuda.blockDim.x)):
+        n = n0 + idx % _u(tile)
+        if n < n_cols:
+            _reduce_one(part, out, bias, has_bias, act, accumulate, bz, idx // _u(tile), n,
+                        vals)
+
+
+@cuda.jit(device=True)
+def _layernorm_rows(out, gamma, beta, eps, y, bz, m_rows, n_cols, xv):
     """y[bz, m] = layernorm(out[bz, m]) * gamma + beta for every row m < m_rows, by the whole
     block (columns tid + blockDim * c, c < LN_TAIL_COLS). out was written by other blocks of
-    this launch: every row's loads are issued (through L2) before any is used; two passes
-    over the values in registers (no E[x^2] - mean^2 cancellation)."""
+    this launch: every row's loads are issued (through L2) before any is used."""
     tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
     last = n_cols - _u(1)
     for m in range(M8):
         for c in range(LN_TAIL_COLS):   # past the row's end, re-read its last column
             xv[m * LN_TAIL_COLS + c] = backend.ldcg(
                 out, (_u(bz), _u(min(_u(m), m_rows - _u(1))), _u(min(tid + nt * _u(c), last))))
-    inv_n = _ONE / np.float32(n_cols)
     for m in range(M8):
-        if _u(m) < m_rows:   # uniform over the block: the barriers below are safe
-            s1 = _ZERO
-            for c in range(LN_TAIL_COLS):
-                if tid + nt * _u(c) < n_cols:
-                    s1 += xv[m * LN_TAIL_COLS + c]
-            mean = block_allreduce(s1, False, red, 0) * inv_n
-            s2 = _ZERO
-            for c in range(LN_TAIL_COLS):
-                if tid + nt * _u(c) < n_cols:
-                    d = xv[m * LN_TAIL_COLS + c] - mean
-                    s2 += d * d
-            rstd = _ONE / math.sqrt(block_allreduce(s2, False, red, 32) * inv_n + eps)
-            for c in range(LN_TAIL_COLS):
-                n = tid + nt * _u(c)
-                if n < n_cols:
-                    y[bz, m, n] = (xv[m * LN_TAIL_COLS + c] - mean) * rstd * gamma[n] + beta[n]
+        if _u(m) < m_rows:   # uniform over the block: the barriers inside are safe
+            block_layernorm_row(xv, m * LN_TAIL_COLS, LN_TAIL_COLS, n_cols, gamma, beta, eps,
+                                y[bz, m])
 
 
 def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
@@ -478,11 +468,11 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
             done = direct   # (uniform over the block, as every branch around a barrier here)
             if reduces and not direct and count_in(counters, counter, splits, flag):
                 _reduce_tile(part, out, bias, has_bias, act, accumulate, bz, n0, tile,
-                             m_rows, n_cols, splits, vals)
+                             m_rows, n_cols, vals)
                 done = True
             if reduces and has_ln and done and count_in(
                     counters, _u(cuda.gridDim.z) * _u(n_tiles) + bz, n_tiles, flag):
-                _layernorm_rows(out, gamma, beta, eps, y, bz, m_rows, n_cols, xv, red)
+                _layernorm_rows(out, gamma, beta, eps, y, bz, m_rows, n_cols, xv)
 
     return Decode(gemm_decode_nn_kernel, 32 * warps, tile, step, False,
                   ("nn", warps, groups, cols, unroll, min_blocks), reduces)
@@ -585,28 +575,14 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
 @jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32)",
      writes=("out",))
 def gemm_splitk_reduce_kernel(part, out, bias, has_bias, act, accumulate):
-    """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order: grid-stride
-    over the outputs. Every load of an output (old value, bias, RED_CHUNK partials) is
-    issued before any is used: one memory round trip per chunk, not one per partial."""
+    """out = epilogue(the split partials summed in order), grid-stride over the outputs
+    (`_reduce_one` each): the second launch of the kernels that do not reduce themselves."""
     vals = cuda.local.array(RED_CHUNK, np.float32)
     B, S, M, N = part.shape
     for e in range(cuda.grid(1), B * M * N, cuda.gridsize(1)):
         bm, n = e // N, _u(e % N)
-        bz, m = _u(bm // M), _u(bm % M)
-        old = out[bz, m, n] if accumulate else _ZERO
-        bv = bias[n] if has_bias else _ZERO
-        v = _ZERO
-        for s0 in range(0, S, RED_CHUNK):
-            for u in range(RED_CHUNK):
-                vals[u] = part[bz, _u(min(s0 + u, S - 1)), m, n]
-            for u in range(RED_CHUNK):
-                if s0 + u < S:
-                    v += vals[u]
-        if accumulate:  # the same order as _finish: (sum + old) + bias
-            v += old
-        if has_bias:
-            v += bv
-        out[bz, m, n] = _act(v, act)
+        _reduce_one(part, out, bias, has_bias, act, accumulate, _u(bm // M), _u(bm % M), n,
+                    vals)
 
 
 NN = make_decode_nn(*NN_SPLIT, reduces=True)
@@ -792,14 +768,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     else:
         bias_arg, has_bias = _check.device_array("bias", bias, shape=(n_cols,)), 1
     if ln_out is not None:
-        if not (isinstance(ln_out, tuple) and len(ln_out) == 4):
-            raise ValueError(f"ln_out: expected (gamma, beta, eps, y), got {ln_out!r}")
-        gamma, beta, eps, y = ln_out
-        _check.device_array("ln_out gamma", gamma, shape=(n_cols,))
-        _check.device_array("ln_out beta", beta, shape=(n_cols,))
-        _check.device_array("ln_out y", y, shape=tuple(out.shape))
-        if not (isinstance(eps, (float, int)) and eps > 0):
-            raise ValueError(f"ln_out eps: expected a positive number, got {eps!r}")
+        gamma, beta, eps, y = _check.ln_out(ln_out, tuple(out.shape))
         # y is written by the last launch only: refuse an overlap before the first.
         _check.no_overlap({"y": y, "a": a, "b": b, "out": out, "bias": bias_arg,
                            "gamma": gamma, "beta": beta},

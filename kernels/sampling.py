@@ -152,13 +152,13 @@ def topk_blocks_kernel(x, k, cand_v, cand_i):
     _merge_block(tv, ti, k, cand_v[r, blk], cand_i[r, blk])
 
 
-@jit("void(float32[:, :, ::1], int32[:, :, ::1], int32, float32[:, ::1], int32[:, ::1])",
-     writes=("values", "indices"))
-def topk_merge_kernel(cand_v, cand_i, k, values, indices):
-    """Grid (R,). Merges the NB*k block candidates of row r into values/indices[r, :k]."""
-    r = cuda.blockIdx.x
-    tv = cuda.local.array(KMAX, np.float32)
-    ti = cuda.local.array(KMAX, np.int32)
+@cuda.jit(device=True)
+def _take_candidates(cand_v, cand_i, r, k, tv, ti):
+    """Each thread's sorted top k (tv, ti) of its share of row r's NB*k candidates (cand
+    (R, NB, KMAX), read through L2: in beam_topk other blocks of the launch wrote them);
+    _merge_block then merges the threads'. (Callers call _merge_block themselves: called
+    from here as well, beam_topk_kernel reached it along two paths and NVVM rejected the
+    kernel's IR.)"""
     for q in range(KMAX):
         tv[q] = NEG_INF
         ti[q] = SENTINEL
@@ -167,8 +167,18 @@ def topk_merge_kernel(cand_v, cand_i, k, values, indices):
         e = base + cuda.threadIdx.x
         if e < n:
             blk = e // k
-            q = e - blk * k
-            _insert(tv, ti, k, cand_v[r, blk, q], cand_i[r, blk, q])
+            at = (np.int32(r), np.int32(blk), np.int32(e - blk * k))
+            _insert(tv, ti, k, backend.ldcg(cand_v, at), backend.ldcg(cand_i, at))
+
+
+@jit("void(float32[:, :, ::1], int32[:, :, ::1], int32, float32[:, ::1], int32[:, ::1])",
+     writes=("values", "indices"))
+def topk_merge_kernel(cand_v, cand_i, k, values, indices):
+    """Grid (R,). Merges the NB*k block candidates of row r into values/indices[r, :k]."""
+    r = cuda.blockIdx.x
+    tv = cuda.local.array(KMAX, np.float32)
+    ti = cuda.local.array(KMAX, np.int32)
+    _take_candidates(cand_v, cand_i, r, k, tv, ti)
     _merge_block(tv, ti, k, values[r], indices[r])
 
 
@@ -251,8 +261,9 @@ def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, val
     """Grid (spans, R), after softmax.log_softmax_partials_kernel: block (i, row) ranks
     (x[row, j] - shift[row]) + scores[row] over span i of the row (the log-softmax and the
     beam's running score, the same float32 operations as log_softmax then adding the score)
-    into k candidates of flat index row * V + j; the launch's last block merges every
-    block's candidates into values/indices[0, :k] (kernels._lastblock)."""
+    into k candidates of flat index row * V + j, at cand[0, row * spans + i]; the launch's
+    last block merges every block's candidates into values/indices[0, :k]
+    (kernels._lastblock)."""
     flag = cuda.shared.array(1, np.int32)
     tv = cuda.local.array(KMAX, np.float32)
     ti = cuda.local.array(KMAX, np.int32)
@@ -272,21 +283,9 @@ def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, val
             if v != v:  # NaN ranks as -inf
                 v = NEG_INF
             _insert(tv, ti, k, v, np.int32(row * V + j))
-    _merge_block(tv, ti, k, cand_v[row, i], cand_i[row, i])
+    _merge_block(tv, ti, k, cand_v[0, row * spans + i], cand_i[0, row * spans + i])
     if count_in(counters, 0, cuda.gridDim.x * cuda.gridDim.y, flag):
-        for q in range(KMAX):
-            tv[q] = NEG_INF
-            ti[q] = SENTINEL
-        n = R * spans * k
-        for base in range(0, n, cuda.blockDim.x):   # the same trips in every thread
-            e = base + cuda.threadIdx.x
-            if e < n:
-                r = e // (spans * k)
-                rest = e - r * spans * k
-                blk = rest // k
-                q = rest - blk * k
-                at = (np.int32(r), np.int32(blk), np.int32(q))
-                _insert(tv, ti, k, backend.ldcg(cand_v, at), backend.ldcg(cand_i, at))
+        _take_candidates(cand_v, cand_i, 0, k, tv, ti)
         _merge_block(tv, ti, k, values[0], indices[0])
 
 
@@ -310,8 +309,9 @@ def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:
     spans = -(-V // softmax.SPAN)
     part_m = backend.empty((R, spans), np.float32, "beam_topk.max")
     part_s = backend.empty((R, spans), np.float32, "beam_topk.sumexp")
-    cand_v = backend.empty((R, spans, KMAX), np.float32, "beam_topk.cand_v")
-    cand_i = backend.empty((R, spans, KMAX), np.int32, "beam_topk.cand_i")
+    # every row's spans as one row of candidates: the last block merges them as topk does
+    cand_v = backend.empty((1, R * spans, KMAX), np.float32, "beam_topk.cand_v")
+    cand_i = backend.empty((1, R * spans, KMAX), np.int32, "beam_topk.cand_i")
     threads = softmax.SPLIT_THREADS
     launch(softmax.log_softmax_partials_kernel, (spans, R), threads, (logits, part_m, part_s),
            stream)

@@ -18,6 +18,7 @@ tied to the token embedding (`lm_head.weight`, when present, must equal `transfo
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -139,8 +140,7 @@ class KVCache:
         K and V (hundreds of MB a token at GPT-2 small's size), and the pair needs one cache's
         memory, not two. Call `reset_rows` before a generation's prefill."""
         a = cls(config, batch, max_len)
-        b = cls.__new__(cls)
-        b.__dict__.update(a.__dict__)
+        b = copy.copy(a)   # the same data, k and v views
         a.rows, b.rows = zeros((batch, max_len), np.int32), zeros((batch, max_len), np.int32)
         a.reset_rows()
         b.reset_rows()
