@@ -1,29 +1,37 @@
 """Causal self-attention over a KV cache whose fill level `pos` lives in device memory.
 
 `pos` is read on the device, so one launch configuration (and one CUDA graph) serves every
-cache length: grids depend on (B, H, T, Tmax, hd), never on pos. One call is one launch:
+cache length: grids depend on (B, H, T, Tmax, hd), never on pos. One call is one or two
+launches on one stream:
 
-  `attention_kernel`, grid (B*H, T, S): block (bh, t, s) takes query t against the cache
-  positions of split s, [s*span, (s+1)*span) clipped to [0, pos+t]. Each warp streams a
-  few positions per batch (SMALL_CONFIG), its lanes along the head dim (a 128-byte row
-  segment per load, every K and V load of the batch issued before any is used) and an
-  online softmax of its own (running max, sum and output); the block then merges its
-  warps in a fixed order. Keys and values of this step's tokens (positions pos..pos+T-1)
-  are read from qkv itself, and block (bh, t, 0) writes token t's k, v into the caches: no
-  other block reads those cache rows, so the cache write needs no launch of its own.
-  Decode (T = 1) has only B*H queries (GPT-2 beam search: 60), too few blocks to keep an
-  H200 busy, so the cache is split over S blocks per query (flash-decoding): each writes
-  its partial (max, sum, output) and counts itself in, and the query's last block merges
-  the S partials in a fixed order (`_combine`; kernels._lastblock has the pattern) instead
-  of a second launch. Prefill has enough queries and runs with S = 1, writing `out`
-  directly.
+  1. `attention_kernel`, grid (B*H, T, S): block (bh, t, s) takes query t against the cache
+     positions of split s, [s*span, (s+1)*span) clipped to [0, pos+t]. Each warp streams a
+     few positions per batch (SMALL_CONFIG), its lanes along the head dim (a 128-byte row
+     segment per load, every K and V load of the batch issued before any is used) and an
+     online softmax of its own (running max, sum and output); the block then merges its
+     warps in a fixed order. Keys and values of this step's tokens (positions
+     pos..pos+T-1) are read from qkv itself, and block (bh, t, 0) writes token t's k, v into
+     the caches: no other block reads those cache rows, so the cache write needs no launch
+     of its own.
+  2. `attention_combine_kernel`, only when S > 1, merges each query's S partial
+     (max, sum, output) triples in split order, loading them all at once (before it knows
+     pos: splits past the query are loaded and ignored), not one round trip each. Decode
+     (T = 1) has only B*H queries (GPT-2 beam search: 60), too few blocks to keep an H200
+     busy, so the cache is split over S blocks per query (flash-decoding); prefill has enough
+     queries and runs with S = 1, where step 1 writes `out` itself. (Merging in each
+     query's last block of step 1 instead saved the launch but lost on the H200: 18.4 us a
+     GPT-2 small decode call against 15.3 for both launches.)
+
+With `rows` (beam search without moving the cache, `reorder_rows`), step 1 is a variant
+compiled to read each earlier position's row from the table; the plain variant has none of
+that code (it cost 2.9 us a call when it was only switched off).
 
 Guard: pos is only known on the device. A step that does not fit (pos < 0 or
 pos + T > Tmax) writes nothing to the caches and NaN to every output, so an overflow shows in
 the result instead of corrupting memory. T > Tmax is rejected on the host.
 
 The S > 1 partial results live in scratch from `proto.backend.empty`, read only by the
-last blocks of the same launch.
+combine launch of the same call.
 """
 from __future__ import annotations
 
@@ -33,7 +41,6 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _pdl
-from kernels._lastblock import count_in, launch_counters
 from kernels._reduce import warp_allreduce
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -44,12 +51,12 @@ if not backend.SIMULATOR:
     # 4 positions x 2 dims of K and of V in flight per lane; larger head dims 2 positions.
     SMALL_CONFIG, LARGE_CONFIG = (2, 4, 8), (8, 2, 8)
     TARGET_BLOCKS = 1024  # decode splits the cache until the grid has about this many blocks
-    COMBINE_CHUNK = 4     # splits whose partials a combine thread loads at once
+    COMBINE_CHUNK = 16    # splits whose partials a combine thread loads at once
 else:
     # Simulated threads cost ~0.1 ms each: one-warp blocks, a few positions per batch.
     SMALL_CONFIG, LARGE_CONFIG = (2, 2, 1), (8, 2, 1)
     TARGET_BLOCKS = 8
-    COMBINE_CHUNK = 2
+    COMBINE_CHUNK = 4
 # Hot-loop indices are uint32 where they index: Numba guards signed indices against Python's
 # negative indexing (extra instructions per access); unsigned ones compile to plain offsets.
 _u = np.uint32
@@ -99,85 +106,9 @@ def _empty_split(part_o, part_ml, bh, t, split, tid, hd):
         part_ml[bh, t, split, 1] = ZERO
 
 
-@cuda.jit(device=True)
-def _merge_splits(part_o, part_ml, bh, t, d, lo, hi, m_s, l_s, o_s):
-    """(max, sum, output) of head dim d merged online over splits [lo, hi), in order, each
-    thread loading COMBINE_CHUNK splits at once through L2 (other blocks of the launch wrote
-    them). An empty range gives (-inf, 0, 0)."""
-    S = part_o.shape[2]
-    top = NEG_INF
-    o = ZERO
-    total = ZERO
-    for s0 in range(lo, hi, COMBINE_CHUNK):
-        for u in range(COMBINE_CHUNK):
-            s = _u(min(s0 + u, S - 1))
-            m_s[u] = backend.ldcg(part_ml, (_u(bh), _u(t), s, _u(0)))
-            l_s[u] = backend.ldcg(part_ml, (_u(bh), _u(t), s, _u(1)))
-            o_s[u] = backend.ldcg(part_o, (_u(bh), _u(t), s, _u(d)))
-        new_top = top
-        for u in range(COMBINE_CHUNK):
-            if s0 + u < hi:
-                new_top = max(new_top, m_s[u])
-        if new_top > NEG_INF:
-            scale = math.exp(top - new_top)
-            o *= scale
-            total *= scale
-            for u in range(COMBINE_CHUNK):
-                if s0 + u < hi:
-                    w = math.exp(m_s[u] - new_top)
-                    o += w * o_s[u]
-                    total += w * l_s[u]
-            top = new_top
-    return top, total, o
-
-
-@cuda.jit(device=True)
-def _combine(p0, tmax, span, part_o, part_ml, out, b, h, bh, t, m_s, l_s, o_s, sh):
-    """By the query's last block: out[b, t, h] = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M)
-    l_s over the splits s that hold positions <= pos + t (NaN for a pos out of range).
-    A block of at least 2 hd threads gives each head dim `parts` threads, each merging a
-    consecutive share of the splits (fewer loads in flight a thread: the attention loop's
-    registers stay as they were); the shares then meet through shared memory `sh` (3 floats
-    a thread) and merge in share order. Smaller blocks take the head dims in turns. The order
-    is fixed: results are deterministic."""
-    T, S, hd = out.shape[1], part_o.shape[2], part_o.shape[3]
-    nt, tid = cuda.blockDim.x, cuda.threadIdx.x
-    bad = p0 < 0 or p0 + T > tmax
-    used = min((p0 + t) // span + 1, S)  # splits holding positions 0..pos+t
-    parts = max(1, nt // hd)
-    if parts == 1:
-        for d in range(tid, hd, nt):
-            top, total, o = _merge_splits(part_o, part_ml, bh, t, d, 0, used, m_s, l_s, o_s)
-            out[b, t, h * hd + d] = NAN if bad else o / total
-        return
-    per = (used + parts - 1) // parts
-    d, p = tid % hd, tid // hd
-    if p < parts:
-        lo = min(p * per, used)
-        top, total, o = _merge_splits(part_o, part_ml, bh, t, d, lo, min(lo + per, used),
-                                      m_s, l_s, o_s)
-        sh[tid] = top
-        sh[nt + tid] = total
-        sh[2 * nt + tid] = o
-    cuda.syncthreads()
-    if tid < hd:
-        top = NEG_INF
-        for q in range(parts):
-            top = max(top, sh[q * hd + tid])
-        o = ZERO
-        total = ZERO
-        for q in range(parts):
-            tq = sh[q * hd + tid]
-            if tq > NEG_INF:   # a share past the query's splits holds nothing
-                w = math.exp(tq - top)
-                o += w * sh[2 * nt + q * hd + tid]
-                total += w * sh[nt + q * hd + tid]
-        out[b, t, h * hd + tid] = NAN if bad else o / total
-
-
 _ATT_ARGS = ("float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], "
              "float32[:, :, ::1], int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
-             "int32[::1], int32[:, ::1], int32")
+             "int32[:, ::1]")
 
 
 class Variant(NamedTuple):
@@ -187,33 +118,77 @@ class Variant(NamedTuple):
     unit: int      # positions a block consumes per batch (warps x positions)
     max_hd: int
     config: tuple
+    use_rows: bool = False
 
 
-def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) -> Variant:
+def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
+                   use_rows: bool = False) -> Variant:
     """The attention kernel for head dims up to 32*slots: lane l of a warp holds head dims
     l, l+32, ..., and a warp takes `positions` cache positions per batch, loading all of
     their K and V (2 * positions * slots loads per lane) before using any. `min_blocks`:
-    resident blocks per SM the registers must allow (launch bounds)."""
+    resident blocks per SM the registers must allow (launch bounds). `use_rows`: earlier
+    positions are read from the rows that the `rows` table names (a compile-time choice:
+    without it the kernel never touches `rows`)."""
     unit = warps * positions
     kv_size = positions * slots
     width = 32 * slots            # head dims a warp covers
     red_o_size = warps * width
     ml_size = 2 * warps
-    sh_size = 3 * 32 * warps      # the combine's shares: (max, sum, output) a thread
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
 
-    @cuda.jit(device=True)
-    def _attend(qkv, k_cache, v_cache, out, part_o, part_ml, b, h, t, split, p0, lo, hi,
-                rows, use_rows, q, acc, kv, vv, sc, red_ml, red_o):
-        """Positions [lo, hi) of the cache against query t (q scaled, in registers): each
-        warp an online softmax over its positions, then the warps merged in order into
-        out (S == 1) or this split's partials. With `use_rows`, position p of sequence b is
-        in cache row rows[b, p] (a row outside the cache gives NaN)."""
-        H, hd = k_cache.shape[1], k_cache.shape[3]
+    @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
+         early_launch=True, **bounds)
+    def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows):
+        """Grid (B*H, T, S), 32*warps threads. Query t of head bh against split s of the
+        cache. With S == 1 writes out[b, t, h*hd:(h+1)*hd]; otherwise the unnormalized
+        output, max and sum to part_o[bh, t, s], part_ml[bh, t, s]. With use_rows, cached
+        position p of sequence b is in row rows[b, p] (see `attention`)."""
+        red_ml = cuda.shared.array(ml_size, np.float32)     # per warp: max, then sum
+        red_o = cuda.shared.array(red_o_size, np.float32)   # per warp: output (width)
+        q = cuda.local.array(slots, np.float32)             # this lane's dims of q, scaled
+        acc = cuda.local.array(slots, np.float32)           # ... of the output, times exp(-m)
+        kv = cuda.local.array(kv_size, np.float32)          # [r * slots + i] K of a batch
+        vv = cuda.local.array(kv_size, np.float32)          # ... and V
+        sc = cuda.local.array(positions, np.float32)        # the batch's scores
+        T = qkv.shape[1]
+        H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         C = H * hd
-        bh = b * H + h
+        bh = cuda.blockIdx.x
+        b = bh // H
+        h = bh - b * H
+        t = cuda.blockIdx.y
+        split = cuda.blockIdx.z
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
+        _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
+        _pdl.launch_dependents()
+        # q first: its loads need no pos, so they overlap the load of pos.
+        scale = np.float32(1.0) / math.sqrt(np.float32(hd))   # float32: no double math
+        for i in range(slots):
+            d = _u(min(lane + 32 * i, hd - 1))
+            q[i] = qkv[b, t, _u(h * hd) + d] * scale
+            acc[i] = ZERO
+        for i in range(slots):
+            if lane + 32 * i >= hd:
+                q[i] = ZERO  # past hd: q zero, so the clipped K loads add nothing
+        p0 = pos[0]
+        # Every condition below is uniform over the block, so early returns skip no barrier.
+        if p0 < 0 or p0 + T > Tmax:
+            if cuda.gridDim.z == 1:
+                for d in range(tid, hd, cuda.blockDim.x):
+                    out[b, t, h * hd + d] = NAN
+            else:   # the combine kernel writes the NaN; it still loads this split
+                _empty_split(part_o, part_ml, bh, t, split, tid, hd)
+            return
+        if split == 0:  # token t's k, v into the caches; attention reads them from qkv
+            for d in range(tid, hd, cuda.blockDim.x):
+                k_cache[b, h, p0 + t, d] = qkv[b, t, C + h * hd + d]
+                v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
+        lo = split * span
+        hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
+        if lo >= hi:   # wholly after the query (so S > 1): the combine kernel loads it and
+            _empty_split(part_o, part_ml, bh, t, split, tid, hd)   # skips it: it must hold values
+            return
         hd_last = _u(hd - 1)
         qk, qv = _u(C + h * hd), _u(2 * C + h * hd)  # this head's k, v columns in qkv
         m = NEG_INF    # this warp's running max (uniform over the warp)
@@ -224,14 +199,14 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
             for r in range(positions):
                 # Past hi, re-read position hi-1 (in bounds); its score is masked below.
                 p = _u(min(first + r, hi - 1))
-                row = b
-                if use_rows and p < p0:
-                    row = rows[b, p]
-                ok = 0 <= row < B
-                row = _u(row if ok else b)
+                row, ok = _u(b), True
+                if use_rows and p < p0:   # (compiled out without use_rows)
+                    named = rows[b, p]
+                    ok = 0 <= named < B
+                    row = _u(named if ok else b)
                 for i in range(slots):
                     d = _u(min(lane + 32 * i, hd_last))  # q is 0 on dims past hd
-                    if p < p0:
+                    if p < p0:   # a row outside the cache: NaN
                         kv[r * slots + i] = k_cache[row, h, p, d] if ok else NAN
                         vv[r * slots + i] = v_cache[row, h, p, d] if ok else NAN
                     else:  # this step's token: from qkv (the cache row may be unwritten)
@@ -287,77 +262,62 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0) 
                     part_ml[bh, t, split, 0] = top
                     part_ml[bh, t, split, 1] = total
 
-    @jit(f"void({_ATT_ARGS})",
-         writes=("k_cache", "v_cache", "out", "part_o", "part_ml", "counters"),
-         early_launch=True, **bounds)
-    def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, counters,
-                         rows, use_rows):
-        """Grid (B*H, T, S), 32*warps threads. Query t of head bh against split s of the
-        cache. With S == 1 writes out[b, t, h*hd:(h+1)*hd]; otherwise the unnormalized
-        output, max and sum to part_o[bh, t, s], part_ml[bh, t, s], and the query's last
-        block to count in at counters[bh * T + t] combines the S splits into out.
-        `use_rows`: cached position p of sequence b is in row rows[b, p] (see `attention`)."""
-        red_ml = cuda.shared.array(ml_size, np.float32)     # per warp: max, then sum
-        red_o = cuda.shared.array(red_o_size, np.float32)   # per warp: output (width)
-        flag = cuda.shared.array(1, np.int32)               # count_in's answer
-        sh = cuda.shared.array(sh_size, np.float32)         # the combine's shares
-        q = cuda.local.array(slots, np.float32)             # this lane's dims of q, scaled
-        acc = cuda.local.array(slots, np.float32)           # ... of the output, times exp(-m)
-        kv = cuda.local.array(kv_size, np.float32)          # [r * slots + i] K of a batch
-        vv = cuda.local.array(kv_size, np.float32)          # ... and V
-        sc = cuda.local.array(positions, np.float32)        # the batch's scores
-        m_s = cuda.local.array(COMBINE_CHUNK, np.float32)   # the combine's splits: max,
-        l_s = cuda.local.array(COMBINE_CHUNK, np.float32)   # sum
-        o_s = cuda.local.array(COMBINE_CHUNK, np.float32)   # and output
-        T = qkv.shape[1]
-        H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-        C = H * hd
-        bh = cuda.blockIdx.x
-        b = bh // H
-        h = bh - b * H
-        t = cuda.blockIdx.y
-        split = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
-        _pdl.launch_dependents()
-        # q first: its loads need no pos, so they overlap the load of pos.
-        scale = np.float32(1.0) / math.sqrt(np.float32(hd))   # float32: no double math
-        for i in range(slots):
-            d = _u(min(lane + 32 * i, hd - 1))
-            q[i] = qkv[b, t, _u(h * hd) + d] * scale
-            acc[i] = ZERO
-        for i in range(slots):
-            if lane + 32 * i >= hd:
-                q[i] = ZERO  # past hd: q zero, so the clipped K loads add nothing
-        p0 = pos[0]
-        # Every condition below is uniform over the block, so no branch skips a barrier.
-        bad = p0 < 0 or p0 + T > Tmax
-        if bad and cuda.gridDim.z == 1:
-            for d in range(tid, hd, cuda.blockDim.x):
-                out[b, t, h * hd + d] = NAN
-            return
-        if not bad and split == 0:  # token t's k, v into the caches (attention reads them
-            for d in range(tid, hd, cuda.blockDim.x):   # from qkv)
-                k_cache[b, h, p0 + t, d] = qkv[b, t, C + h * hd + d]
-                v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
-        lo = split * span
-        hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
-        if bad or lo >= hi:   # (so S > 1) the combine loads every split: this one must hold
-            _empty_split(part_o, part_ml, bh, t, split, tid, hd)   # values (it skips them)
-        else:
-            _attend(qkv, k_cache, v_cache, out, part_o, part_ml, b, h, t, split, p0, lo, hi,
-                    rows, use_rows, q, acc, kv, vv, sc, red_ml, red_o)
-        if cuda.gridDim.z > 1 and count_in(counters, bh * T + t, cuda.gridDim.z, flag):
-            _combine(p0, Tmax, span, part_o, part_ml, out, b, h, bh, t, m_s, l_s, o_s, sh)
-
     return Variant(attention_kernel, 32 * warps, unit, width,
-                   (slots, positions, warps, min_blocks))
+                   (slots, positions, warps, min_blocks), use_rows)
 
 
 SMALL = make_attention(*SMALL_CONFIG)
 LARGE = make_attention(*LARGE_CONFIG)
+_WITH_ROWS = {v.config: make_attention(*v.config[:3], use_rows=True) for v in (SMALL, LARGE)}
 attention_kernel = SMALL.kernel
+
+
+@jit("void(int32[::1], int32, int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
+     "float32[:, :, ::1])", writes=("out",))
+def attention_combine_kernel(pos, tmax, span, part_o, part_ml, out):
+    """Grid (B*H, T), >= hd threads: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s
+    over the splits s that hold positions <= pos + t, in split order. No barriers: each
+    thread loads COMBINE_CHUNK splits' (m, l, o) at once, before it knows pos (splits past
+    the query are loaded and ignored), then merges them online."""
+    m_s = cuda.local.array(COMBINE_CHUNK, np.float32)
+    l_s = cuda.local.array(COMBINE_CHUNK, np.float32)
+    o_s = cuda.local.array(COMBINE_CHUNK, np.float32)
+    H = part_o.shape[0] // out.shape[0]
+    T, S, hd = out.shape[1], part_o.shape[2], part_o.shape[3]
+    bh = cuda.blockIdx.x
+    b = bh // H
+    h = bh - b * H
+    t = cuda.blockIdx.y
+    d = cuda.threadIdx.x
+    dc = _u(min(d, hd - 1))
+    p0 = pos[0]
+    top = NEG_INF
+    o = ZERO
+    total = ZERO
+    for s0 in range(0, S, COMBINE_CHUNK):
+        for u in range(COMBINE_CHUNK):
+            s = _u(min(s0 + u, S - 1))
+            m_s[u] = part_ml[bh, t, s, 0]
+            l_s[u] = part_ml[bh, t, s, 1]
+            o_s[u] = part_o[bh, t, s, dc]
+        used = (p0 + t) // span + 1  # splits holding positions 0..pos+t
+        new_top = top
+        for u in range(COMBINE_CHUNK):
+            if s0 + u < used:
+                new_top = max(new_top, m_s[u])
+        if new_top > NEG_INF:
+            scale = math.exp(top - new_top)
+            o *= scale
+            total *= scale
+            for u in range(COMBINE_CHUNK):
+                if s0 + u < used:
+                    w = math.exp(m_s[u] - new_top)
+                    o += w * o_s[u]
+                    total += w * l_s[u]
+            top = new_top
+    if d < hd:
+        bad = p0 < 0 or p0 + T > tmax
+        out[b, t, h * hd + d] = NAN if bad else o / total
 
 
 @jit("void(float32[:, :, :, ::1], int32[::1], int32[::1], int32, int32, "
@@ -429,7 +389,7 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -
     # Declared writes (k_cache, v_cache, out, partials) are checked against every other
     # argument at launch: outputs must not overlap what other blocks still read.
     variant, splits, span = _plan(B, n_head, T, Tmax, hd)
-    if splits > 1:  # scratch of this call: the last block of each query reads it
+    if splits > 1:  # scratch of this call: the combine launch reads it
         part_o = backend.empty((B * n_head, T, splits, hd), np.float32, "attention.partials")
         part_ml = backend.empty((B * n_head, T, splits, 2), np.float32, "attention.stats")
     else:  # placeholders, never touched
@@ -439,10 +399,12 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -
         rows_arg = backend.empty((1, 1), np.int32, "attention.no_rows")
     else:
         rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
-    counters = launch_counters(B * n_head * T if splits > 1 else 1)   # (one split: unused)
+        variant = _WITH_ROWS[variant.config]
     launch(variant.kernel, (B * n_head, T, splits), variant.threads,
-           (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, counters,
-            rows_arg, int(rows is not None)), stream)
+           (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, rows_arg), stream)
+    if splits > 1:
+        launch(attention_combine_kernel, (B * n_head, T), _round_warp(hd),
+               (pos, np.int32(Tmax), np.int32(span), part_o, part_ml, out), stream)
 
 
 @jit("void(int32[:, ::1], int32[::1], int32[::1], int32[:, ::1])", writes=("dst",))

@@ -14,12 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check
-from kernels._reduce import block_layernorm_row
+from kernels._reduce import block_layernorm_row, load_ln_params
 from proto import backend
 from proto.backend import cuda, jit, launch
 
 MAX_THREADS = 256 if not backend.SIMULATOR else 32
 LN_COLS = 8   # row values a thread holds for the fused layer norm: C <= LN_COLS * MAX_THREADS
+_GB = 2 * LN_COLS   # (local array sizes must be plain constants)
 _NAN = np.float32(np.nan)
 _ZERO = np.float32(0.0)
 
@@ -52,22 +53,25 @@ def _entry(wte, wpe, tok, p, j, bad, has_wpe):
      writes=("out", "y"))
 def embed_kernel(tokens, wte, out, wpe, pos0, has_wpe, has_pos0, gamma, beta, eps, y, has_ln):
     xv = cuda.local.array(LN_COLS, np.float32)
+    gb = cuda.local.array(_GB, np.float32)   # the layer norm's gamma, beta
     t, b = cuda.blockIdx.x, cuda.blockIdx.y
+    n, tid, nt = out.shape[2], cuda.threadIdx.x, cuda.blockDim.x
+    if has_ln:   # loads first: each would otherwise wait for the stores before it
+        load_ln_params(gamma, beta, gb, LN_COLS, n)
     tok = tokens[b, t]
     p = t + (pos0[0] if has_pos0 else 0)
     bad = tok < 0 or tok >= wte.shape[0] or (has_wpe and (p < 0 or p >= wpe.shape[0]))
-    n, tid, nt = out.shape[2], cuda.threadIdx.x, cuda.blockDim.x
     for c in range(LN_COLS):   # (has_ln: n <= LN_COLS * blockDim, checked at launch)
         j = tid + c * nt
-        v = _ZERO
+        xv[c] = _entry(wte, wpe, tok, p, j, bad, has_wpe) if j < n else _ZERO
+    for c in range(LN_COLS):
+        j = tid + c * nt
         if j < n:
-            v = _entry(wte, wpe, tok, p, j, bad, has_wpe)
-            out[b, t, j] = v
-        xv[c] = v
+            out[b, t, j] = xv[c]
     for j in range(tid + LN_COLS * nt, n, nt):   # rows wider than the registers hold
         out[b, t, j] = _entry(wte, wpe, tok, p, j, bad, has_wpe)
     if has_ln:   # uniform over the block: the barriers inside are safe
-        block_layernorm_row(xv, 0, LN_COLS, n, gamma, beta, eps, y[b, t])
+        block_layernorm_row(xv, 0, LN_COLS, n, gb, eps, y[b, t])
 
 
 # ---------------------------------------------------------------------------- launcher

@@ -21,24 +21,24 @@ Two kernel families, chosen by `gemm` from the shapes:
   (lanes along K, a warp per few output columns, sums by warp shuffles); `pick_decode`
   chooses among the geometries measured best on the H200 (kernels/NOTES_decode.md). Grid:
   (column tiles, K splits, batch). 768 columns are only 12 tiles of 64, far too few blocks
-  for 132 SMs, so K is split too: each block writes its partial sums to scratch and counts
-  itself in on an atomic counter per tile; the tile's last block adds the partials in split
-  order (deterministic: the order never depends on which block came last) and applies the
-  epilogue, in the same launch (kernels._lastblock). A second launch for the sum cost more
-  than the sum: a graph node and a kernel's fixed cost, 24 times a GPT-2 small step. 2304
-  and 3072 columns make enough 16-column tiles to stream the whole K in one launch, which
-  applies the epilogue itself. Each block issues its first
+  for 132 SMs, so K is split too: each block writes its partial sums to scratch and
+  `gemm_splitk_reduce_kernel` adds them in split order (deterministic, no atomics) and
+  applies the epilogue; 2304 and 3072 columns make enough 16-column tiles to stream the
+  whole K in one launch, which applies the epilogue itself. (Summing the splits in the
+  split kernel's last block per tile saved the launch but lost on the H200: the last
+  block's serial sum and layer norm took longer than a second launch, whose blocks share
+  the work: 14.8 us against 8.9 for the attention projection with its layer norm, and the
+  split kernel needed 2 blocks an SM instead of 3.) Each block issues its first
   batch of weight loads before it stages op(a), and a persistent block the next tile's
   before it sums the last, so the weight's memory latency hides that work. Full batches
   load at constant offsets; only a last partial batch clips its indices.
 
 Optional fused layer norm of the result (`ln_out=(gamma, beta, eps, y)`): y = layernorm(out)
 row by row, after the update. GPT-2's residual GEMMs (attention and MLP projections,
-accumulate=True) produce the residual stream that the next layer norm reads, so the [K, N]
-decode kernels normalize the rows they have just written: each finished tile counts itself
-in once more, and the last one normalizes every row (`_layernorm_rows`): the layer norm
-costs no launch of its own. Elsewhere (the trans_b kernel, the tiled path) `layernorm` runs
-after the product instead.
+accumulate=True) produce the residual stream that the next layer norm reads, so their split-K
+reduction (`gemm_splitk_reduce_ln_kernel`, a block per row) normalizes the rows it has just
+written: the layer norm costs no launch of its own. Outside the decode path `layernorm`
+runs after the product instead.
 
 2-D calls are 3-D calls with a batch of 1, so every kernel has one argument layout.
 """
@@ -50,8 +50,7 @@ import numpy as np
 
 from kernels import _check, _pdl
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
-from kernels._lastblock import count_in, launch_counters
-from kernels._reduce import block_layernorm_row, warp_allreduce
+from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -70,15 +69,14 @@ if not backend.SIMULATOR:
     # Decode geometries, measured on the H200 (kernels/NOTES_decode.md). [K, N]: (warps, row
     # groups per warp, columns per lane, rows per lane per batch, blocks per SM the registers
     # must allow); trans_b: (warps, columns per warp, K loads per lane per batch, blocks/SM).
-    # The split geometry sums its partials itself (a longer kernel: 2 blocks an SM keep its
-    # registers unspilled, and its grid is planned for 2 an SM anyway: TARGET_BLOCKS).
-    NN_SPLIT = (8, 1, 2, 8, 2)    # 64-column tiles, K split: N below ~2048 (768: 12 tiles)
+    NN_SPLIT = (8, 1, 2, 8, 3)    # 64-column tiles, K split: N below ~2048 (768: 12 tiles)
     NN_COLUMNS = (8, 4, 2, 8, 3)  # 16-column tiles, whole K: one launch for N ~2048-8192
     NN_WIDE = (8, 1, 4, 4, 3)     # 128-column tiles, persistent: wider N (50257)
     NT_CONFIG = (8, 2, 8, 3)
     TARGET_BLOCKS = 2 * 132  # K splits until the grid has about this many blocks
     RED_CHUNK = 16           # partials a reduce thread loads before adding any
-    LN_TAIL_COLS = 4         # columns per thread of the fused layer norm: N <= 4 * threads
+    LN_COLS = 4              # columns per thread of the fused layer norm
+    LN_THREADS = 512         # ... and threads at most: N <= LN_COLS * LN_THREADS
 else:
     # Each simulated thread is a Python thread (~0.1 ms each): the same code with smaller
     # blocks keeps tests fast, and a small K span makes tiny shapes take the split path.
@@ -91,10 +89,12 @@ else:
     NT_CONFIG = (1, 2, 2)
     TARGET_BLOCKS = 2
     RED_CHUNK = 2
-    LN_TAIL_COLS = 2
+    LN_COLS = 2
+    LN_THREADS = 64
 BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the tile K splits are planned for (tiled_plan)
 _XS = M8 * SPAN_MAX
-_LN_TAIL_VALS = M8 * LN_TAIL_COLS
+_LN_VALS = LN_COLS * RED_CHUNK
+_LN_GB = 2 * LN_COLS   # the layer norm's gamma, beta
 
 
 # ---------------------------------------------------------------------------- reference
@@ -164,57 +164,6 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
             xs[_u(m * SPAN_MAX) + kk] = vals[m] if kk < length else _ZERO
 
 
-@cuda.jit(device=True)
-def _reduce_one(part, out, bias, has_bias, act, accumulate, bz, m, n, vals):
-    """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order: (sum + old) +
-    bias, then act, as _finish. Every load (old value, bias, RED_CHUNK partials) is issued
-    before any is used: one memory round trip per chunk, not one per partial. The partials
-    are read through L2 (ldcg): in the split kernel itself other blocks wrote them."""
-    splits = part.shape[1]
-    old = out[bz, m, n] if accumulate else _ZERO
-    bv = bias[n] if has_bias else _ZERO
-    v = _ZERO
-    for s0 in range(0, splits, RED_CHUNK):
-        for u in range(RED_CHUNK):
-            vals[u] = backend.ldcg(part, (_u(bz), _u(min(s0 + u, splits - 1)), _u(m), _u(n)))
-        for u in range(RED_CHUNK):
-            if s0 + u < splits:
-                v += vals[u]
-    if accumulate:
-        v += old
-    if has_bias:
-        v += bv
-    out[bz, m, n] = _act(v, act)
-
-
-@cuda.jit(device=True)
-def _reduce_tile(part, out, bias, has_bias, act, accumulate, bz, n0, tile, m_rows, n_cols,
-                 vals):
-    """out[bz, :, n0:n0 + tile] = epilogue(the tile's partials summed in split order)."""
-    for idx in range(_u(cuda.threadIdx.x), m_rows * _u(tile), _u(cuda.blockDim.x)):
-        n = n0 + idx % _u(tile)
-        if n < n_cols:
-            _reduce_one(part, out, bias, has_bias, act, accumulate, bz, idx // _u(tile), n,
-                        vals)
-
-
-@cuda.jit(device=True)
-def _layernorm_rows(out, gamma, beta, eps, y, bz, m_rows, n_cols, xv):
-    """y[bz, m] = layernorm(out[bz, m]) * gamma + beta for every row m < m_rows, by the whole
-    block (columns tid + blockDim * c, c < LN_TAIL_COLS). out was written by other blocks of
-    this launch: every row's loads are issued (through L2) before any is used."""
-    tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
-    last = n_cols - _u(1)
-    for m in range(M8):
-        for c in range(LN_TAIL_COLS):   # past the row's end, re-read its last column
-            xv[m * LN_TAIL_COLS + c] = backend.ldcg(
-                out, (_u(bz), _u(min(_u(m), m_rows - _u(1))), _u(min(tid + nt * _u(c), last))))
-    for m in range(M8):
-        if _u(m) < m_rows:   # uniform over the block: the barriers inside are safe
-            block_layernorm_row(xv, m * LN_TAIL_COLS, LN_TAIL_COLS, n_cols, gamma, beta, eps,
-                                y[bz, m])
-
-
 def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
     """A device function load(regs, src, bz, row, k, rows, k_end): a thread's `count` staged
     elements of one operand, element i at (row + i * DR, k + i * DK) of op(src), read from
@@ -236,11 +185,6 @@ _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
 # a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span
 _DECODE_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
                 "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32")
-# a, b, out, bias, part, counters, gamma, beta, y, has_bias, act, accumulate, trans_a, has_ln,
-# eps, span
-_DECODE_NN_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
-                   "float32[:,:,:,::1], int32[::1], float32[::1], float32[::1], "
-                   "float32[:,:,::1], int32, int32, int32, int32, int32, float32, int32")
 
 
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
@@ -343,19 +287,14 @@ class Decode(NamedTuple):
     k_step: int     # K rows a block consumes per batch of loads
     trans_b: bool
     config: tuple
-    reduces: bool = False   # sums split K (and writes ln_out) itself; else a second launch
 
 
-def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: int = 0,
-                   reduces: bool = False):
+def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: int = 0):
     """The [K, N] decode kernel for one geometry. A warp's lanes form `groups` row groups of
     32/groups lanes on consecutive columns (groups=1: each warp load is one 128-byte row
     segment); a lane takes `cols` columns 32/groups apart and `unroll` rows per batch, so
     cols * unroll weight loads are in flight per lane. Block tile: warps*groups*unroll rows
-    x cols*32/groups columns. `min_blocks`: resident blocks per SM the registers must allow.
-    `reduces`: the kernel sums split K itself and can write ln_out (the tail below); without
-    it that code is compiled out (it costs registers: the main loop would spill at 3 blocks
-    an SM) and a split launch leaves its partials to gemm_splitk_reduce_kernel."""
+    x cols*32/groups columns. `min_blocks`: resident blocks per SM the registers must allow."""
     lane_cols = 32 // groups
     tile = cols * lane_cols
     row_groups = warps * groups
@@ -383,33 +322,23 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
                     v = b[bz, kk, col[c]]
                     wv[u * cols + c] = v if k < k_hi else _ZERO
 
-    @jit(f"void({_DECODE_NN_ARGS})", writes=("out", "part", "counters", "y"),
-         early_launch=True, **bounds)
-    def gemm_decode_nn_kernel(a, b, out, bias, part, counters, gamma, beta, y, has_bias, act,
-                              accumulate, trans_a, has_ln, eps, span):
+    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
+    def gemm_decode_nn_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
+                              direct, span):
         """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
-        b (B, K, N), each block over K rows [split * span, + span). One split: the epilogue
-        straight to out. Several: each block writes its partial sums to part[bz, split] and
-        counts itself in at counters[bz * tiles + tile]; the tile's last block sums the
-        partials in split order (deterministic) and applies the epilogue. With `has_ln`,
-        each finished tile counts in at counters[B * tiles + bz], and the batch's last one
-        writes y = layernorm(out) row by row. Counters end each launch at zero."""
+        b (B, K, N) over K rows [split * span, + span): the epilogue to out when `direct`,
+        else the partial sums to part[bz, split]."""
         xs = cuda.shared.array(_XS, np.float32)        # (8, SPAN_MAX) op(a), this K range
         red = cuda.shared.array(red_size, np.float32)  # (row groups, 8, tile) partial sums
-        flag = cuda.shared.array(1, np.int32)          # count_in's answer
         acc = cuda.local.array(acc_size, np.float32)   # [m * cols + c]
         wv = cuda.local.array(wv_size, np.float32)     # [u * cols + c]
         col = cuda.local.array(cols, np.uint32)
-        vals = cuda.local.array(RED_CHUNK, np.float32)
-        xv = cuda.local.array(_LN_TAIL_VALS, np.float32)
         tid = _u(cuda.threadIdx.x)
         lane = tid % _u(32)
         j = lane % _u(lane_cols)
         rg = (tid // _u(32)) * _u(groups) + lane // _u(lane_cols)
         bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
         m_rows, n_cols, k_len = _u(out.shape[1]), _u(out.shape[2]), _u(b.shape[1])  # (see _BOUNDS)
-        splits = cuda.gridDim.y
-        direct = splits == 1
         k_lo = split * _u(span)
         k_hi = _u(min(k_lo + _u(span), k_len))
         length = k_hi - k_lo
@@ -427,7 +356,6 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
         cuda.syncthreads()
         while tile_i < n_tiles:
             n0 = _u(tile_i) * _u(tile)
-            counter = bz * _u(n_tiles) + _u(tile_i)
             for i in range(acc_size):
                 acc[i] = _ZERO
             kb = kb0
@@ -465,17 +393,9 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
                     else:
                         part[bz, split, m, n] = v
             cuda.syncthreads()  # `red` is rewritten by the next tile
-            done = direct   # (uniform over the block, as every branch around a barrier here)
-            if reduces and not direct and count_in(counters, counter, splits, flag):
-                _reduce_tile(part, out, bias, has_bias, act, accumulate, bz, n0, tile,
-                             m_rows, n_cols, vals)
-                done = True
-            if reduces and has_ln and done and count_in(
-                    counters, _u(cuda.gridDim.z) * _u(n_tiles) + bz, n_tiles, flag):
-                _layernorm_rows(out, gamma, beta, eps, y, bz, m_rows, n_cols, xv)
 
     return Decode(gemm_decode_nn_kernel, 32 * warps, tile, step, False,
-                  ("nn", warps, groups, cols, unroll, min_blocks), reduces)
+                  ("nn", warps, groups, cols, unroll, min_blocks))
 
 
 def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
@@ -575,17 +495,80 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
 @jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32)",
      writes=("out",))
 def gemm_splitk_reduce_kernel(part, out, bias, has_bias, act, accumulate):
-    """out = epilogue(the split partials summed in order), grid-stride over the outputs
-    (`_reduce_one` each): the second launch of the kernels that do not reduce themselves."""
+    """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order: grid-stride
+    over the outputs. Every load of an output (old value, bias, RED_CHUNK partials) is
+    issued before any is used: one memory round trip per chunk, not one per partial."""
     vals = cuda.local.array(RED_CHUNK, np.float32)
     B, S, M, N = part.shape
     for e in range(cuda.grid(1), B * M * N, cuda.gridsize(1)):
         bm, n = e // N, _u(e % N)
-        _reduce_one(part, out, bias, has_bias, act, accumulate, _u(bm // M), _u(bm % M), n,
-                    vals)
+        bz, m = _u(bm // M), _u(bm % M)
+        old = out[bz, m, n] if accumulate else _ZERO
+        bv = bias[n] if has_bias else _ZERO
+        v = _ZERO
+        for s0 in range(0, S, RED_CHUNK):
+            for u in range(RED_CHUNK):
+                vals[u] = part[bz, _u(min(s0 + u, S - 1)), m, n]
+            for u in range(RED_CHUNK):
+                if s0 + u < S:
+                    v += vals[u]
+        if accumulate:  # the same order as _finish: (sum + old) + bias
+            v += old
+        if has_bias:
+            v += bv
+        out[bz, m, n] = _act(v, act)
 
 
-NN = make_decode_nn(*NN_SPLIT, reduces=True)
+@jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32, "
+     "float32[::1], float32[::1], float32, float32[:,:,::1])", writes=("out", "y"),
+     launch_bounds=(LN_THREADS, 1))
+def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gamma, beta, eps,
+                                 y):
+    """Grid (B*M,), a block per output row: the split-K epilogue of
+    `gemm_splitk_reduce_kernel` for the row, then y[row] = layernorm(out[row]) * gamma + beta
+    from the values still in registers (`block_layernorm_row`). Columns tid + blockDim * c,
+    c < LN_COLS: N <= LN_COLS * blockDim <= LN_COLS * LN_THREADS. Every load (old values,
+    bias, gamma, beta, a chunk of partials) is issued before the first store."""
+    vals = cuda.local.array(_LN_VALS, np.float32)
+    xv = cuda.local.array(LN_COLS, np.float32)
+    old = cuda.local.array(LN_COLS, np.float32)
+    bv = cuda.local.array(LN_COLS, np.float32)
+    gb = cuda.local.array(_LN_GB, np.float32)
+    B, S, M, N = part.shape
+    n_cols = _u(N)   # (see _BOUNDS)
+    bz, m = _u(cuda.blockIdx.x // M), _u(cuda.blockIdx.x % M)
+    tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
+    last = _u(N - 1)
+    load_ln_params(gamma, beta, gb, LN_COLS, N)
+    for c in range(LN_COLS):  # past N, re-read column N-1 (never stored or counted)
+        n = min(tid + nt * _u(c), last)
+        old[c] = out[bz, m, n] if accumulate else _ZERO
+        bv[c] = bias[n] if has_bias else _ZERO
+        xv[c] = _ZERO
+    for s0 in range(0, S, RED_CHUNK):
+        for c in range(LN_COLS):
+            n = min(tid + nt * _u(c), last)
+            for u in range(RED_CHUNK):
+                vals[c * RED_CHUNK + u] = part[bz, _u(min(s0 + u, S - 1)), m, n]
+        for c in range(LN_COLS):
+            for u in range(RED_CHUNK):
+                if s0 + u < S:
+                    xv[c] += vals[c * RED_CHUNK + u]
+    for c in range(LN_COLS):   # the same order as _finish: (sum + old) + bias, then act
+        v = xv[c]
+        if accumulate:
+            v += old[c]
+        if has_bias:
+            v += bv[c]
+        xv[c] = _act(v, act)
+    for c in range(LN_COLS):
+        n = tid + nt * _u(c)
+        if n < n_cols:
+            out[bz, m, n] = xv[c]
+    block_layernorm_row(xv, 0, LN_COLS, N, gb, eps, y[bz, m])
+
+
+NN = make_decode_nn(*NN_SPLIT)
 NN_COLS = make_decode_nn(*NN_COLUMNS)
 NN_WIDE_K = make_decode_nn(*NN_WIDE)
 NT = make_decode_nt(*NT_CONFIG)
@@ -631,10 +614,8 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
     return blocks, splits, span
 
 
-def fuses_layernorm(dk: Decode, n_cols: int) -> bool:
-    """Whether `dk` can write ln_out itself: a kernel that `reduces` can, for rows of at most
-    LN_TAIL_COLS columns a thread (elsewhere layernorm runs after)."""
-    return dk.reduces and n_cols <= LN_TAIL_COLS * dk.threads
+def _ln_threads(n_cols: int) -> int:
+    return max(32, -(-(-(-n_cols // LN_COLS)) // 32) * 32)
 
 
 def _partials(out, splits: int, direct: bool):
@@ -654,35 +635,26 @@ def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
 
 def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stream,
            ln_out=None, target_blocks=None, grid_cap=None) -> None:
-    """Launch decode kernel `dk` on validated 3-D arguments (`bias` a device array, a
-    placeholder when has_bias is 0). A kernel that `reduces` sums split K itself and, given
-    `ln_out` = (gamma, beta, eps, y) (y 3-D like out; `fuses_layernorm` must hold), writes
-    the row-wise layer norm too: one launch. The others leave split K's partials to
-    gemm_splitk_reduce_kernel, a second launch."""
+    """Launch decode kernel `dk` and, when it splits K (or `ln_out` = (gamma, beta, eps, y)
+    asks for the row-wise layer norm), the reduction, on validated 3-D arguments (`bias`
+    a device array, a placeholder when has_bias is 0; y 3-D like out)."""
     batch, m_rows, n_cols = out.shape
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
-    direct = splits == 1
+    direct = splits == 1 and ln_out is None
     part = _partials(out, splits, direct)
-    if ln_out is not None and not fuses_layernorm(dk, n_cols):
-        raise ValueError(f"ln_out: decode kernel {dk.config} has no layer-norm tail for "
-                         f"{n_cols} columns (gemm runs layernorm after it)")
-    if dk.trans_b:
-        launch(dk.kernel, (blocks, splits, batch), dk.threads,
-               (a, b, out, bias, part, has_bias, act, accumulate, trans_a, int(direct),
-                np.int32(span)), stream)
-    else:
-        if ln_out is None:   # placeholders no kernel touches: y a scratch element of its own
-            gamma = beta = bias
-            eps, y = 1.0, backend.empty((1, 1, 1), np.float32, "gemm.no_ln")
-        else:
-            gamma, beta, eps, y = ln_out
-        counters = launch_counters(batch * (-(-n_cols // dk.tile) + 1))
-        launch(dk.kernel, (blocks, splits, batch), dk.threads,
-               (a, b, out, bias, part, counters, gamma, beta, y, has_bias, act, accumulate,
-                trans_a, int(ln_out is not None), np.float32(eps), np.int32(span)), stream)
-    if not direct and not dk.reduces:
+    launch(dk.kernel, (blocks, splits, batch), dk.threads,
+           (a, b, out, bias, part, has_bias, act, accumulate, trans_a, int(direct),
+            np.int32(span)), stream)
+    if direct:
+        return
+    if ln_out is None:
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
+    else:
+        gamma, beta, eps, y = ln_out
+        launch(gemm_splitk_reduce_ln_kernel, batch * m_rows, _ln_threads(n_cols),
+               (part, out, bias, has_bias, act, accumulate, gamma, beta, np.float32(eps), y),
+               stream)
 
 
 def tiled_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
@@ -738,7 +710,8 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
 
     ln_out=(gamma, beta, eps, y): also y = layernorm(out) over each row of the result,
     gamma and beta of shape (N,), y shaped like out and overlapping nothing. Fused into the
-    [K, N] decode kernels for M <= 8 (`fuses_layernorm`); otherwise `layernorm` runs after.
+    split-K reduction for M <= 8 and N <= LN_COLS * LN_THREADS; otherwise `layernorm` runs
+    after.
     """
     _check.device_array("a", a)
     _check.device_array("b", b)
@@ -778,10 +751,11 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     if not lead:  # every kernel takes (B, ., .) arrays
         a3, b3, out3 = a.reshape(1, *a.shape), b.reshape(1, *b.shape), out.reshape(1, *out.shape)
     if m_rows <= DECODE_MAX_M:
-        dk, fused = pick_decode(trans_b, batch, n_cols), None
-        if ln_out is not None and fuses_layernorm(dk, n_cols):
+        fused = None
+        if ln_out is not None and n_cols <= LN_COLS * LN_THREADS:
             fused = (gamma, beta, float(eps), y.reshape(out3.shape))
-        decode(dk, a3, b3, out3, bias_arg, has_bias, *flags, stream, fused)
+        decode(pick_decode(trans_b, batch, n_cols), a3, b3, out3, bias_arg, has_bias, *flags,
+               stream, fused)
         if ln_out is None or fused is not None:
             return
     else:

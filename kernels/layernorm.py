@@ -61,10 +61,12 @@ def layernorm_kernel(x, gamma, beta, out, eps):
 
 
 def _make_layernorm_warp_kernel(E: int):
+    E2 = 2 * E   # (local array sizes must be plain constants)
     @jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)",
          writes=("out",), in_place=(("out", "x"),))
     def layernorm_warp_kernel(x, gamma, beta, out, eps):
         vals = cuda.local.array(E, np.float32)
+        gb = cuda.local.array(E2, np.float32)   # gamma, beta: loaded before any store
         r, lane, here = warp_row(x.shape[0])
         n = x.shape[1]
         inv_n = _ONE / np.float32(n)
@@ -72,6 +74,9 @@ def _make_layernorm_warp_kernel(E: int):
         for i in range(E):
             j = lane + i * 32
             v = x[r, j] if here and j < n else _ZERO
+            jj = min(j, n - 1)
+            gb[i] = gamma[jj]
+            gb[E + i] = beta[jj]
             vals[i] = v
             s += v
         mean = warp_allreduce(s, False) * inv_n
@@ -84,8 +89,8 @@ def _make_layernorm_warp_kernel(E: int):
         if here:
             for i in range(E):   # each element written by the lane that read it: out may be x
                 j = lane + i * 32
-                if j < n:
-                    out[r, j] = (vals[i] - mean) * rstd * gamma[j] + beta[j]
+                if j < n:   # (a load here would wait for the store before it)
+                    out[r, j] = (vals[i] - mean) * rstd * gb[i] + gb[E + i]
     return layernorm_warp_kernel
 
 

@@ -249,6 +249,30 @@ def test_beam_topk_ranks_nan_as_minus_infinity_and_leaves_counters_clean():
         assert not _lastblock._counters[-1].copy_to_host().any()
 
 
+def test_two_beam_topks_that_could_run_at_once_are_a_race():
+    """beam_topk's last block counts the launch's blocks on a shared device counter, so two
+    launches unordered in a graph (different streams, no event between) would corrupt each
+    other's count: the race check sees it, because the kernel declares the counters
+    written. Ordered by an event, they are not a race."""
+    from kernels import softmax
+    from proto import graph
+    rng = np.random.default_rng(13)
+    V = 2 * softmax.SPAN + 3
+    logits = dev(rng.standard_normal((3, V)).astype(np.float32))
+    scores = dev(np.zeros((3, 1), np.float32))
+    outs = [(cuda.device_array((1, 4), np.float32), cuda.device_array((1, 4), np.int32))
+            for _ in range(2)]
+    streams, done = [cuda.stream(), cuda.stream()], cuda.event()
+    for ordered in (False, True):
+        with graph.record() as rec:
+            sampling.beam_topk(logits, scores, 4, *outs[0], stream=streams[0])
+            if ordered:
+                graph.record_event(done, streams[0])
+                graph.wait_event(done, streams[1])
+            sampling.beam_topk(logits, scores, 4, *outs[1], stream=streams[1])
+        assert bool(graph.races(rec.description())) is not ordered
+
+
 def test_beam_topk_rejects_bad_input_before_launch():
     logits, scores = dev(np.zeros((2, 10), np.float32)), dev(np.zeros((2, 1), np.float32))
     values, indices = cuda.device_array((1, 3), np.float32), cuda.device_array((1, 3), np.int32)
