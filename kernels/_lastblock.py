@@ -2,6 +2,11 @@
 result count themselves in on a device counter, and the block that arrives last combines the
 parts, in the same launch (as CUDA's threadFenceReduction sample does). It saves the second
 launch (a graph node and a kernel's fixed cost) that a separate combining kernel costs.
+It pays only when the combine is small: the last block works alone, after every other
+block, behind a threadfence and an atomic. For beam search's candidates (`kernels.sampling`)
+that is a few hundred values; for GPT-2's split-K GEMM with its layer norm and for split
+attention it measured slower on the H200 than a second launch whose blocks share the work
+(kernels/NOTES_decode.md), so those keep their second launch.
 
 Why it is correct: every block makes its writes visible device-wide (threadfence) before it
 counts in with an atomic add; the block that sees the count reach the total is therefore

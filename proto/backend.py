@@ -290,7 +290,7 @@ ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects
 def persistent_zeros(size: int, dtype):
     """A zeroed device array made without a host copy (cuMemsetD8), so also while a graph is
     being recorded, where host<->device copies are refused: for state that lives beside
-    every graph and that its kernels keep consistent (kernels.gemm's tile counters), never
+    every graph and that its kernels keep consistent (kernels._lastblock's counters), never
     for a graph's data."""
     arr = cuda.device_array(size, dtype)
     if SIMULATOR:   # (the simulator's device arrays are host memory)
