@@ -94,6 +94,13 @@ def _lock_simulated_shared_arrays() -> None:
 
 if SIMULATOR:
     _lock_simulated_shared_arrays()
+else:
+    # Numba warns at every launch of fewer than 128 blocks (building a warning object and
+    # going through the warnings registry each time). The decode kernels launch small grids
+    # on purpose (5 rows, 60 heads): the warning costs host time in every eager step and
+    # buries the experiments' logs, and it says nothing our kernels' docs do not.
+    from numba.cuda.core import config as _numba_config
+    _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
 if SIMULATOR:
     def ldcg(array, index):
@@ -317,8 +324,11 @@ class Layout:
         self.strides = tuple(reversed(strides))
 
 
-_eager_buffers: dict = {}                         # name -> device bytes (kernel scratch)
-_eager_owned: "weakref.WeakKeyDictionary" = None  # owner -> {name: device bytes}
+# name -> (device bytes, {(shape, dtype): view of them}); kernel scratch in the first,
+# per owner in the second
+_eager_buffers: dict = {}
+_eager_owned: "weakref.WeakKeyDictionary" = None
+_VIEWS_PER_BUFFER = 16
 
 
 def empty(shape, dtype, name: str, owner=None):
@@ -348,10 +358,18 @@ def empty(shape, dtype, name: str, owner=None):
             _eager_owned = weakref.WeakKeyDictionary()
         table = _eager_owned.setdefault(owner, {})
     nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
-    buf = table.get(name)
-    if buf is None or buf.size < nbytes:
-        buf = table[name] = cuda.device_array(nbytes, np.uint8)
-    return view_at(buf, 0, Layout(shape, dtype))
+    held = table.get(name)
+    if held is None or held[0].size < nbytes:
+        held = table[name] = (cuda.device_array(nbytes, np.uint8), {})
+    buf, views = held
+    # The same view object every step: making a device array costs host time at every
+    # launch of an eager step (and Numba's argument handling starts over for a new object).
+    view = views.get((shape, dtype))
+    if view is None:
+        if len(views) >= _VIEWS_PER_BUFFER:   # shapes that vary call after call (prefill)
+            views.clear()
+        view = views[(shape, dtype)] = view_at(buf, 0, Layout(shape, dtype))
+    return view
 
 
 def address(arr) -> int:

@@ -257,3 +257,26 @@ def test_the_gpt2_decode_arena_is_within_ten_percent_of_the_peak(n_layer, n_embd
         assert plan.arena_bytes < plan.total_bytes
         # every graph of the object (one per cache set) found its buffers where the first put them
         assert all(p.offsets == plan.offsets for p in g.tape.plans)
+
+
+def test_eager_empty_reuses_one_buffer_per_name_and_one_view_per_shape():
+    """Outside a recording, `empty` keeps one device buffer per (owner, name): a smaller or
+    equal request is a view of it (the same address), the same shape is the very same
+    array object step after step (no array made per launch), a larger request grows the
+    buffer, and another owner has memory of its own."""
+    class Owner:
+        pass
+    a, b = Owner(), Owner()
+    first = empty((4, 8), np.float32, "t", owner=a)
+    assert empty((4, 8), np.float32, "t", owner=a) is first
+    smaller = empty((2, 3), np.int32, "t", owner=a)
+    assert address(smaller) == address(first) and smaller.shape == (2, 3)
+    assert smaller.dtype == np.int32
+    other = empty((4, 8), np.float32, "t", owner=b)
+    assert address(other) != address(first)
+    grown = empty((64, 64), np.float32, "t", owner=a)
+    assert grown.shape == (64, 64) and empty((4, 8), np.float32, "t", owner=a) is not first
+    many = [empty((1, n), np.float32, "t", owner=a) for n in range(1, 40)]
+    assert all(v.shape == (1, n) for v, n in zip(many, range(1, 40)))
+    from proto import backend
+    assert len(backend._eager_owned[a]["t"][1]) <= backend._VIEWS_PER_BUFFER   # views stay few
