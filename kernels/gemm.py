@@ -749,11 +749,11 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     flags = (ACTS[act], int(bool(accumulate)), int(bool(trans_a)))
     a3, b3, out3 = a, b, out
     if not lead:  # every kernel takes (B, ., .) arrays
-        a3, b3, out3 = a.reshape(1, *a.shape), b.reshape(1, *b.shape), out.reshape(1, *out.shape)
+        a3, b3, out3 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, out))
     if m_rows <= DECODE_MAX_M:
         fused = None
         if ln_out is not None and n_cols <= LN_COLS * LN_THREADS:
-            fused = (gamma, beta, float(eps), y.reshape(out3.shape))
+            fused = (gamma, beta, float(eps), backend.reshaped(y, out3.shape))
         decode(pick_decode(trans_b, batch, n_cols), a3, b3, out3, bias_arg, has_bias, *flags,
                stream, fused)
         if ln_out is None or fused is not None:

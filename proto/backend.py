@@ -12,7 +12,6 @@ Choice, in order:
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import inspect
 import math
@@ -383,34 +382,45 @@ def address(arr) -> int:
     return arr.device_ctypes_pointer.value or 0
 
 
-_extents: dict | None = None   # id -> (array, its extent), inside `cached_extents`
+class _PerObject:
+    """Values computed from an array object and remembered while that object lives. Eager
+    launches and captures ask for the same arrays' byte ranges and views again and again,
+    and an array's address, shape and strides never change. A hit must be the very object:
+    an id can be reused once its object is gone, and an entry leaves with its object (a
+    remembered view must not keep device memory alive)."""
+
+    def __init__(self):
+        self._values: dict = {}
+
+    def get(self, obj, key, make):
+        k = (id(obj), key)
+        hit = self._values.get(k)
+        if hit is not None and hit[0]() is obj:
+            return hit[1]
+        value = make()
+        values = self._values
+        try:
+            ref = weakref.ref(obj, lambda _, k=k: values.pop(k, None))
+        except TypeError:   # an object without weak references: not remembered
+            return value
+        values[k] = (ref, value)
+        return value
 
 
-@contextlib.contextmanager
-def cached_extents():
-    """Inside: `extent` computes each array object's range once. A capture ranges the same
-    arguments again and again (the overlap check before every launch, the planner, binding);
-    an array's address, shape and strides never change, and the cache holds the object, so
-    its id cannot be reused while cached."""
-    global _extents
-    outer = _extents
-    _extents = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _extents = outer
+_extents = _PerObject()
+_reshaped = _PerObject()
 
 
 def extent(arr) -> tuple[int, int]:
     """[lo, hi) byte range the array's elements occupy, strides (even negative) included; an
-    empty array occupies no bytes."""
-    if _extents is not None:
-        hit = _extents.get(id(arr))
-        if hit is not None and hit[0] is arr:
-            return hit[1]
-        span = _extents[id(arr)] = (arr, _extent(arr))
-        return span[1]
-    return _extent(arr)
+    empty array occupies no bytes. Remembered per array object."""
+    return _extents.get(arr, None, lambda: _extent(arr))
+
+
+def reshaped(arr, shape: tuple):
+    """arr.reshape(*shape), the same view object for the same array and shape (making a
+    device array costs host time at every eager launch)."""
+    return _reshaped.get(arr, tuple(shape), lambda: arr.reshape(*shape))
 
 
 def _extent(arr) -> tuple[int, int]:

@@ -191,10 +191,10 @@ def test_an_output_overlapping_another_argument_is_refused_before_any_launch(
 
 
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), data=st.data())
-def test_cached_extents_give_the_ranges_the_uncached_computation_gives(shape, data):
-    """A capture computes each array's byte range once (backend.cached_extents); every view
-    (slices with steps, reversed) must get the range it gets without the cache, and the cache
-    must end with its scope."""
+def test_remembered_extents_are_the_ranges_computed_afresh(shape, data):
+    """`extent` remembers each array's byte range (the overlap check asks for the same arrays
+    at every launch); every view (slices with steps, reversed) must get the range computed
+    afresh, the first time and from memory."""
     base = cuda.to_device(np.zeros(shape, np.float32))
     views = [base]
     for _ in range(3):
@@ -202,8 +202,31 @@ def test_cached_extents_give_the_ranges_the_uncached_computation_gives(shape, da
                                                  st.sampled_from([1, 2, -1]))))
                       for n in shape)
         views.append(base[index])
-    want = [backend.extent(v) for v in views]
-    with backend.cached_extents():
-        assert [backend.extent(v) for v in views] == want
-        assert [backend.extent(v) for v in views] == want        # the cached answers
-    assert backend._extents is None
+    want = [backend._extent(v) for v in views]
+    assert [backend.extent(v) for v in views] == want
+    assert [backend.extent(v) for v in views] == want        # the remembered answers
+
+
+def test_a_remembered_extent_belongs_to_its_own_array_only():
+    """Once an array is gone its id may name another: a remembered range is used only for
+    the very object it was computed for."""
+    import weakref
+    a = cuda.to_device(np.zeros(8, np.float32))
+    b = cuda.to_device(np.zeros(3, np.float32))
+    backend._extents._values[(id(a), None)] = (weakref.ref(b), (0, 1))   # as if b had had a's id
+    assert backend.extent(a) == backend._extent(a) != (0, 1)
+
+
+def test_a_remembered_view_leaves_with_its_array():
+    """`reshaped` gives the same view for the same array and shape, and forgets it when the
+    array goes: a remembered view must not keep device memory alive."""
+    import gc
+    a = cuda.to_device(np.zeros((2, 6), np.float32))
+    view = backend.reshaped(a, (1, 2, 6))
+    assert view.shape == (1, 2, 6) and backend.reshaped(a, (1, 2, 6)) is view
+    assert backend.reshaped(a, (3, 4)) is not view
+    key = (id(a), (1, 2, 6))
+    assert key in backend._reshaped._values
+    del a, view
+    gc.collect()
+    assert key not in backend._reshaped._values

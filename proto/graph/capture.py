@@ -207,33 +207,32 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
     for _ in range(int(warmup)):      # WARM-UP
         fn(**placeholders)
     backend.synchronize()
-    with backend.cached_extents():   # record, plan and build range the same arrays
-        with record(private=not planned) as recorder:        # RECORD
-            outputs = fn(**placeholders)
-        if not recorder.nodes:
-            raise ValueError("record: the function launched no kernels and made no copies")
-        description = recorder.description()
-        if not description.is_chain:
-            found = races(description)
-            if found:
-                raise ValueError(f"capture: nodes {found[:5]} touch the same bytes with no "
-                                 "order between them (a missing event wait between streams)")
-        if binding == "patch" and description.has_conditionals:
-            raise ValueError("binding 'patch' rewrites top-level nodes only, and a "
-                             "conditional body may read the inputs too; use 'copy' or 'alias'")
-        plan = None
-        own_tape = planned and tape is None
-        if planned:                       # PLAN
-            tape = tape or planner.Tape("graph")
-            plan = tape.plan_graph(description, planner.leaves(outputs))
-            # (a description on several streams keeps every buffer live throughout: nothing
-            # shares bytes, so planning cannot add a race)
-            description, outputs = planner.apply(description, plan, tape.arena, outputs)
-        try:                              # BUILD
-            return Graph(description, outputs, placeholders, binding=binding,
-                         executor=executor, plan=plan, tape=tape, own_tape=own_tape,
-                         shared=shared, control=control, unroll=unroll)
-        except BaseException:
-            if own_tape:
-                tape.close()
-            raise
+    with record(private=not planned) as recorder:        # RECORD
+        outputs = fn(**placeholders)
+    if not recorder.nodes:
+        raise ValueError("record: the function launched no kernels and made no copies")
+    description = recorder.description()
+    if not description.is_chain:
+        found = races(description)
+        if found:
+            raise ValueError(f"capture: nodes {found[:5]} touch the same bytes with no "
+                             "order between them (a missing event wait between streams)")
+    if binding == "patch" and description.has_conditionals:
+        raise ValueError("binding 'patch' rewrites top-level nodes only, and a "
+                         "conditional body may read the inputs too; use 'copy' or 'alias'")
+    plan = None
+    own_tape = planned and tape is None
+    if planned:                       # PLAN
+        tape = tape or planner.Tape("graph")
+        plan = tape.plan_graph(description, planner.leaves(outputs))
+        # (a description on several streams keeps every buffer live throughout: nothing
+        # shares bytes, so planning cannot add a race)
+        description, outputs = planner.apply(description, plan, tape.arena, outputs)
+    try:                              # BUILD
+        return Graph(description, outputs, placeholders, binding=binding,
+                     executor=executor, plan=plan, tape=tape, own_tape=own_tape,
+                     shared=shared, control=control, unroll=unroll)
+    except BaseException:
+        if own_tape:
+            tape.close()
+        raise
