@@ -10,14 +10,24 @@ import functools
 
 import numpy as np
 
-from proto.backend import extent, is_device_array
+from proto.backend import PerObject, extent, is_device_array
+
+_passed = PerObject()   # (dtype, shape, ndim) an array object has passed device_array with
 
 
 def device_array(name: str, x, *, dtype=np.float32, shape=None, ndim=None):
     """Check that `x` is a C-contiguous device array of `dtype` (and `shape` if given).
 
-    `shape` may hold None for a free dimension. Returns `x` for chaining.
+    `shape` may hold None for a free dimension. Returns `x` for chaining. An array object
+    that passed the same check before passes at once (its metadata cannot change; eager
+    steps check the same arrays at every launch).
     """
+    _passed.get(x, (np.dtype(dtype), None if shape is None else tuple(shape), ndim),
+                lambda: _device_array(name, x, dtype, shape, ndim))
+    return x
+
+
+def _device_array(name: str, x, dtype, shape, ndim) -> bool:
     if not is_device_array(x):
         kind = "a NumPy (host) array" if isinstance(x, np.ndarray) else type(x).__name__
         raise TypeError(f"{name}: expected a device array (numba.cuda.to_device), got {kind}")
@@ -34,7 +44,7 @@ def device_array(name: str, x, *, dtype=np.float32, shape=None, ndim=None):
         raise ValueError(f"{name}: expected a C-contiguous array (strides {x.strides})")
     if x.size == 0:
         raise ValueError(f"{name}: empty array, shape {tuple(x.shape)}")
-    return x
+    return True
 
 
 def _kind(value) -> str:

@@ -382,7 +382,7 @@ def address(arr) -> int:
     return arr.device_ctypes_pointer.value or 0
 
 
-class _PerObject:
+class PerObject:
     """Values computed from an array object and remembered while that object lives. Eager
     launches and captures ask for the same arrays' byte ranges and views again and again,
     and an array's address, shape and strides never change. A hit must be the very object:
@@ -407,8 +407,8 @@ class _PerObject:
         return value
 
 
-_extents = _PerObject()
-_reshaped = _PerObject()
+_extents = PerObject()
+_reshaped = PerObject()
 
 
 def extent(arr) -> tuple[int, int]:

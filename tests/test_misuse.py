@@ -231,3 +231,17 @@ def test_closed_graphed_models_overlapping_copies_and_pool_sizes_are_refused():
     x = dev(np.arange(4, dtype=np.float32))
     with pytest.raises(ValueError, match=r"copy: dst \(bytes .*\) overlaps src"):
         graph.copy(x[1:], x[:3])
+
+
+def test_a_remembered_argument_check_still_refuses_other_requirements():
+    """`_check.device_array` remembers an array object that passed (its metadata cannot
+    change); the same object against another shape or dtype is still refused, every time,
+    and a failure is never remembered as a pass."""
+    x = dev(np.zeros((2, 3), np.float32))
+    assert _check.device_array("x", x, shape=(2, 3)) is x
+    assert _check.device_array("x", x, shape=(2, 3)) is x
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"x: expected shape \(3, 2\)"):
+            _check.device_array("x", x, shape=(3, 2))
+        with pytest.raises(TypeError, match="x: expected dtype int32"):
+            _check.device_array("x", x, dtype=np.int32)
