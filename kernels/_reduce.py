@@ -125,7 +125,7 @@ def load_ln_params(gamma, beta, gb, count, n):
     blockDim, c < count (past n: the last column, never used). A caller issues these loads
     before its first global store: a load after a store to memory the compiler cannot prove
     apart waits for it, and a loop of them pays one memory round trip per column (on the
-    H200 that made a 5 x 768 layer norm 9 us)."""
+    H200, loading first took a 5 x 768 layer norm from 12-14 us to 4)."""
     tid, nt, last = np.uint32(cuda.threadIdx.x), np.uint32(cuda.blockDim.x), np.uint32(n - 1)
     for c in range(count):
         j = min(tid + nt * np.uint32(c), last)

@@ -1,8 +1,9 @@
 """Layer normalization over the last axis: out = (x - mean) / sqrt(var + eps) * gamma + beta.
 
-GPT-2's decode step normalizes the residual stream inside the GEMM that produces it
-(`kernels.gemm.gemm(..., ln_out=...)`); this standalone kernel serves the rest (the first
-layer norm after the embedding, prefill).
+GPT-2's decode step normalizes the residual stream in the split-K reduction of the GEMM
+that produces it (`kernels.gemm.gemm(..., ln_out=...)`) and its first layer norm in the
+embedding's launch (`kernels.embedding.embed(..., ln_out=...)`); this standalone kernel
+serves the rest (prefill, rows those paths do not take).
 
 Rows of up to 1024 run a warp a row, the row in the lanes' registers, reduced by shuffles
 (kernels._reduce.WARP_ELEMS); wider rows a block a row. Two passes over the row: the mean,
