@@ -443,30 +443,44 @@ def beam_choose_kernel(values, indices, vocab, capacity, scores, tokens, parents
                        state, pos, flag):
     if cuda.grid(1) != 0:
         return
+    # Every load before the first store: a load after a store to an array the compiler
+    # cannot prove distinct waits for it, one memory round trip per candidate.
+    vals = cuda.local.array(KMAX, np.float32)
+    idxs = cuda.local.array(KMAX, np.int32)
+    k = values.shape[1]   # (at most KMAX: checked at launch)
+    for r in range(KMAX):
+        rr = min(r, k - 1)
+        vals[r] = values[0, rr]
+        idxs[r] = indices[0, rr]
     beam = scores.shape[0]
     t, limit, eos, length = state[0], state[1], state[2], state[3]
+    top = best[0]
     best_meta[0] = -1
     if length < 0 or length >= capacity:
         state[0] = STEP_ERROR
         flag[0] = 0
         return
     n = 0
-    for r in range(values.shape[1]):
-        index = indices[0, r]
-        if index < 0 or index >= beam * vocab:
+    first = BEAM_DEAD   # the score chosen first (scores[0, 0] once any is chosen)
+    for r in range(KMAX):
+        index = idxs[r]
+        if r >= k or index < 0 or index >= beam * vocab:
             continue
         b = index // vocab
         tok = index - b * vocab
         if tok == eos:
-            if values[0, r] > best[0]:
-                best[0] = values[0, r]
+            if vals[r] > top:
+                top = vals[r]
+                best[0] = top
                 best_meta[0] = b
                 best_meta[1] = tok
                 best_meta[2] = length + 1
         elif n < beam:
             parents[n] = b
             tokens[n, 0] = tok
-            scores[n, 0] = values[0, r]
+            scores[n, 0] = vals[r]
+            if n == 0:
+                first = vals[r]
             n += 1
     for j in range(n, beam):
         parents[j] = 0
@@ -476,7 +490,7 @@ def beam_choose_kernel(values, indices, vocab, capacity, scores, tokens, parents
     state[3] = length + 1
     state[4] = n
     pos[0] += 1
-    flag[0] = 1 if t + 1 < limit and n > 0 and not best[0] >= scores[0, 0] else 0
+    flag[0] = 1 if t + 1 < limit and n > 0 and not top >= first else 0
 
 
 @jit("void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], "
@@ -517,6 +531,8 @@ def beam_advance(values, indices, vocab: int, scores, tokens, parents, hist_src,
     its tokens best_hist (capacity,), best_meta (3,); state (5,), pos and flag (1,)."""
     _check.device_array("values", values, shape=(1, None))
     k = values.shape[1]
+    if k > KMAX:
+        raise ValueError(f"values: {k} candidates, at most {KMAX} (topk's limit)")
     _check.device_array("indices", indices, dtype=np.int32, shape=(1, k))
     _check.device_array("scores", scores, shape=(None, 1))
     beam = scores.shape[0]

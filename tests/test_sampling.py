@@ -170,6 +170,11 @@ def test_beam_advance_refuses_an_empty_vocabulary():
             _beam_advance({**_beam_buffers(), "vocab": vocab})
 
 
+def test_beam_advance_refuses_more_candidates_than_topk_gives():
+    with pytest.raises(ValueError, match=f"values: {sampling.KMAX + 1} candidates"):
+        _beam_advance(_beam_buffers(indices=tuple(range(sampling.KMAX + 1))))
+
+
 def test_beam_advance_with_a_full_history_writes_nothing_and_stops():
     d = _beam_buffers(cap=4, length=4)     # no column left for this step's token
     _beam_advance(d)
