@@ -134,9 +134,9 @@ def load_ln_params(gamma, beta, gb, count, n):
 
 
 @cuda.jit(device=True)
-def block_layernorm_row(vals, at, count, n, gb, eps, y):
+def block_layernorm_row(vals, count, n, gb, eps, y):
     """y[j] = (x[j] - mean) * rstd * gamma[j] + beta[j] for a row x of n values spread over
-    the block, thread t holding x[t + c * blockDim] in vals[at + c] and gamma, beta in gb
+    the block, thread t holding x[t + c * blockDim] in vals[c] and gamma, beta in gb
     (`load_ln_params`), c < count: two passes over the values in registers (no E[x^2] -
     mean^2 cancellation), each a block_allreduce; no global load, so the stores never wait.
     Every thread of the block must call it (its own row's values in hand); uses red of 64."""
@@ -146,15 +146,15 @@ def block_layernorm_row(vals, at, count, n, gb, eps, y):
     s1 = np.float32(0.0)
     for c in range(count):
         if tid + nt * np.uint32(c) < n:
-            s1 += vals[at + c]
+            s1 += vals[c]
     mean = block_allreduce(s1, False, red, 0) * inv_n
     s2 = np.float32(0.0)
     for c in range(count):
         if tid + nt * np.uint32(c) < n:
-            d = vals[at + c] - mean
+            d = vals[c] - mean
             s2 += d * d
     rstd = np.float32(1.0) / math.sqrt(block_allreduce(s2, False, red, 32) * inv_n + eps)
     for c in range(count):
         j = tid + nt * np.uint32(c)
         if j < n:
-            y[j] = (vals[at + c] - mean) * rstd * gb[c] + gb[count + c]
+            y[j] = (vals[c] - mean) * rstd * gb[c] + gb[count + c]

@@ -268,7 +268,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
 
 SMALL = make_attention(*SMALL_CONFIG)
 LARGE = make_attention(*LARGE_CONFIG)
-_WITH_ROWS = {v.config: make_attention(*v.config[:3], use_rows=True) for v in (SMALL, LARGE)}
+_WITH_ROWS = {v.config: make_attention(*v.config, use_rows=True) for v in (SMALL, LARGE)}
 attention_kernel = SMALL.kernel
 
 
@@ -486,5 +486,5 @@ def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
     if G * B > 65535:
         raise ValueError(f"src: {G} stacked caches of batch {B} exceed the grid's 65535")
     launch(gather_batch_kernel, (blocks, H, G * B), threads,
-           (src.reshape(G, B, H, row), index, length, np.int32(width), np.int32(fixed),
-            dst.reshape(G, B, H, row)), stream)
+           (backend.reshaped(src, (G, B, H, row)), index, length, np.int32(width),
+            np.int32(fixed), backend.reshaped(dst, (G, B, H, row))), stream)

@@ -71,7 +71,7 @@ def embed_kernel(tokens, wte, out, wpe, pos0, has_wpe, has_pos0, gamma, beta, ep
     for j in range(tid + LN_COLS * nt, n, nt):   # rows wider than the registers hold
         out[b, t, j] = _entry(wte, wpe, tok, p, j, bad, has_wpe)
     if has_ln:   # uniform over the block: the barriers inside are safe
-        block_layernorm_row(xv, 0, LN_COLS, n, gb, eps, y[b, t])
+        block_layernorm_row(xv, LN_COLS, n, gb, eps, y[b, t])
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -108,7 +108,7 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
         raise ValueError(f"tokens: batch {batch} exceeds the grid limit 65535")
     threads = _threads(width, ln_out is not None)
     if ln_out is None:   # placeholders, never touched (has_ln is 0): y a scratch element
-        gamma = beta = wte.reshape(wte.size)
+        gamma = beta = backend.reshaped(wte, (wte.size,))
         eps, y = 1.0, backend.empty((1, 1, 1), np.float32, "embed.no_ln")
     else:
         gamma, beta, eps, y = _check.ln_out(ln_out, (batch, steps, width))
@@ -117,7 +117,7 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
                              f"{LN_COLS * threads} (run kernels.layernorm after)")
     # Unused tables are replaced by ones of the right type, never read (flags are 0).
     args = (tokens, wte, out, wte if wpe is None else wpe,
-            tokens.reshape(tokens.size) if pos0 is None else pos0,
+            backend.reshaped(tokens, (tokens.size,)) if pos0 is None else pos0,
             int(wpe is not None), int(pos0 is not None), gamma, beta, np.float32(eps), y,
             int(ln_out is not None))
     launch(embed_kernel, (steps, batch), threads, args, stream)

@@ -565,7 +565,7 @@ def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gam
         n = tid + nt * _u(c)
         if n < n_cols:
             out[bz, m, n] = xv[c]
-    block_layernorm_row(xv, 0, LN_COLS, N, gb, eps, y[bz, m])
+    block_layernorm_row(xv, LN_COLS, N, gb, eps, y[bz, m])
 
 
 NN = make_decode_nn(*NN_SPLIT)
@@ -737,7 +737,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     if batch > 65535:
         raise ValueError(f"a: batch {batch} exceeds the grid limit 65535")
     if bias is None:  # a placeholder never read: a view of b, which no kernel writes
-        bias_arg, has_bias = b.reshape(b.size), 0
+        bias_arg, has_bias = backend.reshaped(b, (b.size,)), 0
     else:
         bias_arg, has_bias = _check.device_array("bias", bias, shape=(n_cols,)), 1
     if ln_out is not None:
