@@ -34,7 +34,10 @@ also timed at the middle position: our alias graph's replay, on the GPU against 
 its kernels' GPU times (torch.profiler, which sees Numba kernels inside graph replays) and
 against PyTorch's CUDA-graphed steps: the graph of that length attending to the live prefix
 (PtGraph in PyTorch, `ours_over_torch_graph_step`) and the one static-cache graph whose
-attention spans every position, masked (`ours_over_torch_masked_graph_step`). That runs in a child process (`step_timings`): the
+attention spans every position, masked (`ours_over_torch_masked_graph_step`). The WHILE
+graph's kernels are profiled over one whole generation too (per token, who="ours_while" in
+the kernels CSV): what a token costs beyond a step, kernels or the graph's own overhead.
+That runs in a child process (`step_timings`): the
 profiler's CUPTI beside Numba's CUDA context made the whole process abort at interpreter
 exit, so only the child ever loads it. Toy size: a tiny model, 2 tokens, simulator.
 
@@ -277,6 +280,9 @@ def _step_timings(label: str, position: int, alias, torch_graph, torch_live, ker
             kernel_rows.append({"setup": label, "who": who, "kernel": name[:90],
                                 "us_per_step": round(us, 2), "launches_per_step": count})
     row["ours_graph_nodes"] = alias.g.num_nodes // max(alias.g.num_graphs, 1)
+    if profile:
+        row.update(_while_kernels(label, alias.g.model, alias.g.batch, alias.g.max_len,
+                                  kernel_rows))
     # The bandwidth floor: the bytes the step must read (every weight once, the live K and V
     # of every layer) at the device-to-device copy rate measured here.
     weights, kv = alias.g.model.decode_read_bytes(alias.g.batch, position + 1)
@@ -284,6 +290,29 @@ def _step_timings(label: str, position: int, alias, torch_graph, torch_live, ker
     row.update(weight_bytes=weights, kv_bytes=kv, copy_GBps=round(gbps, 1),
                floor_us=round((weights + kv) / (gbps * 1e3), 2))
     return row
+
+
+def _while_kernels(label: str, model, beam: int, max_len: int, kernel_rows: list) -> dict:
+    """The WHILE graph's kernels over one whole generation (prompt 5 to `max_len`), per
+    token: where its time per token goes beyond one step. Appends them to `kernel_rows` as
+    who="ours_while" (us_per_step and launches_per_step are then per token)."""
+    loop = BeamLoop(model, beam=beam, max_len=max_len)
+    prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, 5)
+    new = max_len - len(prompt) + 1
+    steps = []
+    try:
+        kernels = _kernels(lambda: steps.append(
+            loop.generate(prompt, max_new_tokens=new).times.steps), n=1)
+    finally:
+        loop.close()
+    tokens = steps[-1]
+    for name, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        kernel_rows.append({"setup": label, "who": "ours_while", "kernel": name[:90],
+                            "us_per_step": round(us / tokens, 2),
+                            "launches_per_step": round(count / tokens, 3)})
+    return {"while_kernel_sum_us_per_token": round(sum(us for us, _ in kernels.values())
+                                                   / tokens, 2),
+            "while_kernels_per_token": round(sum(c for _, c in kernels.values()) / tokens, 2)}
 
 
 def _measure_step(spec: dict) -> dict:
@@ -464,6 +493,10 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
         # a whole generation in one WHILE graph, per token, against one replayed step at the
         # middle position: what the search adds (top-k, beam choice, reorder, stop test)
         summary["while_per_token_over_step"] = ms["graph_while"] * 1e3 / float(step["ours_step_us"])
+        if step.get("while_kernel_sum_us_per_token") is not None:
+            # is the WHILE graph's excess over a step its kernels or the graph's own cost?
+            summary["while_kernel_sum_us_per_token"] = float(step["while_kernel_sum_us_per_token"])
+            summary["while_kernels_per_token"] = float(step["while_kernels_per_token"])
         if step.get("ours_kernel_sum_us") is not None:   # profiled (torch present)
             summary["ours_kernel_sum_us"] = float(step["ours_kernel_sum_us"])
             if float(step["ours_kernel_sum_us"]) > 0:

@@ -59,3 +59,27 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert figure.is_relative_to(tmp_path)
     phases = figure.with_name("end_to_end_phases.png")
     assert phases.exists() and phases.stat().st_size > 10_000
+
+
+def test_while_kernels_are_reported_per_generated_token(monkeypatch):
+    """The WHILE graph's profile (GPU only) divides one whole generation's kernel times by the
+    tokens it generated. Here a stand-in for torch.profiler runs the generation once and
+    reports fixed totals: 4 tokens (prompt 5 to position 8) must give a quarter of each."""
+    from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
+
+    ran = []
+
+    def fake_profile(replay, n=20):
+        replay()
+        ran.append(n)
+        return {"step_kernel": (100.0, 50.0), "search_kernel": (20.0, 8.0)}
+
+    monkeypatch.setattr(end_to_end, "_kernels", fake_profile)
+    config = GPT2Config(1, 8, 2, 13, 8)
+    model = GPT2(config, random_state_dict(config, seed=0), max_batch=2, max_tokens=4)
+    rows = []
+    out = end_to_end._while_kernels("toy", model, 2, 8, rows)
+    assert ran == [1]
+    assert out == {"while_kernel_sum_us_per_token": 30.0, "while_kernels_per_token": 14.5}
+    assert [(r["who"], r["kernel"], r["us_per_step"], r["launches_per_step"]) for r in rows] \
+        == [("ours_while", "step_kernel", 25.0, 12.5), ("ours_while", "search_kernel", 5.0, 2.0)]
