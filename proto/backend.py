@@ -266,6 +266,7 @@ def synchronize() -> None:
 # (proto.graph) can intercept launches and turn them into graph nodes instead of running them.
 # ---------------------------------------------------------------------------------------------
 _recorder = None   # what intercepts launches and allocations; set by proto.graph.record
+_gpu_launch = None   # proto.launcher.launch, once an eager launch on a GPU needs it
 
 
 def set_recorder(recorder) -> None:
@@ -286,8 +287,13 @@ def launch(kernel, griddim, blockdim, args, stream=0, sharedmem=0):
     check_writes(kernel, args)
     if _recorder is not None:
         _recorder.record_launch(kernel, griddim, blockdim, args, sharedmem, stream)
-        return
-    kernel[griddim, blockdim, stream, sharedmem](*args)
+    elif SIMULATOR:
+        kernel[griddim, blockdim, stream, sharedmem](*args)
+    else:   # the same parameters as Numba's launch, without its per-launch work
+        global _gpu_launch
+        if _gpu_launch is None:   # (proto.launcher imports this module: loaded at first use)
+            from proto.launcher import launch as _gpu_launch
+        _gpu_launch(kernel, griddim, blockdim, args, stream, sharedmem)
 
 
 ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects it to

@@ -27,11 +27,9 @@ device flag the host reads after the replay (`finish`). A driver without conditi
 `HostDrivenExecutor` (CUDA graphs for the stretches between conditional nodes, the host
 reading each flag) is the third way, kept to compare.
 
-A kernel's parameters are not its Python arguments. Numba flattens each array argument into
-``meminfo, parent, nitems, itemsize, data, shape..., strides...`` (5 + 2*ndim parameters) and
-each scalar into one typed value; the compiled kernel (``dispatcher.overloads[sig]``) does the
-flattening in ``_prepare_args``. We keep that flat list per node and remember where each
-array's ``data`` pointer sits in it: that position is the slot patch binding rewrites.
+A kernel node holds the kernel's flat parameters (proto.launcher.flatten: Numba's flattening
+of each array into 5 + 2*ndim parameters) and where each array's ``data`` pointer sits in
+them: that position is the slot patch binding rewrites.
 """
 from __future__ import annotations
 
@@ -45,43 +43,12 @@ import numpy as np
 
 from kernels import _check
 from proto import backend
-from proto.backend import address, cuda, is_device_array
+from proto.backend import address, cuda
 from proto.graph.ir import Conditional, Copy, Description, KernelLaunch
 from proto.graph.predicate import PredicatedExecutor, reset_passes_kernel
 from proto.graph.record import LoopBoundError
 from proto.graph.walk import run_conditional
-
-# Numba's flattened array argument: meminfo, parent, nitems, itemsize, then the data pointer.
-_DATA_SLOT = 4
-
-
-def _compiled(kernel):
-    """The one compiled overload of an eager-signature kernel (proto.backend.jit)."""
-    overloads = list(kernel.overloads.values())
-    if len(overloads) != 1:
-        raise TypeError(f"kernel {kernel.py_func.__name__}: graphs need exactly one eager "
-                        f"signature (proto.backend.jit), found {len(overloads)}")
-    return overloads[0]
-
-
-def flatten_args(kernel, args) -> tuple[object, list, dict]:
-    """(cuda.core Kernel, flat parameter list, {argument index: position of its data pointer})."""
-    compiled = _compiled(kernel)
-    types = compiled.argument_types
-    name = kernel.py_func.__name__
-    if len(args) != len(types):
-        raise TypeError(f"kernel {name}: expected {len(types)} arguments, got {len(args)}")
-    flat, data_slots = [], {}
-    for i, (ty, value) in enumerate(zip(types, args)):
-        if is_device_array(value):
-            want = (str(ty.dtype), ty.ndim)
-            got = (str(np.dtype(value.dtype)), value.ndim)
-            if want != got or (ty.layout == "C" and not value.is_c_contiguous()):
-                raise TypeError(f"kernel {name} argument {i}: expected {ty}, got {got[0]} "
-                                f"{got[1]}-d array with strides {tuple(value.strides)}")
-            data_slots[i] = len(flat) + _DATA_SLOT
-        compiled._prepare_args(ty, value, 0, [], flat)
-    return compiled._codelibrary.get_cufunc().kernel, flat, data_slots
+from proto.launcher import flatten as flatten_args
 
 
 class _KernelParams(NamedTuple):
