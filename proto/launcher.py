@@ -53,6 +53,12 @@ class Kernel:
         self.name, self.compiled = name, compiled
         self.cukernel = compiled._codelibrary.get_cufunc().kernel   # cuda.core Kernel
         self.types = tuple(compiled.argument_types)
+        # per parameter: None for an array, else the ctypes constructor of its scalar type
+        # (ctypes.c_int32 for int32, as Numba makes them), or False: Numba's own conversion
+        self.scalars = tuple(
+            None if isinstance(ty, types.Array)
+            else getattr(ctypes, f"c_{ty}") if isinstance(ty, types.Integer)
+            else _SCALARS.get(ty, False) for ty in self.types)
         # Numba's own launch where it does more than pass parameters: debug builds check an
         # error code after the launch, extensions rewrite arguments.
         self.numba_only = bool(getattr(compiled, "debug", False)) or \
@@ -82,14 +88,12 @@ class Kernel:
             raise TypeError(f"kernel {self.name}: expected {len(self.types)} arguments, "
                             f"got {len(args)}")
         flat, data_slots = [], {}
-        for i, (ty, value) in enumerate(zip(self.types, args)):
-            if isinstance(ty, types.Array):
+        for i, (ty, scalar, value) in enumerate(zip(self.types, self.scalars, args)):
+            if scalar is None:
                 data_slots[i] = len(flat) + DATA_SLOT
                 flat.extend(self._array(i, ty, value))
-            elif isinstance(ty, types.Integer):
-                flat.append(getattr(ctypes, f"c_{ty}")(value))
-            elif ty in _SCALARS:
-                flat.append(_SCALARS[ty](value))
+            elif scalar:
+                flat.append(scalar(value))
             else:   # (booleans, records, tuples: as Numba does it)
                 self.compiled._prepare_args(ty, value, 0, [], flat)
         return flat, data_slots
