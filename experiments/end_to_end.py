@@ -36,7 +36,8 @@ against PyTorch's CUDA-graphed steps: the graph of that length attending to the 
 (PtGraph in PyTorch, `ours_over_torch_graph_step`) and the one static-cache graph whose
 attention spans every position, masked (`ours_over_torch_masked_graph_step`). The WHILE
 graph's kernels are profiled over one whole generation too (per token, who="ours_while" in
-the kernels CSV): what a token costs beyond a step, kernels or the graph's own overhead.
+the kernels CSV; in a child of its own, and where that fails the summary's `unavailable` says
+why): what a token costs beyond a step, kernels or the graph's own overhead.
 That runs in a child process (`step_timings`): the
 profiler's CUPTI beside Numba's CUDA context made the whole process abort at interpreter
 exit, so only the child ever loads it. Toy size: a tiny model, 2 tokens, simulator.
@@ -280,9 +281,6 @@ def _step_timings(label: str, position: int, alias, torch_graph, torch_live, ker
             kernel_rows.append({"setup": label, "who": who, "kernel": name[:90],
                                 "us_per_step": round(us, 2), "launches_per_step": count})
     row["ours_graph_nodes"] = alias.g.num_nodes // max(alias.g.num_graphs, 1)
-    if profile:
-        row.update(_while_kernels(label, alias.g.model, alias.g.batch, alias.g.max_len,
-                                  kernel_rows))
     # The bandwidth floor: the bytes the step must read (every weight once, the live K and V
     # of every layer) at the device-to-device copy rate measured here.
     weights, kv = alias.g.model.decode_read_bytes(alias.g.batch, position + 1)
@@ -318,10 +316,15 @@ def _while_kernels(label: str, model, beam: int, max_len: int, kernel_rows: list
 def _measure_step(spec: dict) -> dict:
     """In the child: the setup's model (same weights), our alias graph and, with torch,
     PyTorch's graphed step, built afresh; the decode step at spec["position"] timed, and
-    profiled where torch is present. Returns {"row": ..., "kernels": [...]}."""
+    profiled where torch is present; or, for spec["part"] == "while", the WHILE graph's
+    kernels over a whole generation (`_while_kernels`). Returns {"row": ..., "kernels": [...]}."""
     config, beam, max_len = GPT2Config(**spec["config"]), spec["beam"], spec["max_len"]
     state_dict = random_state_dict(config, seed=0)
     model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(spec["prompt_len"] - 1, 1))
+    if spec["part"] == "while":
+        kernel_rows: list = []
+        row = _while_kernels(spec["label"], model, beam, max_len, kernel_rows)
+        return {"row": row, "kernels": kernel_rows}
     methods = ["graph_alias_device"] + (["torch_graph"] if spec["torch"] else [])
     live = {m: _make(m, model, state_dict, beam, max_len, build_all=False) for m in methods}
     torch_live = None
@@ -343,23 +346,25 @@ def _measure_step(spec: dict) -> dict:
 
 
 def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max_len: int,
-                 position: int, step: dict, use_torch: bool) -> tuple[dict, list[dict]]:
+                 position: int, step: dict, use_torch: bool,
+                 part: str = "step") -> tuple[dict, list[dict]]:
     """(step row, kernel rows) from `_measure_step` in a child process
     (`python -m experiments.end_to_end --step SPEC OUT`), so this process never loads CUPTI."""
     spec = dict(label=label, config=dataclasses.asdict(config), beam=beam, prompt_len=prompt_len,
-                max_len=max_len, position=position, step=step, torch=use_torch)
+                max_len=max_len, position=position, step=step, torch=use_torch, part=part)
+    limit = 1800 if part == "step" else 600   # (compiling, capturing, one generation profiled)
     with tempfile.TemporaryDirectory() as folder:
         spec_path, out_path = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "out.json")
         spec_path.write_text(json.dumps(spec))
         try:   # (a hung child must not hang the run)
             child = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
                                     str(spec_path), str(out_path)], cwd=common.REPO,
-                                   timeout=1800, env=common.child_env())
+                                   timeout=limit, env=common.child_env())
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{NAME}: the step-timing child process gave no answer in "
-                               "1800 s; it was stopped") from None
+            raise RuntimeError(f"{NAME}: the {part}-timing child process gave no answer in "
+                               f"{limit} s; it was stopped") from None
         if child.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"{NAME}: the step-timing child process failed (exit status "
+            raise RuntimeError(f"{NAME}: the {part}-timing child process failed (exit status "
                                f"{child.returncode}); its traceback is above")
         out = json.loads(out_path.read_text())
     return out["row"], out["kernels"]
@@ -433,6 +438,19 @@ def run(size: str = "toy") -> None:
             m.close()
         row, kernels = step_timings(label, config, beam, prompt_len, max_len, max_len // 2,
                                     cfg["step"], use_torch="torch_graph" in methods)
+        if "torch_graph" in methods:   # (the profiler is PyTorch's)
+            # In a child of its own: the profiler has never watched a graph with conditional
+            # nodes here, and if that fails, only this breakdown is missing, and says why.
+            try:
+                extra, while_kernels = step_timings(label, config, beam, prompt_len, max_len,
+                                                    max_len // 2, cfg["step"], True, "while")
+            except RuntimeError as exc:
+                unavailable[f"{label}/while_kernels"] = str(exc)[:300]
+                row.update(while_kernel_sum_us_per_token=None, while_kernels_per_token=None)
+                common.report(NAME, {"setup": label, "while_kernels": "unavailable"})
+            else:
+                row.update(extra)
+                kernels.extend(while_kernels)
         step_rows.append(row)
         kernel_rows.extend(kernels)
     bar.close()

@@ -3,6 +3,8 @@ the CSV, summary and both figures are written, and the summary carries the headl
 README quotes. Results go to a temporary folder (a GPU test run never overwrites full results).
 The decode step alone is timed (and on a GPU profiled) in a child process: this one must never
 start torch.profiler, whose CUPTI beside Numba's context aborted the interpreter at exit."""
+import dataclasses
+
 import numpy as np
 
 from experiments import common, end_to_end
@@ -65,7 +67,7 @@ def test_while_kernels_are_reported_per_generated_token(monkeypatch):
     """The WHILE graph's profile (GPU only) divides one whole generation's kernel times by the
     tokens it generated. Here a stand-in for torch.profiler runs the generation once and
     reports fixed totals: 4 tokens (prompt 5 to position 8) must give a quarter of each."""
-    from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
+    from proto.models.gpt2 import GPT2Config
 
     ran = []
 
@@ -76,10 +78,11 @@ def test_while_kernels_are_reported_per_generated_token(monkeypatch):
 
     monkeypatch.setattr(end_to_end, "_kernels", fake_profile)
     config = GPT2Config(1, 8, 2, 13, 8)
-    model = GPT2(config, random_state_dict(config, seed=0), max_batch=2, max_tokens=4)
-    rows = []
-    out = end_to_end._while_kernels("toy", model, 2, 8, rows)
+    spec = dict(label="toy", config=dataclasses.asdict(config), beam=2, prompt_len=5, max_len=8,
+                position=4, step={}, torch=True, part="while")   # what the child is given
+    out = end_to_end._measure_step(spec)
     assert ran == [1]
-    assert out == {"while_kernel_sum_us_per_token": 30.0, "while_kernels_per_token": 14.5}
-    assert [(r["who"], r["kernel"], r["us_per_step"], r["launches_per_step"]) for r in rows] \
-        == [("ours_while", "step_kernel", 25.0, 12.5), ("ours_while", "search_kernel", 5.0, 2.0)]
+    assert out["row"] == {"while_kernel_sum_us_per_token": 30.0, "while_kernels_per_token": 14.5}
+    assert [(r["who"], r["kernel"], r["us_per_step"], r["launches_per_step"])
+            for r in out["kernels"]] == [("ours_while", "step_kernel", 25.0, 12.5),
+                                         ("ours_while", "search_kernel", 5.0, 2.0)]
