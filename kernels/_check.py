@@ -10,7 +10,8 @@ import functools
 
 import numpy as np
 
-from proto.backend import PerObject, extent, is_device_array
+from proto.backend import extent, is_device_array
+from proto.memo import PerObject
 
 _passed = PerObject()   # (dtype, shape, ndim) an array object has passed device_array with
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-from numba.core import types
+from numba.core import types   # (imported after proto.backend chose the device: see above)
 
-from proto.backend import PerObject, is_device_array
+from proto.memo import PerObject
 
 DATA_SLOT = 4   # in an array's flat parameters: meminfo, parent, nitems, itemsize, data, ...
 
@@ -65,7 +65,7 @@ class Kernel:
             bool(dispatcher.targetoptions.get("extensions"))
 
     def _array(self, i: int, ty, value) -> tuple:
-        if not is_device_array(value):
+        if not getattr(value, "__cuda_ndarray__", False):   # (Numba's test of a device array)
             raise _HostArray(i)
         # remembered per array object and parameter type (the check depends on the type)
         return _array_params.get(value, ty, lambda: self._checked_array(i, ty, value))
