@@ -763,5 +763,6 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     if ln_out is not None:  # not fused: normalize the rows of out afterwards
         from kernels import layernorm
         rows = batch * m_rows
-        layernorm.layernorm(out.reshape(rows, n_cols), gamma, beta, y.reshape(rows, n_cols),
+        layernorm.layernorm(backend.reshaped(out, (rows, n_cols)), gamma, beta,
+                            backend.reshaped(y, (rows, n_cols)),
                             eps=float(eps), stream=stream)

@@ -242,7 +242,7 @@ def argmax(x, out, *, stream=0) -> None:
     _check.device_array("out", out, dtype=np.int32, shape=(R,))
     _check.separate({"out": out}, {"x": x})   # two launches
     _, _, scratch_values = _candidates(R, _stage1_config(V)[0])
-    _launch_topk(x, 1, scratch_values, out.reshape(R, 1), stream)
+    _launch_topk(x, 1, scratch_values, backend.reshaped(out, (R, 1)), stream)
 
 
 # ---------------------------------------------------------------------------- a beam step's top-k

@@ -364,7 +364,7 @@ def empty(shape, dtype, name: str, owner=None):
         if _eager_owned is None:
             _eager_owned = weakref.WeakKeyDictionary()
         table = _eager_owned.setdefault(owner, {})
-    nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)   # (np.prod costs more than the rest)
     held = table.get(name)
     if held is None or held[0].size < nbytes:
         held = table[name] = (cuda.device_array(nbytes, np.uint8), {})

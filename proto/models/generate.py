@@ -155,7 +155,7 @@ def _logits(step, tokens, pos, cache, batch: int, vocab: int):
         raise ValueError(f"step: expected float32 logits of shape ({batch}, 1, {vocab}), got "
                          f"{type(logits).__name__} {getattr(logits, 'dtype', '')} "
                          f"{getattr(logits, 'shape', '')}")
-    return logits.reshape(batch, vocab)
+    return backend.reshaped(logits, (batch, vocab))   # (the same view every step)
 
 
 def _prefill(step, prompt_rows: np.ndarray, pos, cache) -> None:

@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check, attention, embedding, gemm, layernorm
-from proto.backend import cuda, empty
+from proto.backend import cuda, empty, reshaped
 from proto.models import checked_params, zeros
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
@@ -245,12 +245,12 @@ class GPT2:
             raise ValueError(f"tokens: {T} new tokens exceed cache.max_len={cache.max_len}")
         C, V, N = self.config.n_embd, self.config.vocab_size, B * T
         x = self._empty("x", B, T, C)               # the residual stream, updated in place
-        x2 = x.reshape(N, C)
+        x2 = reshaped(x, (N, C))   # (the same view object step after step)
         first = self.layers[0]
         ln = self._empty("h0.ln_1", N, C)
         if embedding.fuses_layernorm(C):   # the first layer norm rides on the embedding
             embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
-                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, ln.reshape(B, T, C)))
+                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
         else:
             embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
             layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
@@ -258,14 +258,14 @@ class GPT2:
         # norm of the updated rows, computed where the split-K sums are added).
         for i, L in enumerate(self.layers):
             qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
-            gemm.gemm(ln, L.attn_w, qkv.reshape(N, 3 * C), bias=L.attn_b, stream=stream)
+            gemm.gemm(ln, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, stream=stream)
             att = self._empty(f"h{i}.att", B, T, C)
             attention.attention(qkv, cache.k[i], cache.v[i], pos, att,
                                 rows=getattr(cache, "rows", None),
                                 n_head=self.config.n_head, stream=stream)
             # x += att @ W + b (the residual add fused), then ln = ln_2(x)
             ln = self._empty(f"h{i}.ln_2", N, C)
-            gemm.gemm(att.reshape(N, C), L.attn_proj_w, x2, bias=L.attn_proj_b,
+            gemm.gemm(reshaped(att, (N, C)), L.attn_proj_w, x2, bias=L.attn_proj_b,
                       accumulate=True, ln_out=(L.ln_2_w, L.ln_2_b, LN_EPS, ln), stream=stream)
             h = self._empty(f"h{i}.fc", N, 4 * C)
             gemm.gemm(ln, L.fc_w, h, bias=L.fc_b, act="gelu", stream=stream)
@@ -277,5 +277,5 @@ class GPT2:
             gemm.gemm(h, L.mlp_proj_w, x2, bias=L.mlp_proj_b, accumulate=True,
                       ln_out=(gamma, beta, LN_EPS, ln), stream=stream)
         logits = self._empty("logits", B, T, V)
-        gemm.gemm(ln, self.wte, logits.reshape(N, V), trans_b=True, stream=stream)  # tied head
+        gemm.gemm(ln, self.wte, reshaped(logits, (N, V)), trans_b=True, stream=stream)  # tied head
         return logits
