@@ -80,6 +80,36 @@ def test_warm_step_allocates_nothing(monkeypatch):
     np.testing.assert_allclose(second.copy_to_host()[0], want[0, 1:], **LOGIT_TOL)
 
 
+def test_warm_steps_launch_with_the_same_array_objects(monkeypatch):
+    """Every launch of a warm eager step gets the very array objects the previous step's same
+    launch got: byte ranges, argument checks and (on a GPU) flat parameters are remembered per
+    array object, so a new view at every step would redo them all (and cost Numba's array
+    construction on a GPU)."""
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
+    model = GPT2(config, random_state_dict(config, 2), max_batch=2, max_tokens=1)
+    cache = KVCache(config, 2, 6)
+    tokens = tokens_dev([[1], [2]])
+    seen, check = [], backend.check_writes
+
+    def record(kernel, args):   # every launch passes through the overlap check
+        seen.append([a for a in args if backend.is_device_array(a)])
+        check(kernel, args)
+
+    model.step(tokens, pos_dev(0), cache)   # first use: buffers and views made
+    monkeypatch.setattr(backend, "check_writes", record)
+    steps, positions = [], [pos_dev(1), pos_dev(2)]   # the caller's, new at each step here
+    for pos in positions:
+        seen = []
+        model.step(tokens, pos, cache)
+        steps.append(seen)
+    monkeypatch.undo()
+    assert len(steps[0]) == len(steps[1]) > 0
+    for i, (a, b) in enumerate(zip(*steps)):
+        fresh = [j for j, (x, y) in enumerate(zip(a, b))
+                 if x is not y and not (x is positions[0] and y is positions[1])]
+        assert not fresh, f"launch {i}: arguments {fresh} are new array objects at every step"
+
+
 def test_cache_reorder_moves_whole_beams():
     config = GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
     src, dst = KVCache(config, 3, 5), KVCache(config, 3, 5)
