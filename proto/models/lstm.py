@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check, embedding, gemm, lstm
-from proto.backend import cuda, empty
+from proto.backend import cuda, empty, reshaped
 from proto.models import checked_params, zeros
 
 
@@ -108,7 +108,8 @@ class LSTMLM:
             raise ValueError(f"state: expected an LSTMState of this model's config with batch {B}")
         E, H, V = self.config.n_embd, self.config.n_hidden, self.config.vocab_size
         x = empty((B, E), np.float32, "x", owner=self)
-        embedding.embed(tokens.reshape(B, 1), self.embedding, x.reshape(B, 1, E), stream=stream)
+        embedding.embed(reshaped(tokens, (B, 1)), self.embedding, reshaped(x, (B, 1, E)),
+                        stream=stream)   # (views made once: the same objects every step)
         for k, (w_ih, b_ih, w_hh, b_hh) in enumerate(self.layers):
             # gates = x @ W_ih.T + b_ih + h @ W_hh.T + b_hh, the second gemm accumulating
             gates = empty((B, 4 * H), np.float32, f"l{k}.gates", owner=self)
