@@ -2,8 +2,10 @@
 
 N copies of a tiny kernel (one block; each adds 1 to a small array, so the GPU work is nearly
 nothing and the time is the launch path) are run for N = 1 .. 1000:
-  numba_eager   N eager launches through proto.backend.launch (Numba's dispatcher, argument
-                flattening, cuLaunchKernel), timed end to end with a final sync (bench_host);
+  numba_eager   N eager launches through proto.backend.launch (the overlap check, then
+                proto.launcher: the kernel's flat parameters, remembered per array object,
+                to cuda.core's launch; before it, Numba's own launch), timed end to end with
+                a final sync (bench_host);
   numba_graph   the same N launches recorded by proto.graph and replayed as one CUDA graph
                 (alias binding, so a replay is a check plus one cuGraphLaunch);
   torch_eager / torch_graph   the same with PyTorch's ``x.add_(1)`` and torch.cuda.CUDAGraph,
