@@ -546,7 +546,8 @@ def _by_setup(rows):
 
 def plot():
     """Figure 1: ms per generated token by method; figure 2 (end_to_end_phases): the same
-    split into input preparation, model and search. Returns figure 1's path."""
+    split into input preparation, model and search; figure 3 (end_to_end_while) where the
+    WHILE graph was profiled. Returns figure 1's path."""
     rows = common.read_csv(NAME)
     setups, by = _by_setup(rows)
     steps = {r["setup"]: r for r in common.read_csv(NAME + "_step")} \
@@ -598,7 +599,76 @@ def plot():
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     common.save_figure(fig, NAME + "_phases")
+    _plot_while_kernels()
     return path
+
+
+# Kernel families for the WHILE figure: the first substring a kernel's name contains.
+FAMILIES = [("gemm_decode_nt", "head GEMM"), ("gemm_splitk_reduce", "split-K reduce + layer norm"),
+            ("gemm", "layer GEMMs"), ("attention_combine", "attention combine"),
+            ("attention", "attention"), ("embed", "embedding"), ("layernorm", "layer norm"),
+            ("log_softmax", "beam top-k"), ("beam_topk", "beam top-k"),
+            ("beam_choose", "beam choice"), ("beam_histories", "beam choice"),
+            ("check_scores", "beam choice"), ("reorder_rows", "reorder"),
+            ("gather_batch", "reorder"), ("set_if", "loop control"), ("_loop", "loop control"),
+            ("reset_passes", "loop control")]
+
+
+def kernel_family(name: str) -> str:
+    """The family of a profiled kernel, by its function's own name (not its module's:
+    kernels::attention:: also holds the reorder kernels)."""
+    function = name.split("[")[0].split("(")[0].split("::")[-1]
+    return next((family for key, family in FAMILIES if key in function), "other")
+
+
+def _plot_while_kernels() -> None:
+    """Figure 3 (end_to_end_while), where the WHILE graph was profiled: one step's kernels
+    (replayed alone at the middle position) beside a WHILE token's (the mean over a whole
+    generation), stacked by kernel family, with each one's measured time as a tick: what a
+    token costs beyond a step, and how much of it no kernel accounts for."""
+    path = common.results_dir() / f"{NAME}_kernels.csv"
+    if not path.exists():
+        return
+    kernels = common.read_csv(NAME + "_kernels")
+    setups = list(dict.fromkeys(r["setup"] for r in kernels if r["who"] == "ours_while"))
+    if not setups:
+        return
+    steps = {r["setup"]: r for r in common.read_csv(NAME + "_step")}
+    per_token = {(r["setup"], r["method"]): float(r["ms_per_token"]) * 1e3
+                 for r in common.read_csv(NAME)}
+    families = list(dict.fromkeys(f for _, f in FAMILIES)) + ["other"]
+    fig, axes = common.new_figure(kernels, 1, len(setups), figsize=(7.5 * len(setups), 4.6),
+                                  squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        step_us = steps.get(setup, {}).get("ours_step_us")
+        walls = [float(step_us) if step_us else None, per_token.get((setup, "graph_while"))]
+        for x, who in enumerate(("ours", "ours_while")):
+            sums = dict.fromkeys(families, 0.0)
+            for r in kernels:
+                if r["setup"] == setup and r["who"] == who:
+                    sums[kernel_family(r["kernel"])] += float(r["us_per_step"])
+            bottom = 0.0
+            for i, family in enumerate(families):
+                if sums[family] > 0:
+                    ax.bar(x, sums[family], bottom=bottom, color=f"C{i % 10}", label=family)
+                    bottom += sums[family]
+            if walls[x] is not None:
+                ax.hlines(walls[x], x - 0.45, x + 0.45, color="k", linewidth=2,
+                          label="measured time" if x == 0 else None)
+                ax.annotate(f"{walls[x]:.0f} us measured, {bottom:.0f} us of kernels",
+                            (x, walls[x]), textcoords="offset points", xytext=(0, 4),
+                            ha="center", fontsize=7)
+        ax.set_xticks([0, 1], ["one step\n(replayed alone, middle position)",
+                               "WHILE graph, per token\n(mean over the generation)"], fontsize=8)
+        ax.set_ylabel("us")
+        ax.set_title(f"GPT-2 {setup}: a WHILE token against one step, by kernel", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))   # (each family once)
+        ax.legend(unique.values(), unique.keys(), fontsize=7, loc="center left",
+                  bbox_to_anchor=(1.0, 0.5))
+        ax.margins(y=0.12)   # (room for the annotations above the ticks)
+    common.save_figure(fig, NAME + "_while")
 
 
 # ------------------------------------------------------------------------- the child's entry

@@ -86,3 +86,45 @@ def test_while_kernels_are_reported_per_generated_token(monkeypatch):
     assert [(r["who"], r["kernel"], r["us_per_step"], r["launches_per_step"])
             for r in out["kernels"]] == [("ours_while", "step_kernel", 25.0, 12.5),
                                          ("ours_while", "search_kernel", 5.0, 2.0)]
+
+
+def test_kernel_families_name_the_h200_profiles_kernels():
+    """The WHILE figure groups kernels by family from their profiled (mangled) names."""
+    names = {
+        "kernels::gemm::make_decode_nn::_3clocals_3e::gemm_decode_nn_kernel[abi:v96]": "layer GEMMs",
+        "kernels::gemm::gemm_splitk_reduce_ln_kernel[abi:v87][abi:cw51cXTLSUwv1sDU": "split-K reduce + layer norm",
+        "kernels::gemm::make_decode_nt::_3clocals_3e::gemm_decode_nt_kernel[abi:v100]": "head GEMM",
+        "kernels::attention::make_attention::_3clocals_3e::attention_kernel[abi:v134]": "attention",
+        "kernels::attention::attention_combine_kernel[abi:v137]": "attention combine",
+        "kernels::attention::reorder_rows_kernel[abi:v1]": "reorder",
+        "kernels::embedding::embed_kernel[abi:v139]": "embedding",
+        "kernels::softmax::log_softmax_partials_kernel[abi:v1]": "beam top-k",
+        "kernels::sampling::beam_choose_kernel[abi:v1]": "beam choice",
+        "proto::graph::cuda::continue_loop[abi:v1]": "loop control",
+        "void at::native::vectorized_elementwise_kernel<4>": "other",
+    }
+    assert {n: end_to_end.kernel_family(n) for n in names} == names
+
+
+def test_while_figure_stacks_a_token_against_a_step(tmp_path, monkeypatch):
+    """Drawn from the CSVs alone (a GPU run writes them; here they are made up), and only
+    where the WHILE graph was profiled."""
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    common.write_csv("end_to_end", [{"setup": "12L", "method": "graph_while",
+                                     "ms_per_token": 0.84}])
+    common.write_csv("end_to_end_step", [{"setup": "12L", "ours_step_us": 664.0}])
+    kernels = [{"setup": "12L", "who": "ours", "kernel": "gemm_decode_nn_kernel",
+                "us_per_step": 315.0, "launches_per_step": 48},
+               {"setup": "12L", "who": "torch", "kernel": "sgemm", "us_per_step": 900.0,
+                "launches_per_step": 48}]
+    common.write_csv("end_to_end_kernels", kernels)
+    end_to_end._plot_while_kernels()
+    figure = common.figures_dir() / "end_to_end_while.png"
+    assert not figure.exists()   # no WHILE profile: no figure
+    kernels += [{"setup": "12L", "who": "ours_while", "kernel": "gemm_decode_nn_kernel",
+                 "us_per_step": 316.0, "launches_per_step": 48},
+                {"setup": "12L", "who": "ours_while", "kernel": "beam_choose_kernel",
+                 "us_per_step": 3.0, "launches_per_step": 1}]
+    common.write_csv("end_to_end_kernels", kernels)
+    end_to_end._plot_while_kernels()
+    assert figure.exists() and figure.stat().st_size > 10_000
