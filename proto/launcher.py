@@ -25,6 +25,7 @@ signature has an array) is left to Numba's own launch.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 from numba.core import types   # (imported after proto.backend chose the device: see above)
@@ -103,6 +104,7 @@ _kernels: dict = {}
 _array_params = PerObject()
 _configs: dict = {}
 _core: dict = {}   # cuda.core's launch and LaunchConfig, the default stream: loaded on first use
+_thread = threading.local()   # .ready: Numba made its context current in this thread
 
 
 def kernel(dispatcher) -> Kernel:
@@ -128,8 +130,8 @@ def flatten(dispatcher, args) -> tuple[object, list, dict]:
 
 def _load_core() -> dict:
     from cuda.core import LaunchConfig, launch as core_launch
-    from numba.cuda.cudadrv import driver
-    _core.update(launch=core_launch, LaunchConfig=LaunchConfig,
+    from numba.cuda.cudadrv import devices, driver
+    _core.update(launch=core_launch, LaunchConfig=LaunchConfig, context=devices.get_context,
                  to_stream=driver._to_core_stream, default=driver._to_core_stream(0))
     return _core
 
@@ -158,6 +160,11 @@ def launch(dispatcher, griddim, blockdim, args, stream=0, sharedmem=0) -> None:
             pass
         else:
             core = _core or _load_core()
+            if not getattr(_thread, "ready", False):
+                # Numba's launch makes its context current in the calling thread at every
+                # launch (two lookups); once per thread is enough.
+                core["context"]()
+                _thread.ready = True
             on = core["default"] if not stream else core["to_stream"](stream)
             core["launch"](on, _config(core, griddim, blockdim, sharedmem), k.cukernel, *flat)
             return

@@ -6,6 +6,7 @@ Run on the GPU machine: PYTHONPATH=. python3 -m pytest -q tests/test_launcher.py
 """
 import ctypes
 import gc
+import threading
 import time
 
 import numpy as np
@@ -159,6 +160,27 @@ def test_a_host_array_is_left_to_numba_which_copies_it_back():
     np.testing.assert_array_equal(out, want)
     with pytest.raises(TypeError, match="expected a device array"):
         launcher.flatten(mixed_kernel, (*devs, *scalars, out))
+
+
+def test_a_launch_from_a_new_thread_finds_the_context():
+    """The launcher makes Numba's context current once per thread (Numba's launch does it at
+    every launch): a thread that never touched Numba launches correctly too."""
+    devs, scalars, want = _args()
+    out = cuda.to_device(np.full(14, np.nan, np.float32))
+    errors = []
+
+    def run():
+        try:
+            launcher.launch(mixed_kernel, 1, 32, (*devs, *scalars, out))
+            cuda.synchronize()
+        except Exception as exc:   # noqa: BLE001  (reported below, in the test's thread)
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    np.testing.assert_array_equal(out.copy_to_host(), want)
 
 
 def test_it_costs_less_host_time_than_numbas_launch():
