@@ -354,6 +354,8 @@ def check_scores(values, floor: float, bad, *, stream=0) -> None:
 # index outside `out` cannot be rejected before the launch: the kernel then writes nothing,
 # stops the loop (flag 0) and sets state[0] = STEP_ERROR for the host to see.
 STEP_ERROR = -1
+
+
 def greedy_advance_ref(tokens, done, state):
     """(emitted (B,), done', steps done', go on?) for next tokens (B,) and done flags (B,)."""
     t, limit, eos = (int(v) for v in state)
@@ -366,27 +368,40 @@ def greedy_advance_ref(tokens, done, state):
 @jit("void(int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], int32[::1])",
      writes=("pos", "out", "done", "state", "flag"))
 def greedy_advance_kernel(tokens, pos, out, done, state, flag):
-    """One thread: out[:, t] = the step's tokens (eos once a sequence is done), done |= eos
-    seen, pos += 1, state[0] = t + 1, flag = go on. The next step reads tokens unchanged, as
-    the host loop feeds the argmax back. t outside [0, capacity): only flag = 0 and
-    state[0] = STEP_ERROR."""
-    if cuda.grid(1) != 0:
+    """One block: out[:, t] = the step's tokens (eos once a sequence is done), done |= eos
+    seen, then (thread 0) pos += 1, state[0] = t + 1, flag = go on. The next step reads tokens
+    unchanged, as the host loop feeds the argmax back. t outside [0, capacity): only
+    flag = 0 and state[0] = STEP_ERROR. A thread per sequence, each loading its row before
+    storing: one thread walking the rows would load each after the previous row's stores,
+    which it cannot move the loads above (one memory round trip a row)."""
+    live = cuda.shared.array(1, np.int32)   # 1 once some sequence is not done
+    tid = cuda.threadIdx.x
+    t, limit, eos = state[0], state[1], state[2]   # (every thread, before thread 0 writes)
+    if tid == 0:
+        live[0] = 0
+    cuda.syncthreads()
+    ok = 0 <= t < out.shape[1]
+    if ok:
+        for b in range(tid, tokens.shape[0], cuda.blockDim.x):
+            was, tok = done[b], tokens[b, 0]
+            if was != 0:
+                tok = eos
+            now = was != 0 or (eos >= 0 and tok == eos)
+            if now and was == 0:
+                done[b] = 1
+            out[b, t] = tok
+            if not now:
+                live[0] = 1   # (every writer writes 1)
+    cuda.syncthreads()
+    if tid != 0:
         return
-    t, limit, eos = state[0], state[1], state[2]
-    if t < 0 or t >= out.shape[1]:
+    if not ok:
         state[0] = STEP_ERROR
         flag[0] = 0
         return
-    all_done = True
-    for b in range(tokens.shape[0]):
-        tok = eos if done[b] != 0 else tokens[b, 0]
-        if eos >= 0 and tok == eos:
-            done[b] = 1
-        out[b, t] = tok
-        all_done = all_done and done[b] != 0
     state[0] = t + 1
     pos[0] += 1
-    flag[0] = 1 if t + 1 < limit and not (eos >= 0 and all_done) else 0
+    flag[0] = 1 if t + 1 < limit and not (eos >= 0 and live[0] == 0) else 0
 
 
 def greedy_advance(tokens, pos, out, done, state, flag, *, stream=0) -> None:
@@ -399,7 +414,9 @@ def greedy_advance(tokens, pos, out, done, state, flag, *, stream=0) -> None:
     _check.device_array("state", state, dtype=np.int32, shape=(3,))
     for name, a in (("pos", pos), ("flag", flag)):
         _check.device_array(name, a, dtype=np.int32, shape=(1,))
-    launch(greedy_advance_kernel, 1, 1, (tokens, pos, out, done, state, flag), stream)
+    # one block: a thread per sequence up to 256 (32 on the simulator), then a stride
+    threads = min(-(-B // 32) * 32, 32 if backend.SIMULATOR else 256)
+    launch(greedy_advance_kernel, 1, threads, (tokens, pos, out, done, state, flag), stream)
 
 
 # ---------------------------------------------------------------------------- beam search on the device

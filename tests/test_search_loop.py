@@ -3,7 +3,7 @@ against their NumPy references, and greedy and beam generations against the host
 (generate.greedy, generate.beam_search), on the stand-in decoder and on the real GPT-2."""
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from kernels import sampling
 from proto.models import generate
@@ -13,6 +13,8 @@ from tests.helpers import dev
 from tests.test_graphed_models import HistoryDecoder, small_configs
 
 
+@example(B=37, t=2, limit=8, eos=1, seed=5)   # more sequences than the block's threads
+@example(B=33, t=0, limit=8, eos=3, seed=0)
 @given(B=st.integers(1, 5), t=st.integers(0, 6), limit=st.integers(1, 8),
        eos=st.integers(-1, 3), seed=st.integers(0, 2**16))
 def test_greedy_advance_matches_reference(B, t, limit, eos, seed):
@@ -29,6 +31,23 @@ def test_greedy_advance_matches_reference(B, t, limit, eos, seed):
     assert d_state.copy_to_host().tolist() == [steps, limit, eos]
     assert d_pos.copy_to_host()[0] == 8 and d_flag.copy_to_host()[0] == int(go)
     np.testing.assert_array_equal(d_tokens.copy_to_host(), tokens)   # fed back unchanged
+
+
+@pytest.mark.parametrize("last_token, go", [(1, 0), (2, 1)])
+def test_greedy_advance_sees_a_live_sequence_past_the_first_threads(last_token, go):
+    """40 sequences, every one done but the last (beyond the block's first 32 threads): the
+    loop goes on exactly when the last one did not just produce eos (1)."""
+    B = 40
+    tokens = np.full((B, 1), 2, np.int32)
+    tokens[-1] = last_token
+    done = np.ones(B, np.int32)
+    done[-1] = 0
+    d = dict(tokens=dev(tokens), pos=dev(np.array([3], np.int32)), out=dev(np.zeros((B, 4), np.int32)),
+             done=dev(done), state=dev(np.array([1, 4, 1], np.int32)), flag=dev(np.array([9], np.int32)))
+    sampling.greedy_advance(*(d[n] for n in ("tokens", "pos", "out", "done", "state", "flag")))
+    assert d["flag"].copy_to_host()[0] == go
+    assert d["out"].copy_to_host()[:, 1].tolist() == [1] * (B - 1) + [last_token]
+    assert d["done"].copy_to_host()[-1] == 1 - go
 
 
 @given(config=small_configs(), batch=st.integers(1, 3), prompt_len=st.integers(1, 3),
