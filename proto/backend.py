@@ -64,6 +64,8 @@ if SIMULATOR:
 
 from numba import cuda  # noqa: E402  (must follow the environment set-up above)
 
+from proto import launcher  # noqa: E402  (imports numba too)
+
 
 def _lock_simulated_shared_arrays() -> None:
     """The simulator creates a block's `cuda.shared.array` on first use without a lock, so two
@@ -268,7 +270,6 @@ def synchronize() -> None:
 # (proto.graph) can intercept launches and turn them into graph nodes instead of running them.
 # ---------------------------------------------------------------------------------------------
 _recorder = None   # what intercepts launches and allocations; set by proto.graph.record
-_gpu_launch = None   # proto.launcher.launch, once an eager launch on a GPU needs it
 
 
 def set_recorder(recorder) -> None:
@@ -292,10 +293,7 @@ def launch(kernel, griddim, blockdim, args, stream=0, sharedmem=0):
     elif SIMULATOR:
         kernel[griddim, blockdim, stream, sharedmem](*args)
     else:   # the same parameters as Numba's launch, without its per-launch work
-        global _gpu_launch
-        if _gpu_launch is None:   # (proto.launcher imports this module: loaded at first use)
-            from proto.launcher import launch as _gpu_launch
-        _gpu_launch(kernel, griddim, blockdim, args, stream, sharedmem)
+        launcher.launch(kernel, griddim, blockdim, args, stream, sharedmem)
 
 
 ALIGN = 256  # cudaMalloc's alignment: every block starts where a kernel expects it to

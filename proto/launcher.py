@@ -21,6 +21,10 @@ The checks Numba's typing makes are kept: an array argument must have the signat
 and number of dimensions, and be C-contiguous where the signature says so; a TypeError names
 the argument otherwise. An argument Numba would copy in from the host (a NumPy array where the
 signature has an array) is left to Numba's own launch.
+
+proto.backend imports this module once it has chosen the device (this one imports numba);
+it imports nothing of the runtime but proto.memo, so the launch path runs one way:
+backend.launch -> launcher -> cuda.core.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import ctypes
 import threading
 
 import numpy as np
-from numba.core import types   # (imported after proto.backend chose the device: see above)
+from numba.core import types
 
 from proto.memo import PerObject
 
