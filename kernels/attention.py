@@ -24,7 +24,9 @@ launches on one stream:
 
 With `rows` (beam search without moving the cache, `reorder_rows`), step 1 is a variant
 compiled to read each earlier position's row from the table; the plain variant has none of
-that code (it cost 2.9 us a call when it was only switched off).
+that code (it cost 2.9 us a call when it was only switched off). A warp loads its next
+batch's rows while the current batch's K and V are on their way, and the first batch's
+beside pos, so no K or V load waits behind a load of the table.
 
 Guard: pos is only known on the device. A step that does not fit (pos < 0 or
 pos + T > Tmax) writes nothing to the caches and NaN to every output, so an overflow shows in
@@ -150,6 +152,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
         kv = cuda.local.array(kv_size, np.float32)          # [r * slots + i] K of a batch
         vv = cuda.local.array(kv_size, np.float32)          # ... and V
         sc = cuda.local.array(positions, np.float32)        # the batch's scores
+        ahead = cuda.local.array(positions, np.int32)       # (rows) the batch's cache rows
         T = qkv.shape[1]
         H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         C = H * hd
@@ -171,6 +174,10 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
         for i in range(slots):
             if lane + 32 * i >= hd:
                 q[i] = ZERO  # past hd: q zero, so the clipped K loads add nothing
+        lo = split * span
+        if use_rows:   # the first batch's rows, loaded beside pos (their use waits on pos)
+            for r in range(positions):
+                ahead[r] = rows[b, _u(min(lo + warp * positions + r, Tmax - 1))]
         p0 = pos[0]
         # Every condition below is uniform over the block, so early returns skip no barrier.
         if p0 < 0 or p0 + T > Tmax:
@@ -184,7 +191,6 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
             for d in range(tid, hd, cuda.blockDim.x):
                 k_cache[b, h, p0 + t, d] = qkv[b, t, C + h * hd + d]
                 v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
-        lo = split * span
         hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
         if lo >= hi:   # wholly after the query (so S > 1): the combine kernel loads it and
             _empty_split(part_o, part_ml, bh, t, split, tid, hd)   # skips it: it must hold values
@@ -200,8 +206,9 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                 # Past hi, re-read position hi-1 (in bounds); its score is masked below.
                 p = _u(min(first + r, hi - 1))
                 row, ok = _u(b), True
-                if use_rows and p < p0:   # (compiled out without use_rows)
-                    named = rows[b, p]
+                # (compiled out without use_rows; a position past hi is masked: any row will do)
+                if use_rows and p < p0 and first + r < hi:
+                    named = ahead[r]
                     ok = 0 <= named < B
                     row = _u(named if ok else b)
                 for i in range(slots):
@@ -212,6 +219,9 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                     else:  # this step's token: from qkv (the cache row may be unwritten)
                         kv[r * slots + i] = qkv[b, _u(p - p0), qk + d]
                         vv[r * slots + i] = qkv[b, _u(p - p0), qv + d]
+            if use_rows:   # the next batch's rows, loaded while this one's K and V arrive
+                for r in range(positions):
+                    ahead[r] = rows[b, _u(min(first + unit + r, Tmax - 1))]
             for r in range(positions):
                 partial = ZERO
                 for i in range(slots):
