@@ -315,6 +315,9 @@ class AttentionCase:
         self.out = [cuda.device_array((B_ATT, 1, C), np.float32) for _ in range(self.copies)]
         self.pos = cuda.to_device(np.array([0], np.int32))
         self.no_rows = cuda.to_device(np.zeros((1, 1), np.int32))   # (never read)
+        # the row-table variant's table: every position in its own sequence's row, so its
+        # result is the plain variant's and only the table's cost differs
+        self.rows = cuda.to_device(np.repeat(np.arange(B_ATT, dtype=np.int32)[:, None], TMAX, 1))
 
     def call(self, variant, i, stream, target):
         qkv, k, v, out = self.qkv[i], self.k[i], self.v[i], self.out[i]
@@ -326,8 +329,8 @@ class AttentionCase:
             part_o = backend.empty((1, 1, 1, 1), np.float32, "attention.partials")
             part_ml = backend.empty((1, 1, 1, 2), np.float32, "attention.stats")
         launch(variant.kernel, (B_ATT * H_ATT, 1, splits), variant.threads,
-               (qkv, k, v, self.pos, out, np.int32(span), part_o, part_ml, self.no_rows),
-               stream)
+               (qkv, k, v, self.pos, out, np.int32(span), part_o, part_ml,
+                self.rows if variant.use_rows else self.no_rows), stream)
         if splits > 1:
             launch(A.attention_combine_kernel, (B_ATT * H_ATT, 1), A._round_warp(HD),
                    (self.pos, np.int32(TMAX), np.int32(span), part_o, part_ml, out), stream)
@@ -359,7 +362,8 @@ class AttentionCase:
 
 
 def bench_attention(case: AttentionCase, variant, pos, target, copy_GBps, profile=False):
-    label = f"{variant.config} pos={pos} target={target}"
+    rows = " rows" if variant.use_rows else ""
+    label = f"{variant.config}{rows} pos={pos} target={target}"
     try:
         err = case.check(variant, pos, target)
         case.pos.copy_to_device(np.array([pos], np.int32))
@@ -371,12 +375,13 @@ def bench_attention(case: AttentionCase, variant, pos, target, copy_GBps, profil
     _, splits, span = A._plan(B_ATT, H_ATT, 1, TMAX, HD, variant, target)
     kv = 2 * B_ATT * H_ATT * (pos + 1) * HD * 4
     frac = kv / (us * 1e-6) / 1e9 / copy_GBps
-    LOG["attention"].append(dict(config=list(variant.config), pos=pos, target=target,
+    LOG["attention"].append(dict(config=list(variant.config), rows=variant.use_rows,
+                                 pos=pos, target=target,
                                  splits=splits, span=span, us=round(us, 3),
                                  p10=round(spread[0], 3), p90=round(spread[1], 3),
                                  kernel_us=None if kernel_us is None else round(kernel_us, 3),
                                  kv_bytes=kv, fraction=round(frac, 4), max_err=err))
-    print(f"attention {str(variant.config):12s} pos={pos:5d} target={str(target):5s} "
+    print(f"attention {str(variant.config) + rows:17s} pos={pos:5d} target={str(target):5s} "
           f"splits={splits:3d} "
           f"span={span:4d}  {us:8.2f} us [{spread[0]:.2f}, {spread[1]:.2f}] "
           f"kern={kernel_us if kernel_us is None else round(kernel_us, 2)}  frac={frac:.3f}")
@@ -556,6 +561,8 @@ def main(quick: bool = False) -> None:
     att = AttentionCase()
     for pos in (512, 100, 1023):
         bench_attention(att, A.SMALL, pos, None, copy_GBps, profile=(pos == 512))
+    # the WHILE graph's variant (a table of rows): what the table costs a call
+    bench_attention(att, A._WITH_ROWS[A.SMALL.config], 512, None, copy_GBps, profile=True)
     print(f"attention defaults done {time.time() - t_start:.0f} s")
     bench_step(copy_GBps)
     print(f"step done {time.time() - t_start:.0f} s")
@@ -607,7 +614,8 @@ def summary() -> None:
               f" grid={r['blocks']}x{r['splits']}  {r['us']:8.2f} us  frac={r['fraction']:.3f}"
               f"  torch={torch_us.get(name)}")
     if LOG["attention"]:
-        r = min((r for r in LOG["attention"] if r["pos"] == 512), key=lambda r: r["us"])
+        r = min((r for r in LOG["attention"] if r["pos"] == 512 and not r["rows"]),
+                key=lambda r: r["us"])
         print(f"attention pos 512 best {r['config']} target={r['target']}: {r['us']:.2f} us, "
               f"frac={r['fraction']:.3f}")
     if "step" in LOG:
