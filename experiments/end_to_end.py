@@ -290,12 +290,13 @@ def _step_timings(label: str, position: int, alias, torch_graph, torch_live, ker
     return row
 
 
-def _while_kernels(label: str, model, beam: int, max_len: int, kernel_rows: list) -> dict:
-    """The WHILE graph's kernels over one whole generation (prompt 5 to `max_len`), per
-    token: where its time per token goes beyond one step. Appends them to `kernel_rows` as
-    who="ours_while" (us_per_step and launches_per_step are then per token)."""
+def _while_kernels(label: str, model, beam: int, max_len: int, prompt_len: int,
+                   kernel_rows: list) -> dict:
+    """The WHILE graph's kernels over one whole generation (the run's prompt to `max_len`),
+    per token: where its time per token goes beyond one step. Appends them to `kernel_rows`
+    as who="ours_while" (us_per_step and launches_per_step are then per token)."""
     loop = BeamLoop(model, beam=beam, max_len=max_len)
-    prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, 5)
+    prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, prompt_len)
     new = max_len - len(prompt) + 1
     steps = []
     try:
@@ -323,7 +324,8 @@ def _measure_step(spec: dict) -> dict:
     model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(spec["prompt_len"] - 1, 1))
     if spec["part"] == "while":
         kernel_rows: list = []
-        row = _while_kernels(spec["label"], model, beam, max_len, kernel_rows)
+        row = _while_kernels(spec["label"], model, beam, max_len, spec["prompt_len"],
+                             kernel_rows)
         return {"row": row, "kernels": kernel_rows}
     methods = ["graph_alias_device"] + (["torch_graph"] if spec["torch"] else [])
     live = {m: _make(m, model, state_dict, beam, max_len, build_all=False) for m in methods}
