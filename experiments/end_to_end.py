@@ -251,6 +251,18 @@ def _kernels(replay, n: int = 20) -> dict[str, tuple[float, float]]:
     return per
 
 
+def _kernel_rows(label: str, who: str, kernels: dict, per: int, kernel_rows: list):
+    """Append `kernels` ({name: (us, launches)} of `per` steps or tokens) to `kernel_rows`,
+    per step or token, the costliest first; return (their us, their launches) summed per
+    step or token."""
+    for name, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        kernel_rows.append({"setup": label, "who": who, "kernel": name[:90],
+                            "us_per_step": round(us / per, 2),
+                            "launches_per_step": round(count / per, 3)})
+    return (round(sum(us for us, _ in kernels.values()) / per, 2),
+            round(sum(c for _, c in kernels.values()) / per, 2))
+
+
 def _replay_us(replay, replays: int, warmup: int, reps: int) -> float:
     t = timing.bench(lambda: [replay() for _ in range(replays)], warmup=warmup, reps=reps)
     return t.median_us / replays
@@ -273,13 +285,8 @@ def _step_timings(label: str, position: int, alias, torch_graph, torch_live, ker
         kernels = _kernels(replay) if profile else None
         row[f"{who}_step_us"] = round(_replay_us(replay, step["replays"], step["warmup"],
                                                  step["reps"]), 2)
-        row[f"{who}_kernel_sum_us"] = None if kernels is None else \
-            round(sum(us for us, _ in kernels.values()), 2)
-        row[f"{who}_kernels_per_step"] = None if kernels is None else \
-            round(sum(c for _, c in kernels.values()), 2)
-        for name, (us, count) in sorted((kernels or {}).items(), key=lambda kv: -kv[1][0]):
-            kernel_rows.append({"setup": label, "who": who, "kernel": name[:90],
-                                "us_per_step": round(us, 2), "launches_per_step": count})
+        row[f"{who}_kernel_sum_us"], row[f"{who}_kernels_per_step"] = (None, None) \
+            if kernels is None else _kernel_rows(label, who, kernels, 1, kernel_rows)
     row["ours_graph_nodes"] = alias.g.num_nodes // max(alias.g.num_graphs, 1)
     # The bandwidth floor: the bytes the step must read (every weight once, the live K and V
     # of every layer) at the device-to-device copy rate measured here.
@@ -304,14 +311,8 @@ def _while_kernels(label: str, model, beam: int, max_len: int, prompt_len: int,
             loop.generate(prompt, max_new_tokens=new).times.steps), n=1)
     finally:
         loop.close()
-    tokens = steps[-1]
-    for name, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
-        kernel_rows.append({"setup": label, "who": "ours_while", "kernel": name[:90],
-                            "us_per_step": round(us / tokens, 2),
-                            "launches_per_step": round(count / tokens, 3)})
-    return {"while_kernel_sum_us_per_token": round(sum(us for us, _ in kernels.values())
-                                                   / tokens, 2),
-            "while_kernels_per_token": round(sum(c for _, c in kernels.values()) / tokens, 2)}
+    us, launches = _kernel_rows(label, "ours_while", kernels, steps[-1], kernel_rows)
+    return {"while_kernel_sum_us_per_token": us, "while_kernels_per_token": launches}
 
 
 def _measure_step(spec: dict) -> dict:

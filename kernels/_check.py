@@ -133,6 +133,12 @@ def sm_count() -> int:
     return 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
+def warp_threads(n: int) -> int:
+    """`n` threads rounded up to whole warps (at least one): what a block whose reductions
+    shuffle across warps, or that gives a thread to each of `n` items, launches with."""
+    return max(32, -(-n // 32) * 32)
+
+
 def grid_stride_launch(n: int, threads: int = 256) -> tuple[int, int]:
     """(blocks, threads) for a grid-stride loop over `n` items: enough blocks to cover `n` on
     a GPU (at most 1024). The simulator pays per thread, not per item, so there one block of

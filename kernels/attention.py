@@ -350,10 +350,6 @@ def gather_batch_kernel(src, index, length, width, fixed, dst):
 
 
 # ---------------------------------------------------------------------------- launchers
-def _round_warp(n: int) -> int:
-    return max(32, -(-n // 32) * 32)
-
-
 def _plan(B: int, H: int, T: int, Tmax: int, hd: int, variant: Variant | None = None,
           target_blocks: int | None = None) -> tuple[Variant, int, int]:
     """(kernel variant, splits S, span) for one shape: static, so one graph serves every pos.
@@ -413,7 +409,7 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -
     launch(variant.kernel, (B * n_head, T, splits), variant.threads,
            (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, rows_arg), stream)
     if splits > 1:
-        launch(attention_combine_kernel, (B * n_head, T), _round_warp(hd),
+        launch(attention_combine_kernel, (B * n_head, T), _check.warp_threads(hd),
                (pos, np.int32(Tmax), np.int32(span), part_o, part_ml, out), stream)
 
 
@@ -489,7 +485,7 @@ def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
     _check.device_array("index", index, dtype=np.int32, shape=(B,))
     _check.device_array("dst", dst, shape=tuple(src.shape))
     row = positions * width
-    threads = min(256, _round_warp(row))
+    threads = min(256, _check.warp_threads(row))
     # about 4096 blocks in all, however many caches are stacked: enough to keep every SM's
     # loads in flight, few enough that a short prefix does not launch thousands of idle ones
     blocks = max(1, min(math.ceil(row / threads), 4096 // (G * B * H)))

@@ -31,6 +31,7 @@ import numpy as np
 
 from proto import backend, timing
 from proto.backend import cuda, jit, launch
+from kernels import _check
 from kernels import attention as A
 from kernels import gemm as G
 from kernels import layernorm as LN
@@ -332,7 +333,7 @@ class AttentionCase:
                (qkv, k, v, self.pos, out, np.int32(span), part_o, part_ml,
                 self.rows if variant.use_rows else self.no_rows), stream)
         if splits > 1:
-            launch(A.attention_combine_kernel, (B_ATT * H_ATT, 1), A._round_warp(HD),
+            launch(A.attention_combine_kernel, (B_ATT * H_ATT, 1), _check.warp_threads(HD),
                    (self.pos, np.int32(TMAX), np.int32(span), part_o, part_ml, out), stream)
 
     def check(self, variant, pos, target) -> float:

@@ -79,7 +79,7 @@ def _threads(width: int, ln: bool) -> int:
     """Threads a row: one a column up to MAX_THREADS; whole warps with the layer norm (its
     reductions shuffle)."""
     threads = min(MAX_THREADS, width)
-    return max(32, -(-threads // 32) * 32) if ln else threads
+    return _check.warp_threads(threads) if ln else threads
 
 
 def fuses_layernorm(width: int) -> bool:

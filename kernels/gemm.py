@@ -614,10 +614,6 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
     return blocks, splits, span
 
 
-def _ln_threads(n_cols: int) -> int:
-    return max(32, -(-(-(-n_cols // LN_COLS)) // 32) * 32)
-
-
 def _partials(out, splits: int, direct: bool):
     """The split-K scratch (batch, splits, M, N) for `out`: scratch of this call only (the
     reduction right after reads it, nothing later); a placeholder no kernel touches when the
@@ -652,7 +648,7 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
     else:
         gamma, beta, eps, y = ln_out
-        launch(gemm_splitk_reduce_ln_kernel, batch * m_rows, _ln_threads(n_cols),
+        launch(gemm_splitk_reduce_ln_kernel, batch * m_rows, _check.warp_threads(-(-n_cols // LN_COLS)),
                (part, out, bias, has_bias, act, accumulate, gamma, beta, np.float32(eps), y),
                stream)
 

@@ -183,13 +183,9 @@ def topk_merge_kernel(cand_v, cand_i, k, values, indices):
 
 
 # ---------------------------------------------------------------------------- launchers
-def _round_warp(n: int) -> int:
-    return max(32, -(-n // 32) * 32)
-
-
 def _stage1_config(V: int) -> tuple[int, int]:
     """(blocks per row, threads per block) for a row of V elements."""
-    threads = min(THREADS, _round_warp(math.ceil(V / PER_THREAD)))
+    threads = min(THREADS, _check.warp_threads(math.ceil(V / PER_THREAD)))
     return min(MAX_BLOCKS, math.ceil(V / (threads * PER_THREAD))), threads
 
 
@@ -211,7 +207,7 @@ def _launch_topk(x, k: int, values, indices, stream) -> None:
     nb, threads = _stage1_config(V)
     cand_v, cand_i, _ = _candidates(R, nb)
     launch(topk_blocks_kernel, (nb, R), threads, (x, np.int32(k), cand_v, cand_i), stream)
-    launch(topk_merge_kernel, R, min(THREADS, _round_warp(nb * k)),
+    launch(topk_merge_kernel, R, min(THREADS, _check.warp_threads(nb * k)),
            (cand_v, cand_i, np.int32(k), values, indices), stream)
 
 
@@ -415,7 +411,7 @@ def greedy_advance(tokens, pos, out, done, state, flag, *, stream=0) -> None:
     for name, a in (("pos", pos), ("flag", flag)):
         _check.device_array(name, a, dtype=np.int32, shape=(1,))
     # one block: a thread per sequence up to 256 (32 on the simulator), then a stride
-    threads = min(-(-B // 32) * 32, 32 if backend.SIMULATOR else 256)
+    threads = min(_check.warp_threads(B), 32 if backend.SIMULATOR else 256)
     launch(greedy_advance_kernel, 1, threads, (tokens, pos, out, done, state, flag), stream)
 
 

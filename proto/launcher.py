@@ -33,6 +33,7 @@ import threading
 
 import numpy as np
 from numba.core import types
+from numba.cuda.cudadrv.devicearray import is_cuda_ndarray
 
 from proto.memo import PerObject
 
@@ -70,7 +71,7 @@ class Kernel:
             bool(dispatcher.targetoptions.get("extensions"))
 
     def _array(self, i: int, ty, value) -> tuple:
-        if not getattr(value, "__cuda_ndarray__", False):   # (Numba's test of a device array)
+        if not is_cuda_ndarray(value):
             raise _HostArray(i)
         # remembered per array object and parameter type (the check depends on the type)
         return _array_params.get(value, ty, lambda: self._checked_array(i, ty, value))
@@ -145,11 +146,16 @@ def _dims(d):
 
 
 def _config(core, griddim, blockdim, sharedmem):
-    key = (_dims(griddim), _dims(blockdim), int(sharedmem))
-    config = _configs.get(key)
-    if config is None:
-        config = _configs[key] = core["LaunchConfig"](grid=key[0], block=key[1],
-                                                      shmem_size=key[2])
+    """The LaunchConfig of these dimensions, made once: launchers pass the same ints and
+    tuples launch after launch (a list, unhashable, gets a new one each time)."""
+    key = (griddim, blockdim, sharedmem)
+    try:
+        return _configs[key]
+    except (KeyError, TypeError):
+        config = core["LaunchConfig"](grid=_dims(griddim), block=_dims(blockdim),
+                                      shmem_size=int(sharedmem))
+    if not isinstance(griddim, list) and not isinstance(blockdim, list):
+        _configs[key] = config
     return config
 
 
