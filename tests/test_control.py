@@ -81,6 +81,8 @@ def test_recording_makes_conditional_nodes_with_bodies():
     assert "while flag[0] != 0: 1 nodes" in desc.summary()
     assert "| " in desc.summary() and graph.races(desc) == []
     assert loop.result() == 0.0   # recording ran nothing
+    # a body counted once: what one pass (or a taken IF) launches, 1 + 1 + 1 here
+    assert desc.count_kernels() == 3 and desc.count_nodes() == 5
 
 
 @given(n=st.integers(0, 6), go=st.booleans())

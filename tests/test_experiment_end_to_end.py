@@ -6,6 +6,7 @@ start torch.profiler, whose CUPTI beside Numba's context aborted the interpreter
 import dataclasses
 
 import numpy as np
+import pytest
 
 from experiments import common, end_to_end
 
@@ -63,29 +64,44 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert phases.exists() and phases.stat().st_size > 10_000
 
 
-def test_while_kernels_are_reported_per_generated_token(monkeypatch):
-    """The WHILE graph's profile (GPU only) divides one whole generation's kernel times by the
-    tokens it generated. Here a stand-in for torch.profiler runs the generation once and
-    reports fixed totals: 4 tokens (prompt 5 to position 8) must give a quarter of each."""
-    from proto.models.gpt2 import GPT2Config
-
-    ran = []
-
-    def fake_profile(replay, n=20):
+def _fake_profile(totals: dict, ran: list):
+    """A stand-in for torch.profiler: runs the generation once, reports fixed totals."""
+    def profile(replay, n=20):
         replay()
         ran.append(n)
-        return {"step_kernel": (100.0, 50.0), "search_kernel": (20.0, 8.0)}
+        return totals
+    return profile
 
-    monkeypatch.setattr(end_to_end, "_kernels", fake_profile)
-    config = GPT2Config(1, 8, 2, 13, 8)
-    spec = dict(label="toy", config=dataclasses.asdict(config), beam=2, prompt_len=5, max_len=8,
+
+def _while_spec():
+    from proto.models.gpt2 import GPT2Config
+    config = GPT2Config(1, 8, 2, 13, 8)   # a loop body of 16 kernel launches a token
+    return dict(label="toy", config=dataclasses.asdict(config), beam=2, prompt_len=5, max_len=8,
                 position=4, step={}, torch=True, part="while")   # what the child is given
-    out = end_to_end._measure_step(spec)
+
+
+def test_while_kernels_are_reported_per_generated_token(monkeypatch):
+    """The WHILE graph's profile (GPU only) divides one whole generation's kernel times by the
+    tokens it generated: 4 tokens (prompt 5 to position 8) must give a quarter of each."""
+    ran = []
+    monkeypatch.setattr(end_to_end, "_kernels", _fake_profile(
+        {"step_kernel": (100.0, 80.0), "search_kernel": (20.0, 8.0)}, ran))
+    out = end_to_end._measure_step(_while_spec())
     assert ran == [1]
-    assert out["row"] == {"while_kernel_sum_us_per_token": 30.0, "while_kernels_per_token": 14.5}
+    assert out["row"] == {"while_kernel_sum_us_per_token": 30.0, "while_kernels_per_token": 22.0}
     assert [(r["who"], r["kernel"], r["us_per_step"], r["launches_per_step"])
-            for r in out["kernels"]] == [("ours_while", "step_kernel", 25.0, 12.5),
+            for r in out["kernels"]] == [("ours_while", "step_kernel", 25.0, 20.0),
                                          ("ours_while", "search_kernel", 5.0, 2.0)]
+
+
+def test_a_while_profile_that_missed_kernels_is_refused(monkeypatch):
+    """On the H200 the profiler saw a WHILE node's first pass only: a profile with fewer
+    launches a token (here 14.5) than the loop body makes (16) must fail, not be reported."""
+    monkeypatch.setattr(end_to_end, "_kernels", _fake_profile(
+        {"step_kernel": (100.0, 50.0), "search_kernel": (20.0, 8.0)}, []))
+    with pytest.raises(RuntimeError, match="14.50 kernel launches a token where the loop "
+                                           "body makes 16.0"):
+        end_to_end._measure_step(_while_spec())
 
 
 def test_kernel_families_name_the_h200_profiles_kernels():

@@ -164,6 +164,12 @@ class Description:
         return sum(1 + (node.body.count_nodes() if isinstance(node, Conditional) else 0)
                    for node in self.nodes)
 
+    def count_kernels(self) -> int:
+        """Kernel launches at every depth, a conditional's body counted once (so a WHILE
+        body's count is its launches a pass)."""
+        return sum(node.body.count_kernels() if isinstance(node, Conditional)
+                   else isinstance(node, KernelLaunch) for node in self.nodes)
+
     def summary(self) -> str:
         """One line per node: what a student would print to see what was recorded. Wait
         lists are shown where they differ from "the node before"."""
