@@ -5,8 +5,9 @@ alone while the rest of the GPU idles. So every call is two launches whose confi
 depends only on (R, V), never on the data (one CUDA graph serves every step):
 
   1. `topk_blocks_kernel`, grid (NB, R): each thread keeps a sorted top-k of a strided slice of
-     its row in a local array; the block merges its threads' lists (a tree of pairwise merges
-     in shared memory) into k candidates per block, written to a cached workspace (R, NB, KMAX).
+     its row in a local array; the block merges its threads' lists into k candidates per
+     block (k rounds of "take the best head": a warp butterfly, then the warps' winners),
+     written to a cached workspace (R, NB, KMAX).
   2. `topk_merge_kernel`, grid (R,): one block merges a row's NB*k candidates the same way.
 
 Order: values descending, ties to the lower index (as a stable sort). NaN ranks as -inf.
@@ -19,12 +20,13 @@ top-k calls with the same R and V concurrently on different streams.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
 from kernels import _check, softmax
 from kernels._lastblock import count_in, launch_counters
-from kernels._reduce import converged_syncthreads
+from kernels._reduce import FULL_MASK, converged_syncthreads
 from proto import backend
 from proto.backend import cuda, jit, launch
 
@@ -32,8 +34,9 @@ KMAX = 8                  # local arrays are sized by this; k is a runtime argum
 MAX_THREADS = 256         # shared merge slots are sized for this many threads
 THREADS = 256             # threads per block, at most (tests lower it to reach several blocks)
 PER_THREAD = 8            # stage 1 gives each thread at least this many elements to scan ...
+PREFETCH = softmax.PREFETCH   # ... loading this many before ranking the first
 MAX_BLOCKS = 256          # ... in at most this many blocks per row (about one per SM on an H200)
-MERGE_SLOTS = MAX_THREADS * KMAX  # shared (value, index) slots of a block merge: 16 KiB
+MAX_WARPS = MAX_THREADS // 32    # a block merge's shared slots, one (value, index) a warp
 NEG_INF = np.float32(-np.inf)
 SENTINEL = np.int32(2**31 - 1)  # index of an empty slot: loses every tie against a real index
 
@@ -75,55 +78,70 @@ def _insert(tv, ti, k, v, i):
     ti[q] = i
 
 
-@cuda.jit(device=True)
-def _merge_pair(tv, ti, sv, si, base, k, nv, ni):
-    """tv/ti[:k] = the top k of sorted tv/ti[:k] and sorted sv/si[base:base+k]."""
-    a = 0
-    b = 0
-    for q in range(k):  # a + b == q < k, so neither list runs out
-        if _better(sv[base + b], si[base + b], tv[a], ti[a]):
-            nv[q] = sv[base + b]
-            ni[q] = si[base + b]
-            b += 1
-        else:
-            nv[q] = tv[a]
-            ni[q] = ti[a]
-            a += 1
-    for q in range(k):
-        tv[q] = nv[q]
-        ti[q] = ni[q]
+if backend.SIMULATOR:   # the simulator's threads are never a warp: through shared memory
+    @cuda.jit(device=True)
+    def _warp_best(v, i):
+        """Stand-in for the shuffle butterfly below (as kernels._reduce.warp_allreduce's):
+        every thread of the block must call it together."""
+        buf_v = cuda.shared.array((2, MAX_THREADS), np.float64)
+        buf_i = cuda.shared.array((2, MAX_THREADS), np.int64)
+        me = threading.current_thread()
+        phase = getattr(me, "best_phase", 0)
+        me.best_phase = phase ^ 1
+        buf_v[phase, cuda.threadIdx.x], buf_i[phase, cuda.threadIdx.x] = v, i
+        cuda.syncthreads()
+        lo = cuda.threadIdx.x & ~31
+        for lane in range(lo, min(lo + 32, cuda.blockDim.x)):
+            w, j = np.float32(buf_v[phase, lane]), np.int32(buf_i[phase, lane])
+            if _better(w, j, v, i):
+                v, i = w, j
+        return v, i
+else:
+    @cuda.jit(device=True)
+    def _warp_best(v, i):
+        """The best (v, i) of the warp in _better's order, to every lane: xor butterfly."""
+        off = 16
+        while off > 0:
+            w = cuda.shfl_xor_sync(FULL_MASK, v, off)
+            j = cuda.shfl_xor_sync(FULL_MASK, i, off)
+            if _better(w, j, v, i):
+                v, i = w, j
+            off >>= 1
+        return v, i
 
 
 @cuda.jit(device=True)
 def _merge_block(tv, ti, k, out_v, out_i):
     """Merge every thread's sorted list tv/ti[:k] into the block's top k, written to
-    out_v/out_i[:k]: a tree over shared memory, thread t absorbing thread t+s's list at
-    level s, so log2(blockDim) barriers in all. Every thread must call this."""
-    sv = cuda.shared.array(MERGE_SLOTS, np.float32)
-    si = cuda.shared.array(MERGE_SLOTS, np.int32)
-    nv = cuda.local.array(KMAX, np.float32)
-    ni = cuda.local.array(KMAX, np.int32)
+    out_v/out_i[:k]: k rounds, each taking the best head of all the lists (a warp butterfly,
+    then the warps' winners through shared memory) and popping it from the list it heads, so
+    k barriers in all instead of a tree of log2(blockDim) list merges through local memory.
+    Heads are distinct (an index belongs to one thread) except empty slots (-inf, SENTINEL),
+    which every owner pops alike. Every thread must call this."""
+    best_v = cuda.shared.array((2, MAX_WARPS), np.float32)
+    best_i = cuda.shared.array((2, MAX_WARPS), np.int32)
     tid = cuda.threadIdx.x
-    n = cuda.blockDim.x
+    warps = (cuda.blockDim.x + 31) // 32
+    head = 0
     for q in range(k):
-        sv[tid * k + q] = tv[q]
-        si[tid * k + q] = ti[q]
-    converged_syncthreads()
-    s = 1
-    while s < n:
-        # Slot t is written only by thread t; at this level it is read only by thread t - s,
-        # which is inactive when t is active (t % 2s == 0 versus t % 2s == s).
-        if tid % (2 * s) == 0 and tid + s < n:
-            _merge_pair(tv, ti, sv, si, (tid + s) * k, k, nv, ni)
-            for q in range(k):
-                sv[tid * k + q] = tv[q]
-                si[tid * k + q] = ti[q]
+        v, i = NEG_INF, SENTINEL
+        if head < k:
+            v, i = tv[head], ti[head]
+        v, i = _warp_best(v, i)
+        buf = q % 2   # a thread writes this buffer again two rounds on, after all have read it
+        if tid % 32 == 0:
+            best_v[buf, tid // 32] = v
+            best_i[buf, tid // 32] = i
         converged_syncthreads()
-        s *= 2
-    if tid == 0:
-        for q in range(k):
-            out_v[q] = tv[q]
-            out_i[q] = ti[q]
+        v, i = best_v[buf, 0], best_i[buf, 0]
+        for w in range(1, warps):   # in warp order: the same result in every thread
+            if _better(best_v[buf, w], best_i[buf, w], v, i):
+                v, i = best_v[buf, w], best_i[buf, w]
+        if head < k and tv[head] == v and ti[head] == i:
+            head += 1
+        if tid == 0:
+            out_v[q] = v
+            out_i[q] = i
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -141,14 +159,22 @@ def topk_blocks_kernel(x, k, cand_v, cand_i):
     # The loop runs over the block's first element, not the thread's, so every thread of the
     # block makes the same trips (the merge's barriers still reconverge the warp: _insert
     # branches per thread).
+    # PREFETCH elements loaded before the first is ranked (see softmax._row_max_sumexp),
+    # then ranked in the order a plain strided loop reads them.
+    vals = cuda.local.array(PREFETCH, np.float32)
     stride = cuda.gridDim.x * cuda.blockDim.x
-    for base in range(blk * cuda.blockDim.x, x.shape[1], stride):
-        c = base + cuda.threadIdx.x
-        if c < x.shape[1]:
-            v = x[r, c]
-            if v != v:  # NaN ranks as -inf
-                v = NEG_INF
-            _insert(tv, ti, k, v, np.int32(c))
+    n = x.shape[1]
+    for base in range(blk * cuda.blockDim.x, n, stride * PREFETCH):
+        for q in range(PREFETCH):
+            c = base + q * stride + cuda.threadIdx.x
+            vals[q] = x[r, c] if c < n else NEG_INF
+        for q in range(PREFETCH):
+            c = base + q * stride + cuda.threadIdx.x
+            if c < n:
+                v = vals[q]
+                if v != v:  # NaN ranks as -inf
+                    v = NEG_INF
+                _insert(tv, ti, k, v, np.int32(c))
     _merge_block(tv, ti, k, cand_v[r, blk], cand_i[r, blk])
 
 
@@ -272,13 +298,19 @@ def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, val
     for q in range(KMAX):
         tv[q] = NEG_INF
         ti[q] = SENTINEL
-    for base in range(lo, hi, cuda.blockDim.x):   # the same trips in every thread
-        j = base + cuda.threadIdx.x
-        if j < hi:
-            v = (x[row, j] - shift) + score
-            if v != v:  # NaN ranks as -inf
-                v = NEG_INF
-            _insert(tv, ti, k, v, np.int32(row * V + j))
+    vals = cuda.local.array(PREFETCH, np.float32)   # as in topk_blocks_kernel
+    step = cuda.blockDim.x
+    for base in range(lo, hi, step * PREFETCH):   # the same trips in every thread
+        for q in range(PREFETCH):
+            j = base + q * step + cuda.threadIdx.x
+            vals[q] = x[row, j] if j < hi else NEG_INF
+        for q in range(PREFETCH):
+            j = base + q * step + cuda.threadIdx.x
+            if j < hi:
+                v = (vals[q] - shift) + score
+                if v != v:  # NaN ranks as -inf
+                    v = NEG_INF
+                _insert(tv, ti, k, v, np.int32(row * V + j))
     _merge_block(tv, ti, k, cand_v[0, row * spans + i], cand_i[0, row * spans + i])
     if count_in(counters, 0, cuda.gridDim.x * cuda.gridDim.y, flag):
         _take_candidates(cand_v, cand_i, 0, k, tv, ti)

@@ -27,6 +27,7 @@ MAX_THREADS = 1024 if not backend.SIMULATOR else 32  # vocab-wide rows want the 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
+PREFETCH = 8   # elements a thread loads before using the first (a span's share, at most)
 
 
 # ---------------------------------------------------------------------------- references
@@ -54,13 +55,21 @@ def _row_max_sumexp(x, row, lo, hi, buf_m, buf_s):
     -inf entries add nothing; a span with nothing finite gives (-inf, 0)."""
     t, step = cuda.threadIdx.x, cuda.blockDim.x
     m, s = _NEG_INF, _ZERO
-    for j in range(lo + t, hi, step):
-        v = x[row, j]
-        if v > m:
-            s = s * math.exp(m - v) + _ONE
-            m = v
-        elif v != _NEG_INF:
-            s += math.exp(v - m)
+    vals = cuda.local.array(PREFETCH, np.float32)
+    # PREFETCH loads issued before the first is used (a register array: the constant trips
+    # unroll), then folded in the order a plain loop would read them: one memory round trip
+    # for a span's 8 elements a thread instead of 8 in a row. Past `hi`, -inf adds nothing.
+    for base in range(lo + t, hi, step * PREFETCH):
+        for q in range(PREFETCH):
+            j = base + q * step
+            vals[q] = x[row, j] if j < hi else _NEG_INF
+        for q in range(PREFETCH):
+            v = vals[q]
+            if v > m:
+                s = s * math.exp(m - v) + _ONE
+                m = v
+            elif v != _NEG_INF:
+                s += math.exp(v - m)
     buf_m[t], buf_s[t] = m, s
     # The barriers follow per-thread branches (the scan above, `t < half` below): synccheck
     # found warps arriving divergent at a plain syncthreads here.
@@ -184,6 +193,7 @@ def log_softmax_kernel(x, out):
 SPLIT_THREADS = 256 if not backend.SIMULATOR else 32
 SPAN = SPLIT_THREADS * ELEMS_PER_THREAD       # columns a block scans
 SPLIT_MIN_COLS = 2 * SPAN                      # shorter rows keep one block each
+SHIFT_SLOTS = 256   # a row's partials staged in shared memory (GPT-2's vocabulary: 25 spans)
 
 
 @cuda.jit(device=True)
@@ -209,14 +219,24 @@ def log_softmax_partials_kernel(x, part_m, part_s):
 @cuda.jit(device=True)
 def row_shift(part_m, part_s, row):
     """log(sum exp(x[row])) from the row's span partials (max, sum of exp(x - max)), combined
-    in span order (the same bits in every block and every run)."""
-    spans = part_m.shape[1]
+    in span order (the same bits in every block and every run). Every thread of the block
+    must call it: where the block has a thread per span, the block loads the partials into
+    shared memory at once and every thread combines them from there (one memory round trip
+    instead of two per span, one after another)."""
+    buf_m = cuda.shared.array(SHIFT_SLOTS, np.float32)
+    buf_s = cuda.shared.array(SHIFT_SLOTS, np.float32)
+    spans, t = part_m.shape[1], cuda.threadIdx.x
+    staged = spans <= cuda.blockDim.x and spans <= SHIFT_SLOTS
+    if staged:
+        if t < spans:
+            buf_m[t], buf_s[t] = part_m[row, t], part_s[row, t]
+        converged_syncthreads()
     m = _NEG_INF
     for k in range(spans):
-        m = max(m, part_m[row, k])
+        m = max(m, buf_m[k] if staged else part_m[row, k])
     s = _ZERO
     for k in range(spans):
-        mk, sk = part_m[row, k], part_s[row, k]
+        mk, sk = (buf_m[k], buf_s[k]) if staged else (part_m[row, k], part_s[row, k])
         if sk != sk:          # a NaN in the span: the row is NaN, as in NumPy
             s += sk
         elif mk != _NEG_INF:  # an empty or all -inf span adds nothing

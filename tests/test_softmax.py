@@ -136,6 +136,27 @@ def test_long_rows_split_over_blocks_match_reference_and_repeat_bit_for_bit(rows
     np.testing.assert_array_equal(inplace.copy_to_host().view(np.uint32), got.view(np.uint32))
 
 
+def test_rows_of_more_spans_than_a_block_has_threads_combine_from_memory():
+    """A row's span partials are staged in shared memory when the block has a thread per
+    span; a longer row (here 3 spans more) combines them from global memory, in the same
+    order: NumPy's result, and beam_topk (which shares the combine) ranks its bits."""
+    from kernels import sampling
+    spans = S.SPLIT_THREADS + 3
+    cols = spans * S.SPAN - 5
+    rng = np.random.default_rng(4)
+    x = rand(rng, 1, cols, scale=5.0)
+    out = cuda.device_array_like(x)
+    S.log_softmax(dev(x), out)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got, S.log_softmax_ref(x), atol=1e-5, rtol=1e-4)
+    values = cuda.device_array((1, 4), np.float32)
+    indices = cuda.device_array((1, 4), np.int32)
+    sampling.beam_topk(dev(x), dev(np.zeros((1, 1), np.float32)), 4, values, indices)
+    want_v, want_i = sampling.topk_ref(got, 4)
+    np.testing.assert_array_equal(indices.copy_to_host(), want_i)
+    np.testing.assert_array_equal(values.copy_to_host(), want_v)
+
+
 def test_a_captured_long_row_log_softmax_replays_the_eager_bits(scale):
     """In a graph the split's two scratch arrays are planned temporaries: a replay on new
     logits gives what an eager call gives."""
