@@ -482,10 +482,11 @@ def beam_choose_ref(values, indices, vocab, beam, state, best):
 
 
 @jit("void(float32[:, ::1], int32[:, ::1], int32, int32, float32[:, ::1], int32[:, ::1], "
-     "int32[::1], float32[::1], int32[::1], int32[::1], int32[::1], int32[::1])",
-     writes=("scores", "tokens", "parents", "best", "best_meta", "state", "pos", "flag"))
+     "int32[::1], float32[::1], int32[::1], int32[::1], int32[::1], int32[::1], float32, "
+     "int32[::1])",
+     writes=("scores", "tokens", "parents", "best", "best_meta", "state", "pos", "flag", "bad"))
 def beam_choose_kernel(values, indices, vocab, capacity, scores, tokens, parents, best, best_meta,
-                       state, pos, flag):
+                       state, pos, flag, floor, bad):
     if cuda.grid(1) != 0:
         return
     # Every load before the first store: a load after a store to an array the compiler
@@ -500,6 +501,9 @@ def beam_choose_kernel(values, indices, vocab, capacity, scores, tokens, parents
     beam = scores.shape[0]
     t, limit, eos, length = state[0], state[1], state[2], state[3]
     top = best[0]
+    for r in range(KMAX):   # check_scores_kernel's rule, on the candidates already loaded
+        if r < k and not (math.isfinite(vals[r]) and vals[r] > floor):
+            bad[0] = 1
     best_meta[0] = -1
     if length < 0 or length >= capacity:
         state[0] = STEP_ERROR
@@ -569,11 +573,14 @@ def beam_histories_kernel(src, dst, parents, tokens, best_hist, best_meta, state
 
 
 def beam_advance(values, indices, vocab: int, scores, tokens, parents, hist_src, hist_dst,
-                 best, best_hist, best_meta, state, pos, flag, *, stream=0) -> None:
+                 best, best_hist, best_meta, state, pos, flag, *, floor: float, bad,
+                 stream=0) -> None:
     """One beam-search choice on the device (see beam_choose_kernel, beam_histories_kernel):
     candidates values/indices (1, k) -> next scores (beam, 1), tokens (beam, 1), parents
     (beam,); histories hist_src -> hist_dst (beam, capacity); best finished score best (1,),
-    its tokens best_hist (capacity,), best_meta (3,); state (5,), pos and flag (1,)."""
+    its tokens best_hist (capacity,), best_meta (3,); state (5,), pos and flag (1,). And
+    check_scores on the candidates, in the same launch: bad[0] (1,) := 1 if one is not
+    finite or not above `floor`, else left as it was."""
     _check.device_array("values", values, shape=(1, None))
     k = values.shape[1]
     if k > KMAX:
@@ -590,15 +597,17 @@ def beam_advance(values, indices, vocab: int, scores, tokens, parents, hist_src,
     _check.device_array("best_hist", best_hist, dtype=np.int32, shape=(cap,))
     _check.device_array("best_meta", best_meta, dtype=np.int32, shape=(3,))
     _check.device_array("state", state, dtype=np.int32, shape=(5,))
-    for name, a in (("pos", pos), ("flag", flag)):
+    for name, a in (("pos", pos), ("flag", flag), ("bad", bad)):
         _check.device_array(name, a, dtype=np.int32, shape=(1,))
     vocab = _check.positive("vocab", vocab, at_most=(2**31 - 1) // beam)
+    floor = _check.number("floor", floor)
     _check.separate(dict(scores=scores, tokens=tokens, parents=parents, hist_dst=hist_dst,
                          best=best, best_hist=best_hist, best_meta=best_meta, state=state,
-                         pos=pos, flag=flag),
+                         pos=pos, flag=flag, bad=bad),
                     dict(values=values, indices=indices, hist_src=hist_src))   # two launches
     launch(beam_choose_kernel, 1, 1, (values, indices, np.int32(vocab), np.int32(cap), scores,
-                                      tokens, parents, best, best_meta, state, pos, flag), stream)
+                                      tokens, parents, best, best_meta, state, pos, flag,
+                                      np.float32(floor), bad), stream)
     blocks, threads = _check.grid_stride_launch((beam + 1) * cap)
     launch(beam_histories_kernel, blocks, threads,
            (hist_src, hist_dst, parents, tokens, best_hist, best_meta, state), stream)

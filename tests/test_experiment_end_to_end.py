@@ -75,14 +75,24 @@ def _fake_profile(totals: dict, ran: list):
 
 def _while_spec():
     from proto.models.gpt2 import GPT2Config
-    config = GPT2Config(1, 8, 2, 13, 8)   # a loop body of 16 kernel launches a token
+    config = GPT2Config(1, 8, 2, 13, 8)
     return dict(label="toy", config=dataclasses.asdict(config), beam=2, prompt_len=5, max_len=8,
                 position=4, step={}, torch=True, part="while")   # what the child is given
+
+
+def _body_launches_per_token(spec) -> float:
+    """What the toy loop's body launches a token (its description's count, per step)."""
+    from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
+    config = GPT2Config(**spec["config"])
+    model = GPT2(config, random_state_dict(config, seed=0), max_batch=spec["beam"], max_tokens=4)
+    with end_to_end.BeamLoop(model, beam=spec["beam"], max_len=spec["max_len"]) as loop:
+        return loop.graph.description.count_kernels() / loop.steps_per_pass
 
 
 def test_while_kernels_are_reported_per_generated_token(monkeypatch):
     """The WHILE graph's profile (GPU only) divides one whole generation's kernel times by the
     tokens it generated: 4 tokens (prompt 5 to position 8) must give a quarter of each."""
+    assert _body_launches_per_token(_while_spec()) <= 22   # what the fake profile reports
     ran = []
     monkeypatch.setattr(end_to_end, "_kernels", _fake_profile(
         {"step_kernel": (100.0, 80.0), "search_kernel": (20.0, 8.0)}, ran))
@@ -96,12 +106,16 @@ def test_while_kernels_are_reported_per_generated_token(monkeypatch):
 
 def test_a_while_profile_that_missed_kernels_is_refused(monkeypatch):
     """On the H200 the profiler saw a WHILE node's first pass only: a profile with fewer
-    launches a token (here 14.5) than the loop body makes (16) must fail, not be reported."""
+    launches a token than the loop body makes must fail, not be reported (here half a launch
+    a token short, over the 4 tokens generated)."""
+    spec = _while_spec()
+    body = _body_launches_per_token(spec)
+    assert 10 <= body <= 20   # (a step of one layer and the search)
     monkeypatch.setattr(end_to_end, "_kernels", _fake_profile(
-        {"step_kernel": (100.0, 50.0), "search_kernel": (20.0, 8.0)}, []))
-    with pytest.raises(RuntimeError, match="14.50 kernel launches a token where the loop "
-                                           "body makes 16.0"):
-        end_to_end._measure_step(_while_spec())
+        {"step_kernel": (100.0, 4 * body - 10.0), "search_kernel": (20.0, 8.0)}, []))
+    with pytest.raises(RuntimeError, match=f"{body - 0.5:.2f} kernel launches a token where "
+                                           f"the loop body makes {body:.1f}"):
+        end_to_end._measure_step(spec)
 
 
 def test_kernel_families_name_the_h200_profiles_kernels():

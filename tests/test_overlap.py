@@ -44,7 +44,7 @@ def _i(*shape):
 
 _BEAM = dict(values=_f(1, 4), indices=_i(1, 4), scores=_f(2, 1), tokens=_i(2, 1), parents=_i(2),
              hist_src=_i(2, 4), hist_dst=_i(2, 4), best=_f(1), best_hist=_i(4), best_meta=_i(3),
-             state=_i(5), pos=_i(1), flag=_i(1))
+             state=_i(5), pos=_i(1), flag=_i(1), bad=_i(1))
 # 2 x 8 x 8 = 128 reduction rows: a forced 2-way split stays two even at the widest step (32)
 _WGRAD = dict(x=_f(2, 2, 8, 8), dy=_f(2, 3, 8, 8), dw=_f(3, 2, 3, 3), db=_f(3))
 
@@ -112,7 +112,8 @@ CASES = {
                                "tokens", "pos", "out", "done", "state", "flag"))),
                            ("pos", "out", "done", "state", "flag")),
     "beam_advance": Case(_BEAM, lambda a: sampling.beam_advance(
-        a["values"], a["indices"], 5, *(a[n] for n in list(_BEAM)[2:])),
+        a["values"], a["indices"], 5, *(a[n] for n in list(_BEAM)[2:-1]), floor=-1e30,
+        bad=a["bad"]),
         tuple(n for n in _BEAM if n not in ("values", "indices", "hist_src"))),
     "gemm": Case(dict(a=_f(3, 4), b=_f(4, 5), out=_f(3, 5), bias=_f(5)),
                  lambda a: gemm.gemm(a["a"], a["b"], a["out"], bias=a["bias"]), ("out",)),

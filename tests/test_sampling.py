@@ -155,13 +155,14 @@ def _beam_buffers(beam=2, vocab=5, cap=4, length=2, indices=(0, 6, 1, 7)):
         hist_dst=dev(np.full((beam, cap), -7, np.int32)), best=dev(np.float32([-np.inf])),
         best_hist=dev(np.full(cap, -7, np.int32)), best_meta=dev(np.int32([-1, 0, 0])),
         state=dev(np.int32([0, 9, -1, length, beam])), pos=dev(np.int32([3])),
-        flag=dev(np.int32([1])))
+        flag=dev(np.int32([1])), bad=dev(np.int32([0])))
 
 
-def _beam_advance(d):
+def _beam_advance(d, floor=-1e30):
     sampling.beam_advance(*(d[n] for n in ("values", "indices", "vocab", "scores", "tokens",
                                            "parents", "hist_src", "hist_dst", "best", "best_hist",
-                                           "best_meta", "state", "pos", "flag")))
+                                           "best_meta", "state", "pos", "flag")),
+                          floor=floor, bad=d["bad"])
 
 
 def test_beam_advance_refuses_an_empty_vocabulary():

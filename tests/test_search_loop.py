@@ -88,8 +88,9 @@ def test_bad_runs_are_refused_before_any_launch():
 
 
 @given(beam=st.integers(1, 5), vocab=st.integers(4, 9), t=st.integers(0, 5), limit=st.integers(1, 7),
-       eos=st.integers(-1, 3), best=st.sampled_from([-np.inf, -3.0, -1.0]), seed=st.integers(0, 2**16))
-def test_beam_advance_matches_reference(beam, vocab, t, limit, eos, best, seed):
+       eos=st.integers(-1, 3), best=st.sampled_from([-np.inf, -3.0, -1.0]), seed=st.integers(0, 2**16),
+       floor=st.sampled_from([-1e30, -2.0]))
+def test_beam_advance_matches_reference(beam, vocab, t, limit, eos, best, seed, floor):
     rng = np.random.default_rng(seed)
     k = generate.topk_width(beam)
     length, cap = 3 + t, 12
@@ -103,10 +104,13 @@ def test_beam_advance_matches_reference(beam, vocab, t, limit, eos, best, seed):
         tokens=np.zeros((beam, 1), np.int32), parents=np.zeros(beam, np.int32), hist_src=hist,
         hist_dst=np.zeros_like(hist), best=np.array([best], np.float32),
         best_hist=np.full(cap, -7, np.int32), best_meta=np.array([5, 5, 2], np.int32),
-        state=state, pos=np.array([9], np.int32), flag=np.array([7], np.int32)).items()}
+        state=state, pos=np.array([9], np.int32), flag=np.array([7], np.int32),
+        bad=np.array([0], np.int32)).items()}
     sampling.beam_advance(d["values"], d["indices"], vocab, d["scores"], d["tokens"], d["parents"],
                           d["hist_src"], d["hist_dst"], d["best"], d["best_hist"], d["best_meta"],
-                          d["state"], d["pos"], d["flag"])
+                          d["state"], d["pos"], d["flag"], floor=floor, bad=d["bad"])
+    # the candidates' check (check_scores's rule) rides in the same launch
+    assert bool(d["bad"].copy_to_host()[0]) == sampling.check_scores_ref(values, floor)
     parents, tokens, scores, live, new_best, src, go = sampling.beam_choose_ref(
         values, indices, vocab, beam, state, np.float32(best))
     np.testing.assert_array_equal(d["parents"].copy_to_host(), parents)

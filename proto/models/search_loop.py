@@ -199,10 +199,10 @@ class BeamLoop(_DeviceLoop):
         logits = self.model.step(self.tokens, self.pos, cache)
         sampling.beam_topk(logits.reshape(beam, V), self.scores, self.k, self.values,
                            self.indices)   # top k of log_softmax + running scores
-        sampling.check_scores(self.values, generate.DEAD / 2, self.bad)   # as the host search
         sampling.beam_advance(self.values, self.indices, V, self.scores, self.tokens, self.parents,
                               hist, hist_next, self.best, self.best_hist,
-                              self.best_meta, self.state, self.pos, self.flag)
+                              self.best_meta, self.state, self.pos, self.flag,
+                              floor=generate.DEAD / 2, bad=self.bad)   # the host search's check
         # beam_advance has counted this step's position: pos[0] positions are live
         cache.reorder_into(self.parents, other, length=self.pos)
 
