@@ -36,15 +36,15 @@ against PyTorch's CUDA-graphed steps: the graph of that length attending to the 
 (PtGraph in PyTorch, `ours_over_torch_graph_step`) and the one static-cache graph whose
 attention spans every position, masked (`ours_over_torch_masked_graph_step`). The WHILE
 graph's kernels are profiled over one whole generation too (per token, who="ours_while" in
-the kernels CSV; in a child of its own, and where that fails the summary's `unavailable` says
-why): what a token costs beyond a step, kernels or the graph's own overhead. The profiler
-does not see kernels inside a WHILE node after its first pass, so the body's kernels are timed
-in the loop's predicated twin (the same kernels, each behind a flag test, in plain graphs the
-host relaunches every pass), and a profile that saw fewer launches a token than the body has
-is refused.
-That runs in a child process (`step_timings`): the
-profiler's CUPTI beside Numba's CUDA context made the whole process abort at interpreter
-exit, so only the child ever loads it. Toy size: a tiny model, 2 tokens, simulator.
+the kernels CSV; where that fails the summary's `unavailable` says why): what a token costs
+beyond a step, kernels or the graph's own overhead. The profiler does not see kernels inside
+a WHILE node after its first pass, so the body's kernels are timed in the loop's predicated
+twin (the same kernels, each behind a flag test, in plain graphs the host relaunches every
+pass), and a profile that saw fewer launches a token than the body has is refused.
+Both run in a child process (`step_timings`), the step first, the WHILE profile after it in
+the same process (the kernels compile once): the profiler's CUPTI beside Numba's CUDA context
+made the whole process abort at interpreter exit, so only the child ever loads it. Toy size:
+a tiny model, 2 tokens, simulator.
 
     python -c "from experiments import end_to_end as e; e.run('full'); e.plot()"
 """
@@ -364,27 +364,53 @@ def _measure_step(spec: dict) -> dict:
 
 def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max_len: int,
                  position: int, step: dict, use_torch: bool,
-                 part: str = "step") -> tuple[dict, list[dict]]:
-    """(step row, kernel rows) from `_measure_step` in a child process
-    (`python -m experiments.end_to_end --step SPEC OUT`), so this process never loads CUPTI."""
+                 parts: tuple = ("step",)) -> tuple[dict, list[dict], dict]:
+    """(step row, kernel rows, {part: why it failed}) from `_measure_step`, part after part,
+    in one child process (`python -m experiments.end_to_end --step SPEC OUT`), so this process
+    never loads CUPTI and the kernels compile once for all parts. The first part must
+    succeed; a later one that fails (or kills the child, or runs out of time) is reported as
+    failed and the parts before it are kept."""
     spec = dict(label=label, config=dataclasses.asdict(config), beam=beam, prompt_len=prompt_len,
-                max_len=max_len, position=position, step=step, torch=use_torch, part=part)
-    limit = 1800 if part == "step" else 600   # (compiling, capturing, one generation profiled)
+                max_len=max_len, position=position, step=step, torch=use_torch, parts=list(parts))
+    limit = sum(1800 if part == "step" else 600 for part in parts)  # (compiling, capturing, ...)
     with tempfile.TemporaryDirectory() as folder:
         spec_path, out_path = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "out.json")
         spec_path.write_text(json.dumps(spec))
         try:   # (a hung child must not hang the run)
-            child = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
-                                    str(spec_path), str(out_path)], cwd=common.REPO,
-                                   timeout=limit, env=common.child_env())
+            status = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
+                                     str(spec_path), str(out_path)], cwd=common.REPO,
+                                    timeout=limit, env=common.child_env()).returncode
+            why = f"the child process failed (exit status {status}); its traceback is above"
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{NAME}: the {part}-timing child process gave no answer in "
-                               f"{limit} s; it was stopped") from None
-        if child.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"{NAME}: the {part}-timing child process failed (exit status "
-                               f"{child.returncode}); its traceback is above")
-        out = json.loads(out_path.read_text())
-    return out["row"], out["kernels"]
+            status, why = None, f"the child process gave no answer in {limit} s; it was stopped"
+        out = json.loads(out_path.read_text()) if out_path.exists() else None
+    if out is None or parts[0] not in out["done"]:
+        raise RuntimeError(f"{NAME}: the {parts[0]}-timing part: {why}")
+    failed = {part: out["failed"].get(part, why) for part in parts if part not in out["done"]}
+    return out["row"], out["kernels"], failed
+
+
+def _child(spec_path: str, out_path: str) -> int:
+    """The child's work: every part of the spec in order, the results written after each
+    (so a part that kills the process leaves the earlier ones). Returns the exit status: 1
+    when the first part failed (nothing is written), else 0; a later part's exception is
+    recorded under "failed"."""
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    out = {"row": {}, "kernels": [], "done": [], "failed": {}}
+    for i, part in enumerate(spec["parts"]):
+        try:
+            result = _measure_step({**spec, "part": part})
+        except Exception as exc:   # noqa: BLE001  (the parent reports it; see step_timings)
+            traceback.print_exc()
+            if i == 0:
+                return 1
+            out["failed"][part] = f"{type(exc).__name__}: {exc}"[:300]
+        else:
+            out["row"].update(result["row"])
+            out["kernels"] += result["kernels"]
+            out["done"].append(part)
+        pathlib.Path(out_path).write_text(json.dumps(out))
+    return 0
 
 
 # ------------------------------------------------------------------------- run
@@ -453,22 +479,19 @@ def run(size: str = "toy") -> None:
             bar.update(1)
         for m in live.values():   # give their device memory back before the child runs
             m.close()
-        row, kernels = step_timings(label, config, beam, prompt_len, max_len, max_len // 2,
-                                    cfg["step"], use_torch="torch_graph" in methods)
-        row.update(while_kernel_sum_us_per_token=None, while_kernels_per_token=None)
-        if "torch_graph" in methods and label == cfg["setups"][-1][0]:
-            # The largest setup's (the issue's figure), in a child of its own: the profiler
-            # (PyTorch's) has never watched a graph with conditional nodes here, and if that
-            # fails, only this breakdown is missing, and says why.
-            try:
-                extra, while_kernels = step_timings(label, config, beam, prompt_len, max_len,
-                                                    max_len // 2, cfg["step"], True, "while")
-            except RuntimeError as exc:
-                unavailable[f"{label}/while_kernels"] = str(exc)[:300]
-                common.report(NAME, {"setup": label, "while_kernels": "unavailable"})
-            else:
-                row.update(extra)
-                kernels.extend(while_kernels)
+        # The largest setup also profiles the WHILE graph's kernels (the issue's figure), in
+        # the same child after the step: if that fails, only this breakdown is missing, and
+        # the summary says why.
+        profile_while = "torch_graph" in methods and label == cfg["setups"][-1][0]
+        row, kernels, failed = step_timings(label, config, beam, prompt_len, max_len,
+                                            max_len // 2, cfg["step"],
+                                            use_torch="torch_graph" in methods,
+                                            parts=("step", "while") if profile_while else ("step",))
+        row = {**row, **{key: row.get(key) for key in ("while_kernel_sum_us_per_token",
+                                                        "while_kernels_per_token")}}
+        if "while" in failed:
+            unavailable[f"{label}/while_kernels"] = failed["while"]
+            common.report(NAME, {"setup": label, "while_kernels": "unavailable"})
         step_rows.append(row)
         kernel_rows.extend(kernels)
     bar.close()
@@ -696,9 +719,7 @@ if __name__ == "__main__":
         sys.exit("usage: python -m experiments.end_to_end --step SPEC.json OUT.json "
                  "(run() starts this itself)")
     try:
-        result = _measure_step(json.loads(pathlib.Path(sys.argv[2]).read_text()))
-        pathlib.Path(sys.argv[3]).write_text(json.dumps(result))
-        status = 0
+        status = _child(sys.argv[2], sys.argv[3])
     except BaseException:
         traceback.print_exc()
         status = 1

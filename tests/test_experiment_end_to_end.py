@@ -4,6 +4,9 @@ README quotes. Results go to a temporary folder (a GPU test run never overwrites
 The decode step alone is timed (and on a GPU profiled) in a child process: this one must never
 start torch.profiler, whose CUPTI beside Numba's context aborted the interpreter at exit."""
 import dataclasses
+import json
+import pathlib
+import subprocess
 
 import numpy as np
 import pytest
@@ -158,3 +161,50 @@ def test_while_figure_stacks_a_token_against_a_step(tmp_path, monkeypatch):
     common.write_csv("end_to_end_kernels", kernels)
     end_to_end._plot_while_kernels()
     assert figure.exists() and figure.stat().st_size > 10_000
+
+
+def test_the_child_keeps_the_step_when_the_while_profile_fails(tmp_path, monkeypatch):
+    """One child runs the step, then the WHILE profile: an exception in the second part is
+    recorded and the first part's results are kept; a failing first part writes nothing."""
+    def fake(spec):
+        if spec["part"] == "while":
+            raise ValueError("no kernels seen")
+        return {"row": {"ours_step_us": 5.0}, "kernels": [{"kernel": "k"}]}
+
+    monkeypatch.setattr(end_to_end, "_measure_step", fake)
+    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"parts": ["step", "while"]}))
+    assert end_to_end._child(str(spec), str(out)) == 0
+    got = json.loads(out.read_text())
+    assert got["row"] == {"ours_step_us": 5.0} and got["kernels"] == [{"kernel": "k"}]
+    assert got["done"] == ["step"] and got["failed"] == {"while": "ValueError: no kernels seen"}
+    out.unlink()
+    spec.write_text(json.dumps({"parts": ["while"]}))
+    assert end_to_end._child(str(spec), str(out)) == 1 and not out.exists()
+
+
+def test_step_timings_keeps_what_a_dying_child_wrote(monkeypatch):
+    """The parent's side: a child that wrote the step and then died (or ran out of time)
+    gives the step and a reason for the WHILE profile; one that wrote nothing is an error."""
+    from proto.models.gpt2 import GPT2Config
+
+    def child(written, outcome):
+        def run(argv, **kw):
+            if written is not None:
+                pathlib.Path(argv[-1]).write_text(json.dumps(written))
+            if outcome == "timeout":
+                raise subprocess.TimeoutExpired(argv, kw["timeout"])
+            return subprocess.CompletedProcess(argv, outcome)
+        return run
+
+    step_only = {"row": {"ours_step_us": 5.0}, "kernels": [], "done": ["step"], "failed": {}}
+    args = ("toy", GPT2Config(1, 8, 2, 13, 8), 2, 1, 8, 4, {}, True, ("step", "while"))
+    monkeypatch.setattr(end_to_end.subprocess, "run", child(step_only, -6))
+    row, kernels, failed = end_to_end.step_timings(*args)
+    assert row == {"ours_step_us": 5.0} and list(failed) == ["while"]
+    assert "exit status -6" in failed["while"]
+    monkeypatch.setattr(end_to_end.subprocess, "run", child(step_only, "timeout"))
+    assert "no answer in 2400 s" in end_to_end.step_timings(*args)[2]["while"]
+    monkeypatch.setattr(end_to_end.subprocess, "run", child(None, 1))
+    with pytest.raises(RuntimeError, match="the step-timing part: the child process failed"):
+        end_to_end.step_timings(*args)
