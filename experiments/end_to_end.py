@@ -41,10 +41,10 @@ beyond a step, kernels or the graph's own overhead. The profiler does not see ke
 a WHILE node after its first pass, so the body's kernels are timed in the loop's predicated
 twin (the same kernels, each behind a flag test, in plain graphs the host relaunches every
 pass), and a profile that saw fewer launches a token than the body has is refused.
-Both run in a child process (`step_timings`), the step first, the WHILE profile after it in
-the same process (the kernels compile once): the profiler's CUPTI beside Numba's CUDA context
-made the whole process abort at interpreter exit, so only the child ever loads it. Toy size:
-a tiny model, 2 tokens, simulator.
+Both run in one child process after every setup's generations (`step_timings`): each
+setup's step, then the WHILE profile, so the kernels compile once. The profiler's CUPTI
+beside Numba's CUDA context made the whole process abort at interpreter exit, so only the
+child ever loads it. Toy size: a tiny model, 2 tokens, simulator.
 
     python -c "from experiments import end_to_end as e; e.run('full'); e.plot()"
 """
@@ -362,54 +362,65 @@ def _measure_step(spec: dict) -> dict:
     return {"row": row, "kernels": kernel_rows}
 
 
-def step_timings(label: str, config: GPT2Config, beam: int, prompt_len: int, max_len: int,
-                 position: int, step: dict, use_torch: bool,
-                 parts: tuple = ("step",)) -> tuple[dict, list[dict], dict]:
-    """(step row, kernel rows, {part: why it failed}) from `_measure_step`, part after part,
-    in one child process (`python -m experiments.end_to_end --step SPEC OUT`), so this process
-    never loads CUPTI and the kernels compile once for all parts. The first part must
-    succeed; a later one that fails (or kills the child, or runs out of time) is reported as
-    failed and the parts before it are kept."""
-    spec = dict(label=label, config=dataclasses.asdict(config), beam=beam, prompt_len=prompt_len,
+def step_spec(label: str, config: GPT2Config, beam: int, prompt_len: int, max_len: int,
+              position: int, step: dict, use_torch: bool, parts: tuple = ("step",)) -> dict:
+    """What the child measures for one setup (JSON): `parts` in order, "step" first."""
+    return dict(label=label, config=dataclasses.asdict(config), beam=beam, prompt_len=prompt_len,
                 max_len=max_len, position=position, step=step, torch=use_torch, parts=list(parts))
-    limit = sum(1800 if part == "step" else 600 for part in parts)  # (compiling, capturing, ...)
+
+
+def step_timings(specs: list[dict]) -> list[tuple[dict, list[dict], dict]]:
+    """For each setup's spec (`step_spec`), (step row, kernel rows, {part: why it failed}) from
+    `_measure_step`, part after part, in ONE child process (`python -m experiments.end_to_end
+    --step SPEC OUT`): this process never loads CUPTI, and the kernels compile once for every
+    setup and part. Every "step" part must succeed; a later part that fails (or kills the
+    child, or runs out of time) is reported as failed, and what came before it is kept."""
+    limit = sum(1800 if part == "step" else 600 for spec in specs for part in spec["parts"])
     with tempfile.TemporaryDirectory() as folder:
         spec_path, out_path = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "out.json")
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(json.dumps(specs))
         try:   # (a hung child must not hang the run)
             status = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
                                      str(spec_path), str(out_path)], cwd=common.REPO,
                                     timeout=limit, env=common.child_env()).returncode
             why = f"the child process failed (exit status {status}); its traceback is above"
         except subprocess.TimeoutExpired:
-            status, why = None, f"the child process gave no answer in {limit} s; it was stopped"
-        out = json.loads(out_path.read_text()) if out_path.exists() else None
-    if out is None or parts[0] not in out["done"]:
-        raise RuntimeError(f"{NAME}: the {parts[0]}-timing part: {why}")
-    failed = {part: out["failed"].get(part, why) for part in parts if part not in out["done"]}
-    return out["row"], out["kernels"], failed
+            why = f"the child process gave no answer in {limit} s; it was stopped"
+        outs = json.loads(out_path.read_text()) if out_path.exists() else []
+    results = []
+    for i, spec in enumerate(specs):
+        out = outs[i] if i < len(outs) else {"done": [], "failed": {}}
+        if "step" not in out["done"]:
+            raise RuntimeError(f"{NAME}: {spec['label']}'s step timing: "
+                               f"{out['failed'].get('step', why)}")
+        failed = {part: out["failed"].get(part, why) for part in spec["parts"]
+                  if part not in out["done"]}
+        results.append((out["row"], out["kernels"], failed))
+    return results
 
 
 def _child(spec_path: str, out_path: str) -> int:
-    """The child's work: every part of the spec in order, the results written after each
+    """The child's work: every setup's parts in order, all results written after each part
     (so a part that kills the process leaves the earlier ones). Returns the exit status: 1
-    when the first part failed (nothing is written), else 0; a later part's exception is
-    recorded under "failed"."""
-    spec = json.loads(pathlib.Path(spec_path).read_text())
-    out = {"row": {}, "kernels": [], "done": [], "failed": {}}
-    for i, part in enumerate(spec["parts"]):
-        try:
-            result = _measure_step({**spec, "part": part})
-        except Exception as exc:   # noqa: BLE001  (the parent reports it; see step_timings)
-            traceback.print_exc()
-            if i == 0:
+    when a "step" part failed (the setups after it are not measured), else 0; a later part's
+    exception is recorded under its setup's "failed"."""
+    outs = []
+    for spec in json.loads(pathlib.Path(spec_path).read_text()):
+        out = {"row": {}, "kernels": [], "done": [], "failed": {}}
+        outs.append(out)
+        for part in spec["parts"]:
+            try:
+                result = _measure_step({**spec, "part": part})
+            except Exception as exc:   # noqa: BLE001  (the parent reports it: step_timings)
+                traceback.print_exc()
+                out["failed"][part] = f"{type(exc).__name__}: {exc}"[:300]
+            else:
+                out["row"].update(result["row"])
+                out["kernels"] += result["kernels"]
+                out["done"].append(part)
+            pathlib.Path(out_path).write_text(json.dumps(outs))
+            if part == "step" and part not in out["done"]:
                 return 1
-            out["failed"][part] = f"{type(exc).__name__}: {exc}"[:300]
-        else:
-            out["row"].update(result["row"])
-            out["kernels"] += result["kernels"]
-            out["done"].append(part)
-        pathlib.Path(out_path).write_text(json.dumps(out))
     return 0
 
 
@@ -445,7 +456,7 @@ def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     beam, prompt_len = cfg["beam"], cfg["prompt_len"]
     methods = _methods()
-    rows, step_rows, kernel_rows, unavailable = [], [], [], {}
+    rows, step_rows, kernel_rows, unavailable, step_specs = [], [], [], {}, []
     bar = common.progress(range(len(cfg["setups"]) * len(methods)), desc=NAME)
     for label, config, max_len in cfg["setups"]:
         state_dict = random_state_dict(config, seed=0)
@@ -477,24 +488,22 @@ def run(size: str = "toy") -> None:
                          if "torch_eager" in methods else None})
             common.report(NAME, rows[-1])
             bar.update(1)
-        for m in live.values():   # give their device memory back before the child runs
+        for m in live.values():   # give their device memory back (the child runs at the end)
             m.close()
-        # The largest setup also profiles the WHILE graph's kernels (the issue's figure), in
-        # the same child after the step: if that fails, only this breakdown is missing, and
-        # the summary says why.
+        # The largest setup also profiles the WHILE graph's kernels (the issue's figure), after
+        # its step: if that fails, only this breakdown is missing, and the summary says why.
         profile_while = "torch_graph" in methods and label == cfg["setups"][-1][0]
-        row, kernels, failed = step_timings(label, config, beam, prompt_len, max_len,
-                                            max_len // 2, cfg["step"],
-                                            use_torch="torch_graph" in methods,
-                                            parts=("step", "while") if profile_while else ("step",))
-        row = {**row, **{key: row.get(key) for key in ("while_kernel_sum_us_per_token",
-                                                        "while_kernels_per_token")}}
-        if "while" in failed:
-            unavailable[f"{label}/while_kernels"] = failed["while"]
-            common.report(NAME, {"setup": label, "while_kernels": "unavailable"})
-        step_rows.append(row)
-        kernel_rows.extend(kernels)
+        step_specs.append(step_spec(label, config, beam, prompt_len, max_len, max_len // 2,
+                                    cfg["step"], use_torch="torch_graph" in methods,
+                                    parts=("step", "while") if profile_while else ("step",)))
     bar.close()
+    for spec, (row, kernels, failed) in zip(step_specs, step_timings(step_specs)):
+        step_rows.append({**row, **{key: row.get(key) for key in (
+            "while_kernel_sum_us_per_token", "while_kernels_per_token")}})
+        kernel_rows.extend(kernels)
+        if "while" in failed:
+            unavailable[f"{spec['label']}/while_kernels"] = failed["while"]
+            common.report(NAME, {"setup": spec["label"], "while_kernels": "unavailable"})
     common.write_csv(NAME, rows)
     common.write_csv(NAME + "_step", step_rows)
     if kernel_rows:

@@ -164,28 +164,32 @@ def test_while_figure_stacks_a_token_against_a_step(tmp_path, monkeypatch):
 
 
 def test_the_child_keeps_the_step_when_the_while_profile_fails(tmp_path, monkeypatch):
-    """One child runs the step, then the WHILE profile: an exception in the second part is
-    recorded and the first part's results are kept; a failing first part writes nothing."""
+    """One child measures every setup, its step, then its WHILE profile: an exception in the
+    WHILE profile is recorded and the rest kept; a failing step stops the child there."""
     def fake(spec):
-        if spec["part"] == "while":
+        if spec["part"] == "while" or spec["label"] == "broken":
             raise ValueError("no kernels seen")
-        return {"row": {"ours_step_us": 5.0}, "kernels": [{"kernel": "k"}]}
+        return {"row": {"ours_step_us": 5.0}, "kernels": [{"kernel": spec["label"]}]}
 
     monkeypatch.setattr(end_to_end, "_measure_step", fake)
     spec, out = tmp_path / "spec.json", tmp_path / "out.json"
-    spec.write_text(json.dumps({"parts": ["step", "while"]}))
+    spec.write_text(json.dumps([{"label": "4L", "parts": ["step"]},
+                                {"label": "12L", "parts": ["step", "while"]}]))
     assert end_to_end._child(str(spec), str(out)) == 0
-    got = json.loads(out.read_text())
-    assert got["row"] == {"ours_step_us": 5.0} and got["kernels"] == [{"kernel": "k"}]
-    assert got["done"] == ["step"] and got["failed"] == {"while": "ValueError: no kernels seen"}
-    out.unlink()
-    spec.write_text(json.dumps({"parts": ["while"]}))
-    assert end_to_end._child(str(spec), str(out)) == 1 and not out.exists()
+    small, large = json.loads(out.read_text())
+    assert small == {"row": {"ours_step_us": 5.0}, "kernels": [{"kernel": "4L"}],
+                     "done": ["step"], "failed": {}}
+    assert large["kernels"] == [{"kernel": "12L"}] and large["done"] == ["step"]
+    assert large["failed"] == {"while": "ValueError: no kernels seen"}
+    spec.write_text(json.dumps([{"label": "broken", "parts": ["step", "while"]},
+                                {"label": "12L", "parts": ["step"]}]))
+    assert end_to_end._child(str(spec), str(out)) == 1
+    assert [o["done"] for o in json.loads(out.read_text())] == [[]]   # stopped at the failure
 
 
 def test_step_timings_keeps_what_a_dying_child_wrote(monkeypatch):
-    """The parent's side: a child that wrote the step and then died (or ran out of time)
-    gives the step and a reason for the WHILE profile; one that wrote nothing is an error."""
+    """The parent's side: a child that wrote both steps and then died (or ran out of time)
+    gives the steps and a reason for the WHILE profile; a step it never wrote is an error."""
     from proto.models.gpt2 import GPT2Config
 
     def child(written, outcome):
@@ -197,14 +201,16 @@ def test_step_timings_keeps_what_a_dying_child_wrote(monkeypatch):
             return subprocess.CompletedProcess(argv, outcome)
         return run
 
-    step_only = {"row": {"ours_step_us": 5.0}, "kernels": [], "done": ["step"], "failed": {}}
-    args = ("toy", GPT2Config(1, 8, 2, 13, 8), 2, 1, 8, 4, {}, True, ("step", "while"))
-    monkeypatch.setattr(end_to_end.subprocess, "run", child(step_only, -6))
-    row, kernels, failed = end_to_end.step_timings(*args)
-    assert row == {"ours_step_us": 5.0} and list(failed) == ["while"]
-    assert "exit status -6" in failed["while"]
-    monkeypatch.setattr(end_to_end.subprocess, "run", child(step_only, "timeout"))
-    assert "no answer in 2400 s" in end_to_end.step_timings(*args)[2]["while"]
-    monkeypatch.setattr(end_to_end.subprocess, "run", child(None, 1))
-    with pytest.raises(RuntimeError, match="the step-timing part: the child process failed"):
-        end_to_end.step_timings(*args)
+    config = GPT2Config(1, 8, 2, 13, 8)
+    specs = [end_to_end.step_spec(label, config, 2, 1, 8, 4, {}, True, parts)
+             for label, parts in (("a", ("step",)), ("b", ("step", "while")))]
+    step = {"row": {"ours_step_us": 5.0}, "kernels": [], "done": ["step"], "failed": {}}
+    monkeypatch.setattr(end_to_end.subprocess, "run", child([step, step], -6))
+    (row_a, _, failed_a), (row_b, _, failed_b) = end_to_end.step_timings(specs)
+    assert row_a == row_b == {"ours_step_us": 5.0} and failed_a == {}
+    assert list(failed_b) == ["while"] and "exit status -6" in failed_b["while"]
+    monkeypatch.setattr(end_to_end.subprocess, "run", child([step, step], "timeout"))
+    assert "no answer in 4200 s" in end_to_end.step_timings(specs)[1][2]["while"]
+    monkeypatch.setattr(end_to_end.subprocess, "run", child([step], 1))
+    with pytest.raises(RuntimeError, match="b's step timing: the child process failed"):
+        end_to_end.step_timings(specs)
