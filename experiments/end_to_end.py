@@ -29,40 +29,27 @@ Per method: a short warm-up generation (first-call costs), `reps` whole generati
 end to end (-> the median ms per token, p10 and p90 in the CSV; 5 at full size), and one
 more with every phase synchronized (-> input preparation, model, search per token; the
 second figure). Graphs are all captured before timing
-(largest first), and capture time and driver memory are recorded. The decode step alone is
-also timed at the middle position: our alias graph's replay, on the GPU against the sum of
-its kernels' GPU times (torch.profiler, which sees Numba kernels inside graph replays) and
-against PyTorch's CUDA-graphed steps: the graph of that length attending to the live prefix
-(PtGraph in PyTorch, `ours_over_torch_graph_step`) and the one static-cache graph whose
-attention spans every position, masked (`ours_over_torch_masked_graph_step`). The WHILE
-graph's kernels are profiled over one whole generation too (per token, who="ours_while" in
-the kernels CSV; where that fails the summary's `unavailable` says why): what a token costs
-beyond a step, kernels or the graph's own overhead. The profiler does not see kernels inside
-a WHILE node after its first pass, so the body's kernels are timed in the loop's predicated
-twin (the same kernels, each behind a flag test, in plain graphs the host relaunches every
-pass), and a profile that saw fewer launches a token than the body has is refused.
-Both run in one child process after every setup's generations (`step_timings`): each
-setup's step, then the WHILE profile, so the kernels compile once. The profiler's CUPTI
-beside Numba's CUDA context made the whole process abort at interpreter exit, so only the
-child ever loads it. Toy size: a tiny model, 2 tokens, simulator.
+(largest first), and capture time and driver memory are recorded. After every setup's
+generations, one child process (experiments/step_profile.py) times the decode step alone at
+the middle position: our alias graph's replay, against the sum of its kernels' GPU times
+and against PyTorch's CUDA-graphed steps: the graph of that length attending to the live
+prefix (PtGraph in PyTorch, `ours_over_torch_graph_step`) and the one static-cache graph
+whose attention spans every position, masked (`ours_over_torch_masked_graph_step`); and,
+for the largest setup, the WHILE graph's kernels over one whole generation (per token,
+who="ours_while" in the kernels CSV; where that fails the summary's `unavailable` says why):
+what a token costs beyond a step, kernels or the graph's own overhead. Toy size: a tiny
+model, 2 tokens, simulator.
 
     python -c "from experiments import end_to_end as e; e.run('full'); e.plot()"
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import pathlib
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
 
 import numpy as np
 
 from experiments import common
+from experiments.step_profile import step_spec, step_timings
 from proto import backend, timing
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
@@ -231,197 +218,6 @@ def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bo
     if method in ("hf_generate", "hf_compiled"):
         return _HF(model.config, state_dict, beam, compiled=method == "hf_compiled")
     return _Torch(model.config, state_dict, beam, max_len, graphed=method == "torch_graph")
-
-
-# ------------------------------------------------------------------------- step timing (child)
-def _kernels(replay, n: int = 20) -> dict[str, tuple[float, float]]:
-    """{kernel name: (GPU us per replay, launches per replay)} of `replay`, by torch.profiler
-    (CUPTI sees every kernel of the process, Numba's and those inside graph replays)."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            replay()
-        torch.cuda.synchronize()
-    per: dict[str, tuple[float, float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
-            us, count = per.get(e.name, (0.0, 0.0))
-            per[e.name] = (us + e.time_range.elapsed_us() / n, count + 1 / n)
-    return per
-
-
-def _kernel_rows(label: str, who: str, kernels: dict, per: int, kernel_rows: list):
-    """Append `kernels` ({name: (us, launches)} of `per` steps or tokens) to `kernel_rows`,
-    per step or token, the costliest first; return (their us, their launches) summed per
-    step or token."""
-    for name, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
-        kernel_rows.append({"setup": label, "who": who, "kernel": name[:90],
-                            "us_per_step": round(us / per, 2),
-                            "launches_per_step": round(count / per, 3)})
-    return (round(sum(us for us, _ in kernels.values()) / per, 2),
-            round(sum(c for _, c in kernels.values()) / per, 2))
-
-
-def _replay_us(replay, replays: int, warmup: int, reps: int) -> float:
-    t = timing.bench(lambda: [replay() for _ in range(replays)], warmup=warmup, reps=reps)
-    return t.median_us / replays
-
-
-def _step_timings(label: str, position: int, alias, torch_graph, torch_live, kernel_rows: list,
-                  *, step: dict, profile: bool) -> dict:
-    """Our alias graph's replay, its kernels' sum (`profile`), and PyTorch's graphed steps at
-    `position`: the static cache masked over every position ("torch_masked") and the graph of
-    this length attending to the live prefix ("torch"); appends each kernel's share of a step
-    to `kernel_rows`."""
-    row = {"setup": label, "position": position}
-    replays = {"ours": alias.g.replayer(position)}
-    if torch_graph is not None:
-        replays["torch_masked"] = torch_graph.dec.replayer(position)
-    if torch_live is not None:
-        torch_live.capture(position + 1)   # the graph of length position + 1: one step
-        replays["torch"] = torch_live.graphs[position + 1].replay
-    for who, replay in replays.items():
-        kernels = _kernels(replay) if profile else None
-        row[f"{who}_step_us"] = round(_replay_us(replay, step["replays"], step["warmup"],
-                                                 step["reps"]), 2)
-        row[f"{who}_kernel_sum_us"], row[f"{who}_kernels_per_step"] = (None, None) \
-            if kernels is None else _kernel_rows(label, who, kernels, 1, kernel_rows)
-    row["ours_graph_nodes"] = alias.g.num_nodes // max(alias.g.num_graphs, 1)
-    # The bandwidth floor: the bytes the step must read (every weight once, the live K and V
-    # of every layer) at the device-to-device copy rate measured here.
-    weights, kv = alias.g.model.decode_read_bytes(alias.g.batch, position + 1)
-    gbps = timing.copy_bandwidth_GBps(step["copy_bytes"])
-    row.update(weight_bytes=weights, kv_bytes=kv, copy_GBps=round(gbps, 1),
-               floor_us=round((weights + kv) / (gbps * 1e3), 2))
-    return row
-
-
-def _while_kernels(label: str, model, beam: int, max_len: int, prompt_len: int,
-                   kernel_rows: list) -> dict:
-    """The WHILE graph's kernels over one whole generation (the run's prompt to `max_len`),
-    per token: where its time per token goes beyond one step. Appends them to `kernel_rows`
-    as who="ours_while" (us_per_step and launches_per_step are then per token).
-
-    torch's profiler (CUPTI) records a WHILE node's kernels in its first pass only (seen on
-    the H200: 0.35 kernels a token), so the loop runs here as its predicated twin with one
-    pass a launch: the same kernels, each behind a flag test, in plain graphs. Raises where
-    the profile still saw fewer launches a token than the loop body makes."""
-    loop = BeamLoop(model, beam=beam, max_len=max_len, control="predicated", unroll=1)
-    prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, prompt_len)
-    new = max_len - len(prompt) + 1
-    body = loop.graph.description.count_kernels() / loop.steps_per_pass
-    steps = []
-    try:
-        kernels = _kernels(lambda: steps.append(
-            loop.generate(prompt, max_new_tokens=new).times.steps), n=1)
-    finally:
-        loop.close()
-    seen = sum(count for _, count in kernels.values()) / steps[-1]
-    if seen < body:
-        raise RuntimeError(f"the profiler saw {seen:.2f} kernel launches a token where the "
-                           f"loop body makes {body:.1f}: the profile is incomplete")
-    us, launches = _kernel_rows(label, "ours_while", kernels, steps[-1], kernel_rows)
-    return {"while_kernel_sum_us_per_token": us, "while_kernels_per_token": launches}
-
-
-def _measure_step(spec: dict) -> dict:
-    """In the child: the setup's model (same weights), our alias graph and, with torch,
-    PyTorch's graphed step, built afresh; the decode step at spec["position"] timed, and
-    profiled where torch is present; or, for spec["part"] == "while", the WHILE graph's
-    kernels over a whole generation (`_while_kernels`). Returns {"row": ..., "kernels": [...]}."""
-    config, beam, max_len = GPT2Config(**spec["config"]), spec["beam"], spec["max_len"]
-    state_dict = random_state_dict(config, seed=0)
-    model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(spec["prompt_len"] - 1, 1))
-    if spec["part"] == "while":
-        kernel_rows: list = []
-        row = _while_kernels(spec["label"], model, beam, max_len, spec["prompt_len"],
-                             kernel_rows)
-        return {"row": row, "kernels": kernel_rows}
-    methods = ["graph_alias_device"] + (["torch_graph"] if spec["torch"] else [])
-    live = {m: _make(m, model, state_dict, beam, max_len, build_all=False) for m in methods}
-    torch_live = None
-    if spec["torch"]:
-        from experiments.torch_gpt2 import PerLengthDecoder
-        torch_live = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len,
-                                      pool="shared")
-    kernel_rows: list = []
-    try:
-        row = _step_timings(spec["label"], spec["position"], live["graph_alias_device"],
-                            live.get("torch_graph"), torch_live, kernel_rows, step=spec["step"],
-                            profile=spec["torch"])
-    finally:
-        for m in live.values():
-            m.close()
-        if torch_live is not None:
-            torch_live.close()
-    return {"row": row, "kernels": kernel_rows}
-
-
-def step_spec(label: str, config: GPT2Config, beam: int, prompt_len: int, max_len: int,
-              position: int, step: dict, use_torch: bool, parts: tuple = ("step",)) -> dict:
-    """What the child measures for one setup (JSON): `parts` in order, "step" first."""
-    return dict(label=label, config=dataclasses.asdict(config), beam=beam, prompt_len=prompt_len,
-                max_len=max_len, position=position, step=step, torch=use_torch, parts=list(parts))
-
-
-def step_timings(specs: list[dict]) -> list[tuple[dict, list[dict], dict]]:
-    """For each setup's spec (`step_spec`), (step row, kernel rows, {part: why it failed}) from
-    `_measure_step`, part after part, in ONE child process (`python -m experiments.end_to_end
-    --step SPEC OUT`): this process never loads CUPTI, and the kernels compile once for every
-    setup and part. Every "step" part must succeed; a later part that fails (or kills the
-    child, or runs out of time) is reported as failed, and what came before it is kept."""
-    limit = sum(1800 if part == "step" else 600 for spec in specs for part in spec["parts"])
-    with tempfile.TemporaryDirectory() as folder:
-        spec_path, out_path = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "out.json")
-        spec_path.write_text(json.dumps(specs))
-        try:   # (a hung child must not hang the run)
-            status = subprocess.run([sys.executable, "-m", "experiments.end_to_end", "--step",
-                                     str(spec_path), str(out_path)], cwd=common.REPO,
-                                    timeout=limit, env=common.child_env()).returncode
-            why = f"the child process failed (exit status {status}); its traceback is above"
-        except subprocess.TimeoutExpired:
-            why = f"the child process gave no answer in {limit} s; it was stopped"
-        outs = json.loads(out_path.read_text()) if out_path.exists() else []
-    results = []
-    for i, spec in enumerate(specs):
-        out = outs[i] if i < len(outs) else {"done": [], "failed": {}}
-        if "step" not in out["done"]:
-            raise RuntimeError(f"{NAME}: {spec['label']}'s step timing: "
-                               f"{out['failed'].get('step', why)}")
-        failed = {part: out["failed"].get(part, why) for part in spec["parts"]
-                  if part not in out["done"]}
-        results.append((out["row"], out["kernels"], failed))
-    return results
-
-
-def _child(spec_path: str, out_path: str) -> int:
-    """The child's work: every setup's parts in order, all results written after each part
-    (so a part that kills the process leaves the earlier ones). Returns the exit status: 1
-    when a "step" part failed (the setups after it are not measured), else 0; a later part's
-    exception is recorded under its setup's "failed"."""
-    outs = []
-    for spec in json.loads(pathlib.Path(spec_path).read_text()):
-        out = {"row": {}, "kernels": [], "done": [], "failed": {}}
-        outs.append(out)
-        for part in spec["parts"]:
-            try:
-                result = _measure_step({**spec, "part": part})
-            except Exception as exc:   # noqa: BLE001  (the parent reports it: step_timings)
-                traceback.print_exc()
-                out["failed"][part] = f"{type(exc).__name__}: {exc}"[:300]
-            else:
-                out["row"].update(result["row"])
-                out["kernels"] += result["kernels"]
-                out["done"].append(part)
-            pathlib.Path(out_path).write_text(json.dumps(outs))
-            if part == "step" and part not in out["done"]:
-                return 1
-    return 0
 
 
 # ------------------------------------------------------------------------- run
@@ -720,23 +516,3 @@ def _plot_while_kernels() -> None:
                   bbox_to_anchor=(1.0, 0.5))
         ax.margins(y=0.12)   # (room for the annotations above the ticks)
     common.save_figure(fig, NAME + "_while")
-
-
-# ------------------------------------------------------------------------- the child's entry
-if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "--step":
-        sys.exit("usage: python -m experiments.end_to_end --step SPEC.json OUT.json "
-                 "(run() starts this itself)")
-    try:
-        status = _child(sys.argv[2], sys.argv[3])
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    if "torch.profiler" in sys.modules:
-        # CUPTI (loaded by the profiler) beside Numba's context aborts in the interpreter's
-        # teardown, after the results above are written: leave without it. This process
-        # exists to contain that; the parent checks the status and the file.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)

@@ -3,15 +3,9 @@ the CSV, summary and both figures are written, and the summary carries the headl
 README quotes. Results go to a temporary folder (a GPU test run never overwrites full results).
 The decode step alone is timed (and on a GPU profiled) in a child process: this one must never
 start torch.profiler, whose CUPTI beside Numba's context aborted the interpreter at exit."""
-import dataclasses
-import json
-import pathlib
-import subprocess
-
 import numpy as np
-import pytest
 
-from experiments import common, end_to_end
+from experiments import common, end_to_end, step_profile
 
 
 def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
@@ -19,7 +13,7 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
         raise AssertionError("torch.profiler ran in the test process, not in the child")
 
     monkeypatch.setattr(common, "ROOT", tmp_path)
-    monkeypatch.setattr(end_to_end, "_kernels", no_profiling_here)
+    monkeypatch.setattr(step_profile, "_kernels", no_profiling_here)
     end_to_end.run("toy")
     rows = common.read_csv("end_to_end")
     methods = [r["method"] for r in rows]
@@ -67,60 +61,6 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert phases.exists() and phases.stat().st_size > 10_000
 
 
-def _fake_profile(totals: dict, ran: list):
-    """A stand-in for torch.profiler: runs the generation once, reports fixed totals."""
-    def profile(replay, n=20):
-        replay()
-        ran.append(n)
-        return totals
-    return profile
-
-
-def _while_spec():
-    from proto.models.gpt2 import GPT2Config
-    config = GPT2Config(1, 8, 2, 13, 8)
-    return dict(label="toy", config=dataclasses.asdict(config), beam=2, prompt_len=5, max_len=8,
-                position=4, step={}, torch=True, part="while")   # what the child is given
-
-
-def _body_launches_per_token(spec) -> float:
-    """What the toy loop's body launches a token (its description's count, per step)."""
-    from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-    config = GPT2Config(**spec["config"])
-    model = GPT2(config, random_state_dict(config, seed=0), max_batch=spec["beam"], max_tokens=4)
-    with end_to_end.BeamLoop(model, beam=spec["beam"], max_len=spec["max_len"]) as loop:
-        return loop.graph.description.count_kernels() / loop.steps_per_pass
-
-
-def test_while_kernels_are_reported_per_generated_token(monkeypatch):
-    """The WHILE graph's profile (GPU only) divides one whole generation's kernel times by the
-    tokens it generated: 4 tokens (prompt 5 to position 8) must give a quarter of each."""
-    assert _body_launches_per_token(_while_spec()) <= 22   # what the fake profile reports
-    ran = []
-    monkeypatch.setattr(end_to_end, "_kernels", _fake_profile(
-        {"step_kernel": (100.0, 80.0), "search_kernel": (20.0, 8.0)}, ran))
-    out = end_to_end._measure_step(_while_spec())
-    assert ran == [1]
-    assert out["row"] == {"while_kernel_sum_us_per_token": 30.0, "while_kernels_per_token": 22.0}
-    assert [(r["who"], r["kernel"], r["us_per_step"], r["launches_per_step"])
-            for r in out["kernels"]] == [("ours_while", "step_kernel", 25.0, 20.0),
-                                         ("ours_while", "search_kernel", 5.0, 2.0)]
-
-
-def test_a_while_profile_that_missed_kernels_is_refused(monkeypatch):
-    """On the H200 the profiler saw a WHILE node's first pass only: a profile with fewer
-    launches a token than the loop body makes must fail, not be reported (here half a launch
-    a token short, over the 4 tokens generated)."""
-    spec = _while_spec()
-    body = _body_launches_per_token(spec)
-    assert 10 <= body <= 20   # (a step of one layer and the search)
-    monkeypatch.setattr(end_to_end, "_kernels", _fake_profile(
-        {"step_kernel": (100.0, 4 * body - 10.0), "search_kernel": (20.0, 8.0)}, []))
-    with pytest.raises(RuntimeError, match=f"{body - 0.5:.2f} kernel launches a token where "
-                                           f"the loop body makes {body:.1f}"):
-        end_to_end._measure_step(spec)
-
-
 def test_kernel_families_name_the_h200_profiles_kernels():
     """The WHILE figure groups kernels by family from their profiled (mangled) names."""
     names = {
@@ -165,56 +105,3 @@ def test_while_figure_stacks_a_token_against_a_step(tmp_path, monkeypatch):
     common.write_csv("end_to_end_kernels", kernels)
     end_to_end._plot_while_kernels()
     assert figure.exists() and figure.stat().st_size > 10_000
-
-
-def test_the_child_keeps_the_step_when_the_while_profile_fails(tmp_path, monkeypatch):
-    """One child measures every setup, its step, then its WHILE profile: an exception in the
-    WHILE profile is recorded and the rest kept; a failing step stops the child there."""
-    def fake(spec):
-        if spec["part"] == "while" or spec["label"] == "broken":
-            raise ValueError("no kernels seen")
-        return {"row": {"ours_step_us": 5.0}, "kernels": [{"kernel": spec["label"]}]}
-
-    monkeypatch.setattr(end_to_end, "_measure_step", fake)
-    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
-    spec.write_text(json.dumps([{"label": "4L", "parts": ["step"]},
-                                {"label": "12L", "parts": ["step", "while"]}]))
-    assert end_to_end._child(str(spec), str(out)) == 0
-    small, large = json.loads(out.read_text())
-    assert small == {"row": {"ours_step_us": 5.0}, "kernels": [{"kernel": "4L"}],
-                     "done": ["step"], "failed": {}}
-    assert large["kernels"] == [{"kernel": "12L"}] and large["done"] == ["step"]
-    assert large["failed"] == {"while": "ValueError: no kernels seen"}
-    spec.write_text(json.dumps([{"label": "broken", "parts": ["step", "while"]},
-                                {"label": "12L", "parts": ["step"]}]))
-    assert end_to_end._child(str(spec), str(out)) == 1
-    assert [o["done"] for o in json.loads(out.read_text())] == [[]]   # stopped at the failure
-
-
-def test_step_timings_keeps_what_a_dying_child_wrote(monkeypatch):
-    """The parent's side: a child that wrote both steps and then died (or ran out of time)
-    gives the steps and a reason for the WHILE profile; a step it never wrote is an error."""
-    from proto.models.gpt2 import GPT2Config
-
-    def child(written, outcome):
-        def run(argv, **kw):
-            if written is not None:
-                pathlib.Path(argv[-1]).write_text(json.dumps(written))
-            if outcome == "timeout":
-                raise subprocess.TimeoutExpired(argv, kw["timeout"])
-            return subprocess.CompletedProcess(argv, outcome)
-        return run
-
-    config = GPT2Config(1, 8, 2, 13, 8)
-    specs = [end_to_end.step_spec(label, config, 2, 1, 8, 4, {}, True, parts)
-             for label, parts in (("a", ("step",)), ("b", ("step", "while")))]
-    step = {"row": {"ours_step_us": 5.0}, "kernels": [], "done": ["step"], "failed": {}}
-    monkeypatch.setattr(end_to_end.subprocess, "run", child([step, step], -6))
-    (row_a, _, failed_a), (row_b, _, failed_b) = end_to_end.step_timings(specs)
-    assert row_a == row_b == {"ours_step_us": 5.0} and failed_a == {}
-    assert list(failed_b) == ["while"] and "exit status -6" in failed_b["while"]
-    monkeypatch.setattr(end_to_end.subprocess, "run", child([step, step], "timeout"))
-    assert "no answer in 4200 s" in end_to_end.step_timings(specs)[1][2]["while"]
-    monkeypatch.setattr(end_to_end.subprocess, "run", child([step], 1))
-    with pytest.raises(RuntimeError, match="b's step timing: the child process failed"):
-        end_to_end.step_timings(specs)
