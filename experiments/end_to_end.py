@@ -248,6 +248,15 @@ def _measure(method: str, live: dict, model, state_dict, cfg: dict, max_len: int
             **m.info()}, gen.tokens
 
 
+def _failed_before(method: str, unavailable: dict) -> str | None:
+    """Why `method` is not tried again: it failed for an earlier setup (the same software
+    stack; hf_compiled took minutes of device time a setup to fail); None to try it."""
+    earlier = next((key for key in unavailable if key.endswith(f"/{method}")), None)
+    if earlier is None:
+        return None
+    return f"not tried: it failed for {earlier} ({unavailable[earlier]})"[:300]
+
+
 def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     beam, prompt_len = cfg["beam"], cfg["prompt_len"]
@@ -264,6 +273,12 @@ def run(size: str = "toy") -> None:
         new = max_len - prompt_len + 1  # the last token generated is never fed back
         live, want = {}, None
         for method in methods:
+            why = _failed_before(method, unavailable)
+            if why is not None:
+                unavailable[f"{label}/{method}"] = why
+                common.report(NAME, {"setup": label, "method": method, "unavailable": why})
+                bar.update(1)
+                continue
             try:
                 row, tokens = _measure(method, live, model, state_dict, cfg, max_len, prompt, new,
                                        want)

@@ -105,3 +105,13 @@ def test_while_figure_stacks_a_token_against_a_step(tmp_path, monkeypatch):
     common.write_csv("end_to_end_kernels", kernels)
     end_to_end._plot_while_kernels()
     assert figure.exists() and figure.stat().st_size > 10_000
+
+
+def test_a_method_that_failed_for_one_setup_is_not_tried_again():
+    """hf_compiled failed for the 4-layer setup in minutes of device time; the 12-layer setup
+    records why instead of failing the same way again. Other methods are unaffected."""
+    unavailable = {"4L-d256/hf_compiled": "TypeError: Pointer argument"}
+    assert end_to_end._failed_before("hf_compiled", unavailable) == \
+        "not tried: it failed for 4L-d256/hf_compiled (TypeError: Pointer argument)"
+    assert end_to_end._failed_before("hf_generate", unavailable) is None
+    assert end_to_end._failed_before("hf_compiled", {"4L-d256/while_kernels": "x"}) is None
