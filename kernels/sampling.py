@@ -185,16 +185,22 @@ def _take_candidates(cand_v, cand_i, r, k, tv, ti):
     _merge_block then merges the threads'. (Callers call _merge_block themselves: called
     from here as well, beam_topk_kernel reached it along two paths and NVVM rejected the
     kernel's IR.)"""
+    vals = cuda.local.array(PREFETCH, np.float32)   # loaded before the first insert, as
+    idxs = cuda.local.array(PREFETCH, np.int32)     # in topk_blocks_kernel
     for q in range(KMAX):
         tv[q] = NEG_INF
         ti[q] = SENTINEL
     n = cand_v.shape[1] * k
-    for base in range(0, n, cuda.blockDim.x):   # the same trips in every thread, as above
-        e = base + cuda.threadIdx.x
-        if e < n:
+    step = cuda.blockDim.x
+    for base in range(0, n, step * PREFETCH):   # the same trips in every thread, as above
+        for q in range(PREFETCH):
+            e = min(base + q * step + cuda.threadIdx.x, n - 1)   # (past n: re-read, unused)
             blk = e // k
             at = (np.int32(r), np.int32(blk), np.int32(e - blk * k))
-            _insert(tv, ti, k, backend.ldcg(cand_v, at), backend.ldcg(cand_i, at))
+            vals[q], idxs[q] = backend.ldcg(cand_v, at), backend.ldcg(cand_i, at)
+        for q in range(PREFETCH):
+            if base + q * step + cuda.threadIdx.x < n:
+                _insert(tv, ti, k, vals[q], idxs[q])
 
 
 @jit("void(float32[:, :, ::1], int32[:, :, ::1], int32, float32[:, ::1], int32[:, ::1])",
