@@ -57,19 +57,27 @@ else:
 
 if SIMULATOR:
     @cuda.jit(device=True)
-    def warp_allreduce(v, use_max):
-        """Stand-in for the shuffle butterfly below: the warp exchanges values through shared
-        memory. It holds a barrier, so every thread of the block must call it together. Two
-        buffers alternate, so one barrier per call suffices: a thread rewrites a buffer only
-        after everyone passed the next barrier, that is, after everyone read it."""
-        buf = cuda.shared.array((2, MAX_THREADS), np.float64)
+    def warp_lanes(v, i):
+        """The simulator's stand-in for a warp's shuffles: every thread publishes (v, i) and
+        gets back the (values, indices) of its warp's lanes, read at once by the caller. It
+        holds a barrier, so every thread of the block must call it together. Two buffers
+        alternate, so one barrier per call suffices: a thread rewrites a buffer only after
+        everyone passed the next barrier, that is, after everyone read it."""
+        buf_v = cuda.shared.array((2, MAX_THREADS), np.float64)
+        buf_i = cuda.shared.array((2, MAX_THREADS), np.int64)
         me = threading.current_thread()
-        phase = getattr(me, "reduce_phase", 0)
-        me.reduce_phase = phase ^ 1
-        buf[phase, cuda.threadIdx.x] = v
+        phase = getattr(me, "warp_phase", 0)
+        me.warp_phase = phase ^ 1
+        buf_v[phase, cuda.threadIdx.x], buf_i[phase, cuda.threadIdx.x] = v, i
         cuda.syncthreads()
         lo = cuda.threadIdx.x & ~31   # the warp's lanes that exist (a block may be smaller)
-        lanes = buf[phase, lo:min(lo + 32, cuda.blockDim.x)]
+        hi = min(lo + 32, cuda.blockDim.x)
+        return buf_v[phase, lo:hi], buf_i[phase, lo:hi]
+
+    @cuda.jit(device=True)
+    def warp_allreduce(v, use_max):
+        """Stand-in for the shuffle butterfly below, through `warp_lanes`."""
+        lanes, _ = warp_lanes(v, 0)
         return type(v)(lanes.max() if use_max else lanes.sum())
 else:
     @cuda.jit(device=True)

@@ -648,7 +648,8 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
     else:
         gamma, beta, eps, y = ln_out
-        launch(gemm_splitk_reduce_ln_kernel, batch * m_rows, _check.warp_threads(-(-n_cols // LN_COLS)),
+        launch(gemm_splitk_reduce_ln_kernel, batch * m_rows,
+               _check.warp_threads(-(-n_cols // LN_COLS)),
                (part, out, bias, has_bias, act, accumulate, gamma, beta, np.float32(eps), y),
                stream)
 

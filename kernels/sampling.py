@@ -20,7 +20,6 @@ top-k calls with the same R and V concurrently on different streams.
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 
@@ -79,22 +78,16 @@ def _insert(tv, ti, k, v, i):
 
 
 if backend.SIMULATOR:   # the simulator's threads are never a warp: through shared memory
+    from kernels._reduce import warp_lanes
+
     @cuda.jit(device=True)
     def _warp_best(v, i):
-        """Stand-in for the shuffle butterfly below (as kernels._reduce.warp_allreduce's):
-        every thread of the block must call it together."""
-        buf_v = cuda.shared.array((2, MAX_THREADS), np.float64)
-        buf_i = cuda.shared.array((2, MAX_THREADS), np.int64)
-        me = threading.current_thread()
-        phase = getattr(me, "best_phase", 0)
-        me.best_phase = phase ^ 1
-        buf_v[phase, cuda.threadIdx.x], buf_i[phase, cuda.threadIdx.x] = v, i
-        cuda.syncthreads()
-        lo = cuda.threadIdx.x & ~31
-        for lane in range(lo, min(lo + 32, cuda.blockDim.x)):
-            w, j = np.float32(buf_v[phase, lane]), np.int32(buf_i[phase, lane])
-            if _better(w, j, v, i):
-                v, i = w, j
+        """Stand-in for the shuffle butterfly below: every thread of the block must call it
+        together (kernels._reduce.warp_lanes)."""
+        values, indices = warp_lanes(v, i)
+        for w, j in zip(values, indices):
+            if _better(np.float32(w), np.int32(j), v, i):
+                v, i = np.float32(w), np.int32(j)
         return v, i
 else:
     @cuda.jit(device=True)
@@ -159,17 +152,14 @@ def topk_blocks_kernel(x, k, cand_v, cand_i):
     # The loop runs over the block's first element, not the thread's, so every thread of the
     # block makes the same trips (the merge's barriers still reconverge the warp: _insert
     # branches per thread).
-    # PREFETCH elements loaded before the first is ranked (see softmax._row_max_sumexp),
-    # then ranked in the order a plain strided loop reads them.
-    vals = cuda.local.array(PREFETCH, np.float32)
+    vals = cuda.local.array(PREFETCH, np.float32)   # (softmax.load_ahead)
     stride = cuda.gridDim.x * cuda.blockDim.x
     n = x.shape[1]
     for base in range(blk * cuda.blockDim.x, n, stride * PREFETCH):
+        first = base + cuda.threadIdx.x
+        softmax.load_ahead(x, r, first, stride, n, vals)
         for q in range(PREFETCH):
-            c = base + q * stride + cuda.threadIdx.x
-            vals[q] = x[r, c] if c < n else NEG_INF
-        for q in range(PREFETCH):
-            c = base + q * stride + cuda.threadIdx.x
+            c = first + q * stride
             if c < n:
                 v = vals[q]
                 if v != v:  # NaN ranks as -inf
@@ -304,14 +294,13 @@ def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, val
     for q in range(KMAX):
         tv[q] = NEG_INF
         ti[q] = SENTINEL
-    vals = cuda.local.array(PREFETCH, np.float32)   # as in topk_blocks_kernel
+    vals = cuda.local.array(PREFETCH, np.float32)   # (softmax.load_ahead)
     step = cuda.blockDim.x
     for base in range(lo, hi, step * PREFETCH):   # the same trips in every thread
+        first = base + cuda.threadIdx.x
+        softmax.load_ahead(x, row, first, step, hi, vals)
         for q in range(PREFETCH):
-            j = base + q * step + cuda.threadIdx.x
-            vals[q] = x[row, j] if j < hi else NEG_INF
-        for q in range(PREFETCH):
-            j = base + q * step + cuda.threadIdx.x
+            j = first + q * step
             if j < hi:
                 v = (vals[q] - shift) + score
                 if v != v:  # NaN ranks as -inf

@@ -50,19 +50,25 @@ def log_softmax_ref(x) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- kernels
 @cuda.jit(device=True)
+def load_ahead(x, row, first, step, end, vals):
+    """vals[q] = x[row, first + q * step] for q < PREFETCH, -inf from `end` on: all the loads
+    issued before any is used (vals: a local array of PREFETCH, kept in registers since the
+    constant trips unroll), so a thread waits one memory round trip for them, not one each.
+    The caller then uses them in the order a plain strided loop would have read them."""
+    for q in range(PREFETCH):
+        j = first + q * step
+        vals[q] = x[row, j] if j < end else _NEG_INF
+
+
+@cuda.jit(device=True)
 def _row_max_sumexp(x, row, lo, hi, buf_m, buf_s):
     """(max, sum of exp(x - max)) over x[row, lo:hi], returned to every thread of the block.
     -inf entries add nothing; a span with nothing finite gives (-inf, 0)."""
     t, step = cuda.threadIdx.x, cuda.blockDim.x
     m, s = _NEG_INF, _ZERO
     vals = cuda.local.array(PREFETCH, np.float32)
-    # PREFETCH loads issued before the first is used (a register array: the constant trips
-    # unroll), then folded in the order a plain loop would read them: one memory round trip
-    # for a span's 8 elements a thread instead of 8 in a row. Past `hi`, -inf adds nothing.
-    for base in range(lo + t, hi, step * PREFETCH):
-        for q in range(PREFETCH):
-            j = base + q * step
-            vals[q] = x[row, j] if j < hi else _NEG_INF
+    for base in range(lo + t, hi, step * PREFETCH):   # (past `hi`, -inf adds nothing)
+        load_ahead(x, row, base, step, hi, vals)
         for q in range(PREFETCH):
             v = vals[q]
             if v > m:
