@@ -6,12 +6,14 @@
 VGG's conv3 layer at 224x224 input (N 16, 256 -> 256 channels, 56x56, 3x3, pad 1): forward
 with bias and ReLU, backward-data, backward-weight with its split reduction; the prefill GEMM
 (5120 x 768 against 768 x 3072); two decode GEMMs of GPT-2 small (5 rows against 768 x 2304
-and 768 x 3072 with GELU). The first launch of each compiles, so profile the second
-(`--launch-skip`) or read both. Results: results/h200/profiles/.
+and 768 x 3072 with GELU); a beam-search step's top-k over GPT-2's logits (5 x 50257, k 5:
+`sampling.beam_topk`, its softmax partials and `beam_topk_kernel`; `ncu -k regex:beam_topk`
+picks it out). The first launch of each compiles, so profile the second (`--launch-skip`)
+or read both. Results: results/h200/profiles/.
 """
 import numpy as np
 
-from kernels import conv, gemm
+from kernels import conv, gemm, sampling
 from proto.backend import cuda, synchronize
 
 
@@ -31,6 +33,8 @@ def main() -> None:
     prefill = cuda.device_array((5120, 3072), np.float32)
     a5, w_qkv, w_fc = _dev(rng, 5, 768), _dev(rng, 768, 2304), _dev(rng, 768, 3072)
     qkv, fc = cuda.device_array((5, 2304), np.float32), cuda.device_array((5, 3072), np.float32)
+    logits, scores = _dev(rng, 5, 50257, scale=3.0), _dev(rng, 5, 1)
+    top_v, top_i = cuda.device_array((1, 5), np.float32), cuda.device_array((1, 5), np.int32)
     for _ in range(2):
         conv.conv2d(x, w, b, out, pad=1, relu=True)
         conv.conv2d_bwd_data(dy, w, dx, pad=1)
@@ -38,6 +42,7 @@ def main() -> None:
         gemm.gemm(a, wt, prefill)
         gemm.gemm(a5, w_qkv, qkv)
         gemm.gemm(a5, w_fc, fc, act="gelu")
+        sampling.beam_topk(logits, scores, 5, top_v, top_i)
     synchronize()
 
 
