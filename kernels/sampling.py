@@ -4,10 +4,11 @@ Beam search ranks beams*vocab scores in one row (R=1, V=5*50257), which one bloc
 alone while the rest of the GPU idles. So every call is two launches whose configuration
 depends only on (R, V), never on the data (one CUDA graph serves every step):
 
-  1. `topk_blocks_kernel`, grid (NB, R): each thread keeps a sorted top-k of a strided slice of
-     its row in a local array; the block merges its threads' lists into k candidates per
-     block (k rounds of "take the best head": a warp butterfly, then the warps' winners),
-     written to a cached workspace (R, NB, KMAX).
+  1. `topk_blocks_kernel`, grid (NB, R): each thread loads a batch of 8 elements of a strided
+     slice of its row into registers; each warp takes its top k of them in k rounds (every
+     lane's best, then the warp's best by a shuffle butterfly, which its lane gives up),
+     carrying it from batch to batch; the warps' top k meet in shared memory for k more
+     rounds, giving k candidates per block in a cached workspace (R, NB, KMAX).
   2. `topk_merge_kernel`, grid (R,): one block merges a row's NB*k candidates the same way.
 
 Order: values descending, ties to the lower index (as a stable sort). NaN ranks as -inf.
@@ -35,7 +36,9 @@ THREADS = 256             # threads per block, at most (tests lower it to reach 
 PER_THREAD = 8            # stage 1 gives each thread at least this many elements to scan ...
 PREFETCH = softmax.PREFETCH   # ... loading this many before ranking the first
 MAX_BLOCKS = 256          # ... in at most this many blocks per row (about one per SM on an H200)
-MAX_WARPS = MAX_THREADS // 32    # a block merge's shared slots, one (value, index) a warp
+MAX_WARPS = MAX_THREADS // 32    # a block's warps: their top k meet in shared memory ...
+WARP_RESULTS = MAX_WARPS * KMAX  # ... in this many slots ...
+BLOCK_SLOTS = WARP_RESULTS // 32   # ... which fill this many of each lane's
 NEG_INF = np.float32(-np.inf)
 SENTINEL = np.int32(2**31 - 1)  # index of an empty slot: loses every tie against a real index
 
@@ -57,24 +60,17 @@ def topk_ref(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------- device helpers
+# A thread holds a batch of candidates in registers (PREFETCH slots of value and index, loaded
+# at once) and, in lanes q < k, the q-th entry of its warp's running top k (the "carry"). A
+# warp's top k is k rounds of: each lane's best slot, the warp's best by a shuffle
+# butterfly, the lane that holds it empties that slot. No thread keeps a sorted list: a list
+# indexed by a loop variable lives in local memory, and inserting into it was a chain of
+# dependent local loads and stores (beam_topk_kernel measured 40 us for 1 MB of logits).
 @cuda.jit(device=True)
 def _better(v, i, w, j):
-    """(v, i) ranks before (w, j): larger value, or equal value and lower index."""
-    return v > w or (v == w and i < j)
-
-
-@cuda.jit(device=True)
-def _insert(tv, ti, k, v, i):
-    """Insert (v, i) into the sorted list tv/ti[:k] if it beats the last entry."""
-    if not _better(v, i, tv[k - 1], ti[k - 1]):
-        return
-    q = k - 1
-    while q > 0 and _better(v, i, tv[q - 1], ti[q - 1]):
-        tv[q] = tv[q - 1]
-        ti[q] = ti[q - 1]
-        q -= 1
-    tv[q] = v
-    ti[q] = i
+    """(v, i) ranks before (w, j): larger value, or equal value and lower index. (Bitwise,
+    not `or`/`and`: no branches, so a warp's butterfly steps do not split and rejoin.)"""
+    return (v > w) | ((v == w) & (i < j))
 
 
 if backend.SIMULATOR:   # the simulator's threads are never a warp: through shared memory
@@ -104,37 +100,53 @@ else:
 
 
 @cuda.jit(device=True)
-def _merge_block(tv, ti, k, out_v, out_i):
-    """Merge every thread's sorted list tv/ti[:k] into the block's top k, written to
-    out_v/out_i[:k]: k rounds, each taking the best head of all the lists (a warp butterfly,
-    then the warps' winners through shared memory) and popping it from the list it heads, so
-    k barriers in all instead of a tree of log2(blockDim) list merges through local memory.
-    Heads are distinct (an index belongs to one thread) except empty slots (-inf, SENTINEL),
-    which every owner pops alike. Every thread must call this."""
-    best_v = cuda.shared.array((2, MAX_WARPS), np.float32)
-    best_i = cuda.shared.array((2, MAX_WARPS), np.int32)
-    tid = cuda.threadIdx.x
-    warps = (cuda.blockDim.x + 31) // 32
-    head = 0
+def _warp_topk(vals, idxs, cv, ci, k):
+    """The top k of the warp's slots (vals/idxs of every lane) and carries (cv, ci): returns
+    this lane's new carry, the q-th best in lane q < k, empty in the others. Empties the
+    slots it takes. Indices are distinct except empty ones (-inf, SENTINEL), which rank last
+    and which every lane may empty alike. Every lane of the warp must call it (the
+    simulator's stand-in: every thread of the block)."""
+    lane = cuda.threadIdx.x % 32
+    nv, ni = NEG_INF, SENTINEL
     for q in range(k):
-        v, i = NEG_INF, SENTINEL
-        if head < k:
-            v, i = tv[head], ti[head]
+        v, i = cv, ci
+        for s in range(vals.shape[0]):   # a constant: the loop unrolls, slots stay registers
+            if _better(vals[s], idxs[s], v, i):
+                v, i = vals[s], idxs[s]
         v, i = _warp_best(v, i)
-        buf = q % 2   # a thread writes this buffer again two rounds on, after all have read it
-        if tid % 32 == 0:
-            best_v[buf, tid // 32] = v
-            best_i[buf, tid // 32] = i
-        converged_syncthreads()
-        v, i = best_v[buf, 0], best_i[buf, 0]
-        for w in range(1, warps):   # in warp order: the same result in every thread
-            if _better(best_v[buf, w], best_i[buf, w], v, i):
-                v, i = best_v[buf, w], best_i[buf, w]
-        if head < k and tv[head] == v and ti[head] == i:
-            head += 1
-        if tid == 0:
-            out_v[q] = v
-            out_i[q] = i
+        for s in range(vals.shape[0]):
+            if idxs[s] == i:
+                vals[s], idxs[s] = NEG_INF, SENTINEL
+        if ci == i:
+            cv, ci = NEG_INF, SENTINEL
+        if lane == q:
+            nv, ni = v, i
+    return nv, ni
+
+
+@cuda.jit(device=True)
+def _block_topk(cv, ci, k, out_v, out_i):
+    """The block's top k from every warp's carry (its top k, lane q holding the q-th), into
+    out_v/out_i[:k]: the warps' k entries through shared memory, then one more warp round,
+    which every warp runs alike (one barrier; no second one to hand a result around). Every
+    thread must call it."""
+    sh_v = cuda.shared.array(WARP_RESULTS, np.float32)
+    sh_i = cuda.shared.array(WARP_RESULTS, np.int32)
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    if lane < k:
+        sh_v[warp * k + lane] = cv
+        sh_i[warp * k + lane] = ci
+    converged_syncthreads()
+    n = (cuda.blockDim.x + 31) // 32 * k
+    vals = cuda.local.array(BLOCK_SLOTS, np.float32)
+    idxs = cuda.local.array(BLOCK_SLOTS, np.int32)
+    for s in range(BLOCK_SLOTS):
+        e = lane + 32 * s
+        vals[s], idxs[s] = (sh_v[e], sh_i[e]) if e < n else (NEG_INF, SENTINEL)
+    v, i = _warp_topk(vals, idxs, NEG_INF, SENTINEL, k)
+    if cuda.threadIdx.x < k:
+        out_v[cuda.threadIdx.x] = v
+        out_i[cuda.threadIdx.x] = i
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -144,53 +156,45 @@ def topk_blocks_kernel(x, k, cand_v, cand_i):
     """Grid (NB, R). Block `blk` of row r ranks x[r, blk*T + tid :: NB*T] into cand[r, blk, :k]."""
     r = cuda.blockIdx.y
     blk = cuda.blockIdx.x
-    tv = cuda.local.array(KMAX, np.float32)
-    ti = cuda.local.array(KMAX, np.int32)
-    for q in range(KMAX):
-        tv[q] = NEG_INF
-        ti[q] = SENTINEL
-    # The loop runs over the block's first element, not the thread's, so every thread of the
-    # block makes the same trips (the merge's barriers still reconverge the warp: _insert
-    # branches per thread).
     vals = cuda.local.array(PREFETCH, np.float32)   # (softmax.load_ahead)
+    idxs = cuda.local.array(PREFETCH, np.int32)
+    cv, ci = NEG_INF, SENTINEL
     stride = cuda.gridDim.x * cuda.blockDim.x
     n = x.shape[1]
+    # The loop runs over the block's first element, not the thread's, so every thread of the
+    # block makes the same trips (the warp rounds shuffle across all lanes).
     for base in range(blk * cuda.blockDim.x, n, stride * PREFETCH):
         first = base + cuda.threadIdx.x
         softmax.load_ahead(x, r, first, stride, n, vals)
         for q in range(PREFETCH):
             c = first + q * stride
-            if c < n:
-                v = vals[q]
-                if v != v:  # NaN ranks as -inf
-                    v = NEG_INF
-                _insert(tv, ti, k, v, np.int32(c))
-    _merge_block(tv, ti, k, cand_v[r, blk], cand_i[r, blk])
+            idxs[q] = c if c < n else SENTINEL
+            if vals[q] != vals[q]:  # NaN ranks as -inf
+                vals[q] = NEG_INF
+        cv, ci = _warp_topk(vals, idxs, cv, ci, k)
+    _block_topk(cv, ci, k, cand_v[r, blk], cand_i[r, blk])
 
 
 @cuda.jit(device=True)
-def _take_candidates(cand_v, cand_i, r, k, tv, ti):
-    """Each thread's sorted top k (tv, ti) of its share of row r's NB*k candidates (cand
-    (R, NB, KMAX), read through L2: in beam_topk other blocks of the launch wrote them);
-    _merge_block then merges the threads'. (Callers call _merge_block themselves: called
-    from here as well, beam_topk_kernel reached it along two paths and NVVM rejected the
-    kernel's IR.)"""
-    vals = cuda.local.array(PREFETCH, np.float32)   # loaded before the first insert, as
-    idxs = cuda.local.array(PREFETCH, np.int32)     # in topk_blocks_kernel
-    for q in range(KMAX):
-        tv[q] = NEG_INF
-        ti[q] = SENTINEL
+def _merge_candidates(cand_v, cand_i, r, k):
+    """This warp's carry over its share of row r's NB*k candidates (cand (R, NB, KMAX), read
+    through L2: in beam_topk other blocks of the launch wrote them), PREFETCH a thread at a
+    time, loaded before the first is ranked; the caller's _block_topk then merges the warps'."""
+    vals = cuda.local.array(PREFETCH, np.float32)
+    idxs = cuda.local.array(PREFETCH, np.int32)
+    cv, ci = NEG_INF, SENTINEL
     n = cand_v.shape[1] * k
     step = cuda.blockDim.x
     for base in range(0, n, step * PREFETCH):   # the same trips in every thread, as above
         for q in range(PREFETCH):
-            e = min(base + q * step + cuda.threadIdx.x, n - 1)   # (past n: re-read, unused)
-            blk = e // k
-            at = (np.int32(r), np.int32(blk), np.int32(e - blk * k))
+            e = base + q * step + cuda.threadIdx.x
+            blk = min(e, n - 1) // k
+            at = (np.int32(r), np.int32(blk), np.int32(min(e, n - 1) - blk * k))
             vals[q], idxs[q] = backend.ldcg(cand_v, at), backend.ldcg(cand_i, at)
-        for q in range(PREFETCH):
-            if base + q * step + cuda.threadIdx.x < n:
-                _insert(tv, ti, k, vals[q], idxs[q])
+            if e >= n:   # (re-read the last, unused)
+                vals[q], idxs[q] = NEG_INF, SENTINEL
+        cv, ci = _warp_topk(vals, idxs, cv, ci, k)
+    return cv, ci
 
 
 @jit("void(float32[:, :, ::1], int32[:, :, ::1], int32, float32[:, ::1], int32[:, ::1])",
@@ -198,10 +202,8 @@ def _take_candidates(cand_v, cand_i, r, k, tv, ti):
 def topk_merge_kernel(cand_v, cand_i, k, values, indices):
     """Grid (R,). Merges the NB*k block candidates of row r into values/indices[r, :k]."""
     r = cuda.blockIdx.x
-    tv = cuda.local.array(KMAX, np.float32)
-    ti = cuda.local.array(KMAX, np.int32)
-    _take_candidates(cand_v, cand_i, r, k, tv, ti)
-    _merge_block(tv, ti, k, values[r], indices[r])
+    cv, ci = _merge_candidates(cand_v, cand_i, r, k)
+    _block_topk(cv, ci, k, values[r], indices[r])
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -283,33 +285,29 @@ def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, val
     last block merges every block's candidates into values/indices[0, :k]
     (kernels._lastblock)."""
     flag = cuda.shared.array(1, np.int32)
-    tv = cuda.local.array(KMAX, np.float32)
-    ti = cuda.local.array(KMAX, np.int32)
     i, row = cuda.blockIdx.x, cuda.blockIdx.y
     R, V = x.shape
     spans = part_m.shape[1]
     shift = softmax.row_shift(part_m, part_s, row)
     score = scores[row, 0]
     lo, hi = softmax.span_bounds(V, spans, i)
-    for q in range(KMAX):
-        tv[q] = NEG_INF
-        ti[q] = SENTINEL
     vals = cuda.local.array(PREFETCH, np.float32)   # (softmax.load_ahead)
+    idxs = cuda.local.array(PREFETCH, np.int32)
+    cv, ci = NEG_INF, SENTINEL
     step = cuda.blockDim.x
     for base in range(lo, hi, step * PREFETCH):   # the same trips in every thread
         first = base + cuda.threadIdx.x
         softmax.load_ahead(x, row, first, step, hi, vals)
         for q in range(PREFETCH):
             j = first + q * step
-            if j < hi:
-                v = (vals[q] - shift) + score
-                if v != v:  # NaN ranks as -inf
-                    v = NEG_INF
-                _insert(tv, ti, k, v, np.int32(row * V + j))
-    _merge_block(tv, ti, k, cand_v[0, row * spans + i], cand_i[0, row * spans + i])
+            v = (vals[q] - shift) + score
+            vals[q] = NEG_INF if v != v or j >= hi else v   # NaN ranks as -inf
+            idxs[q] = row * V + j if j < hi else SENTINEL
+        cv, ci = _warp_topk(vals, idxs, cv, ci, k)
+    _block_topk(cv, ci, k, cand_v[0, row * spans + i], cand_i[0, row * spans + i])
     if count_in(counters, 0, cuda.gridDim.x * cuda.gridDim.y, flag):
-        _take_candidates(cand_v, cand_i, 0, k, tv, ti)
-        _merge_block(tv, ti, k, values[0], indices[0])
+        cv, ci = _merge_candidates(cand_v, cand_i, 0, k)
+        _block_topk(cv, ci, k, values[0], indices[0])
 
 
 def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:

@@ -199,7 +199,6 @@ def log_softmax_kernel(x, out):
 SPLIT_THREADS = 256 if not backend.SIMULATOR else 32
 SPAN = SPLIT_THREADS * ELEMS_PER_THREAD       # columns a block scans
 SPLIT_MIN_COLS = 2 * SPAN                      # shorter rows keep one block each
-SHIFT_SLOTS = 256   # a row's partials staged in shared memory (GPT-2's vocabulary: 25 spans)
 
 
 @cuda.jit(device=True)
@@ -224,29 +223,27 @@ def log_softmax_partials_kernel(x, part_m, part_s):
 
 @cuda.jit(device=True)
 def row_shift(part_m, part_s, row):
-    """log(sum exp(x[row])) from the row's span partials (max, sum of exp(x - max)), combined
-    in span order (the same bits in every block and every run). Every thread of the block
-    must call it: where the block has a thread per span, the block loads the partials into
-    shared memory at once and every thread combines them from there (one memory round trip
-    instead of two per span, one after another)."""
-    buf_m = cuda.shared.array(SHIFT_SLOTS, np.float32)
-    buf_s = cuda.shared.array(SHIFT_SLOTS, np.float32)
-    spans, t = part_m.shape[1], cuda.threadIdx.x
-    staged = spans <= cuda.blockDim.x and spans <= SHIFT_SLOTS
-    if staged:
-        if t < spans:
-            buf_m[t], buf_s[t] = part_m[row, t], part_s[row, t]
-        converged_syncthreads()
+    """log(sum exp(x[row])) from the row's span partials (max, sum of exp(x - max)), to every
+    thread of the block, each warp computing it alike: lane l takes spans l, l + 32, ...,
+    then a shuffle butterfly (max, then sum) combines the lanes. A butterfly gives every
+    lane, every warp and every block the same bits (each step adds the same two values in
+    every lane), so every span of a row shifts alike, every run. (A serial combine of 25
+    spans in every thread was a chain of about a thousand dependent instructions, a fifth of
+    beam_topk_kernel's time.) Every thread of the block must call it (the simulator's
+    stand-in for the shuffles holds a barrier)."""
+    spans, lane = part_m.shape[1], cuda.threadIdx.x % 32
     m = _NEG_INF
-    for k in range(spans):
-        m = max(m, buf_m[k] if staged else part_m[row, k])
+    for k in range(lane, spans, 32):
+        m = max(m, part_m[row, k])
+    m = warp_allreduce(m, True)
     s = _ZERO
-    for k in range(spans):
-        mk, sk = (buf_m[k], buf_s[k]) if staged else (part_m[row, k], part_s[row, k])
+    for k in range(lane, spans, 32):
+        mk, sk = part_m[row, k], part_s[row, k]
         if sk != sk:          # a NaN in the span: the row is NaN, as in NumPy
             s += sk
         elif mk != _NEG_INF:  # an empty or all -inf span adds nothing
             s += sk * math.exp(mk - m)
+    s = warp_allreduce(s, False)
     return _log_shift(m, s)
 
 

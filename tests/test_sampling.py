@@ -39,6 +39,22 @@ def test_topk_matches_stable_sort_with_ties(rows, cols, k, levels, seed, scale, 
     np.testing.assert_array_equal(values, want_values)
 
 
+@given(cols=st.integers(513, 3000), k=st.integers(1, 8), levels=st.sampled_from([2, 7, 1000]),
+       seed=st.integers(0, 2**16))
+def test_rows_longer_than_one_batch_of_the_grid_carry_the_top_k_across_trips(
+        cols, k, levels, seed, monkeypatch):
+    """Two blocks of 32 threads (host-side launch settings, on either backend) take a row of
+    more than 2 x 32 x 8 elements in several trips of a batch each: each warp's running top
+    k rides from trip to trip, so an entry of the first trip still wins against ties after."""
+    monkeypatch.setattr(sampling, "THREADS", 32)
+    monkeypatch.setattr(sampling, "MAX_BLOCKS", 2)
+    x = np.random.default_rng(seed).integers(0, levels, (2, cols)).astype(np.float32)
+    values, indices = _run_topk(x, k)
+    want_values, want_indices = sampling.topk_ref(x, k)
+    np.testing.assert_array_equal(indices, want_indices)
+    np.testing.assert_array_equal(values, want_values)
+
+
 @given(rows=st.integers(1, 3), cols=st.integers(1, 400), seed=st.integers(0, 2**16))
 def test_argmax_matches_numpy_with_ties(rows, cols, seed, scale, small_blocks):
     x = np.random.default_rng(seed).integers(0, 4, (rows, cols * scale)).astype(np.float32)

@@ -136,12 +136,12 @@ def test_long_rows_split_over_blocks_match_reference_and_repeat_bit_for_bit(rows
     np.testing.assert_array_equal(inplace.copy_to_host().view(np.uint32), got.view(np.uint32))
 
 
-def test_rows_of_more_spans_than_a_block_has_threads_combine_from_memory():
-    """A row's span partials are staged in shared memory when the block has a thread per
-    span; a longer row (here 3 spans more) combines them from global memory, in the same
-    order: NumPy's result, and beam_topk (which shares the combine) ranks its bits."""
+def test_rows_of_more_spans_than_a_warp_has_lanes_combine_them_all():
+    """A row's span partials are combined by a warp, a lane a span; a longer row (here 3
+    spans more than 32) gives some lanes two: NumPy's result, and beam_topk (which shares
+    the combine) ranks its bits."""
     from kernels import sampling
-    spans = S.SPLIT_THREADS + 3
+    spans = 32 + 3
     cols = spans * S.SPAN - 5
     rng = np.random.default_rng(4)
     x = rand(rng, 1, cols, scale=5.0)
