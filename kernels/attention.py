@@ -26,7 +26,8 @@ With `rows` (beam search without moving the cache, `reorder_rows`), step 1 is a 
 compiled to read each earlier position's row from the table; the plain variant has none of
 that code (it cost 2.9 us a call when it was only switched off). A warp loads its next
 batch's rows while the current batch's K and V are on their way, and the first batch's
-beside pos, so no K or V load waits behind a load of the table.
+beside pos, so no K or V load waits behind a load of the table. Its registers are bounded
+so that as many blocks fit an SM as of the plain variant (ROWS_MIN_BLOCKS).
 
 Guard: pos is only known on the device. A step that does not fit (pos < 0 or
 pos + T > Tmax) writes nothing to the caches and NaN to every output, so an overflow shows in
@@ -278,7 +279,14 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
 
 SMALL = make_attention(*SMALL_CONFIG)
 LARGE = make_attention(*LARGE_CONFIG)
-_WITH_ROWS = {v.config: make_attention(*v.config, use_rows=True) for v in (SMALL, LARGE)}
+# The row table costs registers (76 a thread against the plain variant's 64 at GPT-2's head
+# dim), which left 3 blocks an SM instead of 4: a beam-search decode step at position 512 has
+# 480 blocks that hold positions, one wave at 4 an SM (528) and two at 3 (396), and the
+# WHILE graph's attention measured 16 us a layer against the plain step's 11. Bounded to the
+# plain variant's 4, ptxas spills 8 bytes, outside the position loop.
+ROWS_MIN_BLOCKS = 4
+_WITH_ROWS = {SMALL.config: make_attention(*SMALL_CONFIG, ROWS_MIN_BLOCKS, use_rows=True),
+              LARGE.config: make_attention(*LARGE.config, use_rows=True)}
 attention_kernel = SMALL.kernel
 
 

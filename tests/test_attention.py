@@ -146,6 +146,23 @@ def test_gpt2_beam_decode_shape(pos):
     assert_close(out, want, "reduction")
 
 
+@pytest.mark.gpu
+def test_the_row_table_variant_fits_as_many_blocks_an_sm_as_the_plain_one():
+    """The WHILE graph's attention (rows) must not lose a wave to the plain step's: a decode
+    step at position 512 of GPT-2 small has 480 blocks that hold positions, one wave at 4
+    blocks an SM and two at 3. Registers are allocated 256 a warp at a time, 64K an SM."""
+    def blocks_per_sm(variant):
+        regs = variant.kernel.get_regs_per_thread()   # a dict per signature, unless specialized
+        regs = max(regs.values()) if isinstance(regs, dict) else regs
+        per_warp = -(-regs * 32 // 256) * 256
+        return 65536 // (per_warp * variant.threads // 32)
+
+    plain = attention.SMALL
+    rows = attention._WITH_ROWS[plain.config]
+    assert blocks_per_sm(plain) >= 4
+    assert blocks_per_sm(rows) == blocks_per_sm(plain)
+
+
 @given(B=st.integers(1, 5), tail=st.lists(st.integers(1, 7), min_size=0, max_size=3),
        seed=st.integers(0, 2**16))
 def test_gather_batch_matches_numpy(B, tail, seed, scale):
