@@ -281,8 +281,9 @@ SMALL = make_attention(*SMALL_CONFIG)
 LARGE = make_attention(*LARGE_CONFIG)
 # The row table costs registers (76 a thread against the plain variant's 64 at GPT-2's head
 # dim), which left 3 blocks an SM instead of 4: a beam-search decode step at position 512 has
-# 480 blocks that hold positions, one wave at 4 an SM (528) and two at 3 (396), and the
-# WHILE graph's attention measured 16 us a layer against the plain step's 11. Bounded to the
+# 480 blocks of 64 positions (and 60 of position 512 alone), one wave at 4 an SM (528 slots)
+# and two at 3 (396), and the WHILE graph's attention measured 16 us a layer against the
+# plain step's 11. Bounded to the
 # plain variant's 4, ptxas spills 8 bytes, outside the position loop.
 ROWS_MIN_BLOCKS = 4
 _WITH_ROWS = {SMALL.config: make_attention(*SMALL_CONFIG, ROWS_MIN_BLOCKS, use_rows=True),

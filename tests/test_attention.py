@@ -149,8 +149,8 @@ def test_gpt2_beam_decode_shape(pos):
 @pytest.mark.gpu
 def test_the_row_table_variant_fits_as_many_blocks_an_sm_as_the_plain_one():
     """The WHILE graph's attention (rows) must not lose a wave to the plain step's: a decode
-    step at position 512 of GPT-2 small has 480 blocks that hold positions, one wave at 4
-    blocks an SM and two at 3. Registers are allocated 256 a warp at a time, 64K an SM."""
+    step at position 512 of GPT-2 small has 480 blocks of 64 positions, one wave at 4 blocks
+    an SM and two at 3. Registers are allocated 256 a warp at a time, 64K an SM."""
     def blocks_per_sm(variant):
         regs = variant.kernel.get_regs_per_thread()   # a dict per signature, unless specialized
         regs = max(regs.values()) if isinstance(regs, dict) else regs
