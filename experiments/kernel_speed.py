@@ -74,6 +74,10 @@ SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM:
                 pool=(1, 2, 6), copy_bytes=1 << 16),
 }
 CONV_KINDS = ("fwd", "bwd_data", "bwd_weight")
+# kernels.winograd beside the direct kernels where it applies (every 3x3 layer but the first,
+# whose 3 input channels leave it no multiplications to save): f"{stage}_{kind}_winograd",
+# its TFLOPs counted as the direct convolution's work (what it replaces)
+WINOGRAD_KINDS = ("fwd", "bwd_data")
 
 
 def conv_kinds(layer: str) -> tuple:
@@ -453,7 +457,21 @@ def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
              flops, lambda: conv.conv2d_bwd_weight(dx_, ddy, dwg, dbg, pad=1, workspace=work),
              dwg.copy_to_host, bwd_weight, result_of(bwd_weight, 0)),
     ]
-    return [c for c in cases if c.name in {f"{stage}_{kind}" for kind in conv_kinds(stage)}]
+    if stage != "conv1_1":
+        from kernels import winograd
+        wino = cuda.device_array(winograd.workspace_size(x.shape, w.shape, pad=1), np.float32)
+        wout, wdx = cuda.device_array(dy.shape, np.float32), cuda.device_array(x.shape, np.float32)
+        cases += [
+            Case(f"{stage}_fwd_winograd", shape + ", bias, relu", "compute",
+                 2 * act_bytes + 4 * (w.size + K), flops,
+                 lambda: winograd.conv2d(dx_, dw_, db_, wout, pad=1, relu=True, workspace=wino),
+                 wout.copy_to_host, fwd, result_of(fwd)),
+            Case(f"{stage}_bwd_data_winograd", shape, "compute", 2 * act_bytes + 4 * w.size, flops,
+                 lambda: winograd.conv2d_bwd_data(ddy, dw_, wdx, pad=1, workspace=wino),
+                 wdx.copy_to_host, bwd_data, result_of(bwd_data))]
+    wanted = {f"{stage}_{kind}" for kind in conv_kinds(stage)}
+    wanted |= {f"{stage}_{kind}_winograd" for kind in WINOGRAD_KINDS if stage != "conv1_1"}
+    return [c for c in cases if c.name in wanted]
 
 
 def _pool_bwd_case(dims, rng, torch, tt) -> Case:
@@ -636,6 +654,10 @@ def summarize(rows: list[dict], s: dict) -> dict:
                 min(float(v) for v in fractions.values()) if measured else None),
             conv_over_cudnn_time={c: us[(c, "ours")] / us[(c, "torch")]
                                   if (c, "torch") in us else None for c in convs})
+    winograd = {c: f"{c}_winograd" for c in convs if f"{c}_winograd" in ours}
+    if winograd:
+        summary["winograd_over_direct_time"] = {c: us[(w, "ours")] / us[(c, "ours")]
+                                                for c, w in winograd.items()}
     if "attention_decode" in ours:
         summary["attention_decode_fraction_of_bandwidth"] = fraction("attention_decode")
         summary["attention_decode_us"] = us[("attention_decode", "ours")]

@@ -19,6 +19,10 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
              for kind in kernel_speed.conv_kinds(stage)}
     assert len(convs) == 8 and convs <= kernels and "maxpool_bwd" in kernels
     assert "conv1_1_bwd_data" not in kernels
+    # Winograd beside the direct forward and backward-data of every layer but the first
+    winograd = {f"{stage}_{kind}_winograd" for stage in kernel_speed.SIZES["toy"]["convs"]
+                if stage != "conv1_1" for kind in kernel_speed.WINOGRAD_KINDS}
+    assert len(winograd) == 4 and winograd <= kernels
     ours = [r for r in rows if r["impl"] == "ours"]
     assert len(ours) == len(kernels)  # one row per kernel per implementation
     assert all(float(r["median_us"]) > 0 and float(r["eager_us"]) > 0 and int(r["bytes"]) > 0
@@ -31,6 +35,7 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
         assert key in summary
     assert summary["copy_bandwidth_GBps"] > 0
     assert set(summary["conv_over_cudnn_time"]) == convs
+    assert {f"{c}_winograd" for c in summary["winograd_over_direct_time"]} == winograd
     # Each fraction is the row's bytes / its time over the copy bandwidth; the headline
     # minimum is over GPT-2's five decode shapes.
     by_kernel = {r["kernel"]: r for r in ours}

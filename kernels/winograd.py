@@ -1,0 +1,246 @@
+"""Winograd F(2x2, 3x3) convolution (Lavin and Gray, 2016): 3x3, stride 1, NCHW float32.
+
+A direct 3x3 convolution spends 9 multiply-adds an output and input channel. Winograd's
+minimal filtering computes a 2x2 tile of outputs from a 4x4 tile of input with 16
+multiplications instead of 36, once both are carried into a transformed space:
+
+    U = G g G^T     the 3x3 filter g of each (output, input) channel pair, as a 4x4
+    V = B^T d B     each 4x4 input patch d (origin 2*ty - pad, 2*tx - pad; zero outside)
+    M = U . V       elementwise in the 4x4, summed over input channels: for each of the 16
+                    positions xi, one GEMM (K x C) @ (C x tiles) (kernels.gemm, batched)
+    Y = A^T M A     the tile's 2x2 outputs, then + bias and ReLU
+
+    B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]    G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1]
+    A^T = [1 1 1 0; 0 1 -1 -1]
+
+So 2.25x fewer multiply-adds than direct convolution, for three memory-bound transform
+launches and a workspace (U, then V and M for a chunk of images) that the caller provides:
+`workspace_size` says how much, and a smaller workspace runs the batch in chunks of fewer
+images (at least one must fit). cuDNN picks this family of algorithms for VGG's 3x3 layers.
+
+Backward-data is the same convolution of dy with each filter rotated by 180 degrees and its
+channel axes swapped, padded by 2 - pad (`conv2d_bwd_data`). Results are deterministic (fixed
+order everywhere), though not the bits of the direct kernels (kernels.conv): the sums run in
+another order, and the transforms add rounding (float32 error a few times the direct one's).
+A NaN or infinity in an input spoils every output whose window holds it, as in the direct
+convolution, and may spoil other outputs of the 2x2 tiles whose 4x4 patch holds it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import _check, gemm
+from kernels.conv import conv_out_size
+from proto import backend
+from proto.backend import cuda, jit, launch
+
+XI = 16          # positions of the 4x4 transformed tile
+_HALF = np.float32(0.5)
+_ZERO = np.float32(0.0)
+_MAX_INDEX = 2**31 - 1
+
+
+# ---------------------------------------------------------------------------- kernels
+@jit("void(float32[:, :, :, ::1], int32, float32[:, :, ::1])", writes=("u",))
+def filter_transform_kernel(w, transposed, u):
+    """u[xi, k, c] = (G g G^T)[xi] for g = w[k, c] (K, C, 3, 3); with `transposed`,
+    u[xi, c, k] = (G g' G^T)[xi] for g' = w[k, c] rotated by 180 degrees (backward-data).
+    Grid-stride over the K * C filters."""
+    g = cuda.local.array(9, np.float32)
+    gg = cuda.local.array(12, np.float32)   # G g, 4 x 3
+    K, C = w.shape[0], w.shape[1]
+    for e in range(cuda.grid(1), K * C, cuda.gridsize(1)):
+        k, c = e // C, e % C
+        for r in range(3):
+            for s in range(3):
+                g[r * 3 + s] = w[k, c, 2 - r, 2 - s] if transposed else w[k, c, r, s]
+        for s in range(3):
+            g0, g1, g2 = g[s], g[3 + s], g[6 + s]
+            gg[s] = g0
+            gg[3 + s] = _HALF * (g0 + g1 + g2)
+            gg[6 + s] = _HALF * (g0 - g1 + g2)
+            gg[9 + s] = g2
+        for i in range(4):
+            h0, h1, h2 = gg[i * 3], gg[i * 3 + 1], gg[i * 3 + 2]
+            row = (h0, _HALF * (h0 + h1 + h2), _HALF * (h0 - h1 + h2), h2)
+            for j in range(4):
+                if transposed:
+                    u[i * 4 + j, c, k] = row[j]
+                else:
+                    u[i * 4 + j, k, c] = row[j]
+
+
+@jit("void(float32[:, :, :, ::1], int32, int32, float32[:, :, ::1])", writes=("v",))
+def input_transform_kernel(x, pad, n0, v):
+    """v[xi, c, t] = (B^T d B)[xi] for the 4x4 patch d of image n0 + t // (TH * TW), channel
+    c, tile (ty, tx) of t: origin (2 ty - pad, 2 tx - pad), zero outside the image. v's tiles
+    are the chunk's (TH * TW a image); grid-stride over C * tiles, tiles fastest."""
+    d = cuda.local.array(16, np.float32)
+    C, H, W = x.shape[1], x.shape[2], x.shape[3]
+    tiles = v.shape[2]
+    TH = (H + 2 * pad - 2 + 1) // 2
+    TW = (W + 2 * pad - 2 + 1) // 2
+    for e in range(cuda.grid(1), C * tiles, cuda.gridsize(1)):
+        c, t = e // tiles, e % tiles
+        n = n0 + t // (TH * TW)
+        ty = (t % (TH * TW)) // TW
+        tx = t % TW
+        y0, x0 = 2 * ty - pad, 2 * tx - pad
+        for i in range(4):
+            for j in range(4):
+                yy, xx = y0 + i, x0 + j
+                inside = 0 <= yy < H and 0 <= xx < W
+                d[i * 4 + j] = x[n, c, min(max(yy, 0), H - 1), min(max(xx, 0), W - 1)] \
+                    if inside else _ZERO
+        for j in range(4):   # B^T d, column by column, in place
+            d0, d1, d2, d3 = d[j], d[4 + j], d[8 + j], d[12 + j]
+            d[j], d[4 + j], d[8 + j], d[12 + j] = d0 - d2, d1 + d2, d2 - d1, d1 - d3
+        for i in range(4):   # then (B^T d) B, row by row
+            r0, r1, r2, r3 = d[i * 4], d[i * 4 + 1], d[i * 4 + 2], d[i * 4 + 3]
+            v[i * 4, c, t] = r0 - r2
+            v[i * 4 + 1, c, t] = r1 + r2
+            v[i * 4 + 2, c, t] = r2 - r1
+            v[i * 4 + 3, c, t] = r1 - r3
+
+
+@jit("void(float32[:, :, ::1], float32[::1], int32, int32, int32, float32[:, :, :, ::1])",
+     writes=("out",))
+def output_transform_kernel(m, bias, has_bias, relu, n0, out):
+    """out[n0 + t // (TH * TW), k, 2 ty + i, 2 tx + j] = (A^T m A)[i, j] (+ bias[k], ReLU)
+    for the 16 values m[:, k, t], the outputs that lie inside out. Grid-stride over K * tiles,
+    tiles fastest."""
+    a = cuda.local.array(16, np.float32)
+    K, P, Q = out.shape[1], out.shape[2], out.shape[3]
+    tiles = m.shape[2]
+    TH, TW = (P + 1) // 2, (Q + 1) // 2
+    for e in range(cuda.grid(1), K * tiles, cuda.gridsize(1)):
+        k, t = e // tiles, e % tiles
+        n = n0 + t // (TH * TW)
+        ty = (t % (TH * TW)) // TW
+        tx = t % TW
+        for q in range(16):
+            a[q] = m[q, k, t]
+        b = bias[k] if has_bias else _ZERO
+        for j in range(4):   # A^T a: rows 0 and 1, column by column
+            a0, a1, a2, a3 = a[j], a[4 + j], a[8 + j], a[12 + j]
+            a[j], a[4 + j] = a0 + a1 + a2, a1 - a2 - a3
+        for i in range(2):
+            r0, r1, r2, r3 = a[i * 4], a[i * 4 + 1], a[i * 4 + 2], a[i * 4 + 3]
+            y = (r0 + r1 + r2, r1 - r2 - r3)
+            p = 2 * ty + i
+            for j in range(2):
+                qq = 2 * tx + j
+                if p < P and qq < Q:
+                    val = y[j] + b
+                    out[n, k, p, qq] = max(val, _ZERO) if relu else val
+
+
+# ---------------------------------------------------------------------------- launchers
+def _tiles(P: int, Q: int) -> int:
+    """Output tiles (2x2) of one image with P x Q outputs."""
+    return ((P + 1) // 2) * ((Q + 1) // 2)
+
+
+def _geometry(src_shape, w_shape, pad: int, transposed: bool):
+    """(N, channels in, channels out, H, W, P, Q, source pad) of the forward convolution
+    that runs: of x with w, or (transposed) of dy with w rotated, padded by 2 - pad."""
+    N, Cin, H, W = src_shape
+    K, C = w_shape[0], w_shape[1]
+    src_pad = 2 - pad if transposed else pad
+    out_ch = C if transposed else K
+    return N, Cin, out_ch, H, W, conv_out_size(H, 3, 1, src_pad), conv_out_size(W, 3, 1, src_pad), src_pad
+
+
+def _need(cin: int, cout: int, tiles: int, images: int) -> int:
+    """Workspace floats: U (16, cout, cin), then V (16, cin, T) and M (16, cout, T) for
+    T = tiles * images."""
+    return XI * cin * cout + XI * (cin + cout) * tiles * images
+
+
+def workspace_size(x_shape, w_shape, *, pad: int = 1, images: int | None = None) -> int:
+    """float32 elements `conv2d` and `conv2d_bwd_data` need as `workspace` for the forward
+    convolution of x (N, C, H, W) with w (K, C, 3, 3) (backward-data: dx has x's shape),
+    running `images` images a chunk (default: the whole batch at once)."""
+    N, C, H, W = (int(s) for s in x_shape)
+    K = int(w_shape[0])
+    images = N if images is None else _check.positive("images", images, at_most=N)
+    P, Q = conv_out_size(H, 3, 1, pad), conv_out_size(W, 3, 1, pad)
+    # the forward's tiles cover its output, backward-data's cover dx: the larger of the two
+    return _need(C, K, _tiles(max(P, H), max(Q, W)), images)
+
+
+def _check_call(src, w, dst, pad, transposed, names):
+    src_name, dst_name = names
+    _check.device_array(src_name, src, ndim=4)
+    _check.device_array("w", w, ndim=4)
+    _check.device_array(dst_name, dst, ndim=4)
+    pad = _check.integer("pad", pad, at_least=0, at_most=2)
+    K, C, R, S = w.shape
+    if (R, S) != (3, 3):
+        raise ValueError(f"w: Winograd F(2x2, 3x3) takes 3x3 filters, got {R}x{S} "
+                         f"(shape {tuple(w.shape)}); kernels.conv takes any")
+    N, cin, cout, H, W, P, Q, src_pad = _geometry(src.shape, w.shape, pad, transposed)
+    want_cin = K if transposed else C
+    if cin != want_cin:
+        raise ValueError(f"{src_name}: expected {want_cin} channels to match w "
+                         f"{tuple(w.shape)}, got shape {tuple(src.shape)}")
+    if P <= 0 or Q <= 0:
+        raise ValueError(f"{src_name}: a 3x3 filter with pad {pad} does not fit {H}x{W}")
+    _check.device_array(dst_name, dst, shape=(N, cout, P, Q))
+    if max(src.size, dst.size, XI * max(cin, cout) * N * _tiles(P, Q)) > _MAX_INDEX:
+        raise ValueError("winograd: tensors beyond 2**31 elements are not supported (int32 offsets)")
+    return N, cin, cout, P, Q, src_pad
+
+
+def _images_that_fit(workspace, cin: int, cout: int, tiles: int, N: int) -> int:
+    _check.device_array("workspace", workspace, ndim=1)
+    one = _need(cin, cout, tiles, 1)
+    if workspace.size < one:
+        raise ValueError(f"workspace: {workspace.size} float32 elements hold less than one "
+                         f"image's transforms ({one}: workspace_size(..., images=1))")
+    return min(N, 1 + (workspace.size - one) // (XI * (cin + cout) * tiles))
+
+
+def _run(src, w, bias, relu, dst, pad, workspace, transposed, names, stream):
+    N, cin, cout, P, Q, src_pad = _check_call(src, w, dst, pad, transposed, names)
+    if bias is not None:
+        _check.device_array("bias", bias, shape=(cout,))
+    tiles = _tiles(P, Q)
+    chunk = _images_that_fit(workspace, cin, cout, tiles, N)
+    # The launches write the workspace and dst while they read src, w and bias: none may
+    # overlap (checked before the first launch).
+    _check.separate({names[1]: dst, "workspace": workspace},
+                    {names[0]: src, "w": w, "bias": bias})
+    u_size = XI * cin * cout
+    u = workspace[:u_size].reshape(XI, cout, cin)
+    blocks, threads = _check.grid_stride_launch(w.shape[0] * w.shape[1])
+    launch(filter_transform_kernel, blocks, threads, (w, int(transposed), u), stream)
+    bias_arg = bias if bias is not None else u.reshape(u.size)   # a placeholder never read
+    for n0 in range(0, N, chunk):
+        images = min(chunk, N - n0)
+        t = tiles * images
+        v = workspace[u_size:u_size + XI * cin * t].reshape(XI, cin, t)
+        m = workspace[u_size + XI * cin * t:u_size + XI * (cin + cout) * t].reshape(XI, cout, t)
+        blocks, threads = _check.grid_stride_launch(cin * t)
+        launch(input_transform_kernel, blocks, threads, (src, src_pad, n0, v), stream)
+        gemm.gemm(u, v, m, stream=stream)
+        blocks, threads = _check.grid_stride_launch(cout * t)
+        launch(output_transform_kernel, blocks, threads,
+               (m, bias_arg, int(bias is not None), int(bool(relu)), n0, dst), stream)
+
+
+def conv2d(x, w, bias, out, *, pad: int = 1, relu: bool = False, workspace, stream=0) -> None:
+    """out = conv2d(x, w) + bias, then max(., 0) if `relu`, as kernels.conv.conv2d with
+    stride 1 and a 3x3 filter. x (N, C, H, W), w (K, C, 3, 3), bias (K,) or None, out
+    (N, K, H + 2 pad - 2, W + 2 pad - 2), pad 0..2. workspace: a 1-D float32 device array of
+    at least workspace_size(x.shape, w.shape, pad=pad, images=1) elements (more: more images
+    a chunk, up to the batch)."""
+    relu = _check.flag("relu", relu)
+    _run(x, w, bias, relu, out, pad, workspace, False, ("x", "out"), stream)
+
+
+def conv2d_bwd_data(dy, w, dx, *, pad: int = 1, workspace, stream=0) -> None:
+    """dx = the gradient of conv2d's input, as kernels.conv.conv2d_bwd_data with stride 1 and
+    a 3x3 filter: dy (N, K, P, Q), w (K, C, 3, 3), dx (N, C, H, W) (written), pad 0..2.
+    workspace: at least workspace_size(dx.shape, w.shape, pad=pad, images=1) elements."""
+    _run(dy, w, None, False, dx, pad, workspace, True, ("dy", "dx"), stream)
