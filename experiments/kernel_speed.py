@@ -77,7 +77,7 @@ CONV_KINDS = ("fwd", "bwd_data", "bwd_weight")
 # kernels.winograd beside the direct kernels where it applies (every 3x3 layer but the first,
 # whose 3 input channels leave it no multiplications to save): f"{stage}_{kind}_winograd",
 # its TFLOPs counted as the direct convolution's work (what it replaces)
-WINOGRAD_KINDS = ("fwd", "bwd_data")
+WINOGRAD_KINDS = ("fwd", "bwd_data", "bwd_weight")
 
 
 def conv_kinds(layer: str) -> tuple:
@@ -461,6 +461,7 @@ def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
         from kernels import winograd
         wino = cuda.device_array(winograd.workspace_size(x.shape, w.shape, pad=1), np.float32)
         wout, wdx = cuda.device_array(dy.shape, np.float32), cuda.device_array(x.shape, np.float32)
+        wdw, wdb = cuda.device_array(w.shape, np.float32), cuda.device_array(K, np.float32)
         cases += [
             Case(f"{stage}_fwd_winograd", shape + ", bias, relu", "compute",
                  2 * act_bytes + 4 * (w.size + K), flops,
@@ -468,7 +469,11 @@ def _conv_cases(stage: str, dims, rng, torch, tt) -> list[Case]:
                  wout.copy_to_host, fwd, result_of(fwd)),
             Case(f"{stage}_bwd_data_winograd", shape, "compute", 2 * act_bytes + 4 * w.size, flops,
                  lambda: winograd.conv2d_bwd_data(ddy, dw_, wdx, pad=1, workspace=wino),
-                 wdx.copy_to_host, bwd_data, result_of(bwd_data))]
+                 wdx.copy_to_host, bwd_data, result_of(bwd_data)),
+            Case(f"{stage}_bwd_weight_winograd", shape + ", with db", "compute",
+                 2 * act_bytes + 4 * (w.size + K), flops,
+                 lambda: winograd.conv2d_bwd_weight(dx_, ddy, wdw, wdb, pad=1, workspace=wino),
+                 wdw.copy_to_host, bwd_weight, result_of(bwd_weight, 0))]
     wanted = {f"{stage}_{kind}" for kind in conv_kinds(stage)}
     wanted |= {f"{stage}_{kind}_winograd" for kind in WINOGRAD_KINDS if stage != "conv1_1"}
     return [c for c in cases if c.name in wanted]

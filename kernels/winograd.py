@@ -19,7 +19,14 @@ launches and a workspace (U, then V and M for a chunk of images) that the caller
 images (at least one must fit). cuDNN picks this family of algorithms for VGG's 3x3 layers.
 
 Backward-data is the same convolution of dy with each filter rotated by 180 degrees and its
-channel axes swapped, padded by 2 - pad (`conv2d_bwd_data`). Results are deterministic (fixed
+channel axes swapped, padded by 2 - pad (`conv2d_bwd_data`). Backward-weight is F(3x3, 2x2),
+the same algorithm transposed: a 3x3 filter gradient from each 2x2 tile of dy against the
+4x4 input patch under it, summed over every tile of every image by the GEMMs
+(`conv2d_bwd_weight`):
+
+    dw[k, c] = G^T [ sum over tiles of (A g A^T) . (B^T d B) ] G,   g a 2x2 tile of dy[:, k]
+
+with A = (A^T)^T, the bias gradient a plain sum of dy. Results are deterministic (fixed
 order everywhere), though not the bits of the direct kernels (kernels.conv): the sums run in
 another order, and the transforms add rounding (float32 error a few times the direct one's).
 A NaN or infinity in an input spoils every output whose window holds it, as in the direct
@@ -30,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check, gemm
+from kernels._reduce import block_allreduce
 from kernels.conv import conv_out_size
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -41,6 +49,13 @@ _MAX_INDEX = 2**31 - 1
 
 
 # ---------------------------------------------------------------------------- kernels
+@cuda.jit(device=True)
+def _tile_at(t, n0, TH, TW):
+    """(image, tile row, tile column) of tile t of a chunk that starts at image n0, with TH x
+    TW tiles an image."""
+    return n0 + t // (TH * TW), (t % (TH * TW)) // TW, t % TW
+
+
 @jit("void(float32[:, :, :, ::1], int32, float32[:, :, ::1])", writes=("u",))
 def filter_transform_kernel(w, transposed, u):
     """u[xi, k, c] = (G g G^T)[xi] for g = w[k, c] (K, C, 3, 3); with `transposed`,
@@ -82,9 +97,7 @@ def input_transform_kernel(x, pad, n0, v):
     TW = (W + 2 * pad - 2 + 1) // 2
     for e in range(cuda.grid(1), C * tiles, cuda.gridsize(1)):
         c, t = e // tiles, e % tiles
-        n = n0 + t // (TH * TW)
-        ty = (t % (TH * TW)) // TW
-        tx = t % TW
+        n, ty, tx = _tile_at(t, n0, TH, TW)
         y0, x0 = 2 * ty - pad, 2 * tx - pad
         for i in range(4):
             for j in range(4):
@@ -115,9 +128,7 @@ def output_transform_kernel(m, bias, has_bias, relu, n0, out):
     TH, TW = (P + 1) // 2, (Q + 1) // 2
     for e in range(cuda.grid(1), K * tiles, cuda.gridsize(1)):
         k, t = e // tiles, e % tiles
-        n = n0 + t // (TH * TW)
-        ty = (t % (TH * TW)) // TW
-        tx = t % TW
+        n, ty, tx = _tile_at(t, n0, TH, TW)
         for q in range(16):
             a[q] = m[q, k, t]
         b = bias[k] if has_bias else _ZERO
@@ -133,6 +144,68 @@ def output_transform_kernel(m, bias, has_bias, relu, n0, out):
                 if p < P and qq < Q:
                     val = y[j] + b
                     out[n, k, p, qq] = max(val, _ZERO) if relu else val
+
+
+@jit("void(float32[:, :, :, ::1], int32, float32[:, :, ::1])", writes=("ud",))
+def grad_transform_kernel(dy, n0, ud):
+    """ud[xi, k, t] = (A g A^T)[xi] for the 2x2 tile g of dy at image n0 + t // (TH * TW),
+    channel k, tile (ty, tx) of t (zero past dy's edge); A = [1 0; 1 1; 1 -1; 0 -1].
+    Grid-stride over K * tiles, tiles fastest."""
+    g = cuda.local.array(4, np.float32)
+    K, P, Q = dy.shape[1], dy.shape[2], dy.shape[3]
+    tiles = ud.shape[2]
+    TH, TW = (P + 1) // 2, (Q + 1) // 2
+    for e in range(cuda.grid(1), K * tiles, cuda.gridsize(1)):
+        k, t = e // tiles, e % tiles
+        n, ty, tx = _tile_at(t, n0, TH, TW)
+        for i in range(2):
+            for j in range(2):
+                p, q = 2 * ty + i, 2 * tx + j
+                g[i * 2 + j] = dy[n, k, min(p, P - 1), min(q, Q - 1)] if p < P and q < Q else _ZERO
+        g00, g01, g10, g11 = g[0], g[1], g[2], g[3]
+        rows = ((g00, g01), (g00 + g10, g01 + g11), (g00 - g10, g01 - g11), (-g10, -g11))
+        for i in range(4):   # the rows of A g, then (A g) A^T: the same on the columns
+            a, b = rows[i]
+            ud[i * 4, k, t] = a
+            ud[i * 4 + 1, k, t] = a + b
+            ud[i * 4 + 2, k, t] = a - b
+            ud[i * 4 + 3, k, t] = -b
+
+
+@jit("void(float32[:, :, ::1], float32[:, :, :, ::1])", writes=("dw",))
+def weight_transform_kernel(m, dw):
+    """dw[k, c] = G^T m G for the 4x4 m[:, k, c], G^T = [1 .5 .5 0; 0 .5 -.5 0; 0 .5 .5 1].
+    Grid-stride over the K * C filters."""
+    a = cuda.local.array(16, np.float32)
+    K, C = dw.shape[0], dw.shape[1]
+    for e in range(cuda.grid(1), K * C, cuda.gridsize(1)):
+        k, c = e // C, e % C
+        for q in range(16):
+            a[q] = m[q, k, c]
+        for j in range(4):   # G^T a, column by column: rows 0..2
+            a0, a1, a2, a3 = a[j], a[4 + j], a[8 + j], a[12 + j]
+            a[j], a[4 + j], a[8 + j] = a0 + _HALF * (a1 + a2), _HALF * (a1 - a2), _HALF * (a1 + a2) + a3
+        for i in range(3):
+            r0, r1, r2, r3 = a[i * 4], a[i * 4 + 1], a[i * 4 + 2], a[i * 4 + 3]
+            dw[k, c, i, 0] = r0 + _HALF * (r1 + r2)
+            dw[k, c, i, 1] = _HALF * (r1 - r2)
+            dw[k, c, i, 2] = _HALF * (r1 + r2) + r3
+
+
+@jit("void(float32[:, :, :, ::1], float32[::1])", writes=("db",))
+def bias_grad_kernel(dy, db):
+    """db[k] = sum of dy[:, k]: a block per channel, its threads striding over the N * P * Q
+    values, then the block's sum in a fixed order (the same bits every run)."""
+    red = cuda.shared.array(32, np.float32)
+    k = cuda.blockIdx.x
+    N, P, Q = dy.shape[0], dy.shape[2], dy.shape[3]
+    s = _ZERO
+    for e in range(cuda.threadIdx.x, N * P * Q, cuda.blockDim.x):
+        n, pq = e // (P * Q), e % (P * Q)
+        s += dy[n, k, pq // Q, pq % Q]
+    s = block_allreduce(s, False, red, 0)
+    if cuda.threadIdx.x == 0:
+        db[k] = s
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -158,9 +231,10 @@ def _need(cin: int, cout: int, tiles: int, images: int) -> int:
 
 
 def workspace_size(x_shape, w_shape, *, pad: int = 1, images: int | None = None) -> int:
-    """float32 elements `conv2d` and `conv2d_bwd_data` need as `workspace` for the forward
-    convolution of x (N, C, H, W) with w (K, C, 3, 3) (backward-data: dx has x's shape),
-    running `images` images a chunk (default: the whole batch at once)."""
+    """float32 elements each of `conv2d`, `conv2d_bwd_data` and `conv2d_bwd_weight` needs as
+    `workspace` for the forward convolution of x (N, C, H, W) with w (K, C, 3, 3) and its
+    gradients (dx has x's shape), running `images` images a chunk (default: the whole batch
+    at once)."""
     N, C, H, W = (int(s) for s in x_shape)
     K = int(w_shape[0])
     images = N if images is None else _check.positive("images", images, at_most=N)
@@ -244,3 +318,45 @@ def conv2d_bwd_data(dy, w, dx, *, pad: int = 1, workspace, stream=0) -> None:
     a 3x3 filter: dy (N, K, P, Q), w (K, C, 3, 3), dx (N, C, H, W) (written), pad 0..2.
     workspace: at least workspace_size(dx.shape, w.shape, pad=pad, images=1) elements."""
     _run(dy, w, None, False, dx, pad, workspace, True, ("dy", "dx"), stream)
+
+
+def conv2d_bwd_weight(x, dy, dw, db, *, pad: int = 1, workspace, stream=0) -> None:
+    """dw (K, C, 3, 3) and db (K,) or None = the gradients of conv2d's weight and bias
+    (overwritten), as kernels.conv.conv2d_bwd_weight with stride 1 and a 3x3 filter: x
+    (N, C, H, W) the forward input, dy (N, K, H + 2 pad - 2, W + 2 pad - 2), pad 0..2.
+    workspace: at least workspace_size(x.shape, dw.shape, pad=pad, images=1) elements; the
+    transformed filter gradients add up over the chunks of images in order."""
+    _check.device_array("x", x, ndim=4)
+    _check.device_array("dw", dw, ndim=4)
+    pad = _check.integer("pad", pad, at_least=0, at_most=2)
+    N, C, H, W = x.shape
+    K = dw.shape[0]
+    if tuple(dw.shape) != (K, C, 3, 3):
+        raise ValueError(f"dw: expected shape ({K}, {C}, 3, 3) (3x3 filters over x's {C} "
+                         f"channels), got {tuple(dw.shape)}")
+    P, Q = H + 2 * pad - 2, W + 2 * pad - 2
+    if P <= 0 or Q <= 0:
+        raise ValueError(f"x: a 3x3 filter with pad {pad} does not fit {H}x{W}")
+    _check.device_array("dy", dy, shape=(N, K, P, Q))
+    if db is not None:
+        _check.device_array("db", db, shape=(K,))
+    if max(x.size, dy.size, XI * max(C, K) * N * _tiles(P, Q)) > _MAX_INDEX:
+        raise ValueError("winograd: tensors beyond 2**31 elements are not supported (int32 offsets)")
+    tiles = _tiles(P, Q)
+    chunk = _images_that_fit(workspace, C, K, tiles, N)
+    _check.separate({"dw": dw, "db": db, "workspace": workspace}, {"x": x, "dy": dy})
+    m_size = XI * K * C
+    m = workspace[:m_size].reshape(XI, K, C)
+    for n0 in range(0, N, chunk):
+        t = tiles * min(chunk, N - n0)
+        ud = workspace[m_size:m_size + XI * K * t].reshape(XI, K, t)
+        v = workspace[m_size + XI * K * t:m_size + XI * (K + C) * t].reshape(XI, C, t)
+        blocks, threads = _check.grid_stride_launch(K * t)
+        launch(grad_transform_kernel, blocks, threads, (dy, n0, ud), stream)
+        blocks, threads = _check.grid_stride_launch(C * t)
+        launch(input_transform_kernel, blocks, threads, (x, pad, n0, v), stream)
+        gemm.gemm(ud, v, m, trans_b=True, accumulate=n0 > 0, stream=stream)
+    blocks, threads = _check.grid_stride_launch(K * C)
+    launch(weight_transform_kernel, blocks, threads, (m, dw), stream)
+    if db is not None:
+        launch(bias_grad_kernel, K, 256 if not backend.SIMULATOR else 32, (dy, db), stream)

@@ -19,10 +19,10 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
              for kind in kernel_speed.conv_kinds(stage)}
     assert len(convs) == 8 and convs <= kernels and "maxpool_bwd" in kernels
     assert "conv1_1_bwd_data" not in kernels
-    # Winograd beside the direct forward and backward-data of every layer but the first
+    # Winograd beside the direct convolutions of every layer but the first
     winograd = {f"{stage}_{kind}_winograd" for stage in kernel_speed.SIZES["toy"]["convs"]
                 if stage != "conv1_1" for kind in kernel_speed.WINOGRAD_KINDS}
-    assert len(winograd) == 4 and winograd <= kernels
+    assert len(winograd) == 6 and winograd <= kernels
     ours = [r for r in rows if r["impl"] == "ours"]
     assert len(ours) == len(kernels)  # one row per kernel per implementation
     assert all(float(r["median_us"]) > 0 and float(r["eager_us"]) > 0 and int(r["bytes"]) > 0

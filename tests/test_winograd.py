@@ -11,14 +11,13 @@ from tests.helpers import dev, rand
 EPS32 = float(np.finfo(np.float32).eps)
 
 
-def assert_winograd_close(actual, expected, channels):
-    """A direct conv output is a float32 sum of 9 * channels unit-scale products, its error
-    about that many eps32 (tests/test_conv.py allows 4x). Winograd's transforms round too
+def assert_winograd_close(actual, expected, length):
+    """An output is a float32 sum of `length` unit-scale products: the direct kernels' error
+    is about length * eps32 (tests/test_conv.py allows 4x). Winograd's transforms round too
     (on the simulator its errors were a few times the direct ones'), so allow 4x the direct
     tolerance again; a wrong transform is off by O(1)."""
     actual = actual.copy_to_host() if hasattr(actual, "copy_to_host") else actual
-    np.testing.assert_allclose(actual, expected, rtol=1e-4,
-                               atol=max(1e-5, 4 * 4 * 9 * channels * EPS32))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=max(1e-5, 16 * length * EPS32))
 
 
 @st.composite
@@ -49,7 +48,7 @@ def test_forward_matches_the_direct_reference_in_chunks_of_any_size(data, scale)
     winograd.conv2d(dev(x), dev(w), None if bias is None else dev(bias), out, pad=c["pad"],
                     relu=c["relu"], workspace=_workspace(c))
     ref = conv.conv2d_ref(x, w, bias, pad=c["pad"], relu=c["relu"])
-    assert_winograd_close(out, ref, c["C"])
+    assert_winograd_close(out, ref, 9 * c["C"])
 
 
 @given(data=st.data())
@@ -61,7 +60,7 @@ def test_backward_data_matches_the_direct_reference(data, scale):
     dy = rand(rng, c["N"], c["K"], c["H"] + 2 * c["pad"] - 2, c["W"] + 2 * c["pad"] - 2)
     dx = dev(np.full(x_shape, np.nan, np.float32))
     winograd.conv2d_bwd_data(dev(dy), dev(w), dx, pad=c["pad"], workspace=_workspace(c))
-    assert_winograd_close(dx, conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=c["pad"]), c["K"])
+    assert_winograd_close(dx, conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=c["pad"]), 9 * c["K"])
 
 
 def test_a_run_repeats_bit_for_bit():
@@ -118,3 +117,37 @@ def test_bad_input_is_refused_before_any_launch():
         winograd.conv2d(x, w, None, shared[:out.size].reshape(out.shape), pad=1, workspace=shared)
     with pytest.raises(ValueError, match="bias: expected shape"):
         winograd.conv2d(x, w, dev(np.zeros(3, np.float32)), out, pad=1, workspace=ws)
+
+
+@given(data=st.data())
+def test_backward_weight_matches_the_direct_reference_summed_over_chunks(data, scale):
+    c = data.draw(cases(scale))
+    rng = np.random.default_rng(c["seed"])
+    x = rand(rng, c["N"], c["C"], c["H"], c["W"])
+    P, Q = c["H"] + 2 * c["pad"] - 2, c["W"] + 2 * c["pad"] - 2
+    dy = rand(rng, c["N"], c["K"], P, Q)
+    w_shape = (c["K"], c["C"], 3, 3)
+    dw = dev(np.full(w_shape, np.nan, np.float32))
+    db = dev(np.full(c["K"], np.nan, np.float32)) if c["bias"] else None
+    winograd.conv2d_bwd_weight(dev(x), dev(dy), dw, db, pad=c["pad"], workspace=_workspace(c))
+    want_dw, want_db = conv.conv2d_bwd_weight_ref(x, dy, w_shape, pad=c["pad"])
+    assert_winograd_close(dw, want_dw, c["N"] * P * Q)
+    if db is not None:
+        np.testing.assert_allclose(db.copy_to_host(), want_db, rtol=1e-4,
+                                   atol=max(1e-5, 4 * c["N"] * P * Q * EPS32))
+
+
+def test_backward_weight_refuses_bad_input_before_any_launch():
+    rng = np.random.default_rng(1)
+    x, dy = dev(rand(rng, 2, 3, 6, 6)), dev(rand(rng, 2, 4, 6, 6))
+    dw, db = cuda.device_array((4, 3, 3, 3), np.float32), cuda.device_array(4, np.float32)
+    ws = cuda.device_array(winograd.workspace_size(x.shape, dw.shape, images=1), np.float32)
+    with pytest.raises(ValueError, match="dw: expected shape"):
+        winograd.conv2d_bwd_weight(x, dy, cuda.device_array((4, 3, 5, 5), np.float32), db,
+                                   workspace=ws)
+    with pytest.raises(ValueError, match="dy: expected shape"):
+        winograd.conv2d_bwd_weight(x, dev(rand(rng, 2, 4, 4, 4)), dw, db, workspace=ws)
+    with pytest.raises(ValueError, match="workspace: .*less than one image"):
+        winograd.conv2d_bwd_weight(x, dy, dw, db, workspace=cuda.device_array(ws.size - 1, np.float32))
+    with pytest.raises(ValueError, match="overlaps"):
+        winograd.conv2d_bwd_weight(x, dy, dw, ws[:4], workspace=ws)
