@@ -243,6 +243,15 @@ def workspace_size(x_shape, w_shape, *, pad: int = 1, images: int | None = None)
     return _need(C, K, _tiles(max(P, H), max(Q, W)), images)
 
 
+def chunk_images(x_shape, w_shape, *, pad: int = 1, floats: int) -> int:
+    """The most images a chunk can take (at least 1, at most the batch) with a workspace of
+    `floats` float32 elements, for the shapes of `workspace_size`."""
+    N = int(x_shape[0])
+    one = workspace_size(x_shape, w_shape, pad=pad, images=1)
+    per_image = one - XI * int(w_shape[0]) * int(x_shape[1])   # all but U (or M)
+    return max(1, min(N, 1 + (floats - one) // per_image))
+
+
 def _check_call(src, w, dst, pad, transposed, names):
     src_name, dst_name = names
     _check.device_array(src_name, src, ndim=4)

@@ -1,6 +1,8 @@
 """VGG as a Tape: naming and loading as torchvision, exact reads/writes, and one SGD step run op
 by op on plainly allocated device arrays equal to the NumPy reference step."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,8 @@ def test_config_rejects_impossible_sizes():
         vgg.VGGConfig(image_size=48)
     with pytest.raises(ValueError, match="depth"):
         vgg.VGGConfig(depth=12)
+    with pytest.raises(ValueError, match="convolution: expected one of"):
+        vgg.VGGConfig(convolution="fft")
 
 
 def test_tape_lifetimes_are_explicit():
@@ -120,14 +124,18 @@ def test_tape_lifetimes_are_explicit():
     assert all(op.flops > 0 and op.layer for op in tape.ops)
 
 
-def test_tape_step_matches_numpy_reference():
-    """The whole step on the device, op by op, each op seeing only what it declares."""
-    cfg = TINY if backend.SIMULATOR else GPU_CFG
+@pytest.mark.parametrize("convolution", vgg.CONVOLUTIONS)
+def test_tape_step_matches_numpy_reference(convolution):
+    """The whole step on the device, op by op, each op seeing only what it declares (Winograd's
+    workspaces too: written whole, never read by another op)."""
+    cfg = dataclasses.replace(TINY if backend.SIMULATOR else GPU_CFG, convolution=convolution)
     state = vgg.random_state_dict(cfg, seed=1)
     images, labels = _batch(cfg)
     rng = np.random.default_rng(2)
     momentum = {k: (0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in state.items()}
     tape = vgg.build_tape(cfg)
+    workspaces = {n for n, t in tape.tensors.items() if t.kind == "workspace"}
+    assert any(n.endswith("_winograd") for n in workspaces) == (convolution == "winograd")
     arrays = _device_arrays(tape, vgg.initial_values(cfg, state, images, labels, momentum))
     run_unconstrained(tape, arrays, check_access=True)
     ref = vgg.reference_step(cfg, state, images, labels, momentum)
@@ -228,14 +236,15 @@ def test_host_math_cannot_be_recorded_into_a_graph():
 
 
 @pytest.mark.gpu
-def test_memory_policies_give_identical_bits_on_the_gpu():
+@pytest.mark.parametrize("convolution", vgg.CONVOLUTIONS)
+def test_memory_policies_give_identical_bits_on_the_gpu(convolution):
     # Every kernel of the step is deterministic (the conv weight gradient's split reduction
     # is summed in a fixed order), so a policy that leaves the math alone gives equal bits:
     # a rerun, the AutoVM schedule, the schedule as one CUDA graph, and demand paging.
     from proto.vm import Executor, Liveness, PagingExecutor, plan
-    cfg = GPU_CFG
+    cfg = dataclasses.replace(GPU_CFG, convolution=convolution)
     tape = vgg.build_tape(cfg)
-    assert any(t.kind == "workspace" for t in tape.tensors.values()), "expected a split wgrad"
+    assert any(t.kind == "workspace" for t in tape.tensors.values()), "expected a workspace"
     images, labels = _batch(cfg)
     init = vgg.initial_values(cfg, vgg.random_state_dict(cfg, seed=0), images, labels)
     names = ["loss"] + [f"{p}.grad" for p in vgg.param_shapes(cfg)]

@@ -19,6 +19,12 @@ Architecture choices (each keeps the tape exact and the math torchvision's):
   place, the op's working set at 224x224 is two activations, not three: VGG-19's largest
   op then fits in 39% of the step's peak instead of 52%).
 
+Convolutions (`convolution`): "direct" runs kernels.conv's implicit GEMMs everywhere;
+"winograd" runs kernels.winograd's for every 3x3 layer but the first (whose 3 input channels
+leave little to save), each op with a workspace of its own [workspace] ("<layer>.fwd_winograd",
+"<layer>.bwd_data_winograd", "<layer>.bwd_weight_winograd"), sized for as many images a chunk
+as keep it within the layer's input activation.
+
 Tensor names (kinds as proto.tape): "images" (B,3,S,S) and "labels" (B,) int32 [input];
 torchvision parameter names "features.{i}.weight", "classifier.{j}.bias", ... [param];
 "<param>.grad" [grad]; "<param>.momentum" [state]; "<layer>.out" for each conv (after its
@@ -39,7 +45,7 @@ from typing import Literal
 
 import numpy as np
 
-from kernels import _check, conv, linear, loss as xent, pool, relu, sgd
+from kernels import _check, conv, linear, loss as xent, pool, relu, sgd, winograd
 from proto import graph
 from proto.models import checked_params
 from proto.tape import Op, Tape, TensorSpec
@@ -53,6 +59,7 @@ CONFIGS = {
          512, 512, 512, 512, "M"],
 }
 HIDDEN = 4096
+CONVOLUTIONS = ("direct", "winograd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +73,7 @@ class VGGConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     hidden: int | None = None   # classifier width; default 4096 * width
+    convolution: str = "direct"  # or "winograd" (the module docstring says where)
 
     def __post_init__(self):
         # NumPy scalars are accepted and stored as Python numbers; bools and strings are not.
@@ -85,6 +93,8 @@ class VGGConfig:
             keep(name, _check.positive(name, getattr(self, name)))
         for name in ("lr", "momentum", "weight_decay"):
             keep(name, _check.number(name, getattr(self, name), at_least=0))
+        if self.convolution not in CONVOLUTIONS:
+            raise ValueError(f"convolution: expected one of {CONVOLUTIONS}, got {self.convolution!r}")
 
     def channels(self, c: int) -> int:
         return max(1, int(round(c * self.width)))
@@ -207,12 +217,24 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
             shape_of[L.output] = (B, L.cout, side, side)
         tensor(L.output, shape_of[L.output], "activation")
 
+    def winograd_at(L) -> bool:
+        return cfg.convolution == "winograd" and L.input != "images"
+
+    def winograd_workspace(L, kind) -> str:
+        """A Winograd op's workspace tensor: as many images a chunk as keep it within the
+        layer's input activation, at least one."""
+        x_shape, w_shape = shape_of[L.input], tensors[L.params[0]].shape
+        images = winograd.chunk_images(x_shape, w_shape, pad=1, floats=int(np.prod(x_shape)))
+        size = winograd.workspace_size(x_shape, w_shape, pad=1, images=images)
+        return tensor(f"{L.name}.{kind}_winograd", (size,), "workspace")
+
     # forward
     for L in net:
         if L.kind == "conv":
             flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size)
-            op(f"{L.name}.fwd", "forward", (L.input, *L.params), (L.output,),
-               _conv_fwd(L), flops, L.name)
+            ws = (winograd_workspace(L, "fwd"),) if winograd_at(L) else ()
+            op(f"{L.name}.fwd", "forward", (L.input, *L.params), (L.output, *ws),
+               _conv_fwd(L, *ws), flops, L.name)
         elif L.kind == "pool":
             op(f"{L.name}.fwd", "forward", (L.input,), (L.output,), _pool_fwd(L),
                pool.maxpool_flops(int(np.prod(shape_of[L.input]))), L.name)
@@ -243,21 +265,28 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
                relu.relu_flops(int(np.prod(shape_of[L.output]))), L.name)
         w, b = L.params
         grads = (f"{w}.grad", f"{b}.grad")
+        dx_writes = (dx,)
         if L.kind == "conv":
             flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size)
-            # Where the split weight-gradient reduction keeps its partial sums (none when the
-            # reduction is not split): a tensor of the tape, so the memory policies count it.
+            # The weight gradient's workspace, a tensor of the tape so the memory policies
+            # count it: Winograd's transforms, or where the direct kernel's split reduction
+            # keeps its partial sums (none when the reduction is not split).
             size = conv.wgrad_workspace_size(shape_of[L.input], tensors[w].shape, pad=1)
-            if size:
+            if winograd_at(L):
+                grads += (winograd_workspace(L, "bwd_weight"),)
+                dx_writes += (winograd_workspace(L, "bwd_data"),)
+            elif size:
                 grads += (tensor(f"{L.name}.wgrad_partials", (size,), "workspace"),)
-            wgrad = _conv_bwd_weight(L, dy, grads[2] if size else None, tensors[w].shape)
-            dgrad = _conv_bwd_data(L, dy, shape_of[L.input])
+            algorithm = winograd if winograd_at(L) else conv
+            wgrad = _conv_bwd_weight(L, dy, grads[2] if len(grads) > 2 else None, algorithm,
+                                     tensors[w].shape)
+            dgrad = _conv_bwd_data(L, dy, shape_of[L.input], *dx_writes[1:])
         else:
             flops = linear.linear_flops(B, L.cin, L.cout)
             wgrad, dgrad = _linear_bwd_weight(L, dy), _linear_bwd_data(L, dy, shape_of[L.input])
         op(f"{L.name}.bwd_weight", "backward", (L.input, dy), grads, wgrad, flops, L.name)
         if needs_dx:
-            op(f"{L.name}.bwd_data", "backward", (w, dy), (dx,), dgrad, flops, L.name)
+            op(f"{L.name}.bwd_data", "backward", (w, dy), dx_writes, dgrad, flops, L.name)
 
     # update
     for L in net:
@@ -281,28 +310,40 @@ def _on_host(ref, reads, writes):
     return run
 
 
-def _conv_fwd(L):
+def _conv_fwd(L, workspace=None):
+    """kernels.conv's, or kernels.winograd's with its `workspace` (a tensor's name)."""
     w, b = L.params
 
     def run(a, stream):
-        conv.conv2d(a[L.input], a[w], a[b], a[L.output], pad=1, relu=True, stream=stream)
+        if workspace:
+            winograd.conv2d(a[L.input], a[w], a[b], a[L.output], pad=1, relu=True,
+                            workspace=a[workspace], stream=stream)
+        else:
+            conv.conv2d(a[L.input], a[w], a[b], a[L.output], pad=1, relu=True, stream=stream)
     return run, lambda x, w, b: [conv.conv2d_ref(x, w, b, pad=1, relu=True)]
 
 
-def _conv_bwd_weight(L, dy, partials, w_shape):
+def _conv_bwd_weight(L, dy, workspace, algorithm, w_shape):
+    """`algorithm`: kernels.conv (its split partials in `workspace`, if any) or
+    kernels.winograd (its transforms in `workspace`): the same call."""
     w, b = L.params
 
     def run(a, stream):
-        conv.conv2d_bwd_weight(a[L.input], a[dy], a[f"{w}.grad"], a[f"{b}.grad"], pad=1,
-                               workspace=a[partials] if partials else None, stream=stream)
+        algorithm.conv2d_bwd_weight(a[L.input], a[dy], a[f"{w}.grad"], a[f"{b}.grad"], pad=1,
+                                    workspace=a[workspace] if workspace else None, stream=stream)
     return run, lambda x, dy: conv.conv2d_bwd_weight_ref(x, dy, w_shape, pad=1)
 
 
-def _conv_bwd_data(L, dy, x_shape):
+def _conv_bwd_data(L, dy, x_shape, workspace=None):
+    """kernels.conv's, or kernels.winograd's with its `workspace`."""
     w, _ = L.params
 
     def run(a, stream):
-        conv.conv2d_bwd_data(a[dy], a[w], a[f"{L.input}.grad"], pad=1, stream=stream)
+        if workspace:
+            winograd.conv2d_bwd_data(a[dy], a[w], a[f"{L.input}.grad"], pad=1,
+                                     workspace=a[workspace], stream=stream)
+        else:
+            conv.conv2d_bwd_data(a[dy], a[w], a[f"{L.input}.grad"], pad=1, stream=stream)
     return run, lambda w, dy: [conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=1)]
 
 
