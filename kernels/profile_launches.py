@@ -8,12 +8,13 @@ with bias and ReLU, backward-data, backward-weight with its split reduction; the
 (5120 x 768 against 768 x 3072); two decode GEMMs of GPT-2 small (5 rows against 768 x 2304
 and 768 x 3072 with GELU); a beam-search step's top-k over GPT-2's logits (5 x 50257, k 5:
 `sampling.beam_topk`, its softmax partials and `beam_topk_kernel`; `ncu -k regex:beam_topk`
-picks it out). The first launch of each compiles, so profile the second (`--launch-skip`)
+picks it out); GPT-2 small's decode attention at position 512 (5 beams x 12 heads, a
+1024-position cache), plain, then with the beams' row table (the WHILE graph's variant). The first launch of each compiles, so profile the second (`--launch-skip`)
 or read both. Results: results/h200/profiles/.
 """
 import numpy as np
 
-from kernels import conv, gemm, sampling
+from kernels import attention, conv, gemm, sampling
 from proto.backend import cuda, synchronize
 
 
@@ -35,6 +36,11 @@ def main() -> None:
     qkv, fc = cuda.device_array((5, 2304), np.float32), cuda.device_array((5, 3072), np.float32)
     logits, scores = _dev(rng, 5, 50257, scale=3.0), _dev(rng, 5, 1)
     top_v, top_i = cuda.device_array((1, 5), np.float32), cuda.device_array((1, 5), np.int32)
+    B, H, hd, T = 5, 12, 64, 1024
+    k_cache, v_cache = _dev(rng, B, H, T, hd), _dev(rng, B, H, T, hd)
+    step_qkv, att = _dev(rng, B, 1, 3 * H * hd), cuda.device_array((B, 1, H * hd), np.float32)
+    pos = cuda.to_device(np.array([512], np.int32))
+    rows = cuda.to_device(np.repeat(np.arange(B, dtype=np.int32)[:, None], T, 1))
     for _ in range(2):
         conv.conv2d(x, w, b, out, pad=1, relu=True)
         conv.conv2d_bwd_data(dy, w, dx, pad=1)
@@ -43,6 +49,8 @@ def main() -> None:
         gemm.gemm(a5, w_qkv, qkv)
         gemm.gemm(a5, w_fc, fc, act="gelu")
         sampling.beam_topk(logits, scores, 5, top_v, top_i)
+        attention.attention(step_qkv, k_cache, v_cache, pos, att, n_head=H)
+        attention.attention(step_qkv, k_cache, v_cache, pos, att, n_head=H, rows=rows)
     synchronize()
 
 
