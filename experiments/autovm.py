@@ -121,7 +121,9 @@ class _Case:
                "step_ms": float("nan") if t is None else round(t.median_ms, 3),
                "p10_ms": float("nan") if t is None else round(t.p10_ms, 3),
                "p90_ms": float("nan") if t is None else round(t.p90_ms, 3),
-               "reps": 0 if t is None else t.reps}
+               "reps": 0 if t is None else t.reps,
+               # launchers' own scratch so far (gemm's split-K partials): outside the budget
+               "kernel_scratch_bytes": backend.scratch_bytes()}
         if got is not None:
             row.update(loss=float(got["loss"][0]), noise_rel_diff=self.noise)
         if got is not None and self.ref is not None and got is not self.ref:   # not itself
@@ -359,6 +361,9 @@ def summarize(rows: list[dict], size: str) -> dict:
         "policies_checked": len(checked),
         "all_policies_bit_identical": all(r["loss_equal"] and r["grads_equal"] for r in checked),
         "max_rel_diff_any_policy": max((r["max_rel_diff"] for r in checked), default=float("nan")),
+        # device memory the kernels' launchers held for themselves, which no budget counts
+        "kernel_scratch_mib": max((int(r.get("kernel_scratch_bytes") or 0) for r in mine),
+                                  default=0) / 2**20,
         **{k: rows[0].get(k, float("nan")) for k in
            ("pinned_h2d_gbps", "fault_h2d_gbps", "prefetch_h2d_gbps", "evict_d2h_gbps")},
     }

@@ -377,6 +377,13 @@ def empty(shape, dtype, name: str, owner=None):
     return view
 
 
+def scratch_bytes() -> int:
+    """Device bytes that launchers hold as their own scratch (`empty` without an owner,
+    eagerly: split-K partials and the like), outside any caller's arena or pool. A memory
+    policy that budgets its tensors does not count these; experiments report them."""
+    return sum(buf.size for buf, _ in _eager_buffers.values())
+
+
 def address(arr) -> int:
     """Device address of the array's first element (the simulator's is a host address). A
     host NumPy array (pinned, for copies) gives its host address: with unified addressing

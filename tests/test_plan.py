@@ -280,3 +280,21 @@ def test_eager_empty_reuses_one_buffer_per_name_and_one_view_per_shape():
     assert all(v.shape == (1, n) for v, n in zip(many, range(1, 40)))
     from proto import backend
     assert len(backend._eager_owned[a]["t"][1]) <= backend._VIEWS_PER_BUFFER   # views stay few
+
+
+def test_scratch_bytes_counts_the_launchers_own_buffers_and_nothing_owned():
+    """`scratch_bytes` is what owner-less `empty` calls (kernel scratch) hold, grown buffers
+    counted at their size; a model's (owned) temporaries are not scratch."""
+    from proto import backend
+    before = backend.scratch_bytes()
+    empty((1000,), np.float32, "test.scratch_bytes")
+    assert backend.scratch_bytes() == before + 4000
+    empty((10,), np.float32, "test.scratch_bytes")              # fits: no new bytes
+    assert backend.scratch_bytes() == before + 4000
+    empty((2000,), np.float32, "test.scratch_bytes")            # grows the one buffer
+    assert backend.scratch_bytes() == before + 8000
+
+    class Owner:
+        pass
+    empty((5000,), np.float32, "test.scratch_bytes", owner=Owner())
+    assert backend.scratch_bytes() == before + 8000
