@@ -60,7 +60,9 @@ SIZES = {
             "config": dict(width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32),
             "reps": 1},
     "full": {"depths": [16, 19], "fracs": [1.0, 0.75, 0.5, 0.35], "page_bytes": 2 << 20,
-             "host_math": False, "config": dict(width=1.0, image_size=224, batch=256),
+             # convolution: kernels.conv's ("direct") until kernel_speed has timed Winograd's
+             "host_math": False, "config": dict(width=1.0, image_size=224, batch=256,
+                                                convolution="direct"),
              "reps": 5},
 }
 HEADLINE_DEPTH = {"toy": 11, "full": 19}
@@ -114,7 +116,8 @@ class _Case:
         return t, got
 
     def row(self, policy, frac, t: timing.Timing | None, got: dict | None, **extra) -> dict:
-        row = {"model": f"vgg{self.cfg.depth}", "policy": policy,
+        row = {"model": f"vgg{self.cfg.depth}", "convolution": self.cfg.convolution,
+               "policy": policy,
                "budget_frac": "" if frac is None else frac,
                "budget_bytes": "" if frac is None else int(frac * self.live.peak),
                "peak_bytes": self.live.peak,

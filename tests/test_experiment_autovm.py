@@ -42,6 +42,7 @@ def test_autovm_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert summary["paging_step_ms"] == by[("paging", "0.5")]
     assert summary["autovm_step_ms"] == by[("autovm", "0.5")]
     assert summary["unconstrained_step_ms"] == by[("unconstrained", "")]
+    assert {r["convolution"] for r in rows} == {"direct"}   # which convolutions ran, per row
     # the launchers' own scratch, which no budget counts, is reported (host math: none)
     assert summary["kernel_scratch_mib"] == max(int(r["kernel_scratch_bytes"]) for r in rows) / 2**20
     # where the unconstrained step's time goes: one row per op of the tape, by kind
