@@ -9,12 +9,13 @@ with bias and ReLU, backward-data, backward-weight with its split reduction; the
 and 768 x 3072 with GELU); a beam-search step's top-k over GPT-2's logits (5 x 50257, k 5:
 `sampling.beam_topk`, its softmax partials and `beam_topk_kernel`; `ncu -k regex:beam_topk`
 picks it out); GPT-2 small's decode attention at position 512 (5 beams x 12 heads, a
-1024-position cache), plain, then with the beams' row table (the WHILE graph's variant). The first launch of each compiles, so profile the second (`--launch-skip`)
+1024-position cache), plain, then with the beams' row table (the WHILE graph's variant);
+Winograd's forward at the conv3 shape (kernels.winograd: its transforms and GEMMs). The first launch of each compiles, so profile the second (`--launch-skip`)
 or read both. Results: results/h200/profiles/.
 """
 import numpy as np
 
-from kernels import attention, conv, gemm, sampling
+from kernels import attention, conv, gemm, sampling, winograd
 from proto.backend import cuda, synchronize
 
 
@@ -41,6 +42,7 @@ def main() -> None:
     step_qkv, att = _dev(rng, B, 1, 3 * H * hd), cuda.device_array((B, 1, H * hd), np.float32)
     pos = cuda.to_device(np.array([512], np.int32))
     rows = cuda.to_device(np.repeat(np.arange(B, dtype=np.int32)[:, None], T, 1))
+    wino = cuda.device_array(winograd.workspace_size(x.shape, w.shape, pad=1), np.float32)
     for _ in range(2):
         conv.conv2d(x, w, b, out, pad=1, relu=True)
         conv.conv2d_bwd_data(dy, w, dx, pad=1)
@@ -51,6 +53,7 @@ def main() -> None:
         sampling.beam_topk(logits, scores, 5, top_v, top_i)
         attention.attention(step_qkv, k_cache, v_cache, pos, att, n_head=H)
         attention.attention(step_qkv, k_cache, v_cache, pos, att, n_head=H, rows=rows)
+        winograd.conv2d(x, w, b, out, pad=1, relu=True, workspace=wino)
     synchronize()
 
 

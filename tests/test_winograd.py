@@ -151,3 +151,28 @@ def test_backward_weight_refuses_bad_input_before_any_launch():
         winograd.conv2d_bwd_weight(x, dy, dw, db, workspace=cuda.device_array(ws.size - 1, np.float32))
     with pytest.raises(ValueError, match="overlaps"):
         winograd.conv2d_bwd_weight(x, dy, dw, ws[:4], workspace=ws)
+
+
+@pytest.mark.gpu
+def test_a_vgg_conv3_layer_matches_the_reference_in_all_three_passes():
+    """At VGG's conv3 shape (256 -> 256 channels, 56x56; two images, one a chunk): the wide
+    GEMM tiles, the weight gradient's long reduction over tiles, and offsets far past the
+    simulator's sizes."""
+    rng = np.random.default_rng(3)
+    N, C, K, S = 2, 256, 256, 56
+    x, w = rand(rng, N, C, S, S), rand(rng, K, C, 3, 3, scale=0.05)
+    b, dy = rand(rng, K), rand(rng, N, K, S, S)
+    ws = cuda.device_array(winograd.workspace_size(x.shape, w.shape, images=1), np.float32)
+    out, dx = cuda.device_array((N, K, S, S), np.float32), cuda.device_array(x.shape, np.float32)
+    dw, db = cuda.device_array(w.shape, np.float32), cuda.device_array(K, np.float32)
+    winograd.conv2d(dev(x), dev(w), dev(b), out, relu=True, workspace=ws)
+    winograd.conv2d_bwd_data(dev(dy), dev(w), dx, workspace=ws)
+    winograd.conv2d_bwd_weight(dev(x), dev(dy), dw, db, workspace=ws)
+    # unit-scale sums of 9 * 256 products, weights at 0.05: the forward's scale is 0.05
+    assert_winograd_close(out.copy_to_host() / 0.05, conv.conv2d_ref(x, w, b, pad=1, relu=True) / 0.05,
+                          9 * C)
+    assert_winograd_close(dx.copy_to_host() / 0.05, conv.conv2d_bwd_data_ref(dy, w, x.shape, pad=1) / 0.05,
+                          9 * K)
+    want_dw, want_db = conv.conv2d_bwd_weight_ref(x, dy, w.shape, pad=1)
+    assert_winograd_close(dw, want_dw, N * S * S)
+    np.testing.assert_allclose(db.copy_to_host(), want_db, rtol=1e-4, atol=16 * N * S * S * EPS32)
