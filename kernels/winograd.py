@@ -16,7 +16,8 @@ multiplications instead of 36, once both are carried into a transformed space:
 So 2.25x fewer multiply-adds than direct convolution, for three memory-bound transform
 launches and a workspace (U, then V and M for a chunk of images) that the caller provides:
 `workspace_size` says how much, and a smaller workspace runs the batch in chunks of fewer
-images (at least one must fit). cuDNN picks this family of algorithms for VGG's 3x3 layers.
+images (at least one must fit). cuDNN does more than the FP32 peak's worth of direct
+multiply-adds at VGG's conv3-5 (kernel_speed), so it must use an algorithm of this kind or FFT.
 
 Backward-data is the same convolution of dy with each filter rotated by 180 degrees and its
 channel axes swapped, padded by 2 - pad (`conv2d_bwd_data`). Backward-weight is F(3x3, 2x2),
@@ -26,8 +27,9 @@ the same algorithm transposed: a 3x3 filter gradient from each 2x2 tile of dy ag
 
     dw[k, c] = G^T [ sum over tiles of (A g A^T) . (B^T d B) ] G,   g a 2x2 tile of dy[:, k]
 
-with A = (A^T)^T, the bias gradient a plain sum of dy. Results are deterministic (fixed
-order everywhere), though not the bits of the direct kernels (kernels.conv): the sums run in
+with A = (A^T)^T (4 x 2), and the bias gradient a plain sum of dy.
+
+Results are deterministic (fixed order everywhere), though not the bits of the direct kernels (kernels.conv): the sums run in
 another order, and the transforms add rounding (float32 error a few times the direct one's).
 A NaN or infinity in an input spoils every output whose window holds it, as in the direct
 convolution, and may spoil other outputs of the 2x2 tiles whose 4x4 patch holds it.
