@@ -48,14 +48,18 @@ XI = 16          # positions of the 4x4 transformed tile
 _HALF = np.float32(0.5)
 _ZERO = np.float32(0.0)
 _MAX_INDEX = 2**31 - 1
+_GRID_YZ = 65535   # a grid's y and z limits: the transforms' channels and images
 
 
 # ---------------------------------------------------------------------------- kernels
 @cuda.jit(device=True)
-def _tile_at(t, n0, TH, TW):
-    """(image, tile row, tile column) of tile t of a chunk that starts at image n0, with TH x
-    TW tiles an image."""
-    return n0 + t // (TH * TW), (t % (TH * TW)) // TW, t % TW
+def _tile_here(TH, TW):
+    """(tile of the chunk, tile row, tile column, inside) of this thread in a transform's grid
+    (tiles of an image, channels, images of the chunk): blockIdx.z is the image, so finding
+    the tile takes one division, not one per index. `inside`: the thread has a tile."""
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    per_image = TH * TW
+    return cuda.blockIdx.z * per_image + r, r // TW, r % TW, r < per_image
 
 
 @jit("void(float32[:, :, :, ::1], int32, float32[:, :, ::1])", writes=("u",))
@@ -89,89 +93,86 @@ def filter_transform_kernel(w, transposed, u):
 
 @jit("void(float32[:, :, :, ::1], int32, int32, float32[:, :, ::1])", writes=("v",))
 def input_transform_kernel(x, pad, n0, v):
-    """v[xi, c, t] = (B^T d B)[xi] for the 4x4 patch d of image n0 + t // (TH * TW), channel
-    c, tile (ty, tx) of t: origin (2 ty - pad, 2 tx - pad), zero outside the image. v's tiles
-    are the chunk's (TH * TW a image); grid-stride over C * tiles, tiles fastest."""
+    """v[xi, c, t] = (B^T d B)[xi] for the 4x4 patch d of image n0 + z, channel c = blockIdx.y,
+    tile (ty, tx): origin (2 ty - pad, 2 tx - pad), zero outside the image; t = z * TH * TW +
+    ty * TW + tx. Grid (tiles of an image / threads, C, images of the chunk)."""
     d = cuda.local.array(16, np.float32)
-    C, H, W = x.shape[1], x.shape[2], x.shape[3]
-    tiles = v.shape[2]
+    H, W = x.shape[2], x.shape[3]
     TH = (H + 2 * pad - 2 + 1) // 2
     TW = (W + 2 * pad - 2 + 1) // 2
-    for e in range(cuda.grid(1), C * tiles, cuda.gridsize(1)):
-        c, t = e // tiles, e % tiles
-        n, ty, tx = _tile_at(t, n0, TH, TW)
-        y0, x0 = 2 * ty - pad, 2 * tx - pad
-        for i in range(4):
-            for j in range(4):
-                yy, xx = y0 + i, x0 + j
-                inside = 0 <= yy < H and 0 <= xx < W
-                d[i * 4 + j] = x[n, c, min(max(yy, 0), H - 1), min(max(xx, 0), W - 1)] \
-                    if inside else _ZERO
-        for j in range(4):   # B^T d, column by column, in place
-            d0, d1, d2, d3 = d[j], d[4 + j], d[8 + j], d[12 + j]
-            d[j], d[4 + j], d[8 + j], d[12 + j] = d0 - d2, d1 + d2, d2 - d1, d1 - d3
-        for i in range(4):   # then (B^T d) B, row by row
-            r0, r1, r2, r3 = d[i * 4], d[i * 4 + 1], d[i * 4 + 2], d[i * 4 + 3]
-            v[i * 4, c, t] = r0 - r2
-            v[i * 4 + 1, c, t] = r1 + r2
-            v[i * 4 + 2, c, t] = r2 - r1
-            v[i * 4 + 3, c, t] = r1 - r3
+    t, ty, tx, inside = _tile_here(TH, TW)
+    if not inside:
+        return
+    n, c = n0 + cuda.blockIdx.z, cuda.blockIdx.y
+    y0, x0 = 2 * ty - pad, 2 * tx - pad
+    for i in range(4):
+        for j in range(4):
+            yy, xx = y0 + i, x0 + j
+            d[i * 4 + j] = x[n, c, min(max(yy, 0), H - 1), min(max(xx, 0), W - 1)] \
+                if 0 <= yy < H and 0 <= xx < W else _ZERO
+    for j in range(4):   # B^T d, column by column, in place
+        d0, d1, d2, d3 = d[j], d[4 + j], d[8 + j], d[12 + j]
+        d[j], d[4 + j], d[8 + j], d[12 + j] = d0 - d2, d1 + d2, d2 - d1, d1 - d3
+    for i in range(4):   # then (B^T d) B, row by row
+        r0, r1, r2, r3 = d[i * 4], d[i * 4 + 1], d[i * 4 + 2], d[i * 4 + 3]
+        v[i * 4, c, t] = r0 - r2
+        v[i * 4 + 1, c, t] = r1 + r2
+        v[i * 4 + 2, c, t] = r2 - r1
+        v[i * 4 + 3, c, t] = r1 - r3
 
 
 @jit("void(float32[:, :, ::1], float32[::1], int32, int32, int32, float32[:, :, :, ::1])",
      writes=("out",))
 def output_transform_kernel(m, bias, has_bias, relu, n0, out):
-    """out[n0 + t // (TH * TW), k, 2 ty + i, 2 tx + j] = (A^T m A)[i, j] (+ bias[k], ReLU)
-    for the 16 values m[:, k, t], the outputs that lie inside out. Grid-stride over K * tiles,
-    tiles fastest."""
+    """out[n0 + z, k, 2 ty + i, 2 tx + j] = (A^T m A)[i, j] (+ bias[k], ReLU) for the 16 values
+    m[:, k, t] of tile (ty, tx) of image z, k = blockIdx.y, the outputs that lie inside out.
+    Grid (tiles of an image / threads, K, images of the chunk)."""
     a = cuda.local.array(16, np.float32)
-    K, P, Q = out.shape[1], out.shape[2], out.shape[3]
-    tiles = m.shape[2]
-    TH, TW = (P + 1) // 2, (Q + 1) // 2
-    for e in range(cuda.grid(1), K * tiles, cuda.gridsize(1)):
-        k, t = e // tiles, e % tiles
-        n, ty, tx = _tile_at(t, n0, TH, TW)
-        for q in range(16):
-            a[q] = m[q, k, t]
-        b = bias[k] if has_bias else _ZERO
-        for j in range(4):   # A^T a: rows 0 and 1, column by column
-            a0, a1, a2, a3 = a[j], a[4 + j], a[8 + j], a[12 + j]
-            a[j], a[4 + j] = a0 + a1 + a2, a1 - a2 - a3
-        for i in range(2):
-            r0, r1, r2, r3 = a[i * 4], a[i * 4 + 1], a[i * 4 + 2], a[i * 4 + 3]
-            y = (r0 + r1 + r2, r1 - r2 - r3)
-            p = 2 * ty + i
-            for j in range(2):
-                qq = 2 * tx + j
-                if p < P and qq < Q:
-                    val = y[j] + b
-                    out[n, k, p, qq] = max(val, _ZERO) if relu else val
+    P, Q = out.shape[2], out.shape[3]
+    t, ty, tx, inside = _tile_here((P + 1) // 2, (Q + 1) // 2)
+    if not inside:
+        return
+    n, k = n0 + cuda.blockIdx.z, cuda.blockIdx.y
+    for q in range(16):
+        a[q] = m[q, k, t]
+    b = bias[k] if has_bias else _ZERO
+    for j in range(4):   # A^T a: rows 0 and 1, column by column
+        a0, a1, a2, a3 = a[j], a[4 + j], a[8 + j], a[12 + j]
+        a[j], a[4 + j] = a0 + a1 + a2, a1 - a2 - a3
+    for i in range(2):
+        r0, r1, r2, r3 = a[i * 4], a[i * 4 + 1], a[i * 4 + 2], a[i * 4 + 3]
+        y = (r0 + r1 + r2, r1 - r2 - r3)
+        p = 2 * ty + i
+        for j in range(2):
+            qq = 2 * tx + j
+            if p < P and qq < Q:
+                val = y[j] + b
+                out[n, k, p, qq] = max(val, _ZERO) if relu else val
 
 
 @jit("void(float32[:, :, :, ::1], int32, float32[:, :, ::1])", writes=("ud",))
 def grad_transform_kernel(dy, n0, ud):
-    """ud[xi, k, t] = (A g A^T)[xi] for the 2x2 tile g of dy at image n0 + t // (TH * TW),
-    channel k, tile (ty, tx) of t (zero past dy's edge); A = [1 0; 1 1; 1 -1; 0 -1].
-    Grid-stride over K * tiles, tiles fastest."""
+    """ud[xi, k, t] = (A g A^T)[xi] for the 2x2 tile g (ty, tx) of dy[n0 + z, k] (zero past
+    dy's edge), k = blockIdx.y; A = [1 0; 1 1; 1 -1; 0 -1]. Grid (tiles of an image /
+    threads, K, images of the chunk)."""
     g = cuda.local.array(4, np.float32)
-    K, P, Q = dy.shape[1], dy.shape[2], dy.shape[3]
-    tiles = ud.shape[2]
-    TH, TW = (P + 1) // 2, (Q + 1) // 2
-    for e in range(cuda.grid(1), K * tiles, cuda.gridsize(1)):
-        k, t = e // tiles, e % tiles
-        n, ty, tx = _tile_at(t, n0, TH, TW)
-        for i in range(2):
-            for j in range(2):
-                p, q = 2 * ty + i, 2 * tx + j
-                g[i * 2 + j] = dy[n, k, min(p, P - 1), min(q, Q - 1)] if p < P and q < Q else _ZERO
-        g00, g01, g10, g11 = g[0], g[1], g[2], g[3]
-        rows = ((g00, g01), (g00 + g10, g01 + g11), (g00 - g10, g01 - g11), (-g10, -g11))
-        for i in range(4):   # the rows of A g, then (A g) A^T: the same on the columns
-            a, b = rows[i]
-            ud[i * 4, k, t] = a
-            ud[i * 4 + 1, k, t] = a + b
-            ud[i * 4 + 2, k, t] = a - b
-            ud[i * 4 + 3, k, t] = -b
+    P, Q = dy.shape[2], dy.shape[3]
+    t, ty, tx, inside = _tile_here((P + 1) // 2, (Q + 1) // 2)
+    if not inside:
+        return
+    n, k = n0 + cuda.blockIdx.z, cuda.blockIdx.y
+    for i in range(2):
+        for j in range(2):
+            p, q = 2 * ty + i, 2 * tx + j
+            g[i * 2 + j] = dy[n, k, min(p, P - 1), min(q, Q - 1)] if p < P and q < Q else _ZERO
+    g00, g01, g10, g11 = g[0], g[1], g[2], g[3]
+    rows = ((g00, g01), (g00 + g10, g01 + g11), (g00 - g10, g01 - g11), (-g10, -g11))
+    for i in range(4):   # the rows of A g, then (A g) A^T: the same on the columns
+        a, b = rows[i]
+        ud[i * 4, k, t] = a
+        ud[i * 4 + 1, k, t] = a + b
+        ud[i * 4 + 2, k, t] = a - b
+        ud[i * 4 + 3, k, t] = -b
 
 
 @jit("void(float32[:, :, ::1], float32[:, :, :, ::1])", writes=("dw",))
@@ -211,6 +212,14 @@ def bias_grad_kernel(dy, db):
 
 
 # ---------------------------------------------------------------------------- launchers
+TILE_THREADS = 256 if not backend.SIMULATOR else 32   # a tile transform's block
+
+
+def _tile_grid(tiles: int, channels: int, images: int) -> tuple[int, int, int]:
+    """A tile transform's grid: (an image's tiles / TILE_THREADS, channels, images)."""
+    return -(-tiles // TILE_THREADS), channels, images
+
+
 def _tiles(P: int, Q: int) -> int:
     """Output tiles (2x2) of one image with P x Q outputs."""
     return ((P + 1) // 2) * ((Q + 1) // 2)
@@ -272,9 +281,15 @@ def _check_call(src, w, dst, pad, transposed, names):
     if P <= 0 or Q <= 0:
         raise ValueError(f"{src_name}: a 3x3 filter with pad {pad} does not fit {H}x{W}")
     _check.device_array(dst_name, dst, shape=(N, cout, P, Q))
-    if max(src.size, dst.size, XI * max(cin, cout) * N * _tiles(P, Q)) > _MAX_INDEX:
-        raise ValueError("winograd: tensors beyond 2**31 elements are not supported (int32 offsets)")
+    _check_sizes(src.size, dst.size, XI * max(cin, cout) * N * _tiles(P, Q), max(cin, cout))
     return N, cin, cout, P, Q, src_pad
+
+
+def _check_sizes(src_size: int, dst_size: int, transformed: int, channels: int) -> None:
+    if max(src_size, dst_size, transformed) > _MAX_INDEX:
+        raise ValueError("winograd: tensors beyond 2**31 elements are not supported (int32 offsets)")
+    if channels > _GRID_YZ:   # the transforms' grid has a channel a block row
+        raise ValueError(f"winograd: {channels} channels exceed the grid limit {_GRID_YZ}")
 
 
 def _images_that_fit(workspace, cin: int, cout: int, tiles: int, N: int) -> int:
@@ -283,7 +298,7 @@ def _images_that_fit(workspace, cin: int, cout: int, tiles: int, N: int) -> int:
     if workspace.size < one:
         raise ValueError(f"workspace: {workspace.size} float32 elements hold less than one "
                          f"image's transforms ({one}: workspace_size(..., images=1))")
-    return min(N, 1 + (workspace.size - one) // (XI * (cin + cout) * tiles))
+    return min(N, _GRID_YZ, 1 + (workspace.size - one) // (XI * (cin + cout) * tiles))
 
 
 def _run(src, w, bias, relu, dst, pad, workspace, transposed, names, stream):
@@ -306,11 +321,10 @@ def _run(src, w, bias, relu, dst, pad, workspace, transposed, names, stream):
         t = tiles * images
         v = workspace[u_size:u_size + XI * cin * t].reshape(XI, cin, t)
         m = workspace[u_size + XI * cin * t:u_size + XI * (cin + cout) * t].reshape(XI, cout, t)
-        blocks, threads = _check.grid_stride_launch(cin * t)
-        launch(input_transform_kernel, blocks, threads, (src, src_pad, n0, v), stream)
+        launch(input_transform_kernel, _tile_grid(tiles, cin, images), TILE_THREADS,
+               (src, src_pad, n0, v), stream)
         gemm.gemm(u, v, m, stream=stream)
-        blocks, threads = _check.grid_stride_launch(cout * t)
-        launch(output_transform_kernel, blocks, threads,
+        launch(output_transform_kernel, _tile_grid(tiles, cout, images), TILE_THREADS,
                (m, bias_arg, int(bias is not None), int(bool(relu)), n0, dst), stream)
 
 
@@ -351,21 +365,21 @@ def conv2d_bwd_weight(x, dy, dw, db, *, pad: int = 1, workspace, stream=0) -> No
     _check.device_array("dy", dy, shape=(N, K, P, Q))
     if db is not None:
         _check.device_array("db", db, shape=(K,))
-    if max(x.size, dy.size, XI * max(C, K) * N * _tiles(P, Q)) > _MAX_INDEX:
-        raise ValueError("winograd: tensors beyond 2**31 elements are not supported (int32 offsets)")
+    _check_sizes(x.size, dy.size, XI * max(C, K) * N * _tiles(P, Q), max(C, K))
     tiles = _tiles(P, Q)
     chunk = _images_that_fit(workspace, C, K, tiles, N)
     _check.separate({"dw": dw, "db": db, "workspace": workspace}, {"x": x, "dy": dy})
     m_size = XI * K * C
     m = workspace[:m_size].reshape(XI, K, C)
     for n0 in range(0, N, chunk):
-        t = tiles * min(chunk, N - n0)
+        images = min(chunk, N - n0)
+        t = tiles * images
         ud = workspace[m_size:m_size + XI * K * t].reshape(XI, K, t)
         v = workspace[m_size + XI * K * t:m_size + XI * (K + C) * t].reshape(XI, C, t)
-        blocks, threads = _check.grid_stride_launch(K * t)
-        launch(grad_transform_kernel, blocks, threads, (dy, n0, ud), stream)
-        blocks, threads = _check.grid_stride_launch(C * t)
-        launch(input_transform_kernel, blocks, threads, (x, pad, n0, v), stream)
+        launch(grad_transform_kernel, _tile_grid(tiles, K, images), TILE_THREADS, (dy, n0, ud),
+               stream)
+        launch(input_transform_kernel, _tile_grid(tiles, C, images), TILE_THREADS,
+               (x, pad, n0, v), stream)
         gemm.gemm(ud, v, m, trans_b=True, accumulate=n0 > 0, stream=stream)
     blocks, threads = _check.grid_stride_launch(K * C)
     launch(weight_transform_kernel, blocks, threads, (m, dw), stream)
