@@ -53,13 +53,16 @@ _GRID_YZ = 65535   # a grid's y and z limits: the transforms' channels and image
 
 # ---------------------------------------------------------------------------- kernels
 @cuda.jit(device=True)
-def _tile_here(TH, TW):
-    """(tile of the chunk, tile row, tile column, inside) of this thread in a transform's grid
-    (tiles of an image, channels, images of the chunk): blockIdx.z is the image, so finding
-    the tile takes one division, not one per index. `inside`: the thread has a tile."""
+def _tile_here(P, Q, n0):
+    """(image, channel, tile of the chunk, tile row, tile column, inside) of this thread in a
+    transform's grid (an image's tiles, channels, images of the chunk starting at image n0)
+    over P x Q outputs: the image and channel come from the block, so finding the tile takes
+    one division, not one per index. `inside`: the thread has a tile."""
+    TW = (Q + 1) // 2
+    per_image = (P + 1) // 2 * TW
     r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    per_image = TH * TW
-    return cuda.blockIdx.z * per_image + r, r // TW, r % TW, r < per_image
+    return (n0 + cuda.blockIdx.z, cuda.blockIdx.y, cuda.blockIdx.z * per_image + r,
+            r // TW, r % TW, r < per_image)
 
 
 @jit("void(float32[:, :, :, ::1], int32, float32[:, :, ::1])", writes=("u",))
@@ -98,12 +101,9 @@ def input_transform_kernel(x, pad, n0, v):
     ty * TW + tx. Grid (tiles of an image / threads, C, images of the chunk)."""
     d = cuda.local.array(16, np.float32)
     H, W = x.shape[2], x.shape[3]
-    TH = (H + 2 * pad - 2 + 1) // 2
-    TW = (W + 2 * pad - 2 + 1) // 2
-    t, ty, tx, inside = _tile_here(TH, TW)
+    n, c, t, ty, tx, inside = _tile_here(H + 2 * pad - 2, W + 2 * pad - 2, n0)
     if not inside:
         return
-    n, c = n0 + cuda.blockIdx.z, cuda.blockIdx.y
     y0, x0 = 2 * ty - pad, 2 * tx - pad
     for i in range(4):
         for j in range(4):
@@ -129,10 +129,9 @@ def output_transform_kernel(m, bias, has_bias, relu, n0, out):
     Grid (tiles of an image / threads, K, images of the chunk)."""
     a = cuda.local.array(16, np.float32)
     P, Q = out.shape[2], out.shape[3]
-    t, ty, tx, inside = _tile_here((P + 1) // 2, (Q + 1) // 2)
+    n, k, t, ty, tx, inside = _tile_here(P, Q, n0)
     if not inside:
         return
-    n, k = n0 + cuda.blockIdx.z, cuda.blockIdx.y
     for q in range(16):
         a[q] = m[q, k, t]
     b = bias[k] if has_bias else _ZERO
@@ -157,10 +156,9 @@ def grad_transform_kernel(dy, n0, ud):
     threads, K, images of the chunk)."""
     g = cuda.local.array(4, np.float32)
     P, Q = dy.shape[2], dy.shape[3]
-    t, ty, tx, inside = _tile_here((P + 1) // 2, (Q + 1) // 2)
+    n, k, t, ty, tx, inside = _tile_here(P, Q, n0)
     if not inside:
         return
-    n, k = n0 + cuda.blockIdx.z, cuda.blockIdx.y
     for i in range(2):
         for j in range(2):
             p, q = 2 * ty + i, 2 * tx + j
@@ -257,13 +255,18 @@ def workspace_size(x_shape, w_shape, *, pad: int = 1, images: int | None = None)
     return _need(C, K, _tiles(max(P, H), max(Q, W)), images)
 
 
+def _fit(cin: int, cout: int, tiles: int, N: int, floats: int) -> int:
+    """Images a chunk takes in `floats` of workspace: as many as fit, at most the batch and
+    the grid's z limit (0: not even one)."""
+    return max(0, min(N, _GRID_YZ, (floats - XI * cin * cout) // (XI * (cin + cout) * tiles)))
+
+
 def chunk_images(x_shape, w_shape, *, pad: int = 1, floats: int) -> int:
     """The most images a chunk can take (at least 1, at most the batch) with a workspace of
     `floats` float32 elements, for the shapes of `workspace_size`."""
-    N = int(x_shape[0])
-    one = workspace_size(x_shape, w_shape, pad=pad, images=1)
-    per_image = one - XI * int(w_shape[0]) * int(x_shape[1])   # all but U (or M)
-    return max(1, min(N, 1 + (floats - one) // per_image))
+    N, C, H, W = (int(s) for s in x_shape)
+    P, Q = conv_out_size(H, 3, 1, pad), conv_out_size(W, 3, 1, pad)
+    return max(1, _fit(C, int(w_shape[0]), _tiles(max(P, H), max(Q, W)), N, floats))
 
 
 def _check_call(src, w, dst, pad, transposed, names):
@@ -297,11 +300,12 @@ def _check_sizes(src_size: int, dst_size: int, transformed: int, channels: int) 
 
 def _images_that_fit(workspace, cin: int, cout: int, tiles: int, N: int) -> int:
     _check.device_array("workspace", workspace, ndim=1)
-    one = _need(cin, cout, tiles, 1)
-    if workspace.size < one:
+    images = _fit(cin, cout, tiles, N, workspace.size)
+    if images == 0:
         raise ValueError(f"workspace: {workspace.size} float32 elements hold less than one "
-                         f"image's transforms ({one}: workspace_size(..., images=1))")
-    return min(N, _GRID_YZ, 1 + (workspace.size - one) // (XI * (cin + cout) * tiles))
+                         f"image's transforms ({_need(cin, cout, tiles, 1)}: "
+                         "workspace_size(..., images=1))")
+    return images
 
 
 def _run(src, w, bias, relu, dst, pad, workspace, transposed, names, stream):

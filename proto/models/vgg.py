@@ -272,14 +272,14 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
             # count it: Winograd's transforms, or where the direct kernel's split reduction
             # keeps its partial sums (none when the reduction is not split).
             size = conv.wgrad_workspace_size(shape_of[L.input], tensors[w].shape, pad=1)
+            algorithm, ws = conv, None
             if winograd_at(L):
-                grads += (winograd_workspace(L, "bwd_weight"),)
+                algorithm, ws = winograd, winograd_workspace(L, "bwd_weight")
                 dx_writes += (winograd_workspace(L, "bwd_data"),)
             elif size:
-                grads += (tensor(f"{L.name}.wgrad_partials", (size,), "workspace"),)
-            algorithm = winograd if winograd_at(L) else conv
-            wgrad = _conv_bwd_weight(L, dy, grads[2] if len(grads) > 2 else None, algorithm,
-                                     tensors[w].shape)
+                ws = tensor(f"{L.name}.wgrad_partials", (size,), "workspace")
+            grads += (ws,) if ws else ()
+            wgrad = _conv_bwd_weight(L, dy, ws, algorithm, tensors[w].shape)
             dgrad = _conv_bwd_data(L, dy, shape_of[L.input], *dx_writes[1:])
         else:
             flops = linear.linear_flops(B, L.cin, L.cout)
