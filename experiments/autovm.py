@@ -60,9 +60,10 @@ SIZES = {
             "config": dict(width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32),
             "reps": 1},
     "full": {"depths": [16, 19], "fracs": [1.0, 0.75, 0.5, 0.35], "page_bytes": 2 << 20,
-             # convolution: kernels.conv's ("direct") until kernel_speed has timed Winograd's
+             # Winograd where both channel counts reach 256 (conv3_2 on; VGGConfig's
+             # default threshold, where kernel_speed timed it faster than direct)
              "host_math": False, "config": dict(width=1.0, image_size=224, batch=256,
-                                                convolution="direct"),
+                                                convolution="winograd"),
              "reps": 5},
 }
 HEADLINE_DEPTH = {"toy": 11, "full": 19}
@@ -94,6 +95,9 @@ class _Case:
         self.cfg = vgg.VGGConfig(depth=depth, **spec["config"])
         self.tape = vgg.build_tape(self.cfg, host_math=spec["host_math"])
         self.live = Liveness(self.tape)
+        # which layers the convolution setting gave Winograd's kernels (its workspaces name them)
+        self.winograd_layers = len({op.layer for op in self.tape.ops
+                                    if any(n.endswith("_winograd") for n in op.writes)})
         self.state = vgg.random_state_dict(self.cfg, seed=depth)
         self.images, self.labels = _batch(self.cfg, seed=depth)
         self.init = vgg.initial_values(self.cfg, self.state, self.images, self.labels)
@@ -117,6 +121,7 @@ class _Case:
 
     def row(self, policy, frac, t: timing.Timing | None, got: dict | None, **extra) -> dict:
         row = {"model": f"vgg{self.cfg.depth}", "convolution": self.cfg.convolution,
+               "winograd_layers": self.winograd_layers,
                "policy": policy,
                "budget_frac": "" if frac is None else frac,
                "budget_bytes": "" if frac is None else int(frac * self.live.peak),

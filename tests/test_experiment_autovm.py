@@ -42,7 +42,10 @@ def test_autovm_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert summary["paging_step_ms"] == by[("paging", "0.5")]
     assert summary["autovm_step_ms"] == by[("autovm", "0.5")]
     assert summary["unconstrained_step_ms"] == by[("unconstrained", "")]
-    assert {r["convolution"] for r in rows} == {"direct"}   # which convolutions ran, per row
+    # which convolutions ran, per row: the toy's widths (4-32 channels) are all below
+    # Winograd's threshold, and its host math runs no kernels
+    assert {r["convolution"] for r in rows} == {"direct"}
+    assert {r["winograd_layers"] for r in rows} == {"0"}
     # the launchers' own scratch, which no budget counts, is reported (host math: none)
     assert summary["kernel_scratch_mib"] == max(int(r["kernel_scratch_bytes"]) for r in rows) / 2**20
     # where the unconstrained step's time goes: one row per op of the tape, by kind

@@ -91,6 +91,36 @@ def test_config_rejects_impossible_sizes():
         vgg.VGGConfig(depth=12)
     with pytest.raises(ValueError, match="convolution: expected one of"):
         vgg.VGGConfig(convolution="fft")
+    with pytest.raises(ValueError, match="winograd_min_channels: expected a positive integer"):
+        vgg.VGGConfig(convolution="winograd", winograd_min_channels=0)
+
+
+@pytest.mark.parametrize("depth", [11, 19])
+def test_winograd_runs_only_where_both_channel_counts_reach_the_threshold(depth):
+    """Describing the tape launches nothing, so the full-width model is cheap to build here."""
+    cfg = vgg.VGGConfig(depth=depth, image_size=32, batch=1, convolution="winograd")
+    tape = vgg.build_tape(cfg)
+    ops_with_ws = {}
+    for op in tape.ops:
+        for n in op.writes:
+            if n.endswith("_winograd"):
+                ops_with_ws.setdefault(op.layer, set()).add(n.split(".")[-1])
+    # torchvision's configurations written out ("M" a pool); torchvision numbers a conv and
+    # its ReLU as two modules, a pool as one
+    widths = {11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+              19: [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+                   512, 512, 512, 512, "M"]}[depth]
+    expected, index, cin = set(), 0, 3
+    for w in widths:
+        if w == "M":
+            index += 1
+            continue
+        if min(cin, w) >= 256:
+            expected.add(f"features.{index}")
+        cin, index = w, index + 2
+    assert set(ops_with_ws) == expected
+    assert all(kinds == {"fwd_winograd", "bwd_data_winograd", "bwd_weight_winograd"}
+               for kinds in ops_with_ws.values())
 
 
 def test_tape_lifetimes_are_explicit():
@@ -128,7 +158,9 @@ def test_tape_lifetimes_are_explicit():
 def test_tape_step_matches_numpy_reference(convolution):
     """The whole step on the device, op by op, each op seeing only what it declares (Winograd's
     workspaces too: written whole, never read by another op)."""
-    cfg = dataclasses.replace(TINY if backend.SIMULATOR else GPU_CFG, convolution=convolution)
+    # every 3x3 layer but the first (its default needs 256 channels, more than these have)
+    cfg = dataclasses.replace(TINY if backend.SIMULATOR else GPU_CFG, convolution=convolution,
+                              winograd_min_channels=1)
     state = vgg.random_state_dict(cfg, seed=1)
     images, labels = _batch(cfg)
     rng = np.random.default_rng(2)
@@ -242,7 +274,7 @@ def test_memory_policies_give_identical_bits_on_the_gpu(convolution):
     # is summed in a fixed order), so a policy that leaves the math alone gives equal bits:
     # a rerun, the AutoVM schedule, the schedule as one CUDA graph, and demand paging.
     from proto.vm import Executor, Liveness, PagingExecutor, plan
-    cfg = dataclasses.replace(GPU_CFG, convolution=convolution)
+    cfg = dataclasses.replace(GPU_CFG, convolution=convolution, winograd_min_channels=1)
     tape = vgg.build_tape(cfg)
     assert any(t.kind == "workspace" for t in tape.tensors.values()), "expected a workspace"
     images, labels = _batch(cfg)
