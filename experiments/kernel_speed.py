@@ -671,26 +671,39 @@ def summarize(rows: list[dict], s: dict) -> dict:
 
 
 def plot():
+    """Two panels, so each stays readable: the memory-bound kernels as fractions of the copy
+    bandwidth, the compute-bound ones as fractions of the FP32 peak (a Winograd convolution
+    counted by the direct convolution's multiply-adds, beside the direct kernel and cuDNN)."""
     rows = common.read_csv(NAME)
-    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
-    fig, ax = common.new_figure(rows, figsize=(max(6.0, 0.6 * len(kernels) + 2), 4.4))
-    width = 0.4
-    for shift, (impl, color) in zip((-width / 2, width / 2), (("ours", "C0"), ("torch", "C1"))):
-        heights = {r["kernel"]: float(r["fraction_of_bound"]) for r in rows
-                   if r["impl"] == impl and r["fraction_of_bound"] != ""}
-        if heights:
-            xs = [i + shift for i, k in enumerate(kernels) if k in heights]
-            bars = ax.bar(xs, [heights[k] for k in kernels if k in heights], width, color=color,
-                          label="ours (Numba)" if impl == "ours" else "PyTorch")
-            ax.bar_label(bars, fmt="%.2f", fontsize=6)
-    bounds = {r["kernel"]: r["bound"] for r in rows}
-    ax.set_xticks(range(len(kernels)))
-    ax.set_xticklabels([f"{k}\n({'FP32 peak' if bounds[k] == 'compute' else 'copy BW'})"
-                        for k in kernels], rotation=60, ha="right", fontsize=7)
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_ylabel("fraction of bound")
-    ax.set_title(f"Kernel speed vs measured copy bandwidth ({float(rows[0]['copy_GBps']):.0f} GB/s)"
-                 " or FP32 peak", fontsize=9)
-    ax.legend()
-    ax.grid(True, axis="y", alpha=0.3)
+    frac = {(r["kernel"], r["impl"]): float(r["fraction_of_bound"]) for r in rows
+            if r["fraction_of_bound"] != ""}
+    bound = {r["kernel"]: r["bound"] for r in rows}
+    kernels = [k for k in dict.fromkeys(r["kernel"] for r in rows) if not k.endswith("_winograd")]
+    panels = [(ks, label) for ks, label in (
+        ([k for k in kernels if bound[k] == "memory"],
+         f"fraction of copy bandwidth ({float(rows[0]['copy_GBps']):.0f} GB/s)"),
+        ([k for k in kernels if bound[k] == "compute"], "fraction of FP32 peak")) if ks]
+    series = [("ours (Numba)", "C0", lambda k: (k, "ours")),
+              ("ours, Winograd", "C2", lambda k: (k + "_winograd", "ours")),
+              ("PyTorch (cuBLAS, cuDNN)", "C1", lambda k: (k, "torch"))]
+    widest = max(len(ks) for ks, _ in panels)
+    fig, axes = common.new_figure(rows, len(panels), 1, squeeze=False,
+                                  figsize=(max(6.0, 0.55 * widest + 2), 4.2 * len(panels)))
+    for ax, (ks, label) in zip(axes[:, 0], panels):
+        present = [s for s in series if any(s[2](k) in frac for k in ks)]
+        width = 0.8 / len(present)
+        for j, (name, color, key) in enumerate(present):
+            shift = (j - (len(present) - 1) / 2) * width
+            have = [(i, k) for i, k in enumerate(ks) if key(k) in frac]
+            bars = ax.bar([i + shift for i, _ in have], [frac[key(k)] for _, k in have], width,
+                          color=color, label=name)
+            ax.bar_label(bars, fmt="%.2f", fontsize=5)
+        ax.set_xticks(range(len(ks)))
+        ax.set_xticklabels(ks, rotation=60, ha="right", fontsize=7)
+        ax.set_xlim(-0.6, widest - 0.4)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        ax.set_ylabel(label, fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0, 0].set_title("Kernel speed against the measured bound (higher is faster)", fontsize=9)
     return common.save_figure(fig, NAME)
