@@ -691,7 +691,9 @@ def plot():
                                   figsize=(max(6.0, 0.55 * widest + 2), 4.2 * len(panels)))
     for ax, (ks, label) in zip(axes[:, 0], panels):
         present = [s for s in series if any(s[2](k) in frac for k in ks)]
-        width = 0.8 / len(present)
+        if not present:   # the simulator measures no bandwidth or peak to divide by
+            ax.text(0.5, 0.5, "no fractions measured", ha="center", transform=ax.transAxes)
+        width = 0.8 / max(1, len(present))
         for j, (name, color, key) in enumerate(present):
             shift = (j - (len(present) - 1) / 2) * width
             have = [(i, k) for i, k in enumerate(ks) if key(k) in frac]
@@ -703,7 +705,8 @@ def plot():
         ax.set_xlim(-0.6, widest - 0.4)
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         ax.set_ylabel(label, fontsize=8)
-        ax.legend(fontsize=7)
+        if present:
+            ax.legend(fontsize=7)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0, 0].set_title("Kernel speed against the measured bound (higher is faster)", fontsize=9)
     return common.save_figure(fig, NAME)
