@@ -12,7 +12,16 @@ picks it out); GPT-2 small's decode attention at position 512 (5 beams x 12 head
 1024-position cache), plain, then with the beams' row table (the WHILE graph's variant);
 Winograd's forward at the conv3 shape (kernels.winograd: its transforms and GEMMs). The first launch of each compiles, so profile the second (`--launch-skip`)
 or read both. Results: results/h200/profiles/.
+
+    python -m kernels.profile_launches decode_gemm   # only the two decode GEMMs, twice
+    python -m kernels.profile_launches winograd      # only Winograd's three convolutions at
+                                                     # conv4 (N 64, 512 -> 512, 28x28), twice
+
+The families alone let a profiler take every launch of one (`--launch-skip` the first pass)
+without a kernel-name filter: Winograd's convolutions are transforms around batched GEMMs.
 """
+import sys
+
 import numpy as np
 
 from kernels import attention, conv, gemm, sampling, winograd
@@ -57,5 +66,38 @@ def main() -> None:
     synchronize()
 
 
+def decode_gemm() -> None:
+    rng = np.random.default_rng(0)
+    a5, w_qkv, w_fc = _dev(rng, 5, 768), _dev(rng, 768, 2304), _dev(rng, 768, 3072)
+    qkv, fc = cuda.device_array((5, 2304), np.float32), cuda.device_array((5, 3072), np.float32)
+    for _ in range(2):
+        gemm.gemm(a5, w_qkv, qkv)
+        gemm.gemm(a5, w_fc, fc, act="gelu")
+    synchronize()
+
+
+def winograd_conv4() -> None:
+    """kernel_speed's conv4 shape, where Winograd is furthest from cuDNN (1.9-3.5x)."""
+    rng = np.random.default_rng(0)
+    N, C, HW = 64, 512, 28
+    x, dy = _dev(rng, N, C, HW, HW), _dev(rng, N, C, HW, HW)
+    w, b = _dev(rng, C, C, 3, 3, scale=0.05), _dev(rng, C)
+    out, dx = (cuda.device_array((N, C, HW, HW), np.float32) for _ in range(2))
+    dw, db = cuda.device_array((C, C, 3, 3), np.float32), cuda.device_array(C, np.float32)
+    images = winograd.chunk_images(x.shape, w.shape, pad=1, floats=x.size)
+    work = cuda.device_array(winograd.workspace_size(x.shape, w.shape, pad=1, images=images),
+                             np.float32)
+    for _ in range(2):
+        winograd.conv2d(x, w, b, out, pad=1, relu=True, workspace=work)
+        winograd.conv2d_bwd_data(dy, w, dx, pad=1, workspace=work)
+        winograd.conv2d_bwd_weight(x, dy, dw, db, pad=1, workspace=work)
+    synchronize()
+
+
+FAMILIES = {"all": main, "decode_gemm": decode_gemm, "winograd": winograd_conv4}
+
 if __name__ == "__main__":
-    main()
+    family = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if family not in FAMILIES:
+        sys.exit(f"profile_launches: family must be one of {sorted(FAMILIES)}, got {family!r}")
+    FAMILIES[family]()
