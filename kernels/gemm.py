@@ -9,6 +9,10 @@ Two kernel families, chosen by `gemm` from the shapes:
   stage op(a) and op(b) in double-buffered shared memory and multiply with the convolutions'
   register tile (kernels._tile), whose rows and columns are read as 16-byte shared loads;
   the next step's rows of K are loaded into registers while the current ones are multiplied.
+  The operands arrive flattened and are addressed with uint32 offsets (at most 2**32
+  elements each, checked): a step whose tile lies inside the bounds, as nearly every step of
+  a large product does, loads at constant steps with no per-element test (PTX: one add a
+  load, where each load recomputed its 64-bit address behind two tests).
   Where the 64 x 64 tiles alone make fewer blocks than two per SM (skinny products: an LSTM
   step's 9..64 rows), K is split as in the decode path and the partial tiles are summed in
   order (`tiled_plan`).
@@ -165,23 +169,35 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
 
 
 def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
-    """A device function load(regs, src, bz, row, k, rows, k_end): a thread's `count` staged
-    elements of one operand, element i at (row + i * DR, k + i * DK) of op(src), read from
-    src[bz, k, row] if `k_first` else src[bz, row, k]; zero past the bounds."""
+    """A device function load(regs, src, at, step, row, k, rows, k_end, whole): a thread's
+    `count` staged elements of one operand, element i at (row + i * DR, k + i * DK) of
+    op(src), where src is the operand flattened and element (r, kk) of this batch lies at
+    `at` + kk * ld + r if `k_first` else `at` + r * ld + kk (uint32 offsets; the caller
+    passes at = the first element's offset and step = the offset between two elements).
+    `whole`: every element of the block's step lies inside (rows, k_end), which the caller
+    knows for the block at once, so the loads go out unchecked at constant steps; otherwise
+    each is checked and zero past the bounds."""
     @cuda.jit(device=True)
-    def load(regs, src, bz, row, k, rows, k_end):
-        for i in range(count):
-            r, kk = row + _u(i * DR), k + _u(i * DK)
-            v = _ZERO
-            if r < rows and kk < k_end:
-                v = src[bz, kk, r] if k_first else src[bz, r, kk]
-            regs[i] = v
+    def load(regs, src, at, step, row, k, rows, k_end, whole):
+        if whole:
+            for i in range(count):
+                regs[i] = src[at + _u(i) * step]
+        else:
+            for i in range(count):
+                r, kk = row + _u(i * DR), k + _u(i * DK)
+                v = _ZERO
+                if r < rows and kk < k_end:
+                    v = src[at + _u(i) * step]
+                regs[i] = v
     return load
 
 
 # ---------------------------------------------------------------------------- kernels
 _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
          "int32, int32, int32")
+# the tiled kernel: a and b flattened (uint32 offsets), out, bias, has_bias, act, accumulate
+_TILED_ARGS = ("float32[::1], float32[::1], float32[:,:,::1], float32[::1], int32, int32, int32, "
+               "float32[:,:,:,::1], int32, int32, int32")
 # a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span
 _DECODE_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
                 "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32")
@@ -207,13 +223,17 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
     load_a = _operand_loader(A_PER, A_DR, A_DK, k_first=trans_a)      # a (K, M) or (M, K)
     load_b = _operand_loader(B_PER, B_DR, B_DK, k_first=not trans_b)  # b (K, N) or (N, K)
 
-    # Launch bounds (threads, blocks per SM) cap registers so that two blocks fit on an SM.
-    @jit(f"void({_ARGS}, float32[:,:,:,::1], int32, int32)",
-         writes=("out", "part"), launch_bounds=(NT, 2))
-    def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, part, direct, span):
-        """Grid (N tiles, M tiles, batch x K splits). Block (x, y, bz * S + s) multiplies K
-        rows [s * span, (s + 1) * span) of its tile: with `direct` (S = 1) it applies the
-        epilogue to out, else it writes part[bz, s] for gemm_splitk_reduce_kernel."""
+    # Launch bounds (threads, blocks per SM) cap registers so that two wide blocks (64
+    # accumulators a thread) or three of the others fit on an SM.
+    MIN_BLOCKS = 2 if TM * TN >= 64 else 3
+    @jit(f"void({_TILED_ARGS})", writes=("out", "part"), launch_bounds=(NT, MIN_BLOCKS))
+    def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, part, direct, span,
+                          k_total):
+        """Grid (N tiles, M tiles, batch x K splits). a and b are the operands flattened
+        (op(a) is M x k_total, op(b) k_total x N, each batch after the last). Block
+        (x, y, bz * S + s) multiplies K rows [s * span, (s + 1) * span) of its tile: with
+        `direct` (S = 1) it applies the epilogue to out, else it writes part[bz, s] for
+        gemm_splitk_reduce_kernel."""
         a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)  # op(a), k-major
         b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)  # op(b), k-major
         acc = cuda.local.array((TM, TN), np.float32)
@@ -227,9 +247,9 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
         # Bounds as uint32, like the indices they are compared with: Numba compares an
         # unsigned with a signed 64-bit integer in float64 (a conversion and a double compare
         # per test).
-        m_rows, n_cols = _u(out.shape[1]), _u(out.shape[2])
+        m_rows, n_cols, k_all = _u(out.shape[1]), _u(out.shape[2]), _u(k_total)
         k_lo = split * span   # (signed: mixing signed and unsigned in min() would give a float)
-        k_len = min(a.shape[1] if trans_a else a.shape[2], k_lo + span)   # the bounds clip to it
+        k_len = min(k_total, k_lo + span)   # the bounds clip to it
         k_end = _u(k_len)
         for i in range(TM):
             for j in range(TN):
@@ -239,13 +259,27 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
         a_m, b_n = m0 + a_mm, n0 + b_nn
         a_at = a_kk * _u(BMP) + a_mm   # ... and where it goes in the staged tiles
         b_at = b_kk * _u(BNP) + b_nn
+        # Offsets into the flattened operands: this batch's first element, the offset of
+        # one more k, and of this thread's next staged element (rows DR, k DK further on).
+        a_base, b_base = bz * m_rows * k_all, bz * k_all * n_cols
+        a_kstep = m_rows if trans_a else _u(1)
+        b_kstep = _u(1) if trans_b else n_cols
+        a_row = (a_base + a_m) if trans_a else (a_base + a_m * k_all)
+        b_row = (b_base + b_n * k_all) if trans_b else (b_base + b_n)
+        a_step = _u(A_DK) * a_kstep + _u(A_DR) * (_u(1) if trans_a else k_all)
+        b_step = _u(B_DK) * b_kstep + _u(B_DR) * (k_all if trans_b else _u(1))
+        inside_a, inside_b = m0 + _u(TBM) <= m_rows, n0 + _u(TBN) <= n_cols
         # Step 0's loads, then each step stores the loads made during the step before and
         # issues its successor's before it multiplies: global memory latency overlaps the
         # arithmetic.
         a_next = cuda.local.array(A_PER, np.float32)
         b_next = cuda.local.array(B_PER, np.float32)
-        load_a(a_next, a, bz, a_m, _u(k_lo) + a_kk, m_rows, k_end)
-        load_b(b_next, b, bz, b_n, _u(k_lo) + b_kk, n_cols, k_end)
+        ka, kb = _u(k_lo) + a_kk, _u(k_lo) + b_kk
+        whole_k = _u(k_lo + TBK) <= k_end
+        load_a(a_next, a, a_row + ka * a_kstep, a_step, a_m, ka, m_rows, k_end,
+               inside_a and whole_k)
+        load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
+               inside_b and whole_k)
         buf = _u(0)
         for k0 in range(k_lo, k_len, TBK):
             for i in range(A_PER):
@@ -256,8 +290,12 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
             # refill this one before every thread has passed the next step's barrier.
             cuda.syncthreads()
             if k0 + TBK < k_len:
-                load_a(a_next, a, bz, a_m, _u(k0 + TBK) + a_kk, m_rows, k_end)
-                load_b(b_next, b, bz, b_n, _u(k0 + TBK) + b_kk, n_cols, k_end)
+                ka, kb = _u(k0 + TBK) + a_kk, _u(k0 + TBK) + b_kk
+                whole_k = _u(k0 + 2 * TBK) <= k_end
+                load_a(a_next, a, a_row + ka * a_kstep, a_step, a_m, ka, m_rows, k_end,
+                       inside_a and whole_k)
+                load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
+                       inside_b and whole_k)
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(TBK * BMP),
                      buf * _u(TBK * BNP), tx, ty)
             buf = _u(1) - buf
@@ -682,6 +720,9 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     partials then summed in split order (deterministic) by gemm_splitk_reduce_kernel."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
+    for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
+        if x.size >= 2**32:
+            raise ValueError(f"{name}: {x.size} elements exceed the tiled GEMM's 2**32")
     t = tiled_tile(batch, m_rows, n_cols)
     if t == WIDE_TILE:
         splits, span = 1, -(-k_len // t.bk) * t.bk
@@ -691,7 +732,8 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     part = _partials(out, splits, direct)
     grid = (-(-n_cols // t.bn), -(-m_rows // t.bm), batch * splits)
     launch(TILED_KERNELS[(bool(trans_a), bool(trans_b), t)], grid, t.threads,
-           (a, b, out, bias, has_bias, act, accumulate, part, int(direct), np.int32(span)),
+           (backend.reshaped(a, (a.size,)), backend.reshaped(b, (b.size,)), out, bias,
+            has_bias, act, accumulate, part, int(direct), np.int32(span), np.int32(k_len)),
            stream)
     if not direct:
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
