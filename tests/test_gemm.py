@@ -329,3 +329,17 @@ def test_rejects_bad_input_before_launch(monkeypatch):
     raises(ValueError, r"ln_out y: expected shape \(3, 5\)", **ok,
            ln_out=(g, g, 1e-5, cuda.device_array((5, 3), np.float32)))
     raises(ValueError, "ln_out eps: expected a positive number", **ok, ln_out=(g, g, 0.0, y))
+
+
+def test_tiled_refuses_operands_past_its_32_bit_offsets(monkeypatch):
+    """The tiled kernel addresses its flattened operands with uint32 offsets; an operand of
+    2**32 elements (16 GiB, more than the simulator can hold) is refused before any launch.
+    Only shapes are read before the check, so stand-ins carry them."""
+    from types import SimpleNamespace
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(backend, "_recorder", recorder)
+    big = SimpleNamespace(shape=(1, 2**16, 2**16), size=2**32)
+    b, out = dev(np.ones((1, 2**16, 4), np.float32)), SimpleNamespace(shape=(1, 2**16, 4))
+    with pytest.raises(ValueError, match=r"a: 4294967296 elements exceed the tiled GEMM's 2\*\*32"):
+        G.tiled(big, b, out, b, 0, 0, 0, 0, 0, 0)
+    assert recorder.launches == []
