@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(if $(VENV),$(VENV)/bin/python,$(PYTHON))
 STAMP := $(if $(VENV),$(VENV)/.installed,)
+# On the simulator (PROTO_BACKEND=sim, as CI sets it) the venv's pytest-xdist runs the tests
+# in two processes: CI has 2 cores, and the lane takes about 12 minutes instead of 17. On a
+# GPU one process: tests that read the device's free memory must not share it.
+PYTEST_ARGS ?= $(if $(and $(VENV),$(filter sim,$(PROTO_BACKEND))),-n 2,)
 
 .PHONY: test figures compile-check sanitize clean
 
