@@ -32,18 +32,34 @@ def _dev(rng, *shape, scale=1.0):
     return cuda.to_device((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-def main() -> None:
-    rng = np.random.default_rng(0)
-    N, C, HW = 16, 256, 56
+def _conv_layer(rng, N: int, C: int, HW: int):
+    """A 3x3 layer's operands, C -> C channels at HW x HW: x, dy, w, b, out, dx, dw, db."""
     x, dy = _dev(rng, N, C, HW, HW), _dev(rng, N, C, HW, HW)
     w, b = _dev(rng, C, C, 3, 3, scale=0.05), _dev(rng, C)
     out, dx = (cuda.device_array((N, C, HW, HW), np.float32) for _ in range(2))
     dw, db = cuda.device_array((C, C, 3, 3), np.float32), cuda.device_array(C, np.float32)
+    return x, dy, w, b, out, dx, dw, db
+
+
+def _decode_gemms(rng):
+    """GPT-2 small's two whole-K decode GEMMs (5 rows against 768 x 2304, and 768 x 3072
+    with GELU): their operands, and a function that launches both."""
+    a5, w_qkv, w_fc = _dev(rng, 5, 768), _dev(rng, 768, 2304), _dev(rng, 768, 3072)
+    qkv, fc = cuda.device_array((5, 2304), np.float32), cuda.device_array((5, 3072), np.float32)
+
+    def launch_both():
+        gemm.gemm(a5, w_qkv, qkv)
+        gemm.gemm(a5, w_fc, fc, act="gelu")
+    return launch_both
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    x, dy, w, b, out, dx, dw, db = _conv_layer(rng, 16, 256, 56)
     work = cuda.device_array(max(1, conv.wgrad_workspace_size(x.shape, w.shape, pad=1)), np.float32)
     a, wt = _dev(rng, 5120, 768), _dev(rng, 768, 3072)
     prefill = cuda.device_array((5120, 3072), np.float32)
-    a5, w_qkv, w_fc = _dev(rng, 5, 768), _dev(rng, 768, 2304), _dev(rng, 768, 3072)
-    qkv, fc = cuda.device_array((5, 2304), np.float32), cuda.device_array((5, 3072), np.float32)
+    decode_gemms = _decode_gemms(rng)
     logits, scores = _dev(rng, 5, 50257, scale=3.0), _dev(rng, 5, 1)
     top_v, top_i = cuda.device_array((1, 5), np.float32), cuda.device_array((1, 5), np.int32)
     B, H, hd, T = 5, 12, 64, 1024
@@ -57,8 +73,7 @@ def main() -> None:
         conv.conv2d_bwd_data(dy, w, dx, pad=1)
         conv.conv2d_bwd_weight(x, dy, dw, db, pad=1, workspace=work)
         gemm.gemm(a, wt, prefill)
-        gemm.gemm(a5, w_qkv, qkv)
-        gemm.gemm(a5, w_fc, fc, act="gelu")
+        decode_gemms()
         sampling.beam_topk(logits, scores, 5, top_v, top_i)
         attention.attention(step_qkv, k_cache, v_cache, pos, att, n_head=H)
         attention.attention(step_qkv, k_cache, v_cache, pos, att, n_head=H, rows=rows)
@@ -67,23 +82,15 @@ def main() -> None:
 
 
 def decode_gemm() -> None:
-    rng = np.random.default_rng(0)
-    a5, w_qkv, w_fc = _dev(rng, 5, 768), _dev(rng, 768, 2304), _dev(rng, 768, 3072)
-    qkv, fc = cuda.device_array((5, 2304), np.float32), cuda.device_array((5, 3072), np.float32)
+    decode_gemms = _decode_gemms(np.random.default_rng(0))
     for _ in range(2):
-        gemm.gemm(a5, w_qkv, qkv)
-        gemm.gemm(a5, w_fc, fc, act="gelu")
+        decode_gemms()
     synchronize()
 
 
 def winograd_conv4() -> None:
     """kernel_speed's conv4 shape, where Winograd is furthest from cuDNN (1.9-3.5x)."""
-    rng = np.random.default_rng(0)
-    N, C, HW = 64, 512, 28
-    x, dy = _dev(rng, N, C, HW, HW), _dev(rng, N, C, HW, HW)
-    w, b = _dev(rng, C, C, 3, 3, scale=0.05), _dev(rng, C)
-    out, dx = (cuda.device_array((N, C, HW, HW), np.float32) for _ in range(2))
-    dw, db = cuda.device_array((C, C, 3, 3), np.float32), cuda.device_array(C, np.float32)
+    x, dy, w, b, out, dx, dw, db = _conv_layer(np.random.default_rng(0), 64, 512, 28)
     images = winograd.chunk_images(x.shape, w.shape, pad=1, floats=x.size)
     work = cuda.device_array(winograd.workspace_size(x.shape, w.shape, pad=1, images=images),
                              np.float32)
