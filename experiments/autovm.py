@@ -60,8 +60,8 @@ SIZES = {
             "config": dict(width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32),
             "reps": 1},
     "full": {"depths": [16, 19], "fracs": [1.0, 0.75, 0.5, 0.35], "page_bytes": 2 << 20,
-             # Winograd where both channel counts reach 256 (conv3_2 on; VGGConfig's
-             # default threshold, where kernel_speed timed it faster than direct)
+             # Winograd where both channel counts reach 128 (conv2_2 on; VGGConfig's
+             # default threshold; kernel_speed times each stage against direct)
              "host_math": False, "config": dict(width=1.0, image_size=224, batch=256,
                                                 convolution="winograd"),
              "reps": 5},

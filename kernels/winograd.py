@@ -1,38 +1,46 @@
-"""Winograd F(2x2, 3x3) convolution (Lavin and Gray, 2016): 3x3, stride 1, NCHW float32.
+"""Winograd F(4x4, 3x3) convolution (Lavin and Gray, 2016): 3x3, stride 1, NCHW float32.
 
 A direct 3x3 convolution spends 9 multiply-adds an output and input channel. Winograd's
-minimal filtering computes a 2x2 tile of outputs from a 4x4 tile of input with 16
-multiplications instead of 36, once both are carried into a transformed space:
+minimal filtering computes a 4x4 tile of outputs from a 6x6 tile of input with 36
+multiplications instead of 144, once both are carried into a transformed space:
 
-    U = G g G^T     the 3x3 filter g of each (output, input) channel pair, as a 4x4
-    V = B^T d B     each 4x4 input patch d (origin 2*ty - pad, 2*tx - pad; zero outside)
-    M = U . V       elementwise in the 4x4, summed over input channels: for each of the 16
+    U = G g G^T     the 3x3 filter g of each (output, input) channel pair, as a 6x6
+    V = B^T d B     each 6x6 input patch d (origin 4*ty - pad, 4*tx - pad; zero outside)
+    M = U . V       elementwise in the 6x6, summed over input channels: for each of the 36
                     positions xi, one GEMM (K x C) @ (C x tiles) (kernels.gemm, batched)
-    Y = A^T M A     the tile's 2x2 outputs, then + bias and ReLU
+    Y = A^T M A     the tile's 4x4 outputs, then + bias and ReLU
 
-    B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]    G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1]
-    A^T = [1 1 1 0; 0 1 -1 -1]
+    B^T = [4  0 -5  0  1  0]    G = [ 1/4     0     0]    A^T = [1  1  1  1  1  0]
+          [0 -4 -4  1  1  0]        [-1/6  -1/6  -1/6]          [0  1 -1  2 -2  0]
+          [0  4 -4 -1  1  0]        [-1/6   1/6  -1/6]          [0  1  1  4  4  0]
+          [0 -2 -1  2  1  0]        [1/24  1/12   1/6]          [0  1 -1  8 -8  1]
+          [0  2 -1 -2  1  0]        [1/24 -1/12   1/6]
+          [0  4  0 -5  0  1]        [   0     0     1]
 
-So 2.25x fewer multiply-adds than direct convolution, for three memory-bound transform
-launches and a workspace (U, then V and M for a chunk of images) that the caller provides:
-`workspace_size` says how much, and a smaller workspace runs the batch in chunks of fewer
-images (at least one must fit). cuDNN does more than the FP32 peak's worth of direct
-multiply-adds at VGG's conv3-5 (kernel_speed), so it must use an algorithm of this kind or FFT.
+So 4x fewer multiply-adds than direct convolution where the output is a multiple of 4 on a
+side (VGG's 224..28; at 14x14 the 4x4 tiles cover 16x16 and 3.1x), for three memory-bound
+transform launches and a workspace (U, then V and M for a chunk of images) that the caller
+provides: `workspace_size` says how much, and a smaller workspace runs the batch in chunks of
+fewer images (at least one must fit). F(2x2, 3x3), this module's first algorithm, saves
+2.25x and transforms each input value into 4 (against 2.25 here); on the H200 its GEMMs took
+90% of each convolution, so the larger tile wins the multiply-adds back at no cost in bytes.
+The price is rounding: the transforms' larger constants make float32 errors several times
+those of F(2x2, 3x3) (Lavin and Gray's error analysis; the tests bound them).
 
 Backward-data is the same convolution of dy with each filter rotated by 180 degrees and its
-channel axes swapped, padded by 2 - pad (`conv2d_bwd_data`). Backward-weight is F(3x3, 2x2),
-the same algorithm transposed: a 3x3 filter gradient from each 2x2 tile of dy against the
-4x4 input patch under it, summed over every tile of every image by the GEMMs
+channel axes swapped, padded by 2 - pad (`conv2d_bwd_data`). Backward-weight is F(3x3, 4x4),
+the same algorithm transposed: a 3x3 filter gradient from each 4x4 tile of dy against the
+6x6 input patch under it, summed over every tile of every image by the GEMMs
 (`conv2d_bwd_weight`):
 
-    dw[k, c] = G^T [ sum over tiles of (A g A^T) . (B^T d B) ] G,   g a 2x2 tile of dy[:, k]
+    dw[k, c] = G^T [ sum over tiles of (A g A^T) . (B^T d B) ] G,   g a 4x4 tile of dy[:, k]
 
-with A = (A^T)^T (4 x 2), and the bias gradient a plain sum of dy.
+with A = (A^T)^T (6 x 4), and the bias gradient a plain sum of dy.
 
-Results are deterministic (fixed order everywhere), though not the bits of the direct kernels (kernels.conv): the sums run in
-another order, and the transforms add rounding (float32 error a few times the direct one's).
-A NaN or infinity in an input spoils every output whose window holds it, as in the direct
-convolution, and may spoil other outputs of the 2x2 tiles whose 4x4 patch holds it.
+Results are deterministic (fixed order everywhere), though not the bits of the direct kernels
+(kernels.conv): the sums run in another order, and the transforms add rounding. A NaN or
+infinity in an input spoils every output whose window holds it, as in the direct
+convolution, and may spoil other outputs of the 4x4 tiles whose 6x6 patch holds it.
 """
 from __future__ import annotations
 
@@ -44,11 +52,70 @@ from kernels.conv import conv_out_size
 from proto import backend
 from proto.backend import cuda, jit, launch
 
-XI = 16          # positions of the 4x4 transformed tile
-_HALF = np.float32(0.5)
+M = 4            # outputs a tile has on a side: F(4x4, 3x3)
+ALPHA = M + 2    # ... and input (and transformed) values on a side
+XI = ALPHA * ALPHA   # positions of the 6x6 transformed tile
+_TILE = M * M        # a 4x4 tile's values (local arrays need their sizes as plain globals)
+_AG = ALPHA * M      # A g: 6 x 4
 _ZERO = np.float32(0.0)
+_2, _4, _5, _8 = (np.float32(v) for v in (2, 4, 5, 8))
+_QUARTER, _SIXTH, _12TH, _24TH = (np.float32(1 / v) for v in (4, 6, 12, 24))
+_MINUS_SIXTH = np.float32(-1 / 6)
 _MAX_INDEX = 2**31 - 1
 _GRID_YZ = 65535   # a grid's y and z limits: the transforms' channels and images
+
+
+# ---------------------------------------------------------------------------- the matrices
+# One row or column of six (or four, or three) values at a time, written out so that no
+# multiplication by a zero of the matrices is made (and no NaN spreads through one).
+@cuda.jit(device=True)
+def _bt(d0, d1, d2, d3, d4, d5):
+    """B^T d for a column d of 6."""
+    return (_4 * d0 - _5 * d2 + d4,
+            d3 + d4 - _4 * (d1 + d2),
+            _4 * (d1 - d2) - d3 + d4,
+            _2 * (d3 - d1) - d2 + d4,
+            _2 * (d1 - d3) - d2 + d4,
+            _4 * d1 - _5 * d3 + d5)
+
+
+@cuda.jit(device=True)
+def _g(g0, g1, g2):
+    """G g for a column g of 3."""
+    s, t = g0 + g2, g1
+    return (_QUARTER * g0,
+            _MINUS_SIXTH * (s + t),
+            _MINUS_SIXTH * (s - t),
+            _24TH * g0 + _12TH * g1 + _SIXTH * g2,
+            _24TH * g0 - _12TH * g1 + _SIXTH * g2,
+            g2)
+
+
+@cuda.jit(device=True)
+def _at(a0, a1, a2, a3, a4, a5):
+    """A^T a for a column a of 6."""
+    p, q = a1 + a2, a1 - a2
+    r, t = a3 + a4, a3 - a4
+    return a0 + p + r, q + _2 * t, p + _4 * r, q + _8 * t + a5
+
+
+@cuda.jit(device=True)
+def _a(g0, g1, g2, g3):
+    """A g for a column g of 4 (A = (A^T)^T, 6 x 4)."""
+    return (g0,
+            g0 + g1 + g2 + g3,
+            g0 - g1 + g2 - g3,
+            g0 + _2 * g1 + _4 * g2 + _8 * g3,
+            g0 - _2 * g1 + _4 * g2 - _8 * g3,
+            g3)
+
+
+@cuda.jit(device=True)
+def _gt(m0, m1, m2, m3, m4, m5):
+    """G^T m for a column m of 6."""
+    return (_QUARTER * m0 - _SIXTH * (m1 + m2) + _24TH * (m3 + m4),
+            _SIXTH * (m2 - m1) + _12TH * (m3 - m4),
+            _SIXTH * (m3 + m4 - m1 - m2) + m5)
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -58,8 +125,8 @@ def _tile_here(P, Q, n0):
     transform's grid (an image's tiles, channels, images of the chunk starting at image n0)
     over P x Q outputs: the image and channel come from the block, so finding the tile takes
     one division, not one per index. `inside`: the thread has a tile."""
-    TW = (Q + 1) // 2
-    per_image = (P + 1) // 2 * TW
+    TW = (Q + M - 1) // M
+    per_image = (P + M - 1) // M * TW
     r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     return (n0 + cuda.blockIdx.z, cuda.blockIdx.y, cuda.blockIdx.z * per_image + r,
             r // TW, r % TW, r < per_image)
@@ -71,7 +138,7 @@ def filter_transform_kernel(w, transposed, u):
     u[xi, c, k] = (G g' G^T)[xi] for g' = w[k, c] rotated by 180 degrees (backward-data).
     Grid-stride over the K * C filters."""
     g = cuda.local.array(9, np.float32)
-    gg = cuda.local.array(12, np.float32)   # G g, 4 x 3
+    gg = cuda.local.array(18, np.float32)   # G g, 6 x 3
     K, C = w.shape[0], w.shape[1]
     for e in range(cuda.grid(1), K * C, cuda.gridsize(1)):
         k, c = e // C, e % C
@@ -79,71 +146,68 @@ def filter_transform_kernel(w, transposed, u):
             for s in range(3):
                 g[r * 3 + s] = w[k, c, 2 - r, 2 - s] if transposed else w[k, c, r, s]
         for s in range(3):
-            g0, g1, g2 = g[s], g[3 + s], g[6 + s]
-            gg[s] = g0
-            gg[3 + s] = _HALF * (g0 + g1 + g2)
-            gg[6 + s] = _HALF * (g0 - g1 + g2)
-            gg[9 + s] = g2
-        for i in range(4):
-            h0, h1, h2 = gg[i * 3], gg[i * 3 + 1], gg[i * 3 + 2]
-            row = (h0, _HALF * (h0 + h1 + h2), _HALF * (h0 - h1 + h2), h2)
-            for j in range(4):
+            col = _g(g[s], g[3 + s], g[6 + s])
+            for i in range(ALPHA):
+                gg[i * 3 + s] = col[i]
+        for i in range(ALPHA):
+            row = _g(gg[i * 3], gg[i * 3 + 1], gg[i * 3 + 2])
+            for j in range(ALPHA):
                 if transposed:
-                    u[i * 4 + j, c, k] = row[j]
+                    u[i * ALPHA + j, c, k] = row[j]
                 else:
-                    u[i * 4 + j, k, c] = row[j]
+                    u[i * ALPHA + j, k, c] = row[j]
 
 
 @jit("void(float32[:, :, :, ::1], int32, int32, float32[:, :, ::1])", writes=("v",))
 def input_transform_kernel(x, pad, n0, v):
-    """v[xi, c, t] = (B^T d B)[xi] for the 4x4 patch d of image n0 + z, channel c = blockIdx.y,
-    tile (ty, tx): origin (2 ty - pad, 2 tx - pad), zero outside the image; t = z * TH * TW +
+    """v[xi, c, t] = (B^T d B)[xi] for the 6x6 patch d of image n0 + z, channel c = blockIdx.y,
+    tile (ty, tx): origin (4 ty - pad, 4 tx - pad), zero outside the image; t = z * TH * TW +
     ty * TW + tx. Grid (tiles of an image / threads, C, images of the chunk)."""
-    d = cuda.local.array(16, np.float32)
+    d = cuda.local.array(XI, np.float32)
     H, W = x.shape[2], x.shape[3]
     n, c, t, ty, tx, inside = _tile_here(H + 2 * pad - 2, W + 2 * pad - 2, n0)
     if not inside:
         return
-    y0, x0 = 2 * ty - pad, 2 * tx - pad
-    for i in range(4):
-        for j in range(4):
+    y0, x0 = M * ty - pad, M * tx - pad
+    for i in range(ALPHA):
+        for j in range(ALPHA):
             yy, xx = y0 + i, x0 + j
-            d[i * 4 + j] = x[n, c, min(max(yy, 0), H - 1), min(max(xx, 0), W - 1)] \
+            d[i * ALPHA + j] = x[n, c, min(max(yy, 0), H - 1), min(max(xx, 0), W - 1)] \
                 if 0 <= yy < H and 0 <= xx < W else _ZERO
-    for j in range(4):   # B^T d, column by column, in place
-        d0, d1, d2, d3 = d[j], d[4 + j], d[8 + j], d[12 + j]
-        d[j], d[4 + j], d[8 + j], d[12 + j] = d0 - d2, d1 + d2, d2 - d1, d1 - d3
-    for i in range(4):   # then (B^T d) B, row by row
-        r0, r1, r2, r3 = d[i * 4], d[i * 4 + 1], d[i * 4 + 2], d[i * 4 + 3]
-        v[i * 4, c, t] = r0 - r2
-        v[i * 4 + 1, c, t] = r1 + r2
-        v[i * 4 + 2, c, t] = r2 - r1
-        v[i * 4 + 3, c, t] = r1 - r3
+    for j in range(ALPHA):   # B^T d, column by column, in place
+        col = _bt(d[j], d[6 + j], d[12 + j], d[18 + j], d[24 + j], d[30 + j])
+        for i in range(ALPHA):
+            d[i * ALPHA + j] = col[i]
+    for i in range(ALPHA):   # then (B^T d) B, row by row
+        row = _bt(d[i * 6], d[i * 6 + 1], d[i * 6 + 2], d[i * 6 + 3], d[i * 6 + 4],
+                  d[i * 6 + 5])
+        for j in range(ALPHA):
+            v[i * ALPHA + j, c, t] = row[j]
 
 
 @jit("void(float32[:, :, ::1], float32[::1], int32, int32, int32, float32[:, :, :, ::1])",
      writes=("out",))
 def output_transform_kernel(m, bias, has_bias, relu, n0, out):
-    """out[n0 + z, k, 2 ty + i, 2 tx + j] = (A^T m A)[i, j] (+ bias[k], ReLU) for the 16 values
+    """out[n0 + z, k, 4 ty + i, 4 tx + j] = (A^T m A)[i, j] (+ bias[k], ReLU) for the 36 values
     m[:, k, t] of tile (ty, tx) of image z, k = blockIdx.y, the outputs that lie inside out.
     Grid (tiles of an image / threads, K, images of the chunk)."""
-    a = cuda.local.array(16, np.float32)
+    a = cuda.local.array(XI, np.float32)
     P, Q = out.shape[2], out.shape[3]
     n, k, t, ty, tx, inside = _tile_here(P, Q, n0)
     if not inside:
         return
-    for q in range(16):
+    for q in range(XI):
         a[q] = m[q, k, t]
     b = bias[k] if has_bias else _ZERO
-    for j in range(4):   # A^T a: rows 0 and 1, column by column
-        a0, a1, a2, a3 = a[j], a[4 + j], a[8 + j], a[12 + j]
-        a[j], a[4 + j] = a0 + a1 + a2, a1 - a2 - a3
-    for i in range(2):
-        r0, r1, r2, r3 = a[i * 4], a[i * 4 + 1], a[i * 4 + 2], a[i * 4 + 3]
-        y = (r0 + r1 + r2, r1 - r2 - r3)
-        p = 2 * ty + i
-        for j in range(2):
-            qq = 2 * tx + j
+    for j in range(ALPHA):   # A^T a: rows 0..3, column by column
+        col = _at(a[j], a[6 + j], a[12 + j], a[18 + j], a[24 + j], a[30 + j])
+        for i in range(M):
+            a[i * ALPHA + j] = col[i]
+    for i in range(M):
+        y = _at(a[i * 6], a[i * 6 + 1], a[i * 6 + 2], a[i * 6 + 3], a[i * 6 + 4], a[i * 6 + 5])
+        p = M * ty + i
+        for j in range(M):
+            qq = M * tx + j
             if p < P and qq < Q:
                 val = y[j] + b
                 out[n, k, p, qq] = max(val, _ZERO) if relu else val
@@ -151,46 +215,46 @@ def output_transform_kernel(m, bias, has_bias, relu, n0, out):
 
 @jit("void(float32[:, :, :, ::1], int32, float32[:, :, ::1])", writes=("ud",))
 def grad_transform_kernel(dy, n0, ud):
-    """ud[xi, k, t] = (A g A^T)[xi] for the 2x2 tile g (ty, tx) of dy[n0 + z, k] (zero past
-    dy's edge), k = blockIdx.y; A = [1 0; 1 1; 1 -1; 0 -1]. Grid (tiles of an image /
-    threads, K, images of the chunk)."""
-    g = cuda.local.array(4, np.float32)
+    """ud[xi, k, t] = (A g A^T)[xi] for the 4x4 tile g (ty, tx) of dy[n0 + z, k] (zero past
+    dy's edge), k = blockIdx.y. Grid (tiles of an image / threads, K, images of the chunk)."""
+    g = cuda.local.array(_TILE, np.float32)
+    ag = cuda.local.array(_AG, np.float32)   # A g, 6 x 4
     P, Q = dy.shape[2], dy.shape[3]
     n, k, t, ty, tx, inside = _tile_here(P, Q, n0)
     if not inside:
         return
-    for i in range(2):
-        for j in range(2):
-            p, q = 2 * ty + i, 2 * tx + j
-            g[i * 2 + j] = dy[n, k, min(p, P - 1), min(q, Q - 1)] if p < P and q < Q else _ZERO
-    g00, g01, g10, g11 = g[0], g[1], g[2], g[3]
-    rows = ((g00, g01), (g00 + g10, g01 + g11), (g00 - g10, g01 - g11), (-g10, -g11))
-    for i in range(4):   # the rows of A g, then (A g) A^T: the same on the columns
-        a, b = rows[i]
-        ud[i * 4, k, t] = a
-        ud[i * 4 + 1, k, t] = a + b
-        ud[i * 4 + 2, k, t] = a - b
-        ud[i * 4 + 3, k, t] = -b
+    for i in range(M):
+        for j in range(M):
+            p, q = M * ty + i, M * tx + j
+            g[i * M + j] = dy[n, k, min(p, P - 1), min(q, Q - 1)] if p < P and q < Q else _ZERO
+    for j in range(M):   # the columns of A g
+        col = _a(g[j], g[4 + j], g[8 + j], g[12 + j])
+        for i in range(ALPHA):
+            ag[i * M + j] = col[i]
+    for i in range(ALPHA):   # then (A g) A^T: A on each row
+        row = _a(ag[i * 4], ag[i * 4 + 1], ag[i * 4 + 2], ag[i * 4 + 3])
+        for j in range(ALPHA):
+            ud[i * ALPHA + j, k, t] = row[j]
 
 
 @jit("void(float32[:, :, ::1], float32[:, :, :, ::1])", writes=("dw",))
 def weight_transform_kernel(m, dw):
-    """dw[k, c] = G^T m G for the 4x4 m[:, k, c], G^T = [1 .5 .5 0; 0 .5 -.5 0; 0 .5 .5 1].
-    Grid-stride over the K * C filters."""
-    a = cuda.local.array(16, np.float32)
+    """dw[k, c] = G^T m G for the 6x6 m[:, k, c]. Grid-stride over the K * C filters."""
+    a = cuda.local.array(XI, np.float32)
     K, C = dw.shape[0], dw.shape[1]
     for e in range(cuda.grid(1), K * C, cuda.gridsize(1)):
         k, c = e // C, e % C
-        for q in range(16):
+        for q in range(XI):
             a[q] = m[q, k, c]
-        for j in range(4):   # G^T a, column by column: rows 0..2
-            a0, a1, a2, a3 = a[j], a[4 + j], a[8 + j], a[12 + j]
-            a[j], a[4 + j], a[8 + j] = a0 + _HALF * (a1 + a2), _HALF * (a1 - a2), _HALF * (a1 + a2) + a3
+        for j in range(ALPHA):   # G^T a, column by column: rows 0..2
+            col = _gt(a[j], a[6 + j], a[12 + j], a[18 + j], a[24 + j], a[30 + j])
+            for i in range(3):
+                a[i * ALPHA + j] = col[i]
         for i in range(3):
-            r0, r1, r2, r3 = a[i * 4], a[i * 4 + 1], a[i * 4 + 2], a[i * 4 + 3]
-            dw[k, c, i, 0] = r0 + _HALF * (r1 + r2)
-            dw[k, c, i, 1] = _HALF * (r1 - r2)
-            dw[k, c, i, 2] = _HALF * (r1 + r2) + r3
+            row = _gt(a[i * 6], a[i * 6 + 1], a[i * 6 + 2], a[i * 6 + 3], a[i * 6 + 4],
+                      a[i * 6 + 5])
+            for j in range(3):
+                dw[k, c, i, j] = row[j]
 
 
 @jit("void(float32[:, :, :, ::1], float32[::1])", writes=("db",))
@@ -222,8 +286,8 @@ def _tile_grid(tiles: int, channels: int, images: int) -> tuple[tuple[int, int, 
 
 
 def _tiles(P: int, Q: int) -> int:
-    """Output tiles (2x2) of one image with P x Q outputs."""
-    return ((P + 1) // 2) * ((Q + 1) // 2)
+    """Output tiles (4x4) of one image with P x Q outputs."""
+    return ((P + M - 1) // M) * ((Q + M - 1) // M)
 
 
 def _geometry(src_shape, w_shape, pad: int, transposed: bool):
@@ -237,7 +301,7 @@ def _geometry(src_shape, w_shape, pad: int, transposed: bool):
 
 
 def _need(cin: int, cout: int, tiles: int, images: int) -> int:
-    """Workspace floats: U (16, cout, cin), then V (16, cin, T) and M (16, cout, T) for
+    """Workspace floats: U (36, cout, cin), then V (36, cin, T) and M (36, cout, T) for
     T = tiles * images."""
     return XI * cin * cout + XI * (cin + cout) * tiles * images
 
@@ -277,7 +341,7 @@ def _check_call(src, w, dst, pad, transposed, names):
     pad = _check.integer("pad", pad, at_least=0, at_most=2)
     K, C, R, S = w.shape
     if (R, S) != (3, 3):
-        raise ValueError(f"w: Winograd F(2x2, 3x3) takes 3x3 filters, got {R}x{S} "
+        raise ValueError(f"w: Winograd F(4x4, 3x3) takes 3x3 filters, got {R}x{S} "
                          f"(shape {tuple(w.shape)}); kernels.conv takes any")
     N, cin, cout, H, W, P, Q, src_pad = _geometry(src.shape, w.shape, pad, transposed)
     want_cin = K if transposed else C

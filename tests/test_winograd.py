@@ -1,4 +1,4 @@
-"""Winograd F(2x2, 3x3) convolution against the direct float64 NumPy references of kernels.conv."""
+"""Winograd F(4x4, 3x3) convolution against the direct float64 NumPy references of kernels.conv."""
 
 import numpy as np
 import pytest

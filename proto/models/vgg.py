@@ -22,9 +22,11 @@ Architecture choices (each keeps the tape exact and the math torchvision's):
 Convolutions (`convolution`): "direct" runs kernels.conv's implicit GEMMs everywhere;
 "winograd" runs kernels.winograd's for every 3x3 layer but the first (whose 3 input channels
 leave little to save) whose input and output both have at least `winograd_min_channels`
-channels (256 by default: on the H200, Winograd took 0.60-0.95 of the direct time at 256 and
-512 channels, tied or lost at 128 and took 1.7-1.8x at 64, where half its GEMM tiles are
-padding), each op with a workspace of its own [workspace] ("<layer>.fwd_winograd",
+channels (128 by default: on the H200, Winograd F(2x2, 3x3) took 0.60-0.95 of the direct
+time at 256 and 512 channels, tied or lost at 128 and took 1.7-1.8x at 64; F(4x4, 3x3), which
+replaced it, took 0.53-0.66 of F(2x2)'s time at 256-512 channels, so it should win at 128
+and tie or lose at 64, where half its GEMM tiles are padding: kernel_speed times each
+stage), each op with a workspace of its own [workspace] ("<layer>.fwd_winograd",
 "<layer>.bwd_data_winograd", "<layer>.bwd_weight_winograd"), sized for as many images a chunk
 as keep it within the layer's input activation.
 
@@ -77,7 +79,7 @@ class VGGConfig:
     weight_decay: float = 5e-4
     hidden: int | None = None   # classifier width; default 4096 * width
     convolution: str = "direct"  # or "winograd" (the module docstring says where)
-    winograd_min_channels: int = 256  # "winograd": only layers this wide in and out
+    winograd_min_channels: int = 128  # "winograd": only layers this wide in and out
 
     def __post_init__(self):
         # NumPy scalars are accepted and stored as Python numbers; bools and strings are not.
