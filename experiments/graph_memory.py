@@ -27,7 +27,11 @@ Methods (GPT-2; the LSTM's are the same with batch sizes for lengths):
   ours_device          the length read on the device: one graph per cache set for every length
 
 Memory is what building a method's graphs takes from the GPU: free device memory (cuMemGetInfo)
-before and after, once every freed buffer is really freed. The driver reserves memory in 2 MiB
+before and after, once every freed buffer is really freed, plus the static tensors PtGraph's
+graphs are bound to (the tokens they read and the logits they write, made before its meter
+starts; ours read the caller's tokens by alias and write the logits in the arena, which the
+drop counts); weights, the KV cache and the LSTM state are the model's and count on neither
+side. The driver reserves memory in 2 MiB
 chunks, so a method whose graphs take little (ours_planned_shared, ours_device) reads 0, 2 or 4
 MiB; for those the figure is also computed from parts (the arena, plus K executables at the
 driver bytes per node measured over ours_planned's 2038 graphs), and the headline takes the
@@ -99,16 +103,20 @@ def settled_free() -> int | None:
 
 
 class _Meter:
-    """Free-memory drop since `start`, sampled at chosen numbers of shapes served."""
+    """Free-memory drop since `start`, sampled at chosen numbers of shapes served, plus
+    `static_bytes`: the static input and output tensors a method allocated for its graphs
+    before the meter started (PtGraph's graphs read and write fixed addresses; ours bind the
+    caller's tokens by alias and write their outputs in the arena, which the drop counts)."""
 
-    def __init__(self, total: int, samples: int):
+    def __init__(self, total: int, samples: int, static_bytes: int = 0):
+        self.static_bytes = static_bytes
         self.start = settled_free()
         self.points: list[tuple[int, int]] = []
         self.at = set(np.unique(np.geomspace(1, total, samples).astype(int)).tolist()) | {total}
 
     def sample(self, served: int) -> None:
         if self.start is not None and served in self.at:
-            self.points.append((served, self.start - settled_free()))
+            self.points.append((served, self.start - settled_free() + self.static_bytes))
 
     @property
     def total(self) -> int | None:
@@ -145,7 +153,7 @@ def _ptgraph_gpt2(method, config, state_dict, beam, max_len, cfg):
     dec = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len,
                            pool="private" if method == "ptgraph_private" else "shared")
     lengths = range(cfg["prompt_len"], max_len + 1)
-    meter = _Meter(len(lengths), cfg["samples"])
+    meter = _Meter(len(lengths), cfg["samples"], _torch_bytes(dec._tokens, dec._static_logits))
     t0 = time.perf_counter()
     for n, length in enumerate(lengths, 1):   # ascending: the order a generation replays
         if torch.cuda.mem_get_info()[0] < RESERVE:
@@ -155,6 +163,10 @@ def _ptgraph_gpt2(method, config, state_dict, beam, max_len, cfg):
     capture_s = time.perf_counter() - t0
     info = {"graphs": len(dec.graphs), "lengths_captured": len(dec.graphs)}
     return dec, meter, capture_s, info, lambda prompt, new: dec.beam_search(prompt, max_new_tokens=new)
+
+
+def _torch_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _extrapolate(points, total: int) -> tuple[float, bool]:
@@ -295,7 +307,11 @@ def run_lstm(cfg, rows, curve) -> dict:
         methods = [m for m in methods if m.startswith("ours")]
     results = {}
     for method in common.progress(methods, desc=f"{NAME} lstm"):
-        meter = _Meter(B, cfg["samples"])
+        if method.startswith("ptgraph"):   # its weights and state first, outside the meter
+            m = _TorchLSTMGraphs(config, state_dict, B, "private" if method == "ptgraph_private"
+                                 else "shared")
+        meter = _Meter(B, cfg["samples"],
+                       _torch_bytes(m.tokens, m.logits) if method.startswith("ptgraph") else 0)
         t0 = time.perf_counter()
         if method.startswith("ours"):
             m = GraphedLSTM(model, max_batch=B, binding="alias", strategy="exact",
@@ -309,8 +325,6 @@ def run_lstm(cfg, rows, curve) -> dict:
                     "private_bytes": m.private_bytes}
             run = lambda: _ours_lstm_shrinking(m, prompt)  # noqa: E731
         else:
-            m = _TorchLSTMGraphs(config, state_dict, B, "private" if method == "ptgraph_private"
-                                 else "shared")
             for n, b in enumerate(range(B, 0, -1), 1):
                 m.capture(b)
                 meter.sample(n)
