@@ -115,7 +115,7 @@ def test_winograd_runs_only_where_both_channel_counts_reach_the_threshold(depth)
         if w == "M":
             index += 1
             continue
-        if min(cin, w) >= 256:
+        if min(cin, w) >= 128:   # the default threshold
             expected.add(f"features.{index}")
         cin, index = w, index + 2
     assert set(ops_with_ws) == expected
