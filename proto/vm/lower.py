@@ -69,19 +69,31 @@ def lower(live: Liveness, chosen: dict[Gap, Choice], timeline: Timeline,
         else:
             before[use].append(Action("alloc", name, offsets[(name, s)]))
 
+    def copy_from(name, g) -> int:
+        """After which op a dirty tensor's copy home may start: its last write before gap g
+        (the ops after it only read it, so the copy overlaps them), where the pool keeps
+        host copies. Managed memory moves the pages themselves, and a kernel reading a page
+        on its way out would fault it back: there the copy starts after the gap's first op."""
+        if not timeline.host_copy:
+            return g.after
+        writes = [i for i in live.uses[name] if i <= g.after and name in live.writes[i]]
+        return writes[-1] if writes and writes[-1] >= span_start[(name, g)] else g.after
+
     def leave(name, g):
         """The tensor leaves after the use that opens gap g."""
         nonlocal d2h
         if chosen[g].mode == "recompute":
             after[g.after].append(Action("drop", name))
         elif g in dirty:
-            after[g.after].append(Action("evict", name))
+            after[copy_from(name, g)].append(Action("evict", name))
             r = windows[g][0]
             (before[r] if r < n else end).append(Action("release", name))
             d2h += tape.tensors[name].nbytes
         else:
             after[g.after].append(Action("discard", name))
 
+    span_start = {(name, g): s for name, parts in spans.items() for s, _, g in parts
+                  if g is not None}
     for name, parts in spans.items():
         wrap = parts[-1][2]
         if wrap is None:
