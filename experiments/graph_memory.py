@@ -307,11 +307,11 @@ def run_lstm(cfg, rows, curve) -> dict:
         methods = [m for m in methods if m.startswith("ours")]
     results = {}
     for method in common.progress(methods, desc=f"{NAME} lstm"):
-        if method.startswith("ptgraph"):   # its weights and state first, outside the meter
+        ptgraph = method.startswith("ptgraph")
+        if ptgraph:   # its weights and state first, outside the meter
             m = _TorchLSTMGraphs(config, state_dict, B, "private" if method == "ptgraph_private"
                                  else "shared")
-        meter = _Meter(B, cfg["samples"],
-                       _torch_bytes(m.tokens, m.logits) if method.startswith("ptgraph") else 0)
+        meter = _Meter(B, cfg["samples"], _torch_bytes(m.tokens, m.logits) if ptgraph else 0)
         t0 = time.perf_counter()
         if method.startswith("ours"):
             m = GraphedLSTM(model, max_batch=B, binding="alias", strategy="exact",

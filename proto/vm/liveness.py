@@ -122,6 +122,12 @@ class Liveness:
         k = bisect.bisect_left(ops, lo)
         return k < len(ops) and ops[k] <= hi
 
+    def last_write(self, name: str, lo: int, hi: int) -> int | None:
+        """The last op in [lo, hi] that writes `name` (None: none does)."""
+        ops = self._write_ops.get(name, [])
+        k = bisect.bisect_right(ops, hi)
+        return ops[k - 1] if k and ops[k - 1] >= lo else None
+
     @functools.cached_property
     def gaps(self) -> tuple[Gap, ...]:
         """Every interval between consecutive uses with at least one op between them whose

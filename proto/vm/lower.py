@@ -69,42 +69,39 @@ def lower(live: Liveness, chosen: dict[Gap, Choice], timeline: Timeline,
         else:
             before[use].append(Action("alloc", name, offsets[(name, s)]))
 
-    def copy_from(name, g) -> int:
-        """After which op a dirty tensor's copy home may start: its last write before gap g
-        (the ops after it only read it, so the copy overlaps them), where the pool keeps
-        host copies. Managed memory moves the pages themselves, and a kernel reading a page
-        on its way out would fault it back: there the copy starts after the gap's first op."""
-        if not timeline.host_copy:
-            return g.after
-        writes = [i for i in live.uses[name] if i <= g.after and name in live.writes[i]]
-        return writes[-1] if writes and writes[-1] >= span_start[(name, g)] else g.after
+    def copy_from(name, g, start) -> int:
+        """After which op a dirty tensor's copy home may start: its last write in the span
+        [start, g.after] that gap g ends (the ops after it only read it, so the copy overlaps
+        them), where the pool keeps host copies. A span the tensor arrived in by
+        recomputation, or managed memory, which moves the pages themselves (a kernel reading
+        a page on its way out would fault it back): after the gap's first op."""
+        last = live.last_write(name, start, g.after) if timeline.host_copy else None
+        return g.after if last is None else last
 
-    def leave(name, g):
-        """The tensor leaves after the use that opens gap g."""
+    def leave(name, g, start):
+        """The tensor leaves the span from op `start` after the use that opens gap g."""
         nonlocal d2h
         if chosen[g].mode == "recompute":
             after[g.after].append(Action("drop", name))
         elif g in dirty:
-            after[copy_from(name, g)].append(Action("evict", name))
+            after[copy_from(name, g, start)].append(Action("evict", name))
             r = windows[g][0]
             (before[r] if r < n else end).append(Action("release", name))
             d2h += tape.tensors[name].nbytes
         else:
             after[g.after].append(Action("discard", name))
 
-    span_start = {(name, g): s for name, parts in spans.items() for s, _, g in parts
-                  if g is not None}
     for name, parts in spans.items():
         wrap = parts[-1][2]
         if wrap is None:
             before[parts[0][0]].append(Action("alloc", name, offsets[(name, parts[0][0])]))
         else:
             arrive(name, wrap, parts[0][0])
-        for (_, _, g), (s_next, _, _) in zip(parts, parts[1:]):
-            leave(name, g)
+        for (start, _, g), (s_next, _, _) in zip(parts, parts[1:]):
+            leave(name, g, start)
             arrive(name, g, s_next)
         if wrap is not None:
-            leave(name, wrap)
+            leave(name, wrap, parts[-1][0])
         elif name not in live.outputs:
             after[parts[-1][1]].append(Action("free", name))
     for i in range(n):   # recomputations in producer order: one may feed the next
