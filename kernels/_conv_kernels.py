@@ -108,9 +108,18 @@ def _patch_value(src, image, c_off, h, w, H, W):
     return np.float32(0.0)
 
 
+# The `relu` argument of the forward and backward-data kernels: what their epilogue does.
+RELU_NONE = 0
+RELU = 1        # forward: max(v, 0), keeping NaN
+RELU_MASK = 2   # backward-data: dst holds the ReLU output y that fed the convolution; each
+                # element becomes v where y > 0, else 0 (ReLU's backward, fused, written over
+                # y: the thread that writes an element is the only one that reads it)
+
+
 def _tile_store(TM: int, TN: int, row, col):
     """A device function store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO,
-    tx, ty): a forward (or backward-data) thread's TM x TN outputs, + bias, then ReLU."""
+    tx, ty): a forward (or backward-data) thread's TM x TN outputs, + bias, then the `relu`
+    epilogue (RELU_NONE, RELU or RELU_MASK)."""
     @cuda.jit(device=True)
     def store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty):
         for i in range(TM):
@@ -120,12 +129,15 @@ def _tile_store(TM: int, TN: int, row, col):
                 for j in range(TN):
                     co = n0 + col(ty, j)
                     if co < CO:
+                        at = _u(out_base + co * HWO)
                         v = acc[i, j]
                         if has_bias != 0:
                             v += bias[_u(co)]
-                        if relu != 0 and v < np.float32(0.0):   # not max(): keeps NaN
+                        if relu == RELU and v < np.float32(0.0):   # not max(): keeps NaN
                             v = np.float32(0.0)
-                        dst[_u(out_base + co * HWO)] = v
+                        if relu == RELU_MASK and not dst[at] > np.float32(0.0):
+                            v = np.float32(0.0)
+                        dst[at] = v
     return store
 
 

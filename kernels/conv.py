@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check
-from kernels._conv_kernels import (make_conv_kernel, make_conv_taps_kernel, make_wgrad_kernel,
+from kernels._conv_kernels import (RELU, RELU_MASK, RELU_NONE, make_conv_kernel,
+                                   make_conv_taps_kernel, make_wgrad_kernel,
                                    make_wgrad_taps_kernel, sum_splits_kernel)
 from kernels._tile import Tiles
 from proto import backend
@@ -222,20 +223,26 @@ def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, stream=0
     grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn))
     launch(kernel, grid, t.threads,
            (x.reshape(x.size), flat_w, flat_w if bias is None else bias, int(bias is not None),
-            int(bool(relu)), out.reshape(out.size), N, C, H, W, K, P, Q, R, S, stride, pad), stream)
+            RELU if relu else RELU_NONE, out.reshape(out.size), N, C, H, W, K, P, Q, R, S, stride,
+            pad), stream)
 
 
-def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, tiles=None, stream=0):
-    """dx = gradient of conv2d's input. dy (N,K,P,Q), w (K,C,R,S), dx (N,C,H,W) (written)."""
+def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, stream=0):
+    """dx = gradient of conv2d's input. dy (N,K,P,Q), w (K,C,R,S), dx (N,C,H,W) (written).
+
+    relu_mask: dx holds, on entry, the ReLU output y that was conv2d's input; it becomes the
+    gradient through that ReLU, where(y > 0, gradient, 0) (relu_bwd fused, y written over,
+    so the step never holds y and its gradient at once)."""
     _check.device_array("dx", dx, ndim=4)
     stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(dx.shape, w, stride, pad)
     _check.device_array("dy", dy, shape=(N, K, P, Q))
+    relu_mask = _check.flag("relu_mask", relu_mask)
     t = _tiles_or(tiles, _BWD_DATA, lambda: _pick_conv_tiles(C))
     flat_w = w.reshape(w.size)
     grid = (math.ceil(N * H * W / t.bm), math.ceil(C / t.bn))
     launch((_BWD_DATA_UNIT if stride == 1 else _BWD_DATA)[t], grid, t.threads,
-           (dy.reshape(dy.size), flat_w, flat_w, 0, 0, dx.reshape(dx.size),
-            N, K, P, Q, C, H, W, R, S, stride, pad), stream)
+           (dy.reshape(dy.size), flat_w, flat_w, 0, RELU_MASK if relu_mask else RELU_NONE,
+            dx.reshape(dx.size), N, K, P, Q, C, H, W, R, S, stride, pad), stream)
 
 
 class _WgradLaunch(NamedTuple):

@@ -59,12 +59,15 @@ def maxpool_kernel(x, out):
         out[n, c, p, q] = best
 
 
-@jit("void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1])", writes=("dx",))
-def maxpool_bwd_kernel(x, dy, dx):
+@jit("void(float32[:,:,:,::1], float32[:,:,:,::1], int32, float32[:,:,:,::1])", writes=("dx",),
+     in_place=(("dx", "x"),))
+def maxpool_bwd_kernel(x, dy, relu_mask, dx):
     """One thread per window: it finds the window's first maximum once and writes all four
-    of its dx elements (dy there, 0 elsewhere), two adjacent pairs, so a warp's loads and
-    stores are contiguous rows. An odd last row or column, in no window, gets zeros from the
-    threads of the windows beside it."""
+    of its dx elements (dy there, 0 elsewhere; with relu_mask, 0 also where that maximum is
+    not > 0), two adjacent pairs, so a warp's loads and stores are contiguous rows. An odd
+    last row or column, in no window, gets zeros from the threads of the windows beside it.
+    A thread reads its whole window before it writes, and no other thread reads it: dx may
+    be x."""
     N, C, H, W = x.shape
     P, Q = dy.shape[2], dy.shape[3]
     zero = np.float32(0.0)
@@ -84,6 +87,8 @@ def maxpool_bwd_kernel(x, dy, dx):
                 best = v
                 best_k = k
         g = dy[n, c, p, q]
+        if relu_mask != 0 and not best > zero:
+            g = zero
         for k in range(4):
             dx[n, c, h0 + k // 2, w0 + k % 2] = g if k == best_k else zero
         if q == Q - 1 and W % 2 == 1:   # the odd last column
@@ -108,15 +113,20 @@ def maxpool2x2(x, out, *, stream=0):
     launch(maxpool_kernel, blocks, threads, (x, out), stream)
 
 
-def maxpool2x2_bwd(x, dy, dx, *, stream=0):
+def maxpool2x2_bwd(x, dy, dx, *, relu_mask=False, stream=0):
     """dx (N, C, H, W) = gradient of maxpool2x2 given its input x and dy (N, C, H//2, W//2).
-    Every element of dx is written (rows/columns outside any window get 0)."""
+    Every element of dx is written (rows/columns outside any window get 0).
+
+    relu_mask: x is a ReLU's output, and dx becomes the gradient through that ReLU too,
+    where(x > 0, pooling's gradient, 0) (relu_bwd fused). dx may be x itself (in place), so
+    that the step never holds x and its gradient at once."""
     _check.device_array("x", x, ndim=4)
     N, C, H, W = x.shape
     _check.device_array("dy", dy, shape=(N, C, H // 2, W // 2))
     _check.device_array("dx", dx, shape=(N, C, H, W))
     blocks, threads = _check.grid_stride_launch(dy.size)
-    launch(maxpool_bwd_kernel, blocks, threads, (x, dy, dx), stream)
+    relu_mask = _check.flag("relu_mask", relu_mask)
+    launch(maxpool_bwd_kernel, blocks, threads, (x, dy, int(relu_mask), dx), stream)
 
 
 def maxpool_flops(n_in: int) -> float:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check, gemm
+from kernels._conv_kernels import RELU, RELU_MASK, RELU_NONE
 from kernels._reduce import block_allreduce
 from kernels.conv import conv_out_size
 from proto import backend
@@ -188,7 +189,8 @@ def input_transform_kernel(x, pad, n0, v):
 @jit("void(float32[:, :, ::1], float32[::1], int32, int32, int32, float32[:, :, :, ::1])",
      writes=("out",))
 def output_transform_kernel(m, bias, has_bias, relu, n0, out):
-    """out[n0 + z, k, 4 ty + i, 4 tx + j] = (A^T m A)[i, j] (+ bias[k], ReLU) for the 36 values
+    """out[n0 + z, k, 4 ty + i, 4 tx + j] = (A^T m A)[i, j] (+ bias[k], then the `relu`
+    epilogue of kernels._conv_kernels: RELU_NONE, RELU or RELU_MASK) for the 36 values
     m[:, k, t] of tile (ty, tx) of image z, k = blockIdx.y, the outputs that lie inside out.
     Grid (tiles of an image / threads, K, images of the chunk)."""
     a = cuda.local.array(XI, np.float32)
@@ -210,7 +212,11 @@ def output_transform_kernel(m, bias, has_bias, relu, n0, out):
             qq = M * tx + j
             if p < P and qq < Q:
                 val = y[j] + b
-                out[n, k, p, qq] = max(val, _ZERO) if relu else val
+                if relu == RELU:
+                    val = max(val, _ZERO)
+                elif relu == RELU_MASK and not out[n, k, p, qq] > _ZERO:   # (kernels.conv)
+                    val = _ZERO
+                out[n, k, p, qq] = val
 
 
 @jit("void(float32[:, :, :, ::1], int32, float32[:, :, ::1])", writes=("ud",))
@@ -396,7 +402,7 @@ def _run(src, w, bias, relu, dst, pad, workspace, transposed, names, stream):
                stream)
         gemm.gemm(u, v, m, stream=stream)
         launch(output_transform_kernel, *_tile_grid(tiles, cout, images),
-               (m, bias_arg, int(bias is not None), int(bool(relu)), n0, dst), stream)
+               (m, bias_arg, int(bias is not None), relu, n0, dst), stream)
 
 
 def conv2d(x, w, bias, out, *, pad: int = 1, relu: bool = False, workspace, stream=0) -> None:
@@ -406,14 +412,19 @@ def conv2d(x, w, bias, out, *, pad: int = 1, relu: bool = False, workspace, stre
     at least workspace_size(x.shape, w.shape, pad=pad, images=1) elements (more: more images
     a chunk, up to the batch)."""
     relu = _check.flag("relu", relu)
-    _run(x, w, bias, relu, out, pad, workspace, False, ("x", "out"), stream)
+    _run(x, w, bias, RELU if relu else RELU_NONE, out, pad, workspace, False, ("x", "out"), stream)
 
 
-def conv2d_bwd_data(dy, w, dx, *, pad: int = 1, workspace, stream=0) -> None:
+def conv2d_bwd_data(dy, w, dx, *, pad: int = 1, relu_mask: bool = False, workspace,
+                    stream=0) -> None:
     """dx = the gradient of conv2d's input, as kernels.conv.conv2d_bwd_data with stride 1 and
     a 3x3 filter: dy (N, K, P, Q), w (K, C, 3, 3), dx (N, C, H, W) (written), pad 0..2.
+    relu_mask: as kernels.conv.conv2d_bwd_data's (dx holds the ReLU output on entry; each
+    output tile's thread reads its elements before it writes them).
     workspace: at least workspace_size(dx.shape, w.shape, pad=pad, images=1) elements."""
-    _run(dy, w, None, False, dx, pad, workspace, True, ("dy", "dx"), stream)
+    relu_mask = _check.flag("relu_mask", relu_mask)
+    _run(dy, w, None, RELU_MASK if relu_mask else RELU_NONE, dx, pad, workspace, True,
+         ("dy", "dx"), stream)
 
 
 def conv2d_bwd_weight(x, dy, dw, db, *, pad: int = 1, workspace, stream=0) -> None:

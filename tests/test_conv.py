@@ -62,6 +62,28 @@ def test_conv2d_backward_data_matches_reference(data, scale):
     assert_sum_close(dx, ref, c["K"] * c["R"] ** 2)
 
 
+def relu_output(rng, shape):
+    """A ReLU's output: about half its elements exactly 0, and one NaN (a NaN y passes no
+    gradient: it is not > 0)."""
+    y = np.maximum(rand(rng, *shape), 0).astype(np.float32)
+    y.flat[rng.integers(y.size)] = np.nan
+    return y
+
+
+@given(data=st.data())
+def test_conv2d_backward_data_through_a_relu_goes_over_its_output(data, scale):
+    c = data.draw(conv_cases(scale))
+    x, w, _, dy = _arrays(c)
+    y = relu_output(np.random.default_rng(c["seed"] + 1), x.shape)
+    dx = dev(y)                       # in place: the ReLU output becomes its gradient
+    conv.conv2d_bwd_data(dev(dy), dev(w), dx, stride=c["stride"], pad=c["pad"], relu_mask=True)
+    got = dx.copy_to_host()
+    full = conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=c["stride"], pad=c["pad"])
+    passes = y > 0                    # NaN compares False
+    assert (got[~passes] == 0).all()
+    assert_sum_close(got[passes], full[passes], c["K"] * c["R"] ** 2)
+
+
 @given(data=st.data(), splits=st.sampled_from([None, 1, 3]))
 def test_conv2d_backward_weight_matches_reference(data, splits, scale):
     c = data.draw(conv_cases(scale))
@@ -136,7 +158,12 @@ def test_gpu_conv_tiles_over_many_steps(tiles, stride):
     dy = rand(rng, 1, 6, P, Q)
     dx = dev(np.full(x.shape, np.nan, np.float32))
     conv.conv2d_bwd_data(dev(dy), dev(w), dx, stride=stride, pad=1, tiles=tiles)
-    assert_sum_close(dx, conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=stride, pad=1), 54)
+    want = conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=stride, pad=1)
+    assert_sum_close(dx, want, 54)
+    y = relu_output(rng, x.shape)
+    masked = dev(y)
+    conv.conv2d_bwd_data(dev(dy), dev(w), masked, stride=stride, pad=1, relu_mask=True, tiles=tiles)
+    assert_sum_close(masked, np.where(y > 0, want, 0), 54)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 4])

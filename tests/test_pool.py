@@ -39,6 +39,24 @@ def test_maxpool_backward_routes_to_the_first_maximum(data, scale):
     assert np.isclose(ref.sum(), dy.sum(), rtol=1e-4, atol=1e-4)   # each dy lands exactly once
 
 
+@given(data=st.data(), in_place=st.booleans())
+def test_maxpool_backward_through_a_relu_passes_only_positive_maxima(data, in_place, scale):
+    x, rng = data.draw(pool_inputs(scale))
+    y = np.maximum(x, 0).astype(np.float32)     # a ReLU output: windows of zeros tie
+    N, C, H, W = y.shape
+    dy = rand(rng, N, C, H // 2, W // 2)
+    dx = dev(y) if in_place else dev(np.full(y.shape, np.nan, np.float32))
+    pool.maxpool2x2_bwd(dx if in_place else dev(y), dev(dy), dx, relu_mask=True)
+    # the window's first maximum gets dy if that maximum is > 0; everything else 0
+    want = np.zeros_like(y)
+    for n, c, p, q in np.ndindex(N, C, H // 2, W // 2):
+        win = y[n, c, 2 * p:2 * p + 2, 2 * q:2 * q + 2].ravel()
+        k = int(np.argmax(win))
+        if win[k] > 0:
+            want[n, c, 2 * p + k // 2, 2 * q + k % 2] = dy[n, c, p, q]
+    np.testing.assert_array_equal(dx.copy_to_host(), want)
+
+
 def test_reference_matches_a_hand_example():
     x = np.array([[[[1, 3, 0], [3, 2, 5], [9, 9, 9]]]], np.float32)   # tie in the window: 3, 3
     assert pool.maxpool2x2_ref(x).tolist() == [[[[3.0]]]]

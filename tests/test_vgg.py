@@ -135,19 +135,33 @@ def test_tape_lifetimes_are_explicit():
         if spec.kind == "activation":
             # born by a write (no op reads garbage)
             assert writers[name][0] == uses[0] and name not in tape.ops[uses[0]].reads, name
-            # Forward tensors are written exactly once, so re-running an op's producer
-            # recomputes them exactly. The gradient of a ReLU layer's output is written twice:
-            # by its producer, then masked in place by that layer's ReLU backward.
-            relu_bwd = [op.name for op in tape.ops if op.name.endswith(".relu_bwd")
-                        and op.reads[0] + ".grad" == name]
-            assert [tape.ops[i].name for i in writers[name][1:]] == relu_bwd, name
-            assert all(name in tape.ops[i].reads for i in writers[name][1:]), name
+            # Every later write is in place (the writer reads the tensor too) and in backward,
+            # so the forward writes each tensor once and re-running its producer recomputes it.
+            later = [tape.ops[i] for i in writers[name][1:]]
+            assert all(name in op.reads and op.phase == "backward" for op in later), name
+            if name.endswith(".grad"):   # a linear ReLU layer's: masked by its ReLU backward
+                assert [op.name for op in later] == [
+                    op.name for op in tape.ops
+                    if op.name.endswith(".relu_bwd") and op.reads[0] + ".grad" == name], name
+            elif later:   # a conv output: its gradient goes over it, once, masked by it
+                assert len(later) == 1, name
+                assert later[0].name.endswith((".bwd_data", ".bwd")), name
+    conv_outputs = {f"{L.name}.out" for L in vgg.layers(TINY) if L.kind == "conv"}
+    assert conv_outputs == {n for n, ws in writers.items() if len(ws) == 2 and not n.endswith(".grad")}
+    assert not [op for op in tape.ops if op.name.endswith(".relu_bwd")
+                and not op.name.startswith("classifier.")]
+
     def readers(name):
         return [op.name for op in tape.ops if name in op.reads]
-    # A pool output is read again only by the next conv's weight gradient; a conv output
-    # (after its fused ReLU) by the pool's backward and its own ReLU backward.
+    # A pool output is read again only by the next conv's weight gradient. A conv output
+    # (after its fused ReLU) is read by the next layer's forward and backward (which writes its
+    # gradient over it), then, as that gradient, by its own layer's backward.
     assert readers("features.5.out") == ["features.6.fwd", "features.6.bwd_weight"]
-    assert readers("features.3.out") == ["features.5.fwd", "features.5.bwd", "features.3.relu_bwd"]
+    assert readers("features.3.out") == ["features.5.fwd", "features.5.bwd",
+                                         "features.3.bwd_weight", "features.3.bwd_data"]
+    assert readers("features.6.out") == ["features.8.fwd", "features.8.bwd_weight",
+                                         "features.8.bwd_data", "features.6.bwd_weight",
+                                         "features.6.bwd_data"]
     assert readers("features.3.weight") == ["features.3.fwd", "features.3.bwd_data", "features.3.weight.sgd"]
     assert tape.ops[-1].phase == "update" and {op.phase for op in tape.ops} == \
         {"forward", "loss", "backward", "update"}

@@ -63,6 +63,24 @@ def test_backward_data_matches_the_direct_reference(data, scale):
     assert_winograd_close(dx, conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=c["pad"]), 9 * c["K"])
 
 
+@given(data=st.data())
+def test_backward_data_through_a_relu_goes_over_its_output(data, scale):
+    c = data.draw(cases(scale))
+    rng = np.random.default_rng(c["seed"])
+    x_shape = (c["N"], c["C"], c["H"], c["W"])
+    w = rand(rng, c["K"], c["C"], 3, 3)
+    dy = rand(rng, c["N"], c["K"], c["H"] + 2 * c["pad"] - 2, c["W"] + 2 * c["pad"] - 2)
+    y = np.maximum(rand(rng, *x_shape), 0).astype(np.float32)   # a ReLU output: half zeros
+    y.flat[rng.integers(y.size)] = np.nan                        # not > 0: no gradient
+    dx = dev(y)
+    winograd.conv2d_bwd_data(dev(dy), dev(w), dx, pad=c["pad"], relu_mask=True,
+                             workspace=_workspace(c))
+    got, passes = dx.copy_to_host(), y > 0
+    assert (got[~passes] == 0).all()
+    full = conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=c["pad"])
+    assert_winograd_close(got[passes], full[passes], 9 * c["K"])
+
+
 def test_a_run_repeats_bit_for_bit():
     rng = np.random.default_rng(5)
     x, w = dev(rand(rng, 3, 6, 10, 7)), dev(rand(rng, 5, 6, 3, 3))
@@ -171,8 +189,11 @@ def test_a_vgg_conv3_layer_matches_the_reference_in_all_three_passes():
     # unit-scale sums of 9 * 256 products, weights at 0.05: the forward's scale is 0.05
     assert_winograd_close(out.copy_to_host() / 0.05, conv.conv2d_ref(x, w, b, pad=1, relu=True) / 0.05,
                           9 * C)
-    assert_winograd_close(dx.copy_to_host() / 0.05, conv.conv2d_bwd_data_ref(dy, w, x.shape, pad=1) / 0.05,
-                          9 * K)
+    want_dx = conv.conv2d_bwd_data_ref(dy, w, x.shape, pad=1)
+    assert_winograd_close(dx.copy_to_host() / 0.05, want_dx / 0.05, 9 * K)
+    y = out.copy_to_host()             # a ReLU output: its gradient goes over it
+    winograd.conv2d_bwd_data(dev(dy), dev(w), out, relu_mask=True, workspace=ws)
+    assert_winograd_close(out.copy_to_host() / 0.05, np.where(y > 0, want_dx, 0) / 0.05, 9 * K)
     want_dw, want_db = conv.conv2d_bwd_weight_ref(x, dy, w.shape, pad=1)
     assert_winograd_close(dw, want_dw, N * S * S)
     np.testing.assert_allclose(db.copy_to_host(), want_db, rtol=1e-4, atol=16 * N * S * S * EPS32)

@@ -14,10 +14,15 @@ Architecture choices (each keeps the tape exact and the math torchvision's):
   checked against a reference; a dropout mask would be one more saved tensor per layer.
 - ReLU is fused into the producing conv/linear's epilogue, so no pre-activation tensor exists
   (as memory-lean as torchvision's ReLU(inplace=True)) and every forward tensor has exactly
-  one writer, which recomputation relies on. ReLU backward is its own op: it reads the layer
-  output y and dy and masks dy in place (torch's threshold_backward makes a new tensor; in
-  place, the op's working set at 224x224 is two activations, not three: VGG-19's largest
-  op then fits in 39% of the step's peak instead of 52%).
+  one writer in the forward, which recomputation relies on.
+- ReLU backward is fused into the backward of the layer that reads the ReLU's output y, where
+  that layer is a convolution (backward-data) or a pooling: that op writes y's gradient,
+  already masked by y > 0, over y itself (the kernels' `relu_mask`). So the gradient of a
+  conv's output *is* the tensor "<layer>.out", rewritten in backward, and the step never holds
+  y, its gradient and the next one at once: at 224x224 a conv's backward-data holds two
+  activations, not three (torch's threshold_backward makes a new tensor), and the separate
+  pass over y and dy is gone. The classifier's ReLUs (read by linear layers) keep an op of
+  their own, "<layer>.relu_bwd", that masks dy in place.
 
 Convolutions (`convolution`): "direct" runs kernels.conv's implicit GEMMs everywhere;
 "winograd" runs kernels.winograd's for every 3x3 layer but the first (whose 3 input channels
@@ -33,15 +38,17 @@ as keep it within the layer's input activation.
 Tensor names (kinds as proto.tape): "images" (B,3,S,S) and "labels" (B,) int32 [input];
 torchvision parameter names "features.{i}.weight", "classifier.{j}.bias", ... [param];
 "<param>.grad" [grad]; "<param>.momentum" [state]; "<layer>.out" for each conv (after its
-ReLU), pool and linear layer, named by the layer's torchvision index [activation];
-"<tensor>.grad" in backward [activation; a ReLU layer's is written twice: by its producer,
-then masked in place by the ReLU backward]; "loss" (1,) [activation,
-written last: a result of the step]. The last linear's output "classifier.6.out" is the logits.
+ReLU), pool and linear layer, named by the layer's torchvision index [activation; a conv's
+is written again in backward, as its own gradient]; "<tensor>.grad" in backward for the other
+tensors [activation; a linear ReLU layer's is written twice: by its producer, then masked in
+place by the ReLU backward]; "loss" (1,) [activation, written last: a result of the step].
+The last linear's output "classifier.6.out" is the logits.
 
-Ops, in order: "<layer>.fwd" per layer; "loss"; per layer in reverse "<layer>.relu_bwd",
-"<layer>.bwd_weight" (before bwd_data, so the saved input dies first), "<layer>.bwd_data"
-(not for the first conv: the images need no gradient), or "<layer>.bwd" for pools; then
-"<param>.sgd" per parameter (PyTorch SGD: momentum, weight decay).
+Ops, in order: "<layer>.fwd" per layer; "loss"; per layer in reverse "<layer>.relu_bwd" (linear
+layers with a ReLU), "<layer>.bwd_weight" (before bwd_data, which writes over the saved
+input), "<layer>.bwd_data" (not for the first conv: the images need no gradient), or
+"<layer>.bwd" for pools; then "<param>.sgd" per parameter (PyTorch SGD: momentum, weight
+decay).
 """
 from __future__ import annotations
 
@@ -258,18 +265,25 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
     op("loss", "loss", (logits, "labels"), ("loss", f"{logits}.grad"), _loss(logits),
        xent.softmax_xent_flops(B, cfg.num_classes), net[-1].name)
 
-    # backward
+    # backward. A ReLU output read by a conv or a pool is its own gradient (module doc).
+    producer = {L.output: L for L in net}
+    masked = {L.input for L in net if L.kind != "linear" and L.input in producer
+              and producer[L.input].relu}
+
+    def grad(t: str) -> str:
+        return t if t in masked else f"{t}.grad"
+
     for L in reversed(net):
-        dy = f"{L.output}.grad"
-        dx = f"{L.input}.grad"
+        dy, dx = grad(L.output), grad(L.input)
         needs_dx = L.input != "images"
-        if needs_dx:
+        mask = dx == L.input      # this op's dx goes over its input, masked by it
+        if needs_dx and not mask:
             tensor(dx, shape_of[L.input], "activation")
         if L.kind == "pool":
-            op(f"{L.name}.bwd", "backward", (L.input, dy), (dx,), _pool_bwd(L),
+            op(f"{L.name}.bwd", "backward", (L.input, dy), (dx,), _pool_bwd(L, dy, dx, mask),
                pool.maxpool_flops(int(np.prod(shape_of[L.input]))), L.name)
             continue
-        if L.relu:   # in place: dy becomes the pre-activation's gradient
+        if L.relu and dy != L.output:   # in place: dy becomes the pre-activation's gradient
             op(f"{L.name}.relu_bwd", "backward", (L.output, dy), (dy,), _relu_bwd(L.output, dy, dy),
                relu.relu_flops(int(np.prod(shape_of[L.output]))), L.name)
         w, b = L.params
@@ -289,13 +303,15 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
                 ws = tensor(f"{L.name}.wgrad_partials", (size,), "workspace")
             grads += (ws,) if ws else ()
             wgrad = _conv_bwd_weight(L, dy, ws, algorithm, tensors[w].shape)
-            dgrad = _conv_bwd_data(L, dy, shape_of[L.input], *dx_writes[1:])
+            dgrad = _conv_bwd_data(L, dy, dx, mask, shape_of[L.input], *dx_writes[1:])
         else:
             flops = linear.linear_flops(B, L.cin, L.cout)
-            wgrad, dgrad = _linear_bwd_weight(L, dy), _linear_bwd_data(L, dy, shape_of[L.input])
+            wgrad = _linear_bwd_weight(L, dy)
+            dgrad = _linear_bwd_data(L, dy, dx, shape_of[L.input])
         op(f"{L.name}.bwd_weight", "backward", (L.input, dy), grads, wgrad, flops, L.name)
         if needs_dx:
-            op(f"{L.name}.bwd_data", "backward", (w, dy), dx_writes, dgrad, flops, L.name)
+            op(f"{L.name}.bwd_data", "backward", (w, dy) + ((L.input,) if mask else ()),
+               dx_writes, dgrad, flops, L.name)
 
     # update
     for L in net:
@@ -343,17 +359,22 @@ def _conv_bwd_weight(L, dy, workspace, algorithm, w_shape):
     return run, lambda x, dy: conv.conv2d_bwd_weight_ref(x, dy, w_shape, pad=1)
 
 
-def _conv_bwd_data(L, dy, x_shape, workspace=None):
-    """kernels.conv's, or kernels.winograd's with its `workspace`."""
+def _conv_bwd_data(L, dy, dx, mask, x_shape, workspace=None):
+    """kernels.conv's, or kernels.winograd's with its `workspace`. mask: dx is the layer's
+    input, a ReLU output, and the gradient goes over it masked by it (relu_mask)."""
     w, _ = L.params
 
     def run(a, stream):
         if workspace:
-            winograd.conv2d_bwd_data(a[dy], a[w], a[f"{L.input}.grad"], pad=1,
+            winograd.conv2d_bwd_data(a[dy], a[w], a[dx], pad=1, relu_mask=mask,
                                      workspace=a[workspace], stream=stream)
         else:
-            conv.conv2d_bwd_data(a[dy], a[w], a[f"{L.input}.grad"], pad=1, stream=stream)
-    return run, lambda w, dy: [conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=1)]
+            conv.conv2d_bwd_data(a[dy], a[w], a[dx], pad=1, relu_mask=mask, stream=stream)
+
+    def ref(w, dy, *y):   # y: the ReLU output, read when masked
+        g = conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=1)
+        return [relu.relu_bwd_ref(y[0], g) if mask else g]
+    return run, ref
 
 
 def _pool_fwd(L):
@@ -362,10 +383,15 @@ def _pool_fwd(L):
     return run, lambda x: [pool.maxpool2x2_ref(x)]
 
 
-def _pool_bwd(L):
+def _pool_bwd(L, dy, dx, mask):
+    """mask: dx is the pool's input, a ReLU output: the gradient goes over it, masked."""
     def run(a, stream):
-        pool.maxpool2x2_bwd(a[L.input], a[f"{L.output}.grad"], a[f"{L.input}.grad"], stream=stream)
-    return run, lambda x, dy: [pool.maxpool2x2_bwd_ref(x, dy)]
+        pool.maxpool2x2_bwd(a[L.input], a[dy], a[dx], relu_mask=mask, stream=stream)
+
+    def ref(x, dy):
+        g = pool.maxpool2x2_bwd_ref(x, dy)
+        return [relu.relu_bwd_ref(x, g) if mask else g]
+    return run, ref
 
 
 def _flat(x):
@@ -393,11 +419,11 @@ def _linear_bwd_weight(L, dy):
     return run, ref
 
 
-def _linear_bwd_data(L, dy, x_shape):
+def _linear_bwd_data(L, dy, dx, x_shape):
     w, _ = L.params
 
     def run(a, stream):
-        linear.linear_bwd_data(a[dy], a[w], _flat(a[f"{L.input}.grad"]), stream=stream)
+        linear.linear_bwd_data(a[dy], a[w], _flat(a[dx]), stream=stream)
     return run, lambda w, dy: [(dy.astype(np.float64) @ w).reshape(x_shape)]
 
 
