@@ -208,27 +208,3 @@ def test_close_releases_graph_and_buffers():
     assert g.description is None and g.placeholders == {}
     gc.collect()
     assert captured["tmp"]() is None
-
-
-@given(n=st.integers(1, 12), data=st.data())
-def test_a_shared_executable_retarget_rewrites_every_node_that_differs(n, data):
-    """SharedExecutables rewrites, going from graph h to graph e, the nodes where h or e
-    differs from the first graph of their topology: every node outside that set must be the
-    same in h and e (or the executable would run a mix of the two graphs)."""
-    from proto.graph import Description
-    from proto.graph.cuda import _KernelParams, differing, node_keys
-
-    def graph_of(values):
-        nodes = [KernelLaunch(args=(), kernel=None, griddim=(g, 1, 1)) for g, _ in values]
-        params = [_KernelParams(None, None, [v, 7], {}) for _, v in values]
-        return Description(nodes, [() for _ in nodes]), params
-
-    choice = st.tuples(st.integers(1, 2), st.integers(0, 2))   # (grid, a parameter)
-    ref, h, e = (data.draw(st.lists(choice, min_size=n, max_size=n)) for _ in range(3))
-    keys = {name: node_keys(*graph_of(v)) for name, v in (("ref", ref), ("h", h), ("e", e))}
-    rewritten = differing(keys["ref"], keys["h"]) | differing(keys["ref"], keys["e"])
-    for j in range(n):
-        if j not in rewritten:
-            assert h[j] == e[j], (j, h[j], e[j])
-    # and a node is rewritten only if it can differ: one that differs from neither is equal
-    assert rewritten == {j for j in range(n) if h[j] != ref[j] or e[j] != ref[j]}

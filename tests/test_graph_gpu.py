@@ -197,16 +197,6 @@ def test_graphs_of_one_topology_share_an_executable_retargeted_by_update():
     assert pool.updates == 2 * 9 - 2 - 1      # a miss per switch (7 then 7 is a hit; so is the
                                               # first launch, which instantiates)
     assert pool.update_us_per_switch > 0
-    # The graphs differ in one launch (its scale): a retarget rewrites that node alone
-    assert pool.node_updates == pool.updates and pool.update_failures == 0
-    # Once the graph it was instantiated from (3) closes, its node handles are gone: the
-    # executable is then updated whole, and still computes what each graph would
-    graphs[3].close()
-    for j in (0, 5, 1):
-        graphs[j].replay(x=x, y=y)
-        cuda.synchronize()
-        np.testing.assert_array_equal(outs[j].copy_to_host(), (j + 1) * np.arange(n) + 1)
-    assert pool.updates == 2 * 9 - 2 - 1 + 3 and pool.node_updates == 2 * 9 - 2 - 1
     for g in graphs:
         g.close()
     pool.close()

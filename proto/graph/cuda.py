@@ -13,10 +13,9 @@ without instantiating again.
 Executables cost device memory (the driver's copy of every node's parameters and launch
 descriptors, a few KiB a kernel node, reserved in 2 MiB chunks). Graphs of one topology (the
 per-length decode graphs of a model differ only in pointers) can share executables:
-`SharedExecutables` keeps at most K of them and retargets one to another graph when that
-graph is launched, rewriting only the nodes in which the two can differ (or, where that
-cannot work, the whole executable with ``cuGraphExecUpdate``, cuda.core's ``Graph.update``):
-the definitions stay on the host, the device holds K executables. An update takes effect at the
+`SharedExecutables` keeps at most K of them and retargets one to another graph's definition
+with ``cuGraphExecUpdate`` (cuda.core's ``Graph.update``) when that graph is launched: the
+definitions stay on the host, the device holds K executables. An update takes effect at the
 next launch and leaves launches in flight alone, so the host may retarget while the GPU runs.
 
 Conditional nodes lower to CUDA's IF/WHILE nodes: the condition is a handle the driver owns,
@@ -243,7 +242,6 @@ class CudaExecutor:
                 raise ValueError("shared executables: graphs with conditional nodes cannot be "
                                  "retargeted with executable update; give them their own")
             self.topology = topology(description)
-            self.varying = shared.register(self)   # the nodes a retarget may have to rewrite
         self.closed = False
 
     def launch(self) -> None:
@@ -291,76 +289,34 @@ class CudaExecutor:
         self.closed = True
 
 
-def node_keys(description: Description, params: list) -> list:
-    """What each node of a lowered description does, as comparable values: a kernel's launch
-    geometry and flat parameters, a copy's addresses and size."""
-    keys = []
-    for node, p in zip(description.nodes, params):
-        if isinstance(p, _KernelParams):
-            keys.append((node.griddim, node.blockdim, node.sharedmem, tuple(p.flat)))
-        else:
-            keys.append(None if p is None else tuple(p))
-    return keys
-
-
-def differing(reference: list, keys: list) -> frozenset:
-    """The nodes whose keys differ from the reference graph's (same topology)."""
-    return frozenset(j for j, (a, b) in enumerate(zip(reference, keys)) if a != b)
-
-
-class _Slot(NamedTuple):
-    holder: "CudaExecutor | None"   # the graph the executable runs now (None: closed since)
-    topology: tuple
-    source: "CudaExecutor"          # the graph it was instantiated from: its node handles
-                                    # name the executable's nodes
-
-
 class SharedExecutables:
-    """At most `capacity` executables shared by graphs of one topology; an LRU, retargeted on
-    a miss. `capacity` 1: one executable for every length.
-
-    A retarget rewrites only the nodes that can differ: each graph knows which of its nodes
-    differ from the first graph of its topology (`register`), so going from graph h to graph
-    e rewrites the nodes in either set, one cuGraphExecKernelNodeSetParams each (a per-length
-    decode graph differs in the few launches that read its baked position). Where that cannot
-    work (the graph it was instantiated from has closed, so its node handles are gone, or the
-    driver refuses) the whole executable is updated from e's definition (cuGraphExecUpdate)."""
+    """At most `capacity` executables shared by graphs of one topology; an LRU, retargeted
+    with executable update on a miss. `capacity` 1: one executable for every length."""
 
     def __init__(self, capacity: int = 1):
         self.capacity = _check.positive("capacity", capacity)
-        self._slots: collections.OrderedDict = collections.OrderedDict()  # executable -> _Slot
-        self._reference: dict[tuple, list] = {}   # topology -> its first graph's node keys
+        self._slots: collections.OrderedDict = collections.OrderedDict()  # executable -> holder
         self.instantiations = self.updates = self.update_failures = 0
-        self.node_updates = 0                     # nodes rewritten by per-node retargets
         self.update_s = 0.0
         self.memory_bytes = 0
 
-    def register(self, executor: "CudaExecutor") -> frozenset:
-        """The nodes where `executor` differs from the first graph of its topology."""
-        keys = node_keys(executor._lowered.description, executor._lowered.params)
-        reference = self._reference.setdefault(executor.topology, keys)
-        return differing(reference, keys)
-
     def acquire(self, executor: CudaExecutor):
         """The executable to launch for `executor`, retargeted to it if it holds another graph."""
-        for graph, slot in self._slots.items():
-            if slot.holder is executor:
+        for graph, (holder, top) in self._slots.items():
+            if holder is executor:
                 self._slots.move_to_end(graph)
                 return graph
-        victim = next((g for g, slot in self._slots.items() if slot.topology == executor.topology),
-                      None)
+        victim = next((g for g, (_, top) in self._slots.items() if top == executor.topology), None)
         if victim is not None and len(self._slots) >= self.capacity:
-            slot = self._slots[victim]
             t0 = time.perf_counter()
             try:
-                self._retarget(victim, slot, executor)
-            except Exception:   # the driver refused this retarget: instantiate instead, and
-                self.update_failures += 1   # let no graph trust what the victim holds now
-                self._slots[victim] = slot._replace(holder=None)
+                victim.update(executor._lowered.definition)
+            except Exception:   # the driver refused this retarget: instantiate instead
+                self.update_failures += 1
             else:
                 self.update_s += time.perf_counter() - t0
                 self.updates += 1
-                self._slots[victim] = _Slot(executor, slot.topology, slot.source)
+                self._slots[victim] = (executor, executor.topology)
                 self._slots.move_to_end(victim)
                 return victim
         if len(self._slots) >= self.capacity:   # full of other topologies: drop the oldest
@@ -370,32 +326,14 @@ class SharedExecutables:
         graph, nbytes = _instantiate(executor._lowered.definition, executor._stream)
         self.instantiations += 1
         self.memory_bytes += nbytes
-        self._slots[graph] = _Slot(executor, executor.topology, executor)
+        self._slots[graph] = (executor, executor.topology)
         return graph
-
-    def _retarget(self, graph, slot: _Slot, executor: CudaExecutor) -> None:
-        """Make `graph` (running slot.holder) run `executor`'s graph."""
-        if slot.holder is not None and not slot.source.closed:
-            handles = slot.source._lowered.handles
-            try:
-                for j in sorted(slot.holder.varying | executor.varying):
-                    p = executor._lowered.params[j]
-                    if isinstance(p, _KernelParams):
-                        graph[handles[j]].update(config=p.config, kernel=p.kernel, args=p.flat)
-                    else:   # copy node: [dst address, src address, size]
-                        dst, src, size = p
-                        graph[handles[j]].update(dst=dst, src=src, size=size)
-                    self.node_updates += 1
-                return
-            except Exception:   # some nodes may be rewritten already: the whole update below
-                pass            # rewrites every node
-        graph.update(executor._lowered.definition)
 
     def forget(self, executor: CudaExecutor) -> None:
         """`executor` closes: an executable holding it stays, holding nothing."""
-        for graph, slot in list(self._slots.items()):
-            if slot.holder is executor:
-                self._slots[graph] = slot._replace(holder=None)
+        for graph, (holder, top) in list(self._slots.items()):
+            if holder is executor:
+                self._slots[graph] = (None, top)
 
     @property
     def update_us_per_switch(self) -> float:
@@ -406,7 +344,6 @@ class SharedExecutables:
         for graph in self._slots:
             graph.close()
         self._slots.clear()
-        self._reference.clear()
 
 
 class HostDrivenExecutor:
