@@ -93,6 +93,44 @@ def test_config_rejects_impossible_sizes():
         vgg.VGGConfig(convolution="fft")
     with pytest.raises(ValueError, match="winograd_min_channels: expected a positive integer"):
         vgg.VGGConfig(convolution="winograd", winograd_min_channels=0)
+    with pytest.raises(ValueError, match="front_splits: expected a divisor of batch=32"):
+        vgg.VGGConfig(batch=32, front_splits=3)
+    with pytest.raises(ValueError, match="front_splits: expected a positive integer"):
+        vgg.VGGConfig(front_splits=0)
+
+
+def test_the_first_block_in_micro_batches_moves_its_activations_in_pieces():
+    """front_splits=4 at VGG-19's 224x224 (described, not run): conv1's outputs become four
+    quarter-batch tensors, and so does the first pool's, joined into the whole one that conv2
+    reads; every other tensor keeps its shape, each first-block op runs once a micro-batch on
+    a quarter of the work, and the peak of live bytes does not grow."""
+    big = vgg.VGGConfig(depth=19, batch=8)
+    whole, split = vgg.build_tape(big), vgg.build_tape(dataclasses.replace(big, front_splits=4))
+    for name in ("features.0.out", "features.2.out", "features.4.out"):
+        assert (name in split.tensors) == (name == "features.4.out")
+        pieces = [split.tensors[f"{name}.mb{k}"] for k in range(4)]
+        assert all(p.shape == (2,) + whole.tensors[name].shape[1:] for p in pieces)
+    rest = {n for n in whole.tensors if n not in ("features.0.out", "features.2.out")}
+    assert all(split.tensors[n] == whole.tensors[n] for n in rest)
+    join = next(op for op in split.ops if op.name == "features.4.join")
+    assert join.reads == tuple(f"features.4.out.mb{k}" for k in range(4))
+    assert join.writes == ("features.4.out",)
+    assert split.ops.index(join) == max(i for i, op in enumerate(split.ops) if ".mb" in op.name
+                                        and op.phase == "forward") + 1
+    flops = {op.name: op.flops for op in whole.ops}
+    for op in split.ops:
+        if ".mb" in op.name:
+            layer_op = op.name.replace(op.name.split(".")[2] + ".", "", 1)   # drop ".mbK"
+            assert op.flops == pytest.approx(flops[layer_op] / 4), op.name
+    # the parameter gradients of the first block: four pieces, summed in order, before SGD
+    sums = [op for op in split.ops if op.name.endswith(".grad_sum")]
+    assert [op.name for op in sums] == [f"features.{i}.{p}.grad_sum" for i in (0, 2)
+                                        for p in ("weight", "bias")]
+    for op in sums:
+        p = op.writes[0]
+        assert op.reads == tuple(f"{p}.mb{k}" for k in range(4))
+    from proto.vm import Liveness
+    assert Liveness(split).peak <= Liveness(whole).peak
 
 
 @pytest.mark.parametrize("depth", [11, 19])
@@ -168,13 +206,15 @@ def test_tape_lifetimes_are_explicit():
     assert all(op.flops > 0 and op.layer for op in tape.ops)
 
 
-@pytest.mark.parametrize("convolution", vgg.CONVOLUTIONS)
-def test_tape_step_matches_numpy_reference(convolution):
+@pytest.mark.parametrize("convolution, front_splits",
+                         [("direct", 1), ("winograd", 1), ("winograd", 2)])
+def test_tape_step_matches_numpy_reference(convolution, front_splits):
     """The whole step on the device, op by op, each op seeing only what it declares (Winograd's
-    workspaces too: written whole, never read by another op)."""
+    workspaces too: written whole, never read by another op); with the first block in two
+    micro-batches, its parameter gradients summed."""
     # every 3x3 layer but the first (its default needs 256 channels, more than these have)
     cfg = dataclasses.replace(TINY if backend.SIMULATOR else GPU_CFG, convolution=convolution,
-                              winograd_min_channels=1)
+                              winograd_min_channels=1, front_splits=front_splits)
     state = vgg.random_state_dict(cfg, seed=1)
     images, labels = _batch(cfg)
     rng = np.random.default_rng(2)
@@ -182,6 +222,7 @@ def test_tape_step_matches_numpy_reference(convolution):
     tape = vgg.build_tape(cfg)
     workspaces = {n for n, t in tape.tensors.items() if t.kind == "workspace"}
     assert any(n.endswith("_winograd") for n in workspaces) == (convolution == "winograd")
+    assert any(".mb1." in op.name for op in tape.ops) == (front_splits > 1)
     arrays = _device_arrays(tape, vgg.initial_values(cfg, state, images, labels, momentum))
     run_unconstrained(tape, arrays, check_access=True)
     ref = vgg.reference_step(cfg, state, images, labels, momentum)
@@ -248,22 +289,24 @@ def test_reference_step_matches_pytorch():
                                    atol=1e-6 + cfg.lr * atol, err_msg=name)
 
 
-def test_host_math_changes_only_how_ops_compute_and_matches_the_numpy_reference():
+@pytest.mark.parametrize("front_splits", [1, 2])
+def test_host_math_changes_only_how_ops_compute_and_matches_the_numpy_reference(front_splits):
     """build_tape(host_math=True), the simulator's fast tape: the same tensors, ops, reads and
     writes, each op computed from its kernels' NumPy references; the step still equals the
-    reference step (which is written layer by layer, not op by op)."""
-    tape, host = vgg.build_tape(TINY), vgg.build_tape(TINY, host_math=True)
+    reference step (which is written layer by layer, not op by op, at the whole batch)."""
+    cfg = dataclasses.replace(TINY, front_splits=front_splits)
+    tape, host = vgg.build_tape(cfg), vgg.build_tape(cfg, host_math=True)
     assert host.tensors == tape.tensors
     assert [(o.name, o.phase, o.reads, o.writes, o.flops, o.layer) for o in host.ops] == \
         [(o.name, o.phase, o.reads, o.writes, o.flops, o.layer) for o in tape.ops]
     assert all(a.run is not b.run for a, b in zip(host.ops, tape.ops))
-    state = vgg.random_state_dict(TINY, seed=1)
-    images, labels = _batch(TINY)
-    arrays = _device_arrays(host, vgg.initial_values(TINY, state, images, labels))
+    state = vgg.random_state_dict(cfg, seed=1)
+    images, labels = _batch(cfg)
+    arrays = _device_arrays(host, vgg.initial_values(cfg, state, images, labels))
     run_unconstrained(host, arrays)
-    ref = vgg.reference_step(TINY, state, images, labels)
+    ref = vgg.reference_step(cfg, state, images, labels)
     np.testing.assert_allclose(arrays["loss"].copy_to_host()[0], ref.loss, rtol=1e-6)
-    for name in vgg.param_shapes(TINY):   # the same float64 references, float32 between ops
+    for name in vgg.param_shapes(cfg):   # the same float64 references, float32 between ops
         atol = 1e-6 * np.abs(ref.grads[name]).max()
         np.testing.assert_allclose(arrays[f"{name}.grad"].copy_to_host(), ref.grads[name],
                                    rtol=1e-5, atol=atol, err_msg=name)
@@ -282,13 +325,15 @@ def test_host_math_cannot_be_recorded_into_a_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("convolution", vgg.CONVOLUTIONS)
-def test_memory_policies_give_identical_bits_on_the_gpu(convolution):
+@pytest.mark.parametrize("convolution, front_splits",
+                         [("direct", 1), ("winograd", 1), ("winograd", 2)])
+def test_memory_policies_give_identical_bits_on_the_gpu(convolution, front_splits):
     # Every kernel of the step is deterministic (the conv weight gradient's split reduction
     # is summed in a fixed order), so a policy that leaves the math alone gives equal bits:
     # a rerun, the AutoVM schedule, the schedule as one CUDA graph, and demand paging.
     from proto.vm import Executor, Liveness, PagingExecutor, plan
-    cfg = dataclasses.replace(GPU_CFG, convolution=convolution, winograd_min_channels=1)
+    cfg = dataclasses.replace(GPU_CFG, convolution=convolution, winograd_min_channels=1,
+                              front_splits=front_splits)
     tape = vgg.build_tape(cfg)
     assert any(t.kind == "workspace" for t in tape.tensors.values()), "expected a workspace"
     images, labels = _batch(cfg)

@@ -23,6 +23,15 @@ Architecture choices (each keeps the tape exact and the math torchvision's):
   activations, not three (torch's threshold_backward makes a new tensor), and the separate
   pass over y and dy is gone. The classifier's ReLUs (read by linear layers) keep an op of
   their own, "<layer>.relu_bwd", that masks dy in place.
+- `front_splits` S > 1 runs the first block (the convolutions before the first pool, and that
+  pool) in S micro-batches of batch/S images, forward and backward, each with tensors of its
+  own: at 224x224 and batch 256 conv1's two outputs are 6.6 GB made in the step's first 36 ms
+  and needed again only in its last 80, and in pieces a memory policy can send the first
+  micro-batch's to the host while the next one computes, and bring them back one piece at a
+  time. The pool's pieces are joined (device copies) into the whole-batch tensor conv2
+  reads; the block's parameter gradients are one tensor per micro-batch, summed in order.
+  Every policy runs the same tape, so their results stay comparable bit for bit; against an
+  unsplit step only the summation order of those gradients changes.
 
 Convolutions (`convolution`): "direct" runs kernels.conv's implicit GEMMs everywhere;
 "winograd" runs kernels.winograd's for every 3x3 layer but the first (whose 3 input channels
@@ -48,16 +57,18 @@ Ops, in order: "<layer>.fwd" per layer; "loss"; per layer in reverse "<layer>.re
 layers with a ReLU), "<layer>.bwd_weight" (before bwd_data, which writes over the saved
 input), "<layer>.bwd_data" (not for the first conv: the images need no gradient), or
 "<layer>.bwd" for pools; then "<param>.sgd" per parameter (PyTorch SGD: momentum, weight
-decay).
+decay). With front_splits S > 1 the first block's ops are "<layer>.mb<k>.fwd" (and so on) per
+micro-batch k, on "<layer>.out.mb<k>" and "<param>.grad.mb<k>"; "<pool>.join" follows its
+forward, and "<param>.grad_sum" its backward.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
-from kernels import _check, conv, linear, loss as xent, pool, relu, sgd, winograd
+from kernels import _check, conv, elementwise, linear, loss as xent, pool, relu, sgd, winograd
 from proto import graph
 from proto.models import checked_params
 from proto.tape import Op, Tape, TensorSpec
@@ -87,6 +98,7 @@ class VGGConfig:
     hidden: int | None = None   # classifier width; default 4096 * width
     convolution: str = "direct"  # or "winograd" (the module docstring says where)
     winograd_min_channels: int = 128  # "winograd": only layers this wide in and out
+    front_splits: int = 1       # micro-batches the first block runs in (a divisor of batch)
 
     def __post_init__(self):
         # NumPy scalars are accepted and stored as Python numbers; bools and strings are not.
@@ -110,6 +122,10 @@ class VGGConfig:
             raise ValueError(f"convolution: expected one of {CONVOLUTIONS}, got {self.convolution!r}")
         keep("winograd_min_channels", _check.positive("winograd_min_channels",
                                                       self.winograd_min_channels))
+        keep("front_splits", _check.positive("front_splits", self.front_splits))
+        if self.batch % self.front_splits:
+            raise ValueError(f"front_splits: expected a divisor of batch={self.batch}, got "
+                             f"{self.front_splits}")
 
     def channels(self, c: int) -> int:
         return max(1, int(round(c * self.width)))
@@ -198,12 +214,28 @@ def load_state_dict(cfg: VGGConfig, state_dict, *, allow_nonfinite: bool = False
 
 
 # ---------------------------------------------------------------------------- the tape
+class _Part(NamedTuple):
+    """Rows lo:hi of tensor `name`: a micro-batch's share of a whole-batch tensor."""
+    name: str
+    lo: int
+    hi: int
+
+
+def _name(ref) -> str:
+    return ref.name if isinstance(ref, _Part) else ref
+
+
+def _get(a, ref):
+    """The device array an op body works on: a tensor, or a micro-batch's rows of one."""
+    return a[ref.name][ref.lo:ref.hi] if isinstance(ref, _Part) else a[ref]
+
+
 def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
     """The step's tensors and ops. host_math: each op computes with its kernels' NumPy
     references on host copies of its tensors instead of launching the kernels (the same
     tensors, reads and writes; every result stored as the tensor's dtype): on the simulator a
     step then takes seconds, not minutes. Host math cannot be recorded into a graph."""
-    B = cfg.batch
+    B, S = cfg.batch, cfg.front_splits
     tensors: dict[str, TensorSpec] = {}
     ops: list[Op] = []
 
@@ -212,9 +244,11 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
         return name
 
     def op(name, phase, reads, writes, bodies, flops, layer):
-        """bodies: (device body, NumPy function of the reads' values -> the writes' values)."""
+        """reads, writes: tensor names, or a micro-batch's rows of one (_Part). bodies:
+        (device body, NumPy function of the reads' values -> the writes' values)."""
         run = _on_host(bodies[1], reads, writes) if host_math else bodies[0]
-        ops.append(Op(name, phase, tuple(reads), tuple(writes), run, float(flops), layer))
+        ops.append(Op(name, phase, tuple(map(_name, reads)), tuple(map(_name, writes)), run,
+                      float(flops), layer))
 
     tensor("images", (B, 3, cfg.image_size, cfg.image_size), "input")
     tensor("labels", (B,), "input", np.int32)
@@ -223,6 +257,12 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
         tensor(f"{name}.grad", shape, "grad")
         tensor(f"{name}.momentum", shape, "state")
     net = layers(cfg)
+    # The front (the layers up to the first pool, and that pool) runs in S micro-batches
+    # (module doc): its outputs are one tensor per micro-batch; the pool's pieces are then
+    # joined into the whole-batch tensor the next layer reads.
+    front = net[:[L.kind for L in net].index("pool") + 1] if S > 1 else []
+    split = {L.output for L in front}
+    n = B // S
     shape_of = {"images": tensors["images"].shape}
     for L in net:
         if L.kind == "linear":
@@ -230,33 +270,57 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
         else:
             side = L.size if L.kind == "conv" else L.size // 2
             shape_of[L.output] = (B, L.cout, side, side)
-        tensor(L.output, shape_of[L.output], "activation")
+        for k in range(S) if L.output in split else ():
+            tensor(f"{L.output}.mb{k}", (n,) + shape_of[L.output][1:], "activation")
+        if L.output not in split or L.kind == "pool":
+            tensor(L.output, shape_of[L.output], "activation")
+
+    def ref(t: str, k: int | None):
+        """Tensor t as micro-batch k sees it: its own tensor, or its rows of a whole one."""
+        if k is None:
+            return t
+        return f"{t}.mb{k}" if t in split else _Part(t, k * n, (k + 1) * n)
+
+    def shape(t: str, k: int | None) -> tuple:
+        return shape_of[t] if k is None else (n,) + shape_of[t][1:]
 
     def winograd_at(L) -> bool:
         return (cfg.convolution == "winograd" and L.input != "images"
                 and min(L.cin, L.cout) >= cfg.winograd_min_channels)
 
-    def winograd_workspace(L, kind) -> str:
+    def winograd_workspace(L, kind, x_shape) -> str:
         """A Winograd op's workspace tensor: as many images a chunk as keep it within the
-        layer's input activation, at least one."""
-        x_shape, w_shape = shape_of[L.input], tensors[L.params[0]].shape
+        layer's input activation, at least one (a front layer's micro-batches share it)."""
+        w_shape = tensors[L.params[0]].shape
         images = winograd.chunk_images(x_shape, w_shape, pad=1, floats=int(np.prod(x_shape)))
         size = winograd.workspace_size(x_shape, w_shape, pad=1, images=images)
         return tensor(f"{L.name}.{kind}_winograd", (size,), "workspace")
 
-    # forward
-    for L in net:
+    # forward: the front micro-batch by micro-batch, then the rest
+    def forward(L, k):
+        x, y, tag, share = ref(L.input, k), ref(L.output, k), _tag(L, k), 1 if k is None else S
         if L.kind == "conv":
-            flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size)
-            ws = (winograd_workspace(L, "fwd"),) if winograd_at(L) else ()
-            op(f"{L.name}.fwd", "forward", (L.input, *L.params), (L.output, *ws),
-               _conv_fwd(L, *ws), flops, L.name)
+            flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size) / share
+            ws = (winograd_workspace(L, "fwd", shape(L.input, k)),) if winograd_at(L) else ()
+            op(f"{tag}.fwd", "forward", (x, *L.params), (y, *ws), _conv_fwd(L, x, y, *ws),
+               flops, L.name)
         elif L.kind == "pool":
-            op(f"{L.name}.fwd", "forward", (L.input,), (L.output,), _pool_fwd(L),
-               pool.maxpool_flops(int(np.prod(shape_of[L.input]))), L.name)
+            op(f"{tag}.fwd", "forward", (x,), (y,), _pool_fwd(x, y),
+               pool.maxpool_flops(int(np.prod(shape(L.input, k)))), L.name)
         else:
-            op(f"{L.name}.fwd", "forward", (L.input, *L.params), (L.output,),
-               _linear_fwd(L), linear.linear_flops(B, L.cin, L.cout), L.name)
+            op(f"{tag}.fwd", "forward", (x, *L.params), (y,), _linear_fwd(L),
+               linear.linear_flops(B, L.cin, L.cout), L.name)
+
+    for k in range(S) if front else ():
+        for L in front:
+            forward(L, k)
+    if front:
+        P = front[-1]
+        parts = [f"{P.output}.mb{k}" for k in range(S)]
+        op(f"{P.name}.join", "forward", parts, (P.output,), _join(parts, P.output, n),
+           int(np.prod(shape_of[P.output])), P.name)
+    for L in net[len(front):]:
+        forward(L, None)
 
     # loss
     logits = net[-1].output
@@ -273,45 +337,62 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
     def grad(t: str) -> str:
         return t if t in masked else f"{t}.grad"
 
-    for L in reversed(net):
-        dy, dx = grad(L.output), grad(L.input)
+    def backward(L, k):
+        dy, dx = ref(grad(L.output), k), ref(grad(L.input), k)
+        tag, share = _tag(L, k), 1 if k is None else S
         needs_dx = L.input != "images"
-        mask = dx == L.input      # this op's dx goes over its input, masked by it
+        mask = grad(L.input) == L.input      # this op's dx goes over its input, masked by it
         if needs_dx and not mask:
-            tensor(dx, shape_of[L.input], "activation")
+            tensor(grad(L.input), shape_of[L.input], "activation")
         if L.kind == "pool":
-            op(f"{L.name}.bwd", "backward", (L.input, dy), (dx,), _pool_bwd(L, dy, dx, mask),
-               pool.maxpool_flops(int(np.prod(shape_of[L.input]))), L.name)
-            continue
-        if L.relu and dy != L.output:   # in place: dy becomes the pre-activation's gradient
-            op(f"{L.name}.relu_bwd", "backward", (L.output, dy), (dy,), _relu_bwd(L.output, dy, dy),
+            op(f"{tag}.bwd", "backward", (ref(L.input, k), dy), (dx,), _pool_bwd(
+                ref(L.input, k), dy, dx, mask),
+               pool.maxpool_flops(int(np.prod(shape(L.input, k)))), L.name)
+            return
+        if L.relu and grad(L.output) != L.output:   # in place: dy becomes the pre-activation's gradient
+            op(f"{tag}.relu_bwd", "backward", (L.output, dy), (dy,), _relu_bwd(L.output, dy, dy),
                relu.relu_flops(int(np.prod(shape_of[L.output]))), L.name)
         w, b = L.params
-        grads = (f"{w}.grad", f"{b}.grad")
+        x = ref(L.input, k)
+        grads = ((f"{w}.grad", f"{b}.grad") if k is None else
+                 (tensor(f"{w}.grad.mb{k}", tensors[w].shape, "activation"),
+                  tensor(f"{b}.grad.mb{k}", tensors[b].shape, "activation")))
         dx_writes = (dx,)
         if L.kind == "conv":
-            flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size)
+            flops = conv.conv2d_flops(B, L.cin, L.cout, 3, 3, L.size, L.size) / share
             # The weight gradient's workspace, a tensor of the tape so the memory policies
             # count it: Winograd's transforms, or where the direct kernel's split reduction
             # keeps its partial sums (none when the reduction is not split).
-            size = conv.wgrad_workspace_size(shape_of[L.input], tensors[w].shape, pad=1)
+            x_shape = shape(L.input, k)
+            size = conv.wgrad_workspace_size(x_shape, tensors[w].shape, pad=1)
             algorithm, ws = conv, None
             if winograd_at(L):
-                algorithm, ws = winograd, winograd_workspace(L, "bwd_weight")
-                dx_writes += (winograd_workspace(L, "bwd_data"),)
+                algorithm, ws = winograd, winograd_workspace(L, "bwd_weight", x_shape)
+                dx_writes += (winograd_workspace(L, "bwd_data", x_shape),)
             elif size:
                 ws = tensor(f"{L.name}.wgrad_partials", (size,), "workspace")
+            wgrad = _conv_bwd_weight(x, dy, *grads, ws, algorithm, tensors[w].shape)
             grads += (ws,) if ws else ()
-            wgrad = _conv_bwd_weight(L, dy, ws, algorithm, tensors[w].shape)
-            dgrad = _conv_bwd_data(L, dy, dx, mask, shape_of[L.input], *dx_writes[1:])
+            dgrad = _conv_bwd_data(L, dy, dx, mask, x_shape, *dx_writes[1:])
         else:
             flops = linear.linear_flops(B, L.cin, L.cout)
             wgrad = _linear_bwd_weight(L, dy)
             dgrad = _linear_bwd_data(L, dy, dx, shape_of[L.input])
-        op(f"{L.name}.bwd_weight", "backward", (L.input, dy), grads, wgrad, flops, L.name)
+        op(f"{tag}.bwd_weight", "backward", (x, dy), grads, wgrad, flops, L.name)
         if needs_dx:
-            op(f"{L.name}.bwd_data", "backward", (w, dy) + ((L.input,) if mask else ()),
+            op(f"{tag}.bwd_data", "backward", (w, dy) + ((x,) if mask else ()),
                dx_writes, dgrad, flops, L.name)
+
+    for L in reversed(net[len(front):]):
+        backward(L, None)
+    for k in reversed(range(S)) if front else ():
+        for L in reversed(front):
+            backward(L, k)
+    for L in front:   # the micro-batches' parameter gradients, summed in micro-batch order
+        for p in L.params:
+            pieces = [f"{p}.grad.mb{k}" for k in range(S)]
+            op(f"{p}.grad_sum", "backward", pieces, (f"{p}.grad",), _grad_sum(pieces, f"{p}.grad"),
+               (S - 1) * int(np.prod(tensors[p].shape)), L.name)
 
     # update
     for L in net:
@@ -319,6 +400,11 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
             op(f"{p}.sgd", "update", (p, f"{p}.grad", f"{p}.momentum"), (p, f"{p}.momentum"),
                _sgd(p, cfg), sgd.sgd_flops(int(np.prod(tensors[p].shape))), L.name)
     return Tape(tensors, ops)
+
+
+def _tag(L: Layer, k: int | None) -> str:
+    """An op's name prefix: the layer's, and its micro-batch's ("features.0.mb1")."""
+    return L.name if k is None else f"{L.name}.mb{k}"
 
 
 # Op bodies: each returns (device body, host body). The device body launches kernels on
@@ -329,32 +415,31 @@ def _on_host(ref, reads, writes):
     into the writes (in order; a workspace the reference does not need is left alone)."""
     def run(a, stream):
         graph.require_eager("an op computed with host math")
-        outs = ref(*[a[n].copy_to_host() for n in reads])
-        for n, v in zip(writes, outs):
-            a[n].copy_to_device(np.ascontiguousarray(v, dtype=a[n].dtype))
+        outs = ref(*[_get(a, r).copy_to_host() for r in reads])
+        for w, v in zip(writes, outs):
+            dst = _get(a, w)
+            dst.copy_to_device(np.ascontiguousarray(v, dtype=dst.dtype))
     return run
 
 
-def _conv_fwd(L, workspace=None):
+def _conv_fwd(L, x, y, workspace=None):
     """kernels.conv's, or kernels.winograd's with its `workspace` (a tensor's name)."""
     w, b = L.params
 
     def run(a, stream):
         if workspace:
-            winograd.conv2d(a[L.input], a[w], a[b], a[L.output], pad=1, relu=True,
+            winograd.conv2d(_get(a, x), a[w], a[b], _get(a, y), pad=1, relu=True,
                             workspace=a[workspace], stream=stream)
         else:
-            conv.conv2d(a[L.input], a[w], a[b], a[L.output], pad=1, relu=True, stream=stream)
+            conv.conv2d(_get(a, x), a[w], a[b], _get(a, y), pad=1, relu=True, stream=stream)
     return run, lambda x, w, b: [conv.conv2d_ref(x, w, b, pad=1, relu=True)]
 
 
-def _conv_bwd_weight(L, dy, workspace, algorithm, w_shape):
+def _conv_bwd_weight(x, dy, dw, db, workspace, algorithm, w_shape):
     """`algorithm`: kernels.conv (its split partials in `workspace`, if any) or
     kernels.winograd (its transforms in `workspace`): the same call."""
-    w, b = L.params
-
     def run(a, stream):
-        algorithm.conv2d_bwd_weight(a[L.input], a[dy], a[f"{w}.grad"], a[f"{b}.grad"], pad=1,
+        algorithm.conv2d_bwd_weight(_get(a, x), _get(a, dy), a[dw], a[db], pad=1,
                                     workspace=a[workspace] if workspace else None, stream=stream)
     return run, lambda x, dy: conv.conv2d_bwd_weight_ref(x, dy, w_shape, pad=1)
 
@@ -366,10 +451,11 @@ def _conv_bwd_data(L, dy, dx, mask, x_shape, workspace=None):
 
     def run(a, stream):
         if workspace:
-            winograd.conv2d_bwd_data(a[dy], a[w], a[dx], pad=1, relu_mask=mask,
+            winograd.conv2d_bwd_data(_get(a, dy), a[w], _get(a, dx), pad=1, relu_mask=mask,
                                      workspace=a[workspace], stream=stream)
         else:
-            conv.conv2d_bwd_data(a[dy], a[w], a[dx], pad=1, relu_mask=mask, stream=stream)
+            conv.conv2d_bwd_data(_get(a, dy), a[w], _get(a, dx), pad=1, relu_mask=mask,
+                                 stream=stream)
 
     def ref(w, dy, *y):   # y: the ReLU output, read when masked
         g = conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=1)
@@ -377,16 +463,16 @@ def _conv_bwd_data(L, dy, dx, mask, x_shape, workspace=None):
     return run, ref
 
 
-def _pool_fwd(L):
+def _pool_fwd(x, y):
     def run(a, stream):
-        pool.maxpool2x2(a[L.input], a[L.output], stream=stream)
+        pool.maxpool2x2(_get(a, x), _get(a, y), stream=stream)
     return run, lambda x: [pool.maxpool2x2_ref(x)]
 
 
-def _pool_bwd(L, dy, dx, mask):
+def _pool_bwd(x, dy, dx, mask):
     """mask: dx is the pool's input, a ReLU output: the gradient goes over it, masked."""
     def run(a, stream):
-        pool.maxpool2x2_bwd(a[L.input], a[dy], a[dx], relu_mask=mask, stream=stream)
+        pool.maxpool2x2_bwd(_get(a, x), _get(a, dy), _get(a, dx), relu_mask=mask, stream=stream)
 
     def ref(x, dy):
         g = pool.maxpool2x2_bwd_ref(x, dy)
@@ -425,6 +511,29 @@ def _linear_bwd_data(L, dy, dx, x_shape):
     def run(a, stream):
         linear.linear_bwd_data(a[dy], a[w], _flat(a[dx]), stream=stream)
     return run, lambda w, dy: [(dy.astype(np.float64) @ w).reshape(x_shape)]
+
+
+def _join(pieces, out, rows):
+    """out = the micro-batches' pieces, `rows` each, stacked in order (device copies)."""
+    def run(a, stream):
+        for k, p in enumerate(pieces):
+            graph.copy(a[out][k * rows:(k + 1) * rows], a[p], stream)
+    return run, lambda *ps: [np.concatenate(ps)]
+
+
+def _grad_sum(pieces, out):
+    """out = the micro-batches' gradients summed in order: ((g0 + g1) + g2) + ..."""
+    def run(a, stream):
+        elementwise.add(a[pieces[0]], a[pieces[1]], a[out], stream=stream)
+        for p in pieces[2:]:
+            elementwise.add(a[out], a[p], a[out], stream=stream)
+
+    def ref(*gs):
+        total = gs[0] + gs[1]
+        for g in gs[2:]:
+            total = (total + g).astype(np.float32)
+        return [total.astype(np.float32)]
+    return run, ref
 
 
 def _relu_bwd(y, dy, dx):
