@@ -42,9 +42,12 @@ def test_managed_is_bit_identical_to_unconstrained_and_to_the_pool(layers, width
     assert ex.peak_pages == ex.planned_peak_pages <= ex.max_pages == budget // page
 
 
-def test_tiny_vgg_on_managed_memory_matches_unconstrained_and_the_pool():
-    # The toy VGG-11 of experiments/autovm.py, on its kernels' host references.
-    cfg = vgg.VGGConfig(depth=11, width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32)
+@pytest.mark.parametrize("front_splits", [1, 2])
+def test_tiny_vgg_on_managed_memory_matches_unconstrained_and_the_pool(front_splits):
+    # The toy VGG-11 of experiments/autovm.py, on its kernels' host references (its first
+    # block whole, and in two micro-batches as the experiment runs it).
+    cfg = vgg.VGGConfig(depth=11, width=1 / 16, image_size=32, batch=2, num_classes=10, hidden=32,
+                        front_splits=front_splits)
     tape = vgg.build_tape(cfg, host_math=True)
     rng = np.random.default_rng(0)
     images = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
@@ -141,12 +144,14 @@ def test_discarded_pages_count_until_compute_waits_on_the_copy_stream():
     assert led.resident_pages == fixed
 
 
-def test_vgg19_at_the_papers_size_plans_for_managed_pages_at_half_its_peak():
+@pytest.mark.parametrize("front_splits", [1, 4])
+def test_vgg19_at_the_papers_size_plans_for_managed_pages_at_half_its_peak(front_splits):
     # On the H200 this was refused: the pool's plan discarded conv1_1's 3 GiB output (its
     # host copy current) just before conv1_1's 3 GiB gradient was allocated, and on managed
     # memory a discard's pages stay resident until they are home. Planning without host
-    # copies evicts and releases instead. Planning only: nothing is allocated.
-    cfg = vgg.VGGConfig(depth=19, width=1.0, image_size=224, batch=256)
+    # copies evicts and releases instead. Planning only: nothing is allocated. (4 micro-batches
+    # of the first block: the experiment's tape.)
+    cfg = vgg.VGGConfig(depth=19, width=1.0, image_size=224, batch=256, front_splits=front_splits)
     tape = vgg.build_tape(cfg, host_math=False)
     budget = Liveness(tape).budget_between(0.5)
     p = plan_for_pages(tape, budget, page_bytes=2 << 20)
