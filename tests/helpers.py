@@ -29,6 +29,14 @@ def rand(rng: np.random.Generator, *shape, scale: float = 1.0, dtype=np.float32)
 
 
 # ------------------------------------------------------------------------- memory plans
+def relu_output(rng, shape):
+    """A ReLU's output: about half its elements exactly 0, and one NaN (a NaN y passes no
+    gradient: it is not > 0)."""
+    y = np.maximum(rand(rng, *shape), 0).astype(np.float32)
+    y.flat[rng.integers(y.size)] = np.nan
+    return y
+
+
 def run_plan(executor, init, steps=2, capture=False):
     """Load, run `steps` steps of a plan executor, return the loss and every persistent
     tensor. capture: make the step one graph first (which runs it once, eagerly, so the

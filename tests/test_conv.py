@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 
 from kernels import conv
 from proto.backend import cuda
-from tests.helpers import dev, rand
+from tests.helpers import dev, rand, relu_output
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -60,14 +60,6 @@ def test_conv2d_backward_data_matches_reference(data, scale):
     conv.conv2d_bwd_data(dev(dy), dev(w), dx, stride=c["stride"], pad=c["pad"])
     ref = conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=c["stride"], pad=c["pad"])
     assert_sum_close(dx, ref, c["K"] * c["R"] ** 2)
-
-
-def relu_output(rng, shape):
-    """A ReLU's output: about half its elements exactly 0, and one NaN (a NaN y passes no
-    gradient: it is not > 0)."""
-    y = np.maximum(rand(rng, *shape), 0).astype(np.float32)
-    y.flat[rng.integers(y.size)] = np.nan
-    return y
 
 
 @given(data=st.data())

@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 
 from kernels import conv, winograd
 from proto.backend import cuda
-from tests.helpers import dev, rand
+from tests.helpers import dev, rand, relu_output
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -51,13 +51,18 @@ def test_forward_matches_the_direct_reference_in_chunks_of_any_size(data, scale)
     assert_winograd_close(out, ref, 9 * c["C"])
 
 
+def _bwd_data_case(c):
+    """(rng, x's shape, w, dy) of a backward-data case."""
+    rng = np.random.default_rng(c["seed"])
+    w = rand(rng, c["K"], c["C"], 3, 3)
+    dy = rand(rng, c["N"], c["K"], c["H"] + 2 * c["pad"] - 2, c["W"] + 2 * c["pad"] - 2)
+    return rng, (c["N"], c["C"], c["H"], c["W"]), w, dy
+
+
 @given(data=st.data())
 def test_backward_data_matches_the_direct_reference(data, scale):
     c = data.draw(cases(scale))
-    rng = np.random.default_rng(c["seed"])
-    x_shape = (c["N"], c["C"], c["H"], c["W"])
-    w = rand(rng, c["K"], c["C"], 3, 3)
-    dy = rand(rng, c["N"], c["K"], c["H"] + 2 * c["pad"] - 2, c["W"] + 2 * c["pad"] - 2)
+    _, x_shape, w, dy = _bwd_data_case(c)
     dx = dev(np.full(x_shape, np.nan, np.float32))
     winograd.conv2d_bwd_data(dev(dy), dev(w), dx, pad=c["pad"], workspace=_workspace(c))
     assert_winograd_close(dx, conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=c["pad"]), 9 * c["K"])
@@ -66,12 +71,8 @@ def test_backward_data_matches_the_direct_reference(data, scale):
 @given(data=st.data())
 def test_backward_data_through_a_relu_goes_over_its_output(data, scale):
     c = data.draw(cases(scale))
-    rng = np.random.default_rng(c["seed"])
-    x_shape = (c["N"], c["C"], c["H"], c["W"])
-    w = rand(rng, c["K"], c["C"], 3, 3)
-    dy = rand(rng, c["N"], c["K"], c["H"] + 2 * c["pad"] - 2, c["W"] + 2 * c["pad"] - 2)
-    y = np.maximum(rand(rng, *x_shape), 0).astype(np.float32)   # a ReLU output: half zeros
-    y.flat[rng.integers(y.size)] = np.nan                        # not > 0: no gradient
+    rng, x_shape, w, dy = _bwd_data_case(c)
+    y = relu_output(rng, x_shape)
     dx = dev(y)
     winograd.conv2d_bwd_data(dev(dy), dev(w), dx, pad=c["pad"], relu_mask=True,
                              workspace=_workspace(c))

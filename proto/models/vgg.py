@@ -64,6 +64,7 @@ forward, and "<param>.grad_sum" its backward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -338,22 +339,20 @@ def build_tape(cfg: VGGConfig, *, host_math: bool = False) -> Tape:
         return t if t in masked else f"{t}.grad"
 
     def backward(L, k):
-        dy, dx = ref(grad(L.output), k), ref(grad(L.input), k)
+        x, dy, dx = ref(L.input, k), ref(grad(L.output), k), ref(grad(L.input), k)
         tag, share = _tag(L, k), 1 if k is None else S
         needs_dx = L.input != "images"
         mask = grad(L.input) == L.input      # this op's dx goes over its input, masked by it
         if needs_dx and not mask:
             tensor(grad(L.input), shape_of[L.input], "activation")
         if L.kind == "pool":
-            op(f"{tag}.bwd", "backward", (ref(L.input, k), dy), (dx,), _pool_bwd(
-                ref(L.input, k), dy, dx, mask),
+            op(f"{tag}.bwd", "backward", (x, dy), (dx,), _pool_bwd(x, dy, dx, mask),
                pool.maxpool_flops(int(np.prod(shape(L.input, k)))), L.name)
             return
         if L.relu and grad(L.output) != L.output:   # in place: dy becomes the pre-activation's gradient
             op(f"{tag}.relu_bwd", "backward", (L.output, dy), (dy,), _relu_bwd(L.output, dy, dy),
                relu.relu_flops(int(np.prod(shape_of[L.output]))), L.name)
         w, b = L.params
-        x = ref(L.input, k)
         grads = ((f"{w}.grad", f"{b}.grad") if k is None else
                  (tensor(f"{w}.grad.mb{k}", tensors[w].shape, "activation"),
                   tensor(f"{b}.grad.mb{k}", tensors[b].shape, "activation")))
@@ -528,12 +527,7 @@ def _grad_sum(pieces, out):
         for p in pieces[2:]:
             elementwise.add(a[out], a[p], a[out], stream=stream)
 
-    def ref(*gs):
-        total = gs[0] + gs[1]
-        for g in gs[2:]:
-            total = (total + g).astype(np.float32)
-        return [total.astype(np.float32)]
-    return run, ref
+    return run, lambda *gs: [functools.reduce(np.add, gs)]   # float32 adds, in order
 
 
 def _relu_bwd(y, dy, dx):
