@@ -27,6 +27,10 @@ def test_autovm_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert all(int(r["d2h_bytes"]) > 0 and int(r["arena_bytes"]) <= int(r["budget_bytes"]) for r in tight)
     paged = [r for r in rows if r["policy"] == "paging" and float(r["budget_frac"]) < 1]
     assert all(int(r["faulted_bytes_per_step"]) > 0 for r in paged)
+    # at 100% the budget is the arena's size (the unconstrained plan's): nothing leaves
+    whole = [r for r in rows if r["policy"] == "paging" and float(r["budget_frac"]) == 1]
+    assert [int(r["arena_bytes"]) <= int(r["budget_bytes"]) for r in whole] == [True]
+    assert [(r["evicted_bytes_per_step"], r["faulted_bytes_per_step"]) for r in whole] == [("0", "0")]
     assert all(r["git_commit"] and r["device"] for r in rows)  # provenance on every row
     summary = common.read_summary("autovm")
     assert summary["all_policies_bit_identical"] is True

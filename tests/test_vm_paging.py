@@ -45,6 +45,17 @@ def test_an_op_larger_than_the_budget_is_refused():
         PageTable(arena_bytes=8 * P, budget=P - 1, page_bytes=P)
 
 
+def test_a_budget_of_the_whole_arena_evicts_nothing_even_with_a_partial_last_page():
+    """100% of the peak is the arena's size, which rarely ends on a page boundary: the budget
+    must hold the last, partial page too. One byte less holds only the whole pages."""
+    arena = 8 * P + P // 2                                # 9 pages, the last half full
+    for budget, evicted in ((arena, 0), (arena - 1, 1)):
+        t = PageTable(arena_bytes=arena, budget=budget, page_bytes=P)
+        for page in range(9):
+            t.touch(_pages(page))
+        assert t.evicted_pages == evicted, budget
+
+
 def test_byte_ranges_map_to_pages():
     t = PageTable(arena_bytes=10 * P, budget=4 * P, page_bytes=P)
     assert list(t.pages([(0, 1)])) == [0]

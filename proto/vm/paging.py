@@ -35,11 +35,13 @@ class PageTable:
         # A NaN budget would compare False with everything: no page would ever be evicted.
         budget = _check.positive("budget", budget)
         page_bytes = _check.positive("page_bytes", page_bytes)
-        if budget < page_bytes:
-            raise BudgetError(f"budget {fmt_bytes(budget)} holds no page of {fmt_bytes(page_bytes)}")
         self.page_bytes = page_bytes
         self.n_pages = -(-arena_bytes // page_bytes)
-        self.max_resident = budget // page_bytes
+        # Whole pages only, except that a budget holding the whole arena holds its last,
+        # partial page too: at 100% of the peak (the arena's size) nothing is evicted.
+        self.max_resident = self.n_pages if budget >= arena_bytes else budget // page_bytes
+        if self.max_resident == 0:
+            raise BudgetError(f"budget {fmt_bytes(budget)} holds no page of {fmt_bytes(page_bytes)}")
         self.resident = np.zeros(self.n_pages, dtype=bool)
         self.last_use = np.full(self.n_pages, -1, dtype=np.int64)
         self.clock = 0
