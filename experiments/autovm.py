@@ -267,7 +267,8 @@ def run(size: str = "toy", deadline_s: float = 900.0) -> None:
     """Measure every (model, budget, policy); results are written after each model, and
     jobs past `deadline_s` seconds are skipped (recorded as such), so a time-limited GPU run
     always leaves what it measured. The headline model and budget go first (at 600 s, the
-    H200 run skipped most of VGG-16's jobs; VGG-19 alone took 8.5 minutes there, so the whole run takes about 16)."""
+    H200 run skipped most of VGG-16's jobs; VGG-19 alone took 8.5 minutes there, so the
+    whole run takes about 16)."""
     spec = SIZES[size]
     start = time.perf_counter()
     rates = measure_link()
