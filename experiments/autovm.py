@@ -263,7 +263,7 @@ def _torch(case: _Case) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- run / plot
-def run(size: str = "toy", deadline_s: float = 900.0) -> None:
+def run(size: str = "toy", deadline_s: float = 1800.0) -> None:
     """Measure every (model, budget, policy); results are written after each model, and
     jobs past `deadline_s` seconds are skipped (recorded as such), so a time-limited GPU run
     always leaves what it measured. The headline model and budget go first (at 600 s, the
