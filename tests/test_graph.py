@@ -208,3 +208,55 @@ def test_close_releases_graph_and_buffers():
     assert g.description is None and g.placeholders == {}
     gc.collect()
     assert captured["tmp"]() is None
+
+
+# ------------------------------------------------------------------ shared executables' policy
+class _FakeExecutable:
+    """Stands in for an instantiated cuda.core graph: records what it was retargeted to."""
+
+    def __init__(self, definition):
+        self.holds = definition
+
+    def update(self, definition):
+        self.holds = definition
+
+    def close(self):
+        self.holds = None
+
+
+class _FakeGraph:
+    """What SharedExecutables reads of a CudaExecutor: a topology and a definition."""
+
+    def __init__(self, name, topology="step"):
+        self.topology = topology
+        self._lowered = type("Lowered", (), {"definition": name})()
+        self._stream = None
+
+
+@given(st.integers(1, 4), st.lists(st.integers(0, 7), min_size=1, max_size=40))
+def test_shared_executables_never_retarget_the_one_just_launched(capacity, launches):
+    """The LRU policy alone (no GPU: executables are stand-ins): every launch gets an
+    executable holding that graph; at most `capacity` exist; with two or more, a miss
+    retargets the least recently used, never the executable the previous launch used (which
+    may still be running); with one, every switch retargets it."""
+    import proto.graph.cuda as cuda_exec
+    pool = cuda_exec.SharedExecutables(capacity)
+    graphs = [_FakeGraph(f"g{i}") for i in range(8)]
+    original = cuda_exec._instantiate
+    cuda_exec._instantiate = lambda definition, stream: (_FakeExecutable(definition), 0)
+    try:
+        previous, recent = None, []
+        for i in launches:
+            exe = pool.acquire(graphs[i])
+            assert exe.holds == f"g{i}"
+            if capacity >= 2 and recent and recent[-1] != f"g{i}":   # a switch
+                assert exe is not previous and previous.holds == recent[-1]
+            recent.append(f"g{i}")
+            previous = exe
+        assert pool.instantiations <= capacity
+        assert pool.instantiations == min(capacity, len(dict.fromkeys(launches)))
+        switches = sum(a != b for a, b in zip(launches, launches[1:]))
+        if capacity == 1:
+            assert pool.updates == switches
+    finally:
+        cuda_exec._instantiate = original
