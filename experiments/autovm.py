@@ -117,11 +117,12 @@ class _Case:
         ex.step()
         return ex.read_many(self.checked)
 
+    def time_steps(self, ex, warmup: int = 0 if backend.SIMULATOR else 1) -> timing.Timing:
+        return timing.bench_host(ex.step, warmup=warmup, reps=self.spec["reps"])
+
     def measure(self, ex) -> tuple[timing.Timing, dict]:
         got = self.check(ex)
-        t = timing.bench_host(ex.step, warmup=0 if backend.SIMULATOR else 1,
-                              reps=self.spec["reps"])
-        return t, got
+        return self.time_steps(ex), got
 
     def row(self, policy, frac, t: timing.Timing | None, got: dict | None, **extra) -> dict:
         row = {"model": f"vgg{self.cfg.depth}", "convolution": self.cfg.convolution,
@@ -164,7 +165,7 @@ def _paging(case: _Case, frac: float) -> dict:
         # untimed step faults the working set back, so the counts below are the timed steps'.
         ex.step()
         before = ex.moved_bytes()
-        t = timing.bench_host(ex.step, warmup=0, reps=case.spec["reps"])
+        t = case.time_steps(ex, warmup=0)
         moved = [b - a for a, b in zip(before, ex.moved_bytes())]
         return case.row("paging", frac, t, got, evicted_bytes_per_step=moved[0] // t.reps,
                         faulted_bytes_per_step=moved[1] // t.reps, arena_bytes=ex.plan.arena_bytes)

@@ -5,6 +5,7 @@ copy node, one kernel reading both inputs, the copy reading an input (so patch b
 rewrites a memcpy node too), and intermediates the graph must keep alive.
 """
 import gc
+import types
 import weakref
 
 import numpy as np
@@ -229,7 +230,7 @@ class _FakeGraph:
 
     def __init__(self, name, topology="step"):
         self.topology = topology
-        self._lowered = type("Lowered", (), {"definition": name})()
+        self._lowered = types.SimpleNamespace(definition=name)
         self._stream = None
 
 
@@ -245,14 +246,13 @@ def test_shared_executables_never_retarget_the_one_just_launched(capacity, launc
     original = cuda_exec._instantiate
     cuda_exec._instantiate = lambda definition, stream: (_FakeExecutable(definition), 0)
     try:
-        previous, recent = None, []
+        previous = None
         for i in launches:
             exe = pool.acquire(graphs[i])
             assert exe.holds == f"g{i}"
-            if capacity >= 2 and recent and recent[-1] != f"g{i}":   # a switch
-                assert exe is not previous and previous.holds == recent[-1]
-            recent.append(f"g{i}")
-            previous = exe
+            if capacity >= 2 and previous is not None and last != i:   # a switch
+                assert exe is not previous and previous.holds == f"g{last}"
+            previous, last = exe, i
         assert pool.instantiations <= capacity
         assert pool.instantiations == min(capacity, len(dict.fromkeys(launches)))
         switches = sum(a != b for a, b in zip(launches, launches[1:]))

@@ -102,8 +102,9 @@ def test_config_rejects_impossible_sizes():
 def test_the_first_block_in_micro_batches_moves_its_activations_in_pieces():
     """front_splits=4 at VGG-19's 224x224 (described, not run): conv1's outputs become four
     quarter-batch tensors, and so does the first pool's, joined into the whole one that conv2
-    reads; every other tensor but the block's workspaces keeps its shape, each first-block op runs once a micro-batch on
-    a quarter of the work, and the peak of live bytes does not grow."""
+    reads; every other tensor but the block's workspaces keeps its shape, each first-block op
+    runs once a micro-batch on a quarter of the work, and the peak of live bytes does not
+    grow."""
     big = vgg.VGGConfig(depth=19, batch=8)
     whole, split = vgg.build_tape(big), vgg.build_tape(dataclasses.replace(big, front_splits=4))
     for name in ("features.0.out", "features.2.out", "features.4.out"):
@@ -213,7 +214,7 @@ def test_tape_lifetimes_are_explicit():
 
 
 # The first block in micro-batches with Winograd's kernels on the GPU; on the simulator, where
-# a Winograd step takes three minutes and a direct one one, with the direct kernels.
+# a Winograd step takes twice a direct one, with the direct kernels.
 @pytest.mark.parametrize("convolution, front_splits",
                          [("direct", 1), ("winograd", 1),
                           ("direct" if backend.SIMULATOR else "winograd", 2)])
