@@ -81,15 +81,27 @@ def splits(d: int = D):
 
 
 def _make_phase(K: int, N: int, s_in: int, gelu_in: bool):
-    """The device function of one GEMM phase: out[s, m, n] = sum over rows k of K split s
+    """The device functions of one GEMM phase: out[s, m, n] = sum over rows k of K split s
     of stage(a)[m, k] * w[k, n], where stage(a)[m, k] = (gelu of) sum over the s_in input
     partials a[:, m, k] in order. Work items (column tile, split) go round-robin to the
-    blocks. Each lane issues its ROWS_PER_LANE weight loads before staging its input."""
+    blocks. `load` issues a lane's ROWS_PER_LANE weight loads of an item into registers;
+    weights are nobody's output, so a persistent kernel may issue the next phase's before
+    the barrier that waits for this phase's outputs. `run` expects the block's first item
+    loaded and loads each next one as soon as the last is multiplied."""
     n_tiles = N // COLS
     items = n_tiles * (K // SPAN)
 
     @cuda.jit(device=True)
-    def phase(a, w, out, vb, nvb, xs, red, wv, acc):
+    def load(w, item, wv):
+        if item < _u(items):
+            r = _u(cuda.threadIdx.x) // _u(COLS)
+            k_lo = item // _u(n_tiles) * _u(SPAN)
+            n = item % _u(n_tiles) * _u(COLS) + _u(cuda.threadIdx.x) % _u(COLS)
+            for u in range(ROWS_PER_LANE):
+                wv[u] = w[k_lo + r + _u(u * ROW_LANES), n]
+
+    @cuda.jit(device=True)
+    def run(a, w, out, vb, nvb, xs, red, wv, acc):
         tid = _u(cuda.threadIdx.x)
         c = tid % _u(COLS)
         r = tid // _u(COLS)
@@ -98,9 +110,6 @@ def _make_phase(K: int, N: int, s_in: int, gelu_in: bool):
             tile = item % _u(n_tiles)
             split = item // _u(n_tiles)
             k_lo = split * _u(SPAN)
-            n = tile * _u(COLS) + c
-            for u in range(ROWS_PER_LANE):
-                wv[u] = w[k_lo + r + _u(u * ROW_LANES), n]
             for idx in range(tid, _u(M * SPAN), _u(THREADS)):
                 m = idx // _u(SPAN)
                 kk = idx % _u(SPAN)
@@ -114,6 +123,7 @@ def _make_phase(K: int, N: int, s_in: int, gelu_in: bool):
             for u in range(ROWS_PER_LANE):
                 for m in range(M):
                     acc[m] += xs[m * SPAN + r + u * ROW_LANES] * wv[u]
+            load(w, item + _u(nvb), wv)   # the block's next item, if any: in flight from here
             for m in range(M):
                 red[(r * M + m) * COLS + c] = acc[m]
             cuda.syncthreads()
@@ -127,18 +137,31 @@ def _make_phase(K: int, N: int, s_in: int, gelu_in: bool):
             cuda.syncthreads()   # xs and red are rewritten by the next item
             item += _u(nvb)
 
-    return phase, items
+    return load, run, items
 
 
 @functools.cache
 def _build(d: int = D):
     (kq, nq), (kp, np_), (kf, nf), (km, nm) = shapes(d)
     sq, sp, sf, sm = splits(d)
-    phase_qkv, items_qkv = _make_phase(kq, nq, sm, False)     # input: mlp_proj's partials
-    phase_proj, items_proj = _make_phase(kp, np_, sq, False)  # input: qkv's first d columns
-    phase_fc, items_fc = _make_phase(kf, nf, sp, False)
-    phase_mlp, items_mlp = _make_phase(km, nm, sf, True)      # gelu(fc) staged
+    load_qkv, run_qkv, items_qkv = _make_phase(kq, nq, sm, False)     # input: mlp_proj's partials
+    load_proj, run_proj, items_proj = _make_phase(kp, np_, sq, False)  # input: qkv's first d columns
+    load_fc, run_fc, items_fc = _make_phase(kf, nf, sp, False)
+    load_mlp, run_mlp, items_mlp = _make_phase(km, nm, sf, True)      # gelu(fc) staged
     max_items = max(items_qkv, items_proj, items_fc, items_mlp)
+
+    @cuda.jit(device=True)
+    def load(p, wq, wp, wf, wm, vb, wv):
+        """Phase p's weights of the block's first item, into wv."""
+        layer, kind = p // KINDS, p % KINDS
+        if kind == 0:
+            load_qkv(wq[layer], _u(vb), wv)
+        elif kind == 1:
+            load_proj(wp[layer], _u(vb), wv)
+        elif kind == 2:
+            load_fc(wf[layer], _u(vb), wv)
+        else:
+            load_mlp(wm[layer], _u(vb), wv)
 
     @cuda.jit(device=True)
     def grid_barrier(counters, at, nblocks):
@@ -160,31 +183,39 @@ def _build(d: int = D):
 
     @jit("void(float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], "
          "float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], "
-         "int32[::1], int32, int32, int32)",
+         "int32[::1], int32, int32, int32, int32)",
          writes=("xp", "qp", "pp", "hp", "counters"),
          launch_bounds=(THREADS, 4))   # 64 registers, no spills (ptxas, sm_90): 4 blocks an SM
-    def persistent_chain_kernel(xp, qp, pp, hp, wq, wp, wf, wm, counters, p_lo, p_hi, work):
+    def persistent_chain_kernel(xp, qp, pp, hp, wq, wp, wf, wm, counters, p_lo, p_hi, work,
+                                ahead):
         """Phases p_lo..p_hi-1 of the chain (phase p: layer p // 4, GEMM p % 4), a grid
-        barrier between two; `work` 0 skips the GEMMs (the structure's own cost)."""
+        barrier between two; `work` 0 skips the GEMMs (the structure's own cost). `ahead` 1:
+        a phase's first weights are loaded before the barrier in front of it, 0: after."""
         xs = cuda.shared.array(XS_SIZE, np.float32)
         red = cuda.shared.array(RED_SIZE, np.float32)
         wv = cuda.local.array(ROWS_PER_LANE, np.float32)
         acc = cuda.local.array(M, np.float32)
         flag = cuda.shared.array(1, np.int32)
         vb, nvb = cuda.blockIdx.x, cuda.gridDim.x
+        if work:
+            load(p_lo, wq, wp, wf, wm, vb, wv)
         for p in range(p_lo, p_hi):
             if p > p_lo:
                 grid_barrier(counters, p - p_lo - 1, nvb)
+                if work and not ahead:
+                    load(p, wq, wp, wf, wm, vb, wv)
             if work:
                 layer, kind = p // KINDS, p % KINDS
                 if kind == 0:
-                    phase_qkv(xp, wq[layer], qp, vb, nvb, xs, red, wv, acc)
+                    run_qkv(xp, wq[layer], qp, vb, nvb, xs, red, wv, acc)
                 elif kind == 1:
-                    phase_proj(qp, wp[layer], pp, vb, nvb, xs, red, wv, acc)
+                    run_proj(qp, wp[layer], pp, vb, nvb, xs, red, wv, acc)
                 elif kind == 2:
-                    phase_fc(pp, wf[layer], hp, vb, nvb, xs, red, wv, acc)
+                    run_fc(pp, wf[layer], hp, vb, nvb, xs, red, wv, acc)
                 else:
-                    phase_mlp(hp, wm[layer], xp, vb, nvb, xs, red, wv, acc)
+                    run_mlp(hp, wm[layer], xp, vb, nvb, xs, red, wv, acc)
+                if ahead and p + 1 < p_hi:
+                    load(p + 1, wq, wp, wf, wm, vb, wv)
         if p_hi - p_lo > 1:   # the last block out resets the barrier counters for the next launch
             cuda.threadfence()
             cuda.syncthreads()
@@ -242,9 +273,9 @@ class Chain:
     def result(self) -> np.ndarray:
         return self.parts[0].copy_to_host().astype(np.float64).sum(axis=0)
 
-    def launches(self, per_launch: int, grid: int, work: bool = True):
+    def launches(self, per_launch: int, grid: int, work: bool = True, ahead: bool = True):
         """The launch functions (each takes a stream) of the whole chain, `per_launch`
-        phases a launch."""
+        phases a launch; `ahead`: each phase's weights loaded before its barrier."""
         phases = self.L * KINDS
         xp, qp, pp, hp = self.parts
         wq, wp, wf, wm = self.w
@@ -252,12 +283,13 @@ class Chain:
         def one(lo, hi):
             return lambda s: launch(self.kernel, grid, THREADS,
                                     (xp, qp, pp, hp, wq, wp, wf, wm, self.counters,
-                                     np.int32(lo), np.int32(hi), np.int32(work)), s)
+                                     np.int32(lo), np.int32(hi), np.int32(work),
+                                     np.int32(ahead)), s)
         return [one(lo, min(lo + per_launch, phases)) for lo in range(0, phases, per_launch)]
 
-    def run(self, per_launch: int, grid: int) -> np.ndarray:
+    def run(self, per_launch: int, grid: int, ahead: bool = True) -> np.ndarray:
         self.reset()
-        for fn in self.launches(per_launch, grid):
+        for fn in self.launches(per_launch, grid, ahead=ahead):
             fn(0)
         backend.synchronize()
         return self.result()
@@ -266,11 +298,11 @@ class Chain:
         return int(self.counters.copy_to_host()[TIMEOUTS])
 
 
-def check(chain: Chain, per_launch: int, grid: int) -> float:
+def check(chain: Chain, per_launch: int, grid: int, ahead: bool = True) -> float:
     """Relative error against the float64 chain; raises on a barrier timeout, a bitwise
     difference between two runs, or an error of 1e-4 or more."""
-    got = chain.run(per_launch, grid)
-    again = chain.run(per_launch, grid)
+    got = chain.run(per_launch, grid, ahead)
+    again = chain.run(per_launch, grid, ahead)
     if chain.timeouts():
         raise RuntimeError(f"{chain.timeouts()} barrier timeouts (per_launch={per_launch}, "
                            f"grid={grid})")
@@ -303,29 +335,33 @@ def main() -> None:
     grids = sorted({g for g in (sms, 2 * sms, 3 * sms, 4 * sms) if g <= cap})
     phases = chain.L * KINDS
     for grid in grids:
-        for per_launch in (1, KINDS, phases):
-            for work in (True, False):
-                name = f"{'' if work else 'empty_'}per_launch_{per_launch}"
-                try:
-                    rel = check(chain, per_launch, grid) if work else None
-                    us, spread, kern = bd.graph_time_us(chain.launches(per_launch, grid, work),
-                                                        samples=9, replays=5, profile=work)
-                    us *= len(chain.launches(per_launch, grid))   # graph_time_us: per function
-                    if chain.timeouts():
-                        raise RuntimeError(f"{chain.timeouts()} barrier timeouts while timed")
-                except Exception as exc:  # noqa: BLE001
-                    print(f"ERROR grid {grid} {name}: {type(exc).__name__}: {exc}")
-                    rows.append(dict(grid=grid, config=name, error=str(exc)))
-                    continue
-                n_launch = -(-phases // per_launch)
-                row = dict(grid=grid, config=name, launches=n_launch, barriers=phases - n_launch,
-                           us_per_step=us, p10=spread[0] * n_launch, p90=spread[1] * n_launch,
-                           us_per_layer=us / chain.L, over_floor=us / floor_us if work else None,
-                           rel_err=rel)
-                rows.append(row)
-                print(f"grid {grid:4d} {name:22s} {us:8.1f} us a step ({us / chain.L:6.2f} a layer)"
-                      + (f", {us / floor_us:.2f}x the weights' floor, rel err {rel:.1e}"
-                         if work else ""), flush=True)
+        configs = [(1, True, True), (1, False, True)] + [
+            (per_launch, work, ahead) for per_launch in (KINDS, phases)
+            for work, ahead in ((True, True), (True, False), (False, True))]
+        for per_launch, work, ahead in configs:
+            name = (f"{'' if work else 'empty_'}per_launch_{per_launch}"
+                    + ("" if per_launch == 1 or not work else "_ahead" if ahead else "_after"))
+            try:
+                rel = check(chain, per_launch, grid, ahead) if work else None
+                fns = chain.launches(per_launch, grid, work, ahead)
+                us, spread, kern = bd.graph_time_us(fns, samples=9, replays=5,
+                                                    profile=work)
+                us *= len(fns)   # graph_time_us: per function
+                if chain.timeouts():
+                    raise RuntimeError(f"{chain.timeouts()} barrier timeouts while timed")
+            except Exception as exc:  # noqa: BLE001
+                print(f"ERROR grid {grid} {name}: {type(exc).__name__}: {exc}")
+                rows.append(dict(grid=grid, config=name, error=str(exc)))
+                continue
+            n_launch = -(-phases // per_launch)
+            row = dict(grid=grid, config=name, launches=n_launch, barriers=phases - n_launch,
+                       us_per_step=us, p10=spread[0] * n_launch, p90=spread[1] * n_launch,
+                       us_per_layer=us / chain.L, over_floor=us / floor_us if work else None,
+                       rel_err=rel)
+            rows.append(row)
+            print(f"grid {grid:4d} {name:22s} {us:8.1f} us a step ({us / chain.L:6.2f} a layer)"
+                  + (f", {us / floor_us:.2f}x the weights' floor, rel err {rel:.1e}"
+                     if work else ""), flush=True)
     # The library's GEMMs on the same shapes and weights (bias zero, GELU after fc).
     x = cuda.to_device(chain.x0)
     bufs = {n: cuda.device_array((M, n), np.float32) for n in (D, 3 * D, 4 * D)}

@@ -47,13 +47,15 @@ def test_a_phase_without_its_barrier_would_read_stale_input():
 @pytest.mark.gpu
 @settings(max_examples=6)
 @given(n_layer=st.integers(1, 3), seed=st.integers(0, 2 ** 16),
-       per_launch=st.sampled_from([2, P.KINDS, 3 * P.KINDS]), grid_per_sm=st.integers(1, 4))
-def test_barriers_give_the_bits_of_one_phase_a_launch(n_layer, seed, per_launch, grid_per_sm):
+       per_launch=st.sampled_from([2, P.KINDS, 3 * P.KINDS]), grid_per_sm=st.integers(1, 4),
+       ahead=st.booleans())
+def test_barriers_give_the_bits_of_one_phase_a_launch(n_layer, seed, per_launch, grid_per_sm,
+                                                      ahead):
     chain = P.Chain(n_layer=n_layer, d=D_TEST, seed=seed)
     grid = min(grid_per_sm * _check.sm_count(),
                _check.resident_blocks(chain.kernel, P.THREADS))
     one = chain.run(1, grid)
-    fused = chain.run(per_launch, grid)
+    fused = chain.run(per_launch, grid, ahead)
     assert chain.timeouts() == 0
     assert np.array_equal(one, fused)
     assert np.linalg.norm(fused - numpy_chain(chain)) / np.linalg.norm(fused) < 1e-5
