@@ -23,9 +23,10 @@ One kernel, `persistent_chain_kernel`, runs phases [p_lo, p_hi): with one phase 
 has no barrier at all, so the comparison of the configurations below is launches against
 barriers, the GEMM code the same:
 
-  launch_per_phase   48 launches of one phase each (12 layers x 4 GEMMs)
-  launch_per_layer   12 launches of 4 phases, 3 barriers each
-  launch_per_step    1 launch of 48 phases, 47 barriers
+  per_launch_1       48 launches of one phase each (12 layers x 4 GEMMs)
+  per_launch_4_*     12 launches of 4 phases, 3 barriers each
+  per_launch_48_*    1 launch of 48 phases, 47 barriers
+                     (_ahead: a phase's first weights loaded before its barrier; _after: after)
   empty_*            the same launches and barriers with no GEMM work (what the structure
                      itself costs)
   production         the library's decode GEMMs (`kernels.gemm.gemm`) on the same shapes
@@ -43,7 +44,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -51,6 +51,7 @@ import numpy as np
 from proto import backend, timing
 from proto.backend import cuda, jit, launch
 from kernels import _check
+from kernels._lastblock import count_in
 from kernels.elementwise import gelu_f32, gelu_ref
 
 M, D, LAYERS = 5, 768, 12
@@ -137,18 +138,36 @@ def _make_phase(K: int, N: int, s_in: int, gelu_in: bool):
             cuda.syncthreads()   # xs and red are rewritten by the next item
             item += _u(nvb)
 
-    return load, run, items
+    return load, run
+
+
+@cuda.jit(device=True)
+def grid_barrier(counters, at, nblocks):
+    """Every block: publish its writes, count in at counters[at], wait until all
+    nblocks have (polling L2; after SPIN_LIMIT polls it counts a timeout and goes on)."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        cuda.atomic.add(counters, at, 1)
+        spins = 0
+        while backend.ldcg(counters, at) < nblocks:
+            spins += 1
+            if spins > SPIN_LIMIT:
+                cuda.atomic.add(counters, TIMEOUTS, 1)
+                break
+            cuda.nanosleep(100)
+        cuda.threadfence()
+    cuda.syncthreads()
 
 
 @functools.cache
 def _build(d: int = D):
     (kq, nq), (kp, np_), (kf, nf), (km, nm) = shapes(d)
     sq, sp, sf, sm = splits(d)
-    load_qkv, run_qkv, items_qkv = _make_phase(kq, nq, sm, False)     # input: mlp_proj's partials
-    load_proj, run_proj, items_proj = _make_phase(kp, np_, sq, False)  # input: qkv's first d columns
-    load_fc, run_fc, items_fc = _make_phase(kf, nf, sp, False)
-    load_mlp, run_mlp, items_mlp = _make_phase(km, nm, sf, True)      # gelu(fc) staged
-    max_items = max(items_qkv, items_proj, items_fc, items_mlp)
+    load_qkv, run_qkv = _make_phase(kq, nq, sm, False)     # input: mlp_proj's partials
+    load_proj, run_proj = _make_phase(kp, np_, sq, False)  # input: qkv's first d columns
+    load_fc, run_fc = _make_phase(kf, nf, sp, False)
+    load_mlp, run_mlp = _make_phase(km, nm, sf, True)      # gelu(fc) staged
 
     @cuda.jit(device=True)
     def load(p, wq, wp, wf, wm, vb, wv):
@@ -162,24 +181,6 @@ def _build(d: int = D):
             load_fc(wf[layer], _u(vb), wv)
         else:
             load_mlp(wm[layer], _u(vb), wv)
-
-    @cuda.jit(device=True)
-    def grid_barrier(counters, at, nblocks):
-        """Every block: publish its writes, count in at counters[at], wait until all
-        nblocks have (polling L2; after SPIN_LIMIT polls it counts a timeout and goes on)."""
-        cuda.threadfence()
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            cuda.atomic.add(counters, at, 1)
-            spins = 0
-            while backend.ldcg(counters, at) < nblocks:
-                spins += 1
-                if spins > SPIN_LIMIT:
-                    cuda.atomic.add(counters, TIMEOUTS, 1)
-                    break
-                cuda.nanosleep(100)
-            cuda.threadfence()
-        cuda.syncthreads()
 
     @jit("void(float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], "
          "float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], "
@@ -216,20 +217,13 @@ def _build(d: int = D):
                     run_mlp(hp, wm[layer], xp, vb, nvb, xs, red, wv, acc)
                 if ahead and p + 1 < p_hi:
                     load(p + 1, wq, wp, wf, wm, vb, wv)
-        if p_hi - p_lo > 1:   # the last block out resets the barrier counters for the next launch
-            cuda.threadfence()
-            cuda.syncthreads()
-            if cuda.threadIdx.x == 0:
-                last = cuda.atomic.add(counters, DONE, 1) == nvb - 1
-                flag[0] = 1 if last else 0
-            cuda.syncthreads()
-            if flag[0] != 0:
-                for i in range(cuda.threadIdx.x, p_hi - p_lo - 1, cuda.blockDim.x):
-                    counters[i] = 0
-                if cuda.threadIdx.x == 0:
-                    counters[DONE] = 0
+        # The last block out (every other one is past every barrier) resets the barrier
+        # counters for the next launch; count_in resets its own.
+        if p_hi - p_lo > 1 and count_in(counters, DONE, nvb, flag):
+            for i in range(cuda.threadIdx.x, p_hi - p_lo - 1, cuda.blockDim.x):
+                counters[i] = 0
 
-    return persistent_chain_kernel, max_items
+    return persistent_chain_kernel
 
 
 _build(D)   # GPT-2 small's kernel, compiled at import (kernels.compile_check sees it)
@@ -241,7 +235,7 @@ class Chain:
     def __init__(self, n_layer: int = LAYERS, d: int = D, seed: int = 12345):
         rng = np.random.default_rng(seed)
         self.L, self.d = n_layer, d
-        self.kernel, self.max_items = _build(d)
+        self.kernel = _build(d)
         self.w_host = [np.stack([(rng.standard_normal((k, n), dtype=np.float32)
                                   * np.float32(k ** -0.5 * (2.0 if i == 3 else 1.0)))
                                  for _ in range(n_layer)]) for i, (k, n) in enumerate(shapes(d))]
@@ -329,7 +323,7 @@ def main() -> None:
     floor_us = weight_bytes / (copy_GBps * 1e9) * 1e6
     rows = []
     print(f"device {backend.describe()}, copy {copy_GBps:.0f} GB/s; resident blocks {cap}; "
-          f"items per phase at most {chain.max_items}; weights {weight_bytes / 1e6:.1f} MB, "
+          f"weights {weight_bytes / 1e6:.1f} MB, "
           f"floor {floor_us:.1f} us")
     sms = _check.sm_count()
     grids = sorted({g for g in (sms, 2 * sms, 3 * sms, 4 * sms) if g <= cap})
@@ -398,4 +392,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)
