@@ -75,11 +75,22 @@ if SIMULATOR:
         return buf_v[phase, lo:hi], buf_i[phase, lo:hi]
 
     @cuda.jit(device=True)
+    def shfl_xor(v, off):
+        """Stand-in for cuda.shfl_xor_sync over the full warp, through `warp_lanes`."""
+        lanes, _ = warp_lanes(v, 0)
+        return type(v)(lanes[(cuda.threadIdx.x % 32) ^ off])
+
+    @cuda.jit(device=True)
     def warp_allreduce(v, use_max):
         """Stand-in for the shuffle butterfly below, through `warp_lanes`."""
         lanes, _ = warp_lanes(v, 0)
         return type(v)(lanes.max() if use_max else lanes.sum())
 else:
+    @cuda.jit(device=True)
+    def shfl_xor(v, off):
+        """v of lane (this lane xor off); every lane of the warp must call it."""
+        return cuda.shfl_xor_sync(FULL_MASK, v, off)
+
     @cuda.jit(device=True)
     def warp_allreduce(v, use_max):
         """Max (use_max) or sum of v over the warp, returned to every lane: xor butterfly."""

@@ -1,0 +1,65 @@
+"""Asynchronous copies from global to shared memory (PTX cp.async, sm_80 and later).
+
+A thread that loads a weight into a register holds that register until the load returns, so
+the bytes one SM keeps in flight are bounded by its registers: a decode GEMM, which only
+streams its weight, waits on memory latency with most of HBM idle. `copy16` issues a 16-byte
+copy that lands in shared memory without passing through a register: a block can put its
+whole weight tile in flight with a dozen instructions a thread, then compute from shared
+memory once `wait_all()` and a block barrier say it has arrived.
+
+    copy16(dst, i, src, j)   dst[i:i+4] = the 4 floats of src from flat element j on; dst a
+                             1-D shared float32 array, src a C-contiguous float32 array in
+                             global memory (any number of dimensions), both addresses
+                             16-byte aligned (the caller checks);
+    wait_all()               this thread's copies have landed (cp.async.wait_all); follow it
+                             with cuda.syncthreads() before reading other threads' copies.
+
+The simulator copies at once (its threads run one Python statement at a time).
+"""
+from __future__ import annotations
+
+from proto.backend import SIMULATOR
+
+if SIMULATOR:
+    import numpy as np
+
+    def copy16(dst, i, src, j):
+        for q in range(4):
+            dst[i + q] = src[np.unravel_index(int(j) + q, src.shape)]
+
+    def wait_all():
+        pass
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def copy16(typingctx, dst, i, src, j):
+        def codegen(context, builder, sig, args):
+            dty, ity, sty, jty = sig.args
+            i64 = ir.IntType(64)
+            d = context.make_array(dty)(context, builder, args[0])
+            s = context.make_array(sty)(context, builder, args[2])
+            di = context.cast(builder, args[1], ity, types.int64)
+            sj = context.cast(builder, args[3], jty, types.int64)
+            # generic addresses; a C-contiguous array's flat element j is data + j
+            daddr = builder.ptrtoint(builder.gep(d.data, [di]), i64)
+            saddr = builder.ptrtoint(builder.gep(s.data, [sj]), i64)
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [i64, i64]),
+                "{ .reg .u64 a; .reg .u32 b; cvta.to.shared.u64 a, $0; cvt.u32.u64 b, a; "
+                "cp.async.cg.shared.global [b], [$1], 16; }",
+                "l,l,~{memory}", side_effect=True)
+            builder.call(asm, [daddr, saddr])
+            return context.get_dummy_value()
+        return types.void(dst, i, src, j), codegen
+
+    @intrinsic
+    def wait_all(typingctx):
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;",
+                               "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+        return types.void(), codegen
