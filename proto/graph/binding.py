@@ -34,7 +34,6 @@ import numpy as np
 from proto.backend import address, device_copy, extent, is_device_array, prefix_rows
 
 MODES = ("copy", "patch", "alias")
-PATCH_ALIGN = 16   # bytes: a patched array keeps its placeholder's address modulo this
 
 
 @dataclasses.dataclass
@@ -184,13 +183,6 @@ class Binder:
                     f"producer write into graph.placeholders[{name!r}]")
 
     def _patch(self, inputs: dict, live: dict) -> None:
-        for name, x in inputs.items():   # before any rewrite
-            want = address(self.placeholders[name]) % PATCH_ALIGN
-            if address(x) % PATCH_ALIGN != want:
-                raise ValueError(
-                    f"replay: input {name!r}: patch binding needs the placeholder's alignment "
-                    f"(address = {want} mod {PATCH_ALIGN}; kernels may have been recorded for "
-                    f"16-byte copies of it), got an array at {address(x):#x}")
         by_node = defaultdict(dict)
         for name, x in inputs.items():
             if address(x) == self._bound[name]:
