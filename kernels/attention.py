@@ -26,8 +26,9 @@ With `rows` (beam search without moving the cache, `reorder_rows`), step 1 is a 
 compiled to read each earlier position's row from the table; the plain variant has none of
 that code (it cost 2.9 us a call when it was only switched off). A warp loads its next
 batch's rows while the current batch's K and V are on their way, and the first batch's
-beside pos, so no K or V load waits behind a load of the table. Its registers are bounded
-so that as many blocks fit an SM as of the plain variant (ROWS_MIN_BLOCKS).
+beside pos, so no K or V load waits behind a load of the table. For head dims up to 64 it
+is another kernel (`make_attention_groups`, a position to each group of lanes), which the
+H200 measured faster with the table and slower without it (`_WITH_ROWS`).
 
 Guard: pos is only known on the device. A step that does not fit (pos < 0 or
 pos + T > Tmax) writes nothing to the caches and NaN to every output, so an overflow shows in
@@ -44,7 +45,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _pdl
-from kernels._reduce import warp_allreduce
+from kernels._reduce import shfl_xor, warp_allreduce
 from proto import backend
 from proto.backend import cuda, jit, launch
 
@@ -277,17 +278,205 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                    (slots, positions, warps, min_blocks), use_rows)
 
 
+def make_attention_groups(group: int, dims: int, positions: int, warps: int,
+                          min_blocks: int = 0) -> Variant:
+    """The row-table attention kernel (`make_attention(..., use_rows=True)`'s job) with a
+    position to each group of `group` lanes (a power of two dividing 32): lane j of a group holds head dims j, j + group, ..., `dims` of them (so
+    one load instruction reads `group` consecutive floats of a row), and a group takes
+    `positions` positions a batch, loading all their K and V first. A score is a sum over
+    the group's lanes (log2(group) shuffles, every group of the warp at once, where
+    `make_attention` spends a 5-step butterfly on each position), and each group keeps its
+    own online softmax of the positions it saw (one exponential a position, where every
+    lane of `make_attention` computes every position's); the warp's groups are merged once,
+    after the last batch. Same arguments, grid, guard, cache writes, partials and
+    `min_blocks` as `make_attention`; head dims up to group * dims. (Why only the row-table
+    variant: see `_WITH_ROWS`.)"""
+    if group & (group - 1) or not 1 <= group <= 32:
+        raise ValueError(f"make_attention_groups: group {group} is not a power of two <= 32")
+    groups = 32 // group                       # groups a warp
+    unit = warps * groups * positions          # positions a block consumes a batch
+    width = group * dims                       # head dims a group covers
+    kv_size = positions * dims
+    red_o_size = warps * width
+    ml_size = 2 * warps
+    bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
+
+    @cuda.jit(device=True)
+    def merge(m, l_sum, acc, m2, l2, acc2):
+        """(m, l_sum, acc) and a partner's (m2, l2, acc2): one online softmax state for both
+        (acc updated in place). An empty state has m = -inf and holds nothing."""
+        top = max(m, m2)
+        e1 = ZERO if m == NEG_INF else math.exp(m - top)
+        e2 = ZERO if m2 == NEG_INF else math.exp(m2 - top)
+        for i in range(dims):
+            acc[i] = acc[i] * e1 + acc2[i] * e2
+        return top, l_sum * e1 + l2 * e2
+
+    @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
+         early_launch=True, **bounds)
+    def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows):
+        """Grid (B*H, T, S), 32*warps threads: as `make_attention`'s kernel, a position to
+        each group of lanes."""
+        red_ml = cuda.shared.array(ml_size, np.float32)     # per warp: max, then sum
+        red_o = cuda.shared.array(red_o_size, np.float32)   # per warp: output (width)
+        q = cuda.local.array(dims, np.float32)              # this lane's dims of q, scaled
+        acc = cuda.local.array(dims, np.float32)            # ... of the output, times exp(-m)
+        kv = cuda.local.array(kv_size, np.float32)          # [r * dims + i] K of a batch
+        vv = cuda.local.array(kv_size, np.float32)          # ... and V
+        sc = cuda.local.array(positions, np.float32)        # the group's scores of the batch
+        ahead = cuda.local.array(positions, np.int32)       # the batch's cache rows
+        T = qkv.shape[1]
+        H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        B = k_cache.shape[0]
+        C = H * hd
+        bh, t, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        direct = cuda.gridDim.z == 1   # one split: the output itself
+        b = bh // H
+        h = bh - b * H
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        j, g = lane % group, lane // group     # dim lane within the group, group
+        _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
+        _pdl.launch_dependents()
+        scale = np.float32(1.0) / math.sqrt(np.float32(hd))   # float32: no double math
+        hd_last = _u(hd - 1)
+        for i in range(dims):
+            d = _u(min(j + group * i, hd_last))
+            q[i] = qkv[b, t, _u(h * hd) + d] * scale
+            acc[i] = ZERO
+        for i in range(dims):
+            if j + group * i >= hd:
+                q[i] = ZERO  # past hd: q zero, so the clipped K loads add nothing
+        lo = split * span
+        me = (warp * groups + g) * positions    # this group's first position of a batch
+        # the first batch's rows, loaded beside pos (their use waits on pos)
+        for r in range(positions):
+            ahead[r] = rows[b, _u(min(lo + me + r, Tmax - 1))]
+        p0 = pos[0]
+        # Every condition below is uniform over the block, so early returns skip no barrier.
+        if p0 < 0 or p0 + T > Tmax:
+            if direct:
+                for d in range(tid, hd, cuda.blockDim.x):
+                    out[b, t, h * hd + d] = NAN
+            else:   # the combine kernel writes the NaN; it still loads this split
+                _empty_split(part_o, part_ml, bh, t, split, tid, hd)
+            return
+        if split == 0:  # token t's k, v into the caches; attention reads them from qkv
+            for d in range(tid, hd, cuda.blockDim.x):
+                k_cache[b, h, p0 + t, d] = qkv[b, t, C + h * hd + d]
+                v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
+        hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
+        if lo >= hi:   # wholly after the query (so S > 1): the combine kernel loads it and
+            _empty_split(part_o, part_ml, bh, t, split, tid, hd)   # skips it: it must hold values
+            return
+        qk, qv = _u(C + h * hd), _u(2 * C + h * hd)  # this head's k, v columns in qkv
+        m = NEG_INF    # this group's running max
+        l_sum = ZERO   # its running sum of exp(score - m)
+        for base in range(lo, hi, unit):  # the same trip count for every warp of the block
+            first = base + me
+            for r in range(positions):
+                # Past hi, re-read position hi-1 (in bounds); its score is masked below.
+                p = _u(min(first + r, hi - 1))
+                row, ok = _u(b), True
+                if p < p0 and first + r < hi:   # (past hi: masked, any row will do)
+                    named = ahead[r]
+                    ok = 0 <= named < B
+                    row = _u(named if ok else b)
+                for i in range(dims):
+                    d = _u(min(j + group * i, hd_last))  # q is 0 on dims past hd
+                    if p < p0:   # a row outside the cache: NaN
+                        kv[r * dims + i] = k_cache[row, h, p, d] if ok else NAN
+                        vv[r * dims + i] = v_cache[row, h, p, d] if ok else NAN
+                    else:  # this step's token: from qkv (the cache row may be unwritten)
+                        kv[r * dims + i] = qkv[b, _u(p - p0), qk + d]
+                        vv[r * dims + i] = qkv[b, _u(p - p0), qv + d]
+            # the next batch's rows, loaded while this one's K and V arrive
+            for r in range(positions):
+                ahead[r] = rows[b, _u(min(first + unit + r, Tmax - 1))]
+            for r in range(positions):
+                partial = ZERO
+                for i in range(dims):
+                    partial += q[i] * kv[r * dims + i]
+                off = group // 2   # the group's sum, every group of the warp at once
+                while off > 0:
+                    partial += shfl_xor(partial, off)
+                    off //= 2
+                sc[r] = partial
+            # A NaN score (a row outside the cache, or NaN data) must reach the output, also
+            # when it is all a group saw: the max takes it, and NaN passes the test below.
+            m_new = m
+            for r in range(positions):
+                if first + r < hi and not sc[r] <= m_new:
+                    m_new = sc[r]
+            if m_new != NEG_INF:
+                alpha = math.exp(m - m_new)  # rescales what was summed under the old max
+                l_sum *= alpha
+                for i in range(dims):
+                    acc[i] *= alpha
+                for r in range(positions):
+                    if first + r < hi:
+                        pr = math.exp(sc[r] - m_new)
+                        l_sum += pr
+                        for i in range(dims):
+                            acc[i] += pr * vv[r * dims + i]
+                m = m_new
+        # The warp's groups into one state (a butterfly over the groups), then the warps
+        # in order through shared memory: o = sum_w exp(m_w - M) o_w, likewise the sums.
+        off = group
+        while off < 32:
+            m2 = shfl_xor(m, off)
+            l2 = shfl_xor(l_sum, off)
+            for i in range(dims):   # (kv is free now: it holds the partner's acc)
+                kv[i] = shfl_xor(acc[i], off)
+            m, l_sum = merge(m, l_sum, acc, m2, l2, kv)
+            off *= 2
+        if lane == 0:
+            red_ml[warp] = m
+            red_ml[warps + warp] = l_sum
+        if g == 0:
+            for i in range(dims):
+                d = j + group * i
+                if d < hd:
+                    red_o[warp * width + d] = acc[i]
+        cuda.syncthreads()
+        for d in range(tid, hd, cuda.blockDim.x):
+            top = NEG_INF
+            for w in range(warps):
+                top = max(top, red_ml[w])
+            o = ZERO
+            total = ZERO
+            for w in range(warps):
+                mw = red_ml[w]
+                if mw != NEG_INF:  # a warp whose positions all lay past hi holds nothing
+                    e = math.exp(mw - top)
+                    o += e * red_o[w * width + d]
+                    total += e * red_ml[warps + w]
+            if direct:
+                out[b, t, h * hd + d] = o / total
+            else:
+                part_o[bh, t, split, d] = o
+                if d == 0:
+                    part_ml[bh, t, split, 0] = top
+                    part_ml[bh, t, split, 1] = total
+
+    return Variant(attention_kernel, 32 * warps, unit, width,
+                   ("groups", group, dims, positions, warps, min_blocks), True)
+
+
 SMALL = make_attention(*SMALL_CONFIG)
 LARGE = make_attention(*LARGE_CONFIG)
-# The row table costs registers (76 a thread against the plain variant's 64 at GPT-2's head
-# dim), which left 3 blocks an SM instead of 4: a beam-search decode step at position 512 has
-# 480 blocks of 64 positions (and 60 of position 512 alone), one wave at 4 an SM (528 slots)
-# and two at 3 (396), and the WHILE graph's attention measured 16 us a layer against the
-# plain step's 11. Bounded to the
-# plain variant's 4, ptxas spills 8 bytes, outside the position loop.
-ROWS_MIN_BLOCKS = 4
-_WITH_ROWS = {SMALL.config: make_attention(*SMALL_CONFIG, ROWS_MIN_BLOCKS, use_rows=True),
+# The row-table variant of head dims up to 64 (GPT-2's; the WHILE graph's beam search) is
+# `make_attention_groups`: 16 lanes x 4 dims, 2 positions a group a batch, so a lane has as
+# many K and V loads in flight as SMALL_CONFIG's kernel, and 4 shuffles a score instead of
+# 5 per position. 80 registers at 3 blocks an SM, no spill (at 4 an SM it spills). A/B on
+# the H200 in one process (GPT-2 small, beam 5): the WHILE graph's token 0.700 ms against
+# 0.722 with `make_attention`'s row-table kernel (bounded to 4 blocks an SM, which spilled
+# 8 bytes). As the plain step's kernel it lost: 663 us a step at 3 blocks an SM, 630 at 4,
+# against SMALL's 627, so the plain variant stays `make_attention`.
+ROWS_GROUPS_CONFIG = (16, 4, 2, 8, 3) if not backend.SIMULATOR else (8, 8, 1, 1, 0)
+_WITH_ROWS = {SMALL.config: make_attention_groups(*ROWS_GROUPS_CONFIG),
               LARGE.config: make_attention(*LARGE.config, use_rows=True)}
+assert all(_WITH_ROWS[v.config].max_hd >= v.max_hd for v in (SMALL, LARGE))
 attention_kernel = SMALL.kernel
 
 
@@ -359,11 +548,17 @@ def gather_batch_kernel(src, index, length, width, fixed, dst):
 
 
 # ---------------------------------------------------------------------------- launchers
+def kernel_for(hd: int, rows: bool = False) -> Variant:
+    """The kernel variant `attention` launches for head dim hd, with or without a row table."""
+    plain = SMALL if hd <= SMALL.max_hd else LARGE
+    return _WITH_ROWS[plain.config] if rows else plain
+
+
 def _plan(B: int, H: int, T: int, Tmax: int, hd: int, variant: Variant | None = None,
           target_blocks: int | None = None) -> tuple[Variant, int, int]:
     """(kernel variant, splits S, span) for one shape: static, so one graph serves every pos.
     Splits of whole batches until B*H*T*S reaches the target (decode), none for prefill."""
-    v = variant or (SMALL if hd <= SMALL.max_hd else LARGE)
+    v = variant or kernel_for(hd)
     target = TARGET_BLOCKS if target_blocks is None else target_blocks
     want = max(1, -(-target // (B * H * T)))
     splits = min(-(-Tmax // v.unit), want)
@@ -403,18 +598,18 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -
         raise ValueError(f"qkv: T={T} new positions exceed the cache size Tmax={Tmax}")
     # Declared writes (k_cache, v_cache, out, partials) are checked against every other
     # argument at launch: outputs must not overlap what other blocks still read.
-    variant, splits, span = _plan(B, n_head, T, Tmax, hd)
+    if rows is None:   # a placeholder, never read
+        rows_arg = backend.empty((1, 1), np.int32, "attention.no_rows")
+    else:
+        rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
+    # (the row-table kernel is planned by its own batch of positions)
+    variant, splits, span = _plan(B, n_head, T, Tmax, hd, kernel_for(hd, rows is not None))
     if splits > 1:  # scratch of this call: the combine launch reads it
         part_o = backend.empty((B * n_head, T, splits, hd), np.float32, "attention.partials")
         part_ml = backend.empty((B * n_head, T, splits, 2), np.float32, "attention.stats")
     else:  # placeholders, never touched
         part_o = backend.empty((1, 1, 1, 1), np.float32, "attention.partials")
         part_ml = backend.empty((1, 1, 1, 2), np.float32, "attention.stats")
-    if rows is None:   # a placeholder, never read
-        rows_arg = backend.empty((1, 1), np.int32, "attention.no_rows")
-    else:
-        rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
-        variant = _WITH_ROWS[variant.config]
     launch(variant.kernel, (B * n_head, T, splits), variant.threads,
            (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, rows_arg), stream)
     if splits > 1:

@@ -567,7 +567,7 @@ def main(quick: bool = False) -> None:
     for pos in (512, 100, 1023):
         bench_attention(att, A.SMALL, pos, None, copy_GBps, profile=(pos == 512))
     # the WHILE graph's variant (a table of rows): what the table costs a call
-    bench_attention(att, A._WITH_ROWS[A.SMALL.config], 512, None, copy_GBps, profile=True)
+    bench_attention(att, A.kernel_for(HD, rows=True), 512, None, copy_GBps, profile=True)
     print(f"attention defaults done {time.time() - t_start:.0f} s")
     bench_step(copy_GBps)
     print(f"step done {time.time() - t_start:.0f} s")
