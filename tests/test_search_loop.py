@@ -157,7 +157,10 @@ def test_real_gpt2_beam_search_in_one_graph_matches_eager():
     with BeamLoop(model, beam=3, max_len=8) as loop:
         got = loop.generate(prompt, max_new_tokens=3)
     np.testing.assert_array_equal(got.tokens, want.tokens)
-    assert got.score == want.score
+    # The WHILE graph reads the cache through the beams' row table (attention's row-table
+    # kernel), the eager search moves the cache (the plain kernel): the same sums in
+    # another order, so the score agrees to float32 rounding, not bit for bit.
+    assert got.score == pytest.approx(want.score, rel=1e-5)
 
 
 @pytest.mark.parametrize("control,unroll", [("predicated", 1), ("predicated", 3), ("host", 16)])
