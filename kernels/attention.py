@@ -281,8 +281,9 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
 def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                           min_blocks: int = 0) -> Variant:
     """The row-table attention kernel (`make_attention(..., use_rows=True)`'s job) with a
-    position to each group of `group` lanes (a power of two dividing 32): lane j of a group holds head dims j, j + group, ..., `dims` of them (so
-    one load instruction reads `group` consecutive floats of a row), and a group takes
+    position to each group of `group` lanes (a power of two dividing 32): lane j of a group
+    holds head dims j, j + group, ..., `dims` of them (so one load instruction reads `group`
+    consecutive floats of a row), and a group takes
     `positions` positions a batch, loading all their K and V first. A score is a sum over
     the group's lanes (log2(group) shuffles, every group of the warp at once, where
     `make_attention` spends a 5-step butterfly on each position), and each group keeps its
@@ -471,7 +472,7 @@ LARGE = make_attention(*LARGE_CONFIG)
 # 5 per position. 80 registers at 3 blocks an SM, no spill (at 4 an SM it spills). A/B on
 # the H200 in one process (GPT-2 small, beam 5): the WHILE graph's token 0.700 ms against
 # 0.722 with `make_attention`'s row-table kernel (bounded to 4 blocks an SM, which spilled
-# 8 bytes). As the plain step's kernel it lost: 663 us a step at 3 blocks an SM, 630 at 4,
+# 8 bytes); 0.7385 against 0.7596 on another machine. As the plain step's kernel it lost: 663 us a step at 3 blocks an SM, 630 at 4,
 # against SMALL's 627, so the plain variant stays `make_attention`.
 ROWS_GROUPS_CONFIG = (16, 4, 2, 8, 3) if not backend.SIMULATOR else (8, 8, 1, 1, 0)
 _WITH_ROWS = {SMALL.config: make_attention_groups(*ROWS_GROUPS_CONFIG),
