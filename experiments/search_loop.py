@@ -113,6 +113,7 @@ def run(size: str = "toy") -> None:
                                               warmup=cfg["warmup"], reps=cfg["reps"])
                         got = out[-1]
                         want = want or got
+                        score_diff = _rel_diff(got.score, want.score)
                         rows.append({"search": search, "method": method, "new_tokens": n,
                                      "batch": B, "prompt_len": T0, "n_layer": config.n_layer,
                                      "n_embd": config.n_embd,
@@ -120,10 +121,9 @@ def run(size: str = "toy") -> None:
                                      "ms_per_token": t.median_ms / n, "generation_ms": t.median_ms,
                                      "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "reps": t.reps,
                                      "compared_with": "numba_eager" if n <= cfg["eager_up_to"] else "graph_per_step",
-                                     "score_rel_diff": _rel_diff(got.score, want.score),
+                                     "score_rel_diff": score_diff,
                                      "result_equal": bool(np.array_equal(got.tokens, want.tokens)
-                                                          and _rel_diff(got.score, want.score)
-                                                          <= SCORE_RTOL)})
+                                                          and score_diff <= SCORE_RTOL)})
             finally:
                 for thing in owned:
                     thing.close()
