@@ -487,7 +487,7 @@ attention_kernel = SMALL.kernel
 
 
 @jit("void(int32[::1], int32, int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
-     "float32[:, :, ::1])", writes=("out",))
+     "float32[:, :, ::1])", writes=("out",), early_launch=True)
 def attention_combine_kernel(pos, tmax, span, part_o, part_ml, out):
     """Grid (B*H, T), >= hd threads: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s
     over the splits s that hold positions <= pos + t, in split order. No barriers: each
@@ -504,6 +504,8 @@ def attention_combine_kernel(pos, tmax, span, part_o, part_ml, out):
     t = cuda.blockIdx.y
     d = cuda.threadIdx.x
     dc = _u(min(d, hd - 1))
+    _pdl.wait()   # (early launch: pos and the partials are earlier kernels' outputs)
+    _pdl.launch_dependents()
     p0 = pos[0]
     top = NEG_INF
     o = ZERO

@@ -531,13 +531,15 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
 
 
 @jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32)",
-     writes=("out",))
+     writes=("out",), early_launch=True)
 def gemm_splitk_reduce_kernel(part, out, bias, has_bias, act, accumulate):
     """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order: grid-stride
     over the outputs. Every load of an output (old value, bias, RED_CHUNK partials) is
     issued before any is used: one memory round trip per chunk, not one per partial."""
     vals = cuda.local.array(RED_CHUNK, np.float32)
     B, S, M, N = part.shape
+    _pdl.wait()   # (early launch: everything it reads but the bias is an earlier output)
+    _pdl.launch_dependents()
     for e in range(cuda.grid(1), B * M * N, cuda.gridsize(1)):
         bm, n = e // N, _u(e % N)
         bz, m = _u(bm // M), _u(bm % M)
@@ -559,7 +561,7 @@ def gemm_splitk_reduce_kernel(part, out, bias, has_bias, act, accumulate):
 
 @jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32, "
      "float32[::1], float32[::1], float32, float32[:,:,::1])", writes=("out", "y"),
-     launch_bounds=(LN_THREADS, 1))
+     launch_bounds=(LN_THREADS, 1), early_launch=True)
 def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gamma, beta, eps,
                                  y):
     """Grid (B*M,), a block per output row: the split-K epilogue of
@@ -578,6 +580,8 @@ def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gam
     tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
     last = _u(N - 1)
     load_ln_params(gamma, beta, gb, LN_COLS, N)
+    _pdl.wait()   # (early launch: gamma and beta above are nobody's output; out, part are)
+    _pdl.launch_dependents()
     for c in range(LN_COLS):  # past N, re-read column N-1 (never stored or counted)
         n = min(tid + nt * _u(c), last)
         old[c] = out[bz, m, n] if accumulate else _ZERO
