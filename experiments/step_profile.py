@@ -8,6 +8,9 @@ For each setup (`step_spec`), in order:
           graph of that length attending to the live prefix ("torch") and the static-cache
           graph masked over every position ("torch_masked"); with torch, every kernel of each
           is profiled (torch.profiler, which sees Numba's kernels inside graph replays too);
+          ours in a second alias graph built with early launch off, since under early launch
+          a kernel's span starts while its predecessor runs and holds its wait: the profile
+          gives each kernel's own time, the step time is the default graph's;
           and the step's bandwidth floor, its bytes (every weight once, the live K and V) at
           the copy rate measured in the same process;
   while   the WHILE graph's kernels over one whole generation, per token. The profiler does
@@ -24,6 +27,7 @@ it. One child serves every setup and part, so the kernels compile once.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -80,21 +84,43 @@ def _replay_us(replay, replays: int, warmup: int, reps: int) -> float:
     return t.median_us / replays
 
 
-def _step_timings(label: str, position: int, alias, masked, live, kernel_rows: list, *,
+@contextlib.contextmanager
+def _early_launch_off():
+    """PROTO_EARLY_LAUNCH=off inside (the graph layer reads it as it lowers a graph), then
+    as it was."""
+    before = os.environ.get("PROTO_EARLY_LAUNCH")
+    os.environ["PROTO_EARLY_LAUNCH"] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PROTO_EARLY_LAUNCH"]
+        else:
+            os.environ["PROTO_EARLY_LAUNCH"] = before
+
+
+def _step_timings(label: str, position: int, alias, plain, masked, live, kernel_rows: list, *,
                   step: dict, profile: bool) -> dict:
-    """Our alias graph's replay (GraphedGPT2), its kernels' sum (`profile`), and PyTorch's
-    graphed steps at `position`: the static cache masked over every position ("torch_masked",
-    a graphed TorchDecoder) and the graph of this length attending to the live prefix
-    ("torch", a PerLengthDecoder); appends each kernel's share of a step to `kernel_rows`."""
+    """Our alias graph's replay (GraphedGPT2), its kernels' sum (`profile`: profiled in
+    `plain`, the same graph built with early launch off, so each kernel's span is its own
+    time), and PyTorch's graphed steps at `position`: the static cache masked over every
+    position ("torch_masked", a graphed TorchDecoder) and the graph of this length attending
+    to the live prefix ("torch", a PerLengthDecoder); appends each kernel's share of a step
+    to `kernel_rows`."""
     row = {"setup": label, "position": position}
     replays = {"ours": alias.replayer(position)}
+    profiled = dict(replays)
+    if plain is not None:
+        with _early_launch_off():
+            profiled["ours"] = plain.replayer(position)
+            profiled["ours"]()   # (built and lowered here, whenever the graph layer does it)
     if masked is not None:
-        replays["torch_masked"] = masked.replayer(position)
+        replays["torch_masked"] = profiled["torch_masked"] = masked.replayer(position)
     if live is not None:
         live.capture(position + 1)   # the graph of length position + 1: one step
-        replays["torch"] = live.graphs[position + 1].replay
+        replays["torch"] = profiled["torch"] = live.graphs[position + 1].replay
     for who, replay in replays.items():
-        kernels = _kernels(replay) if profile else None
+        kernels = _kernels(profiled[who]) if profile else None
         row[f"{who}_step_us"] = round(_replay_us(replay, step["replays"], step["warmup"],
                                                  step["reps"]), 2)
         row[f"{who}_kernel_sum_us"], row[f"{who}_kernels_per_step"] = (None, None) \
@@ -151,17 +177,19 @@ def _measure_step(spec: dict) -> dict:
                              kernel_rows)
         return {"row": row, "kernels": kernel_rows}
     alias = GraphedGPT2(model, batch=beam, max_len=max_len, binding="alias", strategy="device")
-    masked = live = None
+    masked = live = plain = None
     if spec["torch"]:
         from experiments.torch_gpt2 import PerLengthDecoder, TorchDecoder
+        plain = GraphedGPT2(model, batch=beam, max_len=max_len, binding="alias",
+                            strategy="device")
         masked = TorchDecoder(config, state_dict, batch=beam, max_len=max_len, graphed=True)
         live = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len, pool="shared")
     kernel_rows: list = []
     try:
-        row = _step_timings(spec["label"], spec["position"], alias, masked, live, kernel_rows,
-                            step=spec["step"], profile=spec["torch"])
+        row = _step_timings(spec["label"], spec["position"], alias, plain, masked, live,
+                            kernel_rows, step=spec["step"], profile=spec["torch"])
     finally:
-        for m in (alias, masked, live):
+        for m in (alias, plain, masked, live):
             if m is not None:
                 m.close()
     return {"row": row, "kernels": kernel_rows}

@@ -3,6 +3,7 @@ arithmetic and refusal (torch.profiler replaced by fixed totals), and how the ch
 parent keep what was measured when a later part fails."""
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 
@@ -115,3 +116,45 @@ def test_step_timings_keeps_what_a_dying_child_wrote(monkeypatch):
     monkeypatch.setattr(step_profile.subprocess, "run", child([step], 1))
     with pytest.raises(RuntimeError, match="b's step timing: the child process failed"):
         step_profile.step_timings(specs)
+
+
+def test_our_step_is_timed_with_early_launch_and_profiled_without(monkeypatch):
+    """Under early launch a kernel's profiled span starts while its predecessor runs, so the
+    step's kernels are profiled in a second graph lowered with early launch off, while the
+    step time is the default graph's; the variable is as it was afterwards."""
+    from proto.graph import cuda as graph_cuda
+    monkeypatch.delenv("PROTO_EARLY_LAUNCH", raising=False)
+
+    class Model:
+        def decode_read_bytes(self, batch, length):
+            return 1000, 10 * length
+
+    class Graphed:   # what _step_timings uses of a GraphedGPT2
+        num_nodes, num_graphs, batch, model = 7, 1, 2, Model()
+
+        def __init__(self, name):
+            self.name, self.lowered_early, self.replays = name, None, 0
+
+        def replayer(self, position):
+            self.lowered_early = graph_cuda.early_launch_switched_on()
+
+            def replay():
+                self.replays += 1
+            replay.owner = self.name
+            return replay
+
+    profiled = []
+    monkeypatch.setattr(step_profile, "_kernels",
+                        lambda replay, n=20: profiled.append(replay.owner) or {"k": (5.0, 2.0)})
+    monkeypatch.setattr(step_profile.timing, "copy_bandwidth_GBps", lambda *a, **k: 1000.0)
+    alias, plain, rows = Graphed("alias"), Graphed("plain"), []
+    row = step_profile._step_timings("toy", 3, alias, plain, None, None, rows,
+                                     step=dict(replays=2, warmup=0, reps=3, copy_bytes=1),
+                                     profile=True)
+    assert alias.lowered_early is True and plain.lowered_early is False
+    assert profiled == ["plain"]
+    assert alias.replays == 2 * 3   # the timing replays the default graph alone
+    assert "PROTO_EARLY_LAUNCH" not in os.environ
+    assert row["ours_kernel_sum_us"] == 5.0 and row["ours_kernels_per_step"] == 2.0
+    assert rows == [{"setup": "toy", "who": "ours", "kernel": "k", "us_per_step": 5.0,
+                     "launches_per_step": 2.0}]
