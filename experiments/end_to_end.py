@@ -519,7 +519,11 @@ def _plot_while_kernels() -> None:
                 ax.annotate(f"{walls[x]:.0f} us measured, {bottom:.0f} us of kernels",
                             (x, walls[x]), textcoords="offset points", xytext=(0, 4),
                             ha="center", fontsize=7)
-        ax.set_xticks([0, 1], ["one step\n(replayed alone, middle position)",
+        # Both bars are kernels timed one after another (the step's in a graph without early
+        # launch, the token's in the predicated twin's plain graphs); the lines are the
+        # graphs as they run, where early launch overlaps neighbouring kernels.
+        ax.set_xticks([0, 1], ["one step (replayed alone, middle position;\n"
+                               "its kernels timed without early launch)",
                                "WHILE graph, per token (mean over the generation;\n"
                                "its kernels timed in the predicated twin)"], fontsize=8)
         ax.set_ylabel("us")

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (Hopper): a kernel of a graph may start while the kernel
 before it still runs, so its launch, its blocks' start-up and its loads of constant data
-(weights) overlap its predecessor's tail. A decode step is a chain of ~60 short kernels whose
+(weights) overlap its predecessor's tail. A decode step is a chain of ~100 short kernels whose
 fixed cost, not their bytes, sets its time (kernels/NOTES_decode.md); this hides part of it.
 
 A kernel opts in with `proto.backend.jit(..., early_launch=True)` and keeps one rule: before
@@ -10,7 +10,8 @@ writes are visible; without a programmatic predecessor (eager launches, the simu
 returns at once. `launch_dependents()` (griddepcontrol.launch_dependents) lets the successor
 start once every block of this kernel has called it; kernels call it right after `wait()`,
 so at most two kernels of a chain overlap. The graph layer (proto.graph.cuda) turns an edge
-into a programmatic one only where the successor opted in and PROTO_EARLY_LAUNCH=on.
+into a programmatic one where the successor opted in, unless PROTO_EARLY_LAUNCH=off (on the
+H200, GPT-2 small's graphed step took 585 us with it against 629 without).
 """
 from __future__ import annotations
 
