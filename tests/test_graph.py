@@ -260,3 +260,16 @@ def test_shared_executables_never_retarget_the_one_just_launched(capacity, launc
             assert pool.updates == switches
     finally:
         cuda_exec._instantiate = original
+
+
+def test_early_launch_is_on_unless_switched_off(monkeypatch):
+    """Early launch (programmatic edges into kernels that opted in) is the default; only
+    PROTO_EARLY_LAUNCH=off turns it off, and any other value is refused by name."""
+    from proto.graph import cuda as graph_cuda
+    monkeypatch.delenv("PROTO_EARLY_LAUNCH", raising=False)
+    assert graph_cuda.early_launch_switched_on() is True
+    monkeypatch.setenv("PROTO_EARLY_LAUNCH", "off")
+    assert graph_cuda.early_launch_switched_on() is False
+    monkeypatch.setenv("PROTO_EARLY_LAUNCH", "yes")
+    with pytest.raises(ValueError, match="PROTO_EARLY_LAUNCH"):
+        graph_cuda.early_launch_switched_on()
