@@ -111,9 +111,8 @@ def _step_timings(label: str, position: int, alias, plain, masked, live, kernel_
     replays = {"ours": alias.replayer(position)}
     profiled = dict(replays)
     if plain is not None:
-        with _early_launch_off():
+        with _early_launch_off():   # (replayer builds the graph, which lowers it)
             profiled["ours"] = plain.replayer(position)
-            profiled["ours"]()   # (built and lowered here, whenever the graph layer does it)
     if masked is not None:
         replays["torch_masked"] = profiled["torch_masked"] = masked.replayer(position)
     if live is not None:
