@@ -498,6 +498,8 @@ def _plot_while_kernels() -> None:
     per_token = {(r["setup"], r["method"]): float(r["ms_per_token"]) * 1e3
                  for r in common.read_csv(NAME)}
     families = list(dict.fromkeys(f for _, f in FAMILIES)) + ["other"]
+    import matplotlib   # (common.new_figure has loaded it)
+    tab20 = matplotlib.colormaps["tab20"]
     fig, axes = common.new_figure(kernels, 1, len(setups), figsize=(7.5 * len(setups), 4.6),
                                   squeeze=False)
     for ax, setup in zip(axes[0], setups):
@@ -511,7 +513,8 @@ def _plot_while_kernels() -> None:
             bottom = 0.0
             for i, family in enumerate(families):
                 if sums[family] > 0:
-                    ax.bar(x, sums[family], bottom=bottom, color=f"C{i % 10}", label=family)
+                    # tab20: eleven families, where the default cycle repeats after ten
+                    ax.bar(x, sums[family], bottom=bottom, color=tab20(i % 20), label=family)
                     bottom += sums[family]
             if walls[x] is not None:
                 ax.hlines(walls[x], x - 0.45, x + 0.45, color="k", linewidth=2,
@@ -522,10 +525,10 @@ def _plot_while_kernels() -> None:
         # Both bars are kernels timed one after another (the step's in a graph without early
         # launch, the token's in the predicated twin's plain graphs); the lines are the
         # graphs as they run, where early launch overlaps neighbouring kernels.
-        ax.set_xticks([0, 1], ["one step (replayed alone, middle position;\n"
-                               "its kernels timed without early launch)",
-                               "WHILE graph, per token (mean over the generation;\n"
-                               "its kernels timed in the predicated twin)"], fontsize=8)
+        ax.set_xticks([0, 1], ["one step\n(replayed alone, middle position;\n"
+                               "kernels timed without early launch)",
+                               "WHILE graph, per token\n(mean over the generation;\n"
+                               "kernels timed in the predicated twin)"], fontsize=8)
         ax.set_ylabel("us")
         ax.set_title(f"GPT-2 {setup}: a WHILE token against one step, by kernel", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
