@@ -27,7 +27,6 @@ it. One child serves every setup and part, so the kernels compile once.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -41,6 +40,7 @@ import numpy as np
 
 from experiments import common
 from proto import timing
+from proto.graph.cuda import early_launch_off
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
 from proto.models.graphed import GraphedGPT2
 from proto.models.search_loop import BeamLoop
@@ -84,21 +84,6 @@ def _replay_us(replay, replays: int, warmup: int, reps: int) -> float:
     return t.median_us / replays
 
 
-@contextlib.contextmanager
-def _early_launch_off():
-    """PROTO_EARLY_LAUNCH=off inside (the graph layer reads it as it lowers a graph), then
-    as it was."""
-    before = os.environ.get("PROTO_EARLY_LAUNCH")
-    os.environ["PROTO_EARLY_LAUNCH"] = "off"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PROTO_EARLY_LAUNCH"]
-        else:
-            os.environ["PROTO_EARLY_LAUNCH"] = before
-
-
 def _step_timings(label: str, position: int, alias, plain, masked, live, kernel_rows: list, *,
                   step: dict, profile: bool) -> dict:
     """Our alias graph's replay (GraphedGPT2), its kernels' sum (`profile`: profiled in
@@ -109,17 +94,17 @@ def _step_timings(label: str, position: int, alias, plain, masked, live, kernel_
     to `kernel_rows`."""
     row = {"setup": label, "position": position}
     replays = {"ours": alias.replayer(position)}
-    profiled = dict(replays)
+    profiled = {}   # who -> the replay profiled instead of the timed one
     if plain is not None:
-        with _early_launch_off():   # (replayer builds the graph, which lowers it)
+        with early_launch_off():   # (replayer builds the graph, which lowers it)
             profiled["ours"] = plain.replayer(position)
     if masked is not None:
-        replays["torch_masked"] = profiled["torch_masked"] = masked.replayer(position)
+        replays["torch_masked"] = masked.replayer(position)
     if live is not None:
         live.capture(position + 1)   # the graph of length position + 1: one step
-        replays["torch"] = profiled["torch"] = live.graphs[position + 1].replay
+        replays["torch"] = live.graphs[position + 1].replay
     for who, replay in replays.items():
-        kernels = _kernels(profiled[who]) if profile else None
+        kernels = _kernels(profiled.get(who, replay)) if profile else None
         row[f"{who}_step_us"] = round(_replay_us(replay, step["replays"], step["warmup"],
                                                  step["reps"]), 2)
         row[f"{who}_kernel_sum_us"], row[f"{who}_kernels_per_step"] = (None, None) \

@@ -34,6 +34,7 @@ them: that position is the slot patch binding rewrites.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import time
 import warnings
@@ -157,14 +158,30 @@ class _Lowered:
         self.definition, self.description, self.handles, self.params = None, None, [], []
 
 
+_early_launch_held_off = 0   # how many early_launch_off() scopes are open
+
+
 def early_launch_switched_on() -> bool:
     """Programmatic dependent launch (kernels/_pdl.py) for the kernels that opted in: on
-    unless PROTO_EARLY_LAUNCH=off (H200, GPT-2 small: the step 585 against 629 us, the WHILE
-    graph's token 0.650 against 0.703 ms)."""
+    unless PROTO_EARLY_LAUNCH=off or inside `early_launch_off()` (H200, GPT-2 small: the
+    step 585 against 629 us, the WHILE graph's token 0.650 against 0.703 ms)."""
     value = os.environ.get("PROTO_EARLY_LAUNCH", "on")
     if value not in ("on", "off"):
         raise ValueError(f"PROTO_EARLY_LAUNCH: expected 'on' or 'off', got {value!r}")
-    return value == "on"
+    return value == "on" and not _early_launch_held_off
+
+
+@contextlib.contextmanager
+def early_launch_off():
+    """Graphs lowered inside get plain edges only, whatever PROTO_EARLY_LAUNCH says: under
+    early launch a kernel's profiled span starts while its predecessor runs and holds its
+    wait, so a profile that wants each kernel's own time profiles such a graph."""
+    global _early_launch_held_off
+    _early_launch_held_off += 1
+    try:
+        yield
+    finally:
+        _early_launch_held_off -= 1
 
 
 def _launches_early(node: KernelLaunch, waits, description: Description) -> bool:
