@@ -26,9 +26,8 @@ def float64_instructions(ptx: str) -> list[str]:
             if re.match(r"\s*[a-z]\w*(\.\w+)*\.f64\b", line)]
 
 
-def main(cc=(9, 0)) -> int:
-    if not backend.PTX_ONLY:
-        sys.exit("run with PROTO_BACKEND=ptx (compile only, no device needed)")
+def import_all_kernels(cc=(9, 0)) -> None:
+    """Import every module of `kernels`, so that every kernel registers its signatures."""
     # Device functions (cuda.jit(device=True)) ask the current device for its compute
     # capability when they are compiled into a kernel; with no device, answer with `cc`.
     import types
@@ -36,8 +35,14 @@ def main(cc=(9, 0)) -> int:
     dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
     import kernels
     for mod in pkgutil.iter_modules(kernels.__path__):
-        if not mod.name.startswith("_") and mod.name != "compile_check":
+        if not mod.name.startswith("_") and mod.name not in ("compile_check", "registers"):
             importlib.import_module(f"kernels.{mod.name}")
+
+
+def main(cc=(9, 0)) -> int:
+    if not backend.PTX_ONLY:
+        sys.exit("run with PROTO_BACKEND=ptx (compile only, no device needed)")
+    import_all_kernels(cc)
     failures = 0
     for pyfunc, sig in backend.KERNEL_SIGNATURES:
         name = f"{pyfunc.__module__}.{pyfunc.__name__}{sig}"

@@ -122,6 +122,9 @@ if os.environ.get("PROTO_QUIET") != "1":
 # Every kernel's (python function, signature) pairs, so kernels.compile_check can compile them all
 # for a real GPU even on a machine without one.
 KERNEL_SIGNATURES: list[tuple[object, str]] = []
+# ... and the launch bounds a kernel was declared with (threads, blocks an SM), for
+# kernels.registers, which compiles them as the GPU does.
+LAUNCH_BOUNDS: dict[object, tuple] = {}
 # cuda.jit options that only steer the GPU's code generation (registers per thread).
 _GPU_CODEGEN_OPTIONS = ("max_registers", "launch_bounds")
 
@@ -155,6 +158,9 @@ def jit(signature, *, writes=(), in_place=(), early_launch=False, **options):
         if any(out not in writes for out, _ in in_place):
             raise ValueError(f"jit({pyfunc.__name__}): in_place pairs start with a written parameter")
         KERNEL_SIGNATURES.extend((pyfunc, sig) for sig in signatures)
+        bounds = options.get("launch_bounds")
+        if bounds is not None:
+            LAUNCH_BOUNDS[pyfunc] = tuple(bounds) if isinstance(bounds, (tuple, list)) else (bounds,)
         kernel = cuda.jit(**options)(pyfunc) if PTX_ONLY else cuda.jit(signatures, **options)(pyfunc)
         kernel.params = params
         kernel.writes = tuple(params.index(w) for w in writes)
