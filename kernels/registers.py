@@ -58,22 +58,23 @@ def blocks_per_sm(registers: int, shared: int, threads: int) -> int:
     return min(by_registers, by_shared, MAX_THREADS // (32 * warps), MAX_BLOCKS)
 
 
-def _ptxas(ptx: str, cc: tuple) -> str:
-    """ptxas -v's output for `ptx`, lowering its .version once if ptxas asks for it."""
+def _run_ptxas(ptx: str, cc: tuple) -> str:
+    """ptxas -v's output (stdout and stderr) for `ptx`."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        for _ in range(2):
-            f.seek(0)
-            f.truncate()
-            f.write(ptx)
-            f.flush()
-            run = subprocess.run(["ptxas", f"-arch=sm_{cc[0]}{cc[1]}", "-v", f.name, "-o",
-                                  "/dev/null"], capture_output=True, text=True)
-            out = run.stdout + run.stderr
-            newest = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", out)
-            if not newest:
-                return out
-            ptx = re.sub(r"^\.version [\d.]+", f".version {newest.group(1)}", ptx, count=1,
-                         flags=re.M)
+        f.write(ptx)
+        f.flush()
+        run = subprocess.run(["ptxas", f"-arch=sm_{cc[0]}{cc[1]}", "-v", f.name, "-o",
+                              "/dev/null"], capture_output=True, text=True)
+    return run.stdout + run.stderr
+
+
+def _ptxas(ptx: str, cc: tuple) -> str:
+    """ptxas -v's output for `ptx`, its .version lowered if ptxas asks for an older one."""
+    out = _run_ptxas(ptx, cc)
+    newest = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", out)
+    if newest:
+        out = _run_ptxas(re.sub(r"^\.version [\d.]+", f".version {newest.group(1)}", ptx,
+                                count=1, flags=re.M), cc)
     return out
 
 
