@@ -183,7 +183,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
             # earlier step's launch, which has completed by now (under early launch every
             # kernel but the predecessor has, and an earlier step is many kernels back).
             # cp.async.cg reads L2, never a stale line of this SM's L1.
-            n_pre = min(max(min(lo + span, pos[0]) - lo, 0), preload)
+            n_pre = min(max(min(lo + span, pos[0], Tmax) - lo, 0), preload)   # in the cache
             quads = _u(hd // 4)
             row0 = (_u(b) * _u(H) + _u(h)) * _u(Tmax) + _u(lo)
             for q4 in range(tid, n_pre * (hd // 4), cuda.blockDim.x):

@@ -65,3 +65,18 @@ def test_head_dims_not_a_multiple_of_4_take_the_plain_kernel(launched):
 def test_a_preload_with_a_row_table_is_refused():
     with pytest.raises(ValueError, match="row table"):
         attention.make_attention(2, 2, 1, use_rows=True, preload=4)
+
+
+@pytest.mark.parametrize("pos", [-3, 10 ** 6])
+def test_a_pos_outside_the_cache_copies_nothing_outside_it(pos, launched):
+    """pos chooses the rows copied before the wait: one past the cache must not send a copy
+    past the last row (the guard then writes NaN, as the plain kernel does)."""
+    rng = np.random.default_rng(1)
+    H, hd, Tmax = 1, 8, 11   # (the last split's span reaches past the cache's end)
+    qkv, kc, vc = rand(rng, 2, 1, 3 * H * hd), rand(rng, 2, H, Tmax, hd), rand(rng, 2, H, Tmax, hd)
+    got = _run(qkv, kc, vc, pos, H, True, launched)
+    want = _run(qkv, kc, vc, pos, H, False, launched)
+    assert launched[0] is attention.SMALL_PRELOAD.kernel
+    assert np.isnan(got[0]).all()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
