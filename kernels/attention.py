@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels import _check, _pdl
+from kernels import _check, _cpasync, _pdl
 from kernels._reduce import shfl_xor, warp_allreduce
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -67,6 +67,7 @@ _u = np.uint32
 NEG_INF = np.float32(-np.inf)
 NAN = np.float32(np.nan)
 ZERO = np.float32(0.0)
+_ALIGN = None if backend.SIMULATOR else 16   # cp.async needs 16-byte aligned shared rows
 
 
 # ---------------------------------------------------------------------------- references
@@ -126,18 +127,24 @@ class Variant(NamedTuple):
 
 
 def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
-                   use_rows: bool = False) -> Variant:
+                   use_rows: bool = False, preload: int = 0) -> Variant:
     """The attention kernel for head dims up to 32*slots: lane l of a warp holds head dims
     l, l+32, ..., and a warp takes `positions` cache positions per batch, loading all of
     their K and V (2 * positions * slots loads per lane) before using any. `min_blocks`:
     resident blocks per SM the registers must allow (launch bounds). `use_rows`: earlier
     positions are read from the rows that the `rows` table names (a compile-time choice:
-    without it the kernel never touches `rows`)."""
+    without it the kernel never touches `rows`). `preload`: up to this many of the split's
+    cache positions have their K and V copied into shared memory by cp.async before the
+    early-launch wait (see the kernel), so they fly while the predecessor finishes and hold
+    no registers; the rest are loaded as without it. Needs head dims a multiple of 4."""
+    if preload and use_rows:
+        raise ValueError("make_attention: preload reads rows in place, not through a row table")
     unit = warps * positions
     kv_size = positions * slots
     width = 32 * slots            # head dims a warp covers
     red_o_size = warps * width
     ml_size = 2 * warps
+    pre_size = max(1, preload * width)   # (preload) K, and V, of `preload` positions
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
 
     @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
@@ -155,6 +162,8 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
         vv = cuda.local.array(kv_size, np.float32)          # ... and V
         sc = cuda.local.array(positions, np.float32)        # the batch's scores
         ahead = cuda.local.array(positions, np.int32)       # (rows) the batch's cache rows
+        ks = cuda.shared.array(pre_size, np.float32, alignment=_ALIGN)  # (preload) [r*width+d]
+        vs = cuda.shared.array(pre_size, np.float32, alignment=_ALIGN)
         T = qkv.shape[1]
         H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         C = H * hd
@@ -165,6 +174,24 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
         split = cuda.blockIdx.z
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
+        lo = split * span
+        n_pre = 0
+        if preload:
+            # Before the wait, pos may not be final; it only decides which rows to copy: the
+            # split's rows below it, at most `preload`. A copied row is used after the wait
+            # only if it lies below the final pos, and every such row was written by an
+            # earlier step's launch, which has completed by now (under early launch every
+            # kernel but the predecessor has, and an earlier step is many kernels back).
+            # cp.async.cg reads L2, never a stale line of this SM's L1.
+            n_pre = min(max(min(lo + span, pos[0], Tmax) - lo, 0), preload)   # in the cache
+            quads = _u(hd // 4)
+            row0 = (_u(b) * _u(H) + _u(h)) * _u(Tmax) + _u(lo)
+            for q4 in range(tid, n_pre * (hd // 4), cuda.blockDim.x):
+                r, c4 = _u(q4) // quads, _u(q4) % quads
+                _cpasync.copy16(ks, r * _u(width) + c4 * _u(4), k_cache,
+                                (row0 + r) * _u(hd) + c4 * _u(4))
+                _cpasync.copy16(vs, r * _u(width) + c4 * _u(4), v_cache,
+                                (row0 + r) * _u(hd) + c4 * _u(4))
         _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
         _pdl.launch_dependents()
         # q first: its loads need no pos, so they overlap the load of pos.
@@ -176,11 +203,13 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
         for i in range(slots):
             if lane + 32 * i >= hd:
                 q[i] = ZERO  # past hd: q zero, so the clipped K loads add nothing
-        lo = split * span
         if use_rows:   # the first batch's rows, loaded beside pos (their use waits on pos)
             for r in range(positions):
                 ahead[r] = rows[b, _u(min(lo + warp * positions + r, Tmax - 1))]
         p0 = pos[0]
+        if preload:   # the copies land before any thread reads them, or leaves the block
+            _cpasync.wait_all()
+            cuda.syncthreads()
         # Every condition below is uniform over the block, so early returns skip no barrier.
         if p0 < 0 or p0 + T > Tmax:
             if cuda.gridDim.z == 1:
@@ -215,7 +244,10 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                     row = _u(named if ok else b)
                 for i in range(slots):
                     d = _u(min(lane + 32 * i, hd_last))  # q is 0 on dims past hd
-                    if p < p0:   # a row outside the cache: NaN
+                    if preload and p < p0 and p - _u(lo) < _u(n_pre):   # copied: see above
+                        kv[r * slots + i] = ks[(p - _u(lo)) * _u(width) + d]
+                        vv[r * slots + i] = vs[(p - _u(lo)) * _u(width) + d]
+                    elif p < p0:   # a row outside the cache: NaN
                         kv[r * slots + i] = k_cache[row, h, p, d] if ok else NAN
                         vv[r * slots + i] = v_cache[row, h, p, d] if ok else NAN
                     else:  # this step's token: from qkv (the cache row may be unwritten)
@@ -470,6 +502,10 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
 
 
 SMALL = make_attention(*SMALL_CONFIG)
+# The plain step's kernel with a split's K and V copied by cp.async before the early-launch
+# wait: two batches of positions, a whole split at GPT-2 small's plan (64 positions, 32 KB).
+SMALL_PRELOAD = make_attention(*SMALL_CONFIG, preload=2 * SMALL.unit)
+PRELOAD = [True]   # (an A/B switch on this branch: kernels.ab_attention_cp turns it off)
 LARGE = make_attention(*LARGE_CONFIG)
 # The row-table variant of head dims up to 64 (GPT-2's; the WHILE graph's beam search) is
 # `make_attention_groups`: 16 lanes x 4 dims, 2 positions a group a batch, so a lane has as
@@ -612,6 +648,9 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -
         rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
     # (the row-table kernel is planned by its own batch of positions)
     variant, splits, span = _plan(B, n_head, T, Tmax, hd, kernel_for(hd, rows is not None))
+    if (variant is SMALL and PRELOAD[0] and hd % 4 == 0
+            and backend.address(k_cache) % 16 == 0 and backend.address(v_cache) % 16 == 0):
+        variant = SMALL_PRELOAD   # the same plan: its unit is SMALL's
     if splits > 1:  # scratch of this call: the combine launch reads it
         part_o = backend.empty((B * n_head, T, splits, hd), np.float32, "attention.partials")
         part_ml = backend.empty((B * n_head, T, splits, 2), np.float32, "attention.stats")
