@@ -466,7 +466,8 @@ def plot():
 
 # Kernel families for the WHILE figure: the first substring a kernel's name contains.
 FAMILIES = [("gemm_decode_nt", "head GEMM"), ("gemm_splitk_reduce", "split-K reduce + layer norm"),
-            ("gemm", "layer GEMMs"), ("attention_combine", "attention combine"),
+            ("gemm", "layer GEMMs"), ("fused_mlp", "MLP (fused)"), ("mlp_sum", "MLP (fused)"),
+            ("attention_combine", "attention combine"),
             ("attention", "attention"), ("embed", "embedding"), ("layernorm", "layer norm"),
             ("log_softmax", "beam top-k"), ("beam_topk", "beam top-k"),
             ("beam_choose", "beam choice"), ("beam_histories", "beam choice"),

@@ -109,6 +109,19 @@ def ln_out(value, shape: tuple) -> tuple:
     return gamma, beta, float(eps), y
 
 
+def ln_in(value, k_len: int) -> tuple:
+    """An input layer norm's (gamma, beta, eps) for rows of k_len values; returns it
+    checked, eps as a float."""
+    if not (isinstance(value, tuple) and len(value) == 3):
+        raise ValueError(f"ln_in: expected (gamma, beta, eps), got {value!r}")
+    gamma, beta, eps = value
+    device_array("ln_in gamma", gamma, shape=(k_len,))
+    device_array("ln_in beta", beta, shape=(k_len,))
+    if not (isinstance(eps, (float, int)) and eps > 0):
+        raise ValueError(f"ln_in eps: expected a positive number, got {eps!r}")
+    return gamma, beta, float(eps)
+
+
 def same_shape(names_arrays) -> None:
     (n0, a0), *rest = names_arrays
     for n, a in rest:

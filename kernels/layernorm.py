@@ -1,8 +1,8 @@
 """Layer normalization over the last axis: out = (x - mean) / sqrt(var + eps) * gamma + beta.
 
-GPT-2's decode step normalizes the residual stream in the split-K reduction of the GEMM
-that produces it (`kernels.gemm.gemm(..., ln_out=...)`) and its first layer norm in the
-embedding's launch (`kernels.embedding.embed(..., ln_out=...)`); this standalone kernel
+GPT-2's decode step normalizes the residual stream inside launches it makes anyway: in the
+split-K reduction of the GEMM that writes it (`kernels.gemm.gemm(..., ln_out=...)`) or as
+the GEMM that reads it stages its rows (`gemm(..., ln_in=...)`); this standalone kernel
 serves the rest (prefill, rows those paths do not take).
 
 Rows of up to 1024 run a warp a row, the row in the lanes' registers, reduced by shuffles

@@ -71,6 +71,8 @@ def test_kernel_families_name_the_h200_profiles_kernels():
         "kernels::attention::attention_combine_kernel[abi:v137]": "attention combine",
         "kernels::attention::reorder_rows_kernel[abi:v1]": "reorder",
         "kernels::embedding::embed_kernel[abi:v139]": "embedding",
+        "kernels::mlp::fused_kernel::_3clocals_3e::fused_mlp_kernel[abi:v5]": "MLP (fused)",
+        "kernels::mlp::sum_kernel::_3clocals_3e::mlp_sum_kernel[abi:v6]": "MLP (fused)",
         "kernels::softmax::log_softmax_partials_kernel[abi:v1]": "beam top-k",
         "kernels::sampling::beam_choose_kernel[abi:v1]": "beam choice",
         "proto::graph::cuda::continue_loop[abi:v1]": "loop control",

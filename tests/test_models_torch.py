@@ -25,10 +25,10 @@ def _numpy_state(module) -> dict:
     return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
 
 
-def _hf_gpt2():
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64)
-    hf_config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
-                                        n_positions=64)
+def _hf_gpt2(n_embd=64, n_head=4):
+    config = GPT2Config(n_layer=2, n_embd=n_embd, n_head=n_head, vocab_size=100, n_positions=64)
+    hf_config = transformers.GPT2Config(n_layer=2, n_embd=n_embd, n_head=n_head,
+                                        vocab_size=100, n_positions=64)
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
     # HF's init (std 0.02, zero biases, unit gains) gives near-flat logits and would hide a
@@ -57,8 +57,12 @@ def _prompt_with_margin(search, vocab, shape, tries=20):
     raise AssertionError("no prompt without near-tie decisions; lower TOKEN_MARGIN?")
 
 
-def test_gpt2_logits_match_transformers():
-    config, hf = _hf_gpt2()
+@pytest.mark.parametrize("n_embd,n_head", [(64, 4), (768, 12)])
+def test_gpt2_logits_match_transformers(n_embd, n_head):
+    """At width 768 the decode steps (3 rows) take kernels.mlp's fused MLP and the layer
+    norms fused into the qkv and head GEMMs' staging; the 15-row prefill takes the
+    unfused path (gemm's fc and projection, a layernorm launch before each)."""
+    config, hf = _hf_gpt2(n_embd, n_head)
     model = GPT2(config, _numpy_state(hf), max_batch=3, max_tokens=5)
     seq = np.random.default_rng(1).integers(0, 100, (3, 9))
     want = _torch_logits(hf)(seq)  # (3, 9, 100)

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels import _check, attention, embedding, gemm, layernorm
+from kernels import _check, attention, embedding, gemm, mlp
 from proto.backend import cuda, empty, reshaped
 from proto.models import checked_params, zeros
 
@@ -246,19 +246,16 @@ class GPT2:
         C, V, N = self.config.n_embd, self.config.vocab_size, B * T
         x = self._empty("x", B, T, C)               # the residual stream, updated in place
         x2 = reshaped(x, (N, C))   # (the same view object step after step)
-        first = self.layers[0]
-        ln = self._empty("h0.ln_1", N, C)
-        if embedding.fuses_layernorm(C):   # the first layer norm rides on the embedding
-            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
-                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
-        else:
-            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
-            layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
-        # Every later layer norm rides on the residual GEMM before it (gemm's ln_out: the
-        # norm of the updated rows, computed where the split-K sums are added).
+        embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
+        # Each layer norm rides on a launch that is there anyway: ln_1 (and ln_f) on the
+        # GEMM that reads the residual (gemm's ln_in: the rows normalized as they are
+        # staged), ln_2 on the attention projection that writes it (ln_out: in its split-K
+        # reduction). The MLP's residual is summed from partials spread over the GPU
+        # (kernels.mlp), so nothing after it could normalize it for free.
         for i, L in enumerate(self.layers):
             qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
-            gemm.gemm(ln, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, stream=stream)
+            gemm.gemm(x2, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b,
+                      ln_in=(L.ln_1_w, L.ln_1_b, LN_EPS), stream=stream)
             att = self._empty(f"h{i}.att", B, T, C)
             attention.attention(qkv, cache.k[i], cache.v[i], pos, att,
                                 rows=getattr(cache, "rows", None),
@@ -267,15 +264,8 @@ class GPT2:
             ln = self._empty(f"h{i}.ln_2", N, C)
             gemm.gemm(reshaped(att, (N, C)), L.attn_proj_w, x2, bias=L.attn_proj_b,
                       accumulate=True, ln_out=(L.ln_2_w, L.ln_2_b, LN_EPS, ln), stream=stream)
-            h = self._empty(f"h{i}.fc", N, 4 * C)
-            gemm.gemm(ln, L.fc_w, h, bias=L.fc_b, act="gelu", stream=stream)
-            # x += h @ W + b, then ln = the next layer's ln_1(x), or ln_f(x) after the last
-            last = i + 1 == len(self.layers)
-            gamma, beta = (self.ln_f_w, self.ln_f_b) if last else \
-                (self.layers[i + 1].ln_1_w, self.layers[i + 1].ln_1_b)
-            ln = self._empty("ln_f" if last else f"h{i + 1}.ln_1", N, C)
-            gemm.gemm(h, L.mlp_proj_w, x2, bias=L.mlp_proj_b, accumulate=True,
-                      ln_out=(gamma, beta, LN_EPS, ln), stream=stream)
+            mlp.mlp(ln, L.fc_w, L.fc_b, L.mlp_proj_w, L.mlp_proj_b, x2, stream=stream)
         logits = self._empty("logits", B, T, V)
-        gemm.gemm(ln, self.wte, reshaped(logits, (N, V)), trans_b=True, stream=stream)  # tied head
+        gemm.gemm(x2, self.wte, reshaped(logits, (N, V)), trans_b=True,    # the tied head
+                  ln_in=(self.ln_f_w, self.ln_f_b, LN_EPS), stream=stream)
         return logits
