@@ -190,7 +190,7 @@ def test_ln_in_is_refused_where_the_plan_splits_k():
     rng = np.random.default_rng(7)
     k = G.SPAN_MAX + 1
     a, b, old, gamma, beta, bias = _ln_in_case(rng, (1,), 5, 4, k, False)
-    with pytest.raises(ValueError, match=r"ln_in: the decode plan splits K=\d+ 2 ways"):
+    with pytest.raises(ValueError, match=r"ln_in: the decode plan splits K=\d+ \d+ ways"):
         G.decode(G.NN, dev(a), dev(b), dev(old), dev(bias), 1, 0, 0, 0, 0,
                  ln_in=(dev(gamma), dev(beta), 1e-5))
 
