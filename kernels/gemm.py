@@ -434,6 +434,7 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
     def build(LN_IN: bool):
         """The kernel, with the input layer norm (LN_IN) compiled in or out."""
         gb_n = _GB if LN_IN else 1   # (ln_in) gamma and beta, staged
+
         @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
         def gemm_decode_nn_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
                                   direct, span, gamma, beta, eps):
@@ -552,6 +553,7 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
     def build(LN_IN: bool):
         """The kernel, with the input layer norm (LN_IN) compiled in or out."""
         gb_n = _GB if LN_IN else 1   # (ln_in) gamma and beta, staged
+
         @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
         def gemm_decode_nt_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
                                   direct, span, gamma, beta, eps):
