@@ -60,7 +60,7 @@ SUM_GROUPS = THREADS // SUM_COLS
 def fuses(m_rows: int, d: int, h: int) -> bool:
     """Whether `mlp` runs the fused kernel for x (m_rows, d) and w1 (d, h)."""
     return (m_rows <= MAX_ROWS and d <= MAX_WIDTH and d % THREADS == 0
-            and h % (C * SUM_GROUPS) == 0)
+            and h % (C * SUM_GROUPS) == 0 and d * h < 2**32)   # (uint32 offsets)
 
 
 @functools.cache

@@ -55,6 +55,17 @@ def test_shapes_the_fused_kernel_does_not_take_run_through_gemm(m, d, h, seed):
     np.testing.assert_allclose(_run(host), reference(**host), **TOL)
 
 
+def test_fuses_only_what_the_fused_kernel_can_address():
+    """The fused kernel indexes its flattened weights with uint32 offsets, holds D / 8
+    weights a thread in registers and multiplies at most 8 rows: anything else falls back."""
+    step = K.C * K.SUM_GROUPS
+    assert K.fuses(5, W, step)
+    assert not K.fuses(K.MAX_ROWS + 1, W, step)
+    assert not K.fuses(5, W + 1, step) and not K.fuses(5, K.MAX_WIDTH + W, step)
+    assert not K.fuses(5, W, step + 1)
+    assert not K.fuses(5, W, -(-2**32 // (W * step)) * step)   # D * H past 2**32
+
+
 def test_a_wrong_mlp_is_caught():
     """The comparison above is sharp enough: the same MLP without its GELU is far off."""
     m, d, h = 5, W, K.C * K.SUM_GROUPS
