@@ -25,6 +25,11 @@ three of kernels.gemm (results/h200/profiles/bench_mlp_6b28e61.txt).
 Registers hold D / 8 weights a thread at C = 16 (96 at D = 768, 128 registers, 2 blocks an
 SM, the whole grid resident at once), so the fused kernel takes widths up to MAX_WIDTH; other
 shapes (and more than 8 rows) run kernels.gemm's fc and projection instead (`fuses`).
+
+The partials are H / C x M x D floats, 2.95 MB at GPT-2 small's beam of 5: the largest
+temporary of the step, so the planned arena's peak (where kernels.gemm's split-K held 0.25
+MB). C = 32 would halve them at 214 registers and one block an SM (kernels.ab_mlp_step
+measures it).
 """
 from __future__ import annotations
 
@@ -44,15 +49,16 @@ MAX_ROWS = 8
 if not backend.SIMULATOR:
     THREADS = 256
     C = 16           # hidden columns a fused block owns
-    BLOCKS_PER_SM = 2   # the registers must allow it (launch bounds): the grid is one wave
-    MAX_WIDTH = 768  # D: the weights a thread holds in registers grow as D / 8
+    # Blocks an SM the registers must allow (launch bounds), by C: the grid is one wave.
+    # C = 32 halves the partials (1.47 MB at GPT-2 small) at 214 registers, 96 blocks.
+    BLOCKS_PER_SM = {16: 2, 32: 1}
+    MAX_WIDTH = 768  # D: the weights a thread holds in registers grow as D * C / 128
 else:   # each simulated thread is a Python thread: small blocks, the same code
     THREADS = 32
     C = 8
-    BLOCKS_PER_SM = 0
+    BLOCKS_PER_SM = {}
     MAX_WIDTH = 128
 WARPS = THREADS // 32
-GROUPS = THREADS // C     # thread t: hidden column t % C, K rows t // C + GROUPS * j
 SUM_COLS = 32             # output elements a sum block covers (one warp's worth)
 SUM_GROUPS = THREADS // SUM_COLS
 
@@ -64,14 +70,16 @@ def fuses(m_rows: int, d: int, h: int) -> bool:
 
 
 @functools.cache
-def fused_kernel(m_rows: int, d: int, h: int):
-    """The fused kernel for M = m_rows, D = d, H = h (compile-time: the weights of a thread
-    and the rows it multiplies are register arrays): (x (M*D,), w1 (D*H,), b1 (H,), w2 (H*D,),
-    part (H/C*M*D,)), grid (H // C,), THREADS threads."""
-    M, D, H = m_rows, d, h
+def fused_kernel(m_rows: int, d: int, h: int, c: int):
+    """The fused kernel for M = m_rows, D = d, H = h, c hidden columns a block (compile-time:
+    the weights of a thread and the rows it multiplies are register arrays): (x (M*D,),
+    w1 (D*H,), b1 (H,), w2 (H*D,), part (H/c*M*D,)), grid (H // c,), THREADS threads."""
+    M, D, H, C = m_rows, d, h, c
+    GROUPS = THREADS // C          # thread t: hidden column t % C, K rows t // C + GROUPS * j
     rows_a = D // GROUPS           # W1 rows a thread multiplies
     per_b = D // THREADS           # output columns a thread takes in the second product
-    bounds = {"launch_bounds": (THREADS, BLOCKS_PER_SM)} if BLOCKS_PER_SM else {}
+    blocks = BLOCKS_PER_SM.get(C)
+    bounds = {"launch_bounds": (THREADS, blocks)} if blocks else {}
     uC, uD, uH = _u(C), _u(D), _u(H)
     xs_n, red_n, hs_n, w2r_n = M * D, WARPS * M * C, M * C, C * per_b   # array sizes
 
@@ -192,11 +200,11 @@ def mlp(x, w1, b1, w2, b2, out, *, stream=0) -> None:
         return
     flat = backend.reshaped
     part = backend.empty((h // C * m_rows * d,), np.float32, "mlp.partials")
-    launch(fused_kernel(m_rows, d, h), h // C, THREADS,
+    launch(fused_kernel(m_rows, d, h, C), h // C, THREADS,
            (flat(x, (m_rows * d,)), flat(w1, (d * h,)), b1, flat(w2, (h * d,)), part), stream)
     launch(sum_kernel(h // C), -(-(m_rows * d) // SUM_COLS), THREADS,
            (part, flat(out, (m_rows * d,)), b2, np.int32(d)), stream)
 
 
 if not backend.SIMULATOR:   # GPT-2 small's beam-5 step, compiled at import (compile_check)
-    GPT2_SMALL = (fused_kernel(5, 768, 3072), sum_kernel(3072 // C))
+    GPT2_SMALL = (fused_kernel(5, 768, 3072, C), sum_kernel(3072 // C))

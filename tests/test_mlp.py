@@ -48,6 +48,16 @@ def test_fused_matches_float64(m, d, parts, seed):
     np.testing.assert_allclose(_run(host), reference(**host), **TOL)
 
 
+def test_twice_the_columns_a_block(monkeypatch):
+    """C is a compile-time parameter of the fused kernel (kernels.ab_mlp_step times C and
+    2C): twice the hidden columns a block, half the partials, the same answer."""
+    monkeypatch.setattr(K, "C", 2 * K.C)
+    m, d, h = 5, W, 2 * K.C * K.SUM_GROUPS
+    assert K.fuses(m, d, h)
+    host = _operands(np.random.default_rng(5), m, d, h)
+    np.testing.assert_allclose(_run(host), reference(**host), **TOL)
+
+
 @given(m=st.integers(1, 12), d=st.integers(1, 40), h=st.integers(1, 40),
        seed=st.integers(0, 2**16))
 def test_shapes_the_fused_kernel_does_not_take_run_through_gemm(m, d, h, seed):
