@@ -11,7 +11,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,)
 # GPU one process: tests that read the device's free memory must not share it.
 PYTEST_ARGS ?= $(if $(and $(VENV),$(filter sim,$(PROTO_BACKEND))),-n 2,)
 
-.PHONY: test figures compile-check sanitize clean
+.PHONY: test figures compile-check gpu-lane sanitize clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ compile-check: $(STAMP)
 
 figures: $(STAMP)
 	$(PY) -m experiments $(EXPERIMENT_ARGS)
+
+# GPU machine only: every test file in parallel pytest processes (the files that read free
+# memory alone, after), one log at results/<device>/gpu_tests_<commit>.txt (tests/gpu_lane.py).
+gpu-lane: $(STAMP)
+	$(PY) -m tests.gpu_lane
 
 # GPU machine only: compute-sanitizer's four tools over the GPU tests, one process per tool
 # and test file; summary in results/<device>/sanitize.txt, logs beside it (tests/sanitize.py).

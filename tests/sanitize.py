@@ -55,6 +55,13 @@ _PYTEST_LAST = re.compile(r"\d+ (passed|failed|errors?)\b.* in [\d.]+s")
 _ERRORS = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)")
 
 
+def pytest_summary(out: str) -> str:
+    """pytest's last line in a run's output ("3 passed, 1 skipped in 2.10s"), or a note."""
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    last = next((ln for ln in reversed(lines) if _PYTEST_LAST.search(ln)), "(no pytest summary)")
+    return last.strip("= ")
+
+
 def _run_file(tool: str, path: str, timeout: float) -> tuple[str, dict]:
     cmd = ["compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--print-limit", "20",
            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE", path]
@@ -73,11 +80,8 @@ def _run_file(tool: str, path: str, timeout: float) -> tuple[str, dict]:
         out, _ = proc.communicate()
         status = "timeout"
     counts = [int(n) for n in _ERRORS.findall(out)]
-    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-    pytest_line = next((ln for ln in reversed(lines) if _PYTEST_LAST.search(ln)),
-                       "(no pytest summary)")
     return out, {"tool": tool, "file": path, "errors": sum(counts) if counts else None,
-                 "pytest": pytest_line.strip("= "), "status": status,
+                 "pytest": pytest_summary(out), "status": status,
                  "seconds": round(time.perf_counter() - t0, 1)}
 
 

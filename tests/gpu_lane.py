@@ -1,0 +1,127 @@
+"""The GPU lane: every test file on the GPU machine, in parallel pytest processes, one log.
+
+    python -m tests.gpu_lane                  # writes results/<device>/gpu_tests_<commit>.txt
+    python -m tests.gpu_lane --shards 4 --out lane.txt
+
+GPU machine only. `make test VENV=` runs the same tests in one process; here they take about
+a quarter of the time (the lane is mostly compilation and host work, which parallel
+processes share out). Phase 1: every test file but ALONE, in --shards pytest processes at
+once (SLOW files first, each alone in its shard; the rest by size, largest first onto the
+shard with the fewest bytes). Phase 2: the ALONE files, which read the device's free memory,
+in one process after every other has exited, so no other test's allocations move what they
+measure. Every test file under tests/ is run: a new one joins phase 1 by itself.
+
+The log heads with the device, versions, commit and date, the totals and every process's exit
+status; then each shard's command and its whole output. Exit status 0 only when every
+process exited 0.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import pathlib
+import re
+import string
+import subprocess
+import sys
+import time
+
+from tests.sanitize import pytest_summary
+
+TESTS = pathlib.Path(__file__).resolve().parent
+ALONE = ("tests/test_graph_gpu.py", "tests/test_graphed_models_gpu.py", "tests/test_soak.py")
+SLOW = ("tests/test_experiment_end_to_end.py",)   # minutes each: a shard of its own
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra", "--durations=10"]
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)\b")
+
+
+def test_files() -> list[str]:
+    """Every tests/test_*.py, as paths relative to the repository root, sorted."""
+    return sorted(f"tests/{p.name}" for p in TESTS.glob("test_*.py"))
+
+
+def shards(files: list[str], n: int, size=lambda f: (TESTS.parent / f).stat().st_size):
+    """Phase 1's files in n lists: each SLOW file alone, then the others by `size`, largest
+    first, each onto the list with the least so far (ties: the first). ALONE files are not
+    in any (phase 2)."""
+    if n < len(SLOW) + 1:
+        raise ValueError(f"--shards: at least {len(SLOW) + 1} (one for each of SLOW, and one "
+                         f"for the rest), got {n}")
+    rest = [f for f in files if f not in ALONE and f not in SLOW]
+    out = [[f] for f in SLOW if f in files]
+    out += [[] for _ in range(n - len(out))]
+    load = [0] * len(out)
+    free = [i for i, s in enumerate(out) if not s]
+    for f in sorted(rest, key=lambda f: (-size(f), f)):
+        i = min(free, key=lambda i: (load[i], i))
+        out[i].append(f)
+        load[i] += size(f)
+    return [s for s in out if s]
+
+
+def totals(outputs: list[str]) -> dict:
+    """Tests passed, failed, skipped and errors, summed over pytest's last lines."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    for out in outputs:
+        for n, what in _COUNT.findall(pytest_summary(out)):
+            key = "errors" if what.startswith("error") else what
+            if key in counts:
+                counts[key] += int(n)
+    return counts
+
+
+def _run(files: list[str]) -> tuple[str, int, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run([*PYTEST, *files], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, cwd=TESTS.parent)
+    return proc.stdout, proc.returncode, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shards", type=int, default=4, help="phase 1's parallel processes")
+    ap.add_argument("--out", type=pathlib.Path, help="the log (default: results/<device>/"
+                                                     "gpu_tests_<commit>.txt)")
+    args = ap.parse_args(argv)
+    files = test_files()
+    phase1 = shards(files, args.shards)   # (refuses a bad --shards before anything runs)
+    from proto import backend
+    if backend.SIMULATOR:
+        sys.exit("gpu_lane: needs a real CUDA device (on the simulator run `make test`)")
+    from experiments.common import provenance, results_dir
+    made = provenance()
+    out = args.out or results_dir() / f"gpu_tests_{made['git_commit'][:7]}.txt"
+    names = string.ascii_lowercase
+    t0 = time.perf_counter()
+    print(f"gpu_lane: phase 1, {len(phase1)} processes; then {len(ALONE)} files alone",
+          flush=True)
+    with concurrent.futures.ThreadPoolExecutor(len(phase1)) as pool:
+        runs = list(pool.map(_run, phase1))
+    t1 = time.perf_counter()
+    alone = [f for f in ALONE if f in files]
+    runs.append(_run(alone))
+    t2 = time.perf_counter()
+    groups = [*phase1, alone]
+    count = totals([r[0] for r in runs])
+    statuses = [r[1] for r in runs]
+    head = [
+        f"# GPU lane (python -m tests.gpu_lane): {len(files)} test files in {len(groups)} pytest "
+        f"processes. Phase 1 ran shards {names[0]}-{names[len(phase1) - 1]} at once "
+        f"({t1 - t0:.0f} s); phase 2 ran shard {names[len(phase1)]} alone ({', '.join(alone)}: "
+        f"the files that read the device's free memory), {t2 - t1:.0f} s.",
+        "# " + ", ".join(f"{k}={v}" for k, v in made.items()),
+        f"# total: {count['passed']} passed, {count['skipped']} skipped, {count['failed']} "
+        f"failed, {count['errors']} errors; exit status of every shard: "
+        + " ".join(str(s) for s in statuses),
+    ]
+    body = []
+    for name, group, (output, status, seconds) in zip(names, groups, runs):
+        body += ["", f"# shard {name}: {' '.join(['python3 -m pytest', *group, *PYTEST[3:]])}",
+                 output.rstrip(), f"# exit {status} ({seconds:.0f} s)"]
+    out.write_text("\n".join(head + body) + "\n")
+    print("\n".join(head[2:]), f"\nlog: {out}", flush=True)
+    return 0 if all(s == 0 for s in statuses) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
