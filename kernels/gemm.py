@@ -235,6 +235,30 @@ def _normalize_x(xs, gbs, length, eps):
     cuda.syncthreads()
 
 
+def _input_stager(threads: int, ln_in: bool):
+    """A device function stage(xs, gbs, a, gamma, beta, eps, bz, k_lo, length, padded, m_rows,
+    trans_a): what a decode kernel of `threads` does between issuing its first weight loads
+    and its product. With `ln_in` (compile-time), gamma and beta into gbs first: weights, so
+    before the early-launch wait. Then the wait (op(a) is an earlier kernel's output), op(a)
+    staged into xs (`_stage_x`) and a barrier; with `ln_in`, its rows normalized
+    (`_normalize_x`)."""
+    stage_ln_params = _ln_params_loader(threads)
+
+    # Inlined in Numba's IR: as a separate device function it moved ptxas' register
+    # allocation (the head's ln_in twin spilled 12 bytes; kernels.registers).
+    @cuda.jit(device=True, inline="always")
+    def stage(xs, gbs, a, gamma, beta, eps, bz, k_lo, length, padded, m_rows, trans_a):
+        if ln_in:
+            stage_ln_params(gbs, gamma, beta, length)
+        _pdl.wait()
+        _pdl.launch_dependents()
+        _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a)
+        cuda.syncthreads()
+        if ln_in:
+            _normalize_x(xs, gbs, length, eps)
+    return stage
+
+
 def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
     """A device function load(regs, src, at, step, row, k, rows, k_end, whole): a thread's
     `count` staged elements of one operand, element i at (row + i * DR, k + i * DK) of
@@ -410,7 +434,6 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
     red_size = row_groups * M8 * tile
     acc_size, wv_size = M8 * cols, unroll * cols
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
-    stage_ln_params = _ln_params_loader(32 * warps)
     if SPAN_MAX % step:  # x is zero-padded to whole batches inside its SPAN_MAX slots
         raise ValueError(f"make_decode_nn: SPAN_MAX {SPAN_MAX} is not a multiple of {step}")
 
@@ -434,6 +457,7 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
     def build(LN_IN: bool):
         """The kernel, with the input layer norm (LN_IN) compiled in or out."""
         gb_n = _GB if LN_IN else 1   # (ln_in) gamma and beta, staged
+        stage_input = _input_stager(32 * warps, LN_IN)
 
         @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
         def gemm_decode_nn_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
@@ -464,16 +488,9 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
             # First batch of weight loads before staging, so staging overlaps their latency.
             for c in range(cols):  # past the last column, re-read the last one; never stored
                 col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - _u(1)))
-            load(wv, b, bz, kb0, k_hi, col)
-            if LN_IN:
-                stage_ln_params(gbs, gamma, beta, length)
-            _pdl.wait()   # (early launch: the weights above are nobody's output; a is)
-            _pdl.launch_dependents()
-            _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
-                     m_rows, trans_a)
-            cuda.syncthreads()
-            if LN_IN:
-                _normalize_x(xs, gbs, length, eps)
+            load(wv, b, bz, kb0, k_hi, col)   # (weights: nobody's output, so before the wait)
+            stage_input(xs, gbs, a, gamma, beta, eps, bz, k_lo, length,
+                        (length + _u(step - 1)) // _u(step) * _u(step), m_rows, trans_a)
             while tile_i < n_tiles:
                 n0 = _u(tile_i) * _u(tile)
                 for i in range(acc_size):
@@ -529,7 +546,6 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
     step = 32 * unroll
     acc_size, wv_size = M8 * cols, unroll * cols
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
-    stage_ln_params = _ln_params_loader(32 * warps)
     if SPAN_MAX % step:  # x is zero-padded to whole batches inside its SPAN_MAX slots
         raise ValueError(f"make_decode_nt: SPAN_MAX {SPAN_MAX} is not a multiple of {step}")
 
@@ -553,6 +569,7 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
     def build(LN_IN: bool):
         """The kernel, with the input layer norm (LN_IN) compiled in or out."""
         gb_n = _GB if LN_IN else 1   # (ln_in) gamma and beta, staged
+        stage_input = _input_stager(32 * warps, LN_IN)
 
         @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
         def gemm_decode_nt_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
@@ -577,16 +594,9 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
             n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
             for c in range(cols):  # past the last column, re-read the last row; never stored
                 rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
-            load(wv, b, bz, k_lo, lane, length, rows)
-            if LN_IN:
-                stage_ln_params(gbs, gamma, beta, length)
-            _pdl.wait()   # (early launch: the weights above are nobody's output; a is)
-            _pdl.launch_dependents()
-            _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
-                     m_rows, trans_a)
-            cuda.syncthreads()
-            if LN_IN:
-                _normalize_x(xs, gbs, length, eps)
+            load(wv, b, bz, k_lo, lane, length, rows)   # (weights: before the wait)
+            stage_input(xs, gbs, a, gamma, beta, eps, bz, k_lo, length,
+                        (length + _u(step - 1)) // _u(step) * _u(step), m_rows, trans_a)
             while tile_i < n_tiles:
                 for i in range(acc_size):
                     acc[i] = _ZERO
