@@ -95,18 +95,25 @@ def flag(name: str, value) -> bool:
     return bool(value)
 
 
+def _ln_params(what: str, gamma, beta, eps, n: int) -> float:
+    """Checks a fused layer norm's gamma and beta (n,) and eps (> 0), naming them after
+    `what`; returns eps as a float."""
+    device_array(f"{what} gamma", gamma, shape=(n,))
+    device_array(f"{what} beta", beta, shape=(n,))
+    if not (isinstance(eps, (float, int)) and eps > 0):
+        raise ValueError(f"{what} eps: expected a positive number, got {eps!r}")
+    return float(eps)
+
+
 def ln_out(value, shape: tuple) -> tuple:
     """A fused layer norm's (gamma, beta, eps, y) for rows of shape[-1] columns, y shaped
     `shape` (the output it normalizes); returns it checked, eps as a float."""
     if not (isinstance(value, tuple) and len(value) == 4):
         raise ValueError(f"ln_out: expected (gamma, beta, eps, y), got {value!r}")
     gamma, beta, eps, y = value
-    device_array("ln_out gamma", gamma, shape=(shape[-1],))
-    device_array("ln_out beta", beta, shape=(shape[-1],))
+    eps = _ln_params("ln_out", gamma, beta, eps, shape[-1])
     device_array("ln_out y", y, shape=tuple(shape))
-    if not (isinstance(eps, (float, int)) and eps > 0):
-        raise ValueError(f"ln_out eps: expected a positive number, got {eps!r}")
-    return gamma, beta, float(eps), y
+    return gamma, beta, eps, y
 
 
 def ln_in(value, k_len: int) -> tuple:
@@ -115,11 +122,7 @@ def ln_in(value, k_len: int) -> tuple:
     if not (isinstance(value, tuple) and len(value) == 3):
         raise ValueError(f"ln_in: expected (gamma, beta, eps), got {value!r}")
     gamma, beta, eps = value
-    device_array("ln_in gamma", gamma, shape=(k_len,))
-    device_array("ln_in beta", beta, shape=(k_len,))
-    if not (isinstance(eps, (float, int)) and eps > 0):
-        raise ValueError(f"ln_in eps: expected a positive number, got {eps!r}")
-    return gamma, beta, float(eps)
+    return gamma, beta, _ln_params("ln_in", gamma, beta, eps, k_len)
 
 
 def same_shape(names_arrays) -> None:
