@@ -1,70 +1,33 @@
 """A/B on the H200, one process: attention with a split's K and V copied into shared memory by
 cp.async before the early-launch wait (`attention.SMALL_PRELOAD`) against the plain kernel,
-in GPT-2 small's graphed step (12 layers, beam 5, alias binding, the length read on the
-device) at positions 100, 512 and 1000, rounds interleaved; then a beam search under each,
-whose tokens must be equal. AB_TOY=1 checks the script on the simulator.
+in GPT-2 small's graphed step (kernels._ab_step: positions 100, 512 and 1000, rounds
+interleaved, then a beam search under each, whose tokens must be equal). AB_TOY=1 checks the
+script on the simulator.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.ab_attention_cp 2>&1 | tee $OUT/ab_attention_cp.txt
 """
-import os
+import contextlib
 import sys
-import time
 
-import numpy as np
+from kernels import _ab_step, attention
 
-from kernels import attention
-from proto import backend, timing
-from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-from proto.models.graphed import GraphedGPT2
 
-TOY = os.environ.get("AB_TOY") == "1"
-cfg = GPT2Config(2, 32, 2, 50, 32) if TOY else GPT2Config(12, 768, 12, 50257, 1024)
-MAX, POSITIONS, ROUNDS, NEW = (16, (6,), 1, 2) if TOY else (1024, (100, 512, 1000), 7, 200)
-REPLAYS, REPS = (1, dict(warmup=0, reps=1)) if TOY else (10, dict(warmup=3, reps=20))
-prompt = np.array([4, 20, 7, 21, 18] if TOY else [464, 2068, 7586, 21831, 18045], np.int32)
-NAMES = ("plain", "preload")
+@contextlib.contextmanager
+def preload(on: bool):
+    attention.PRELOAD[0] = on
+    try:
+        yield
+    finally:
+        attention.PRELOAD[0] = True
 
 
 def main() -> int:
-    model = GPT2(cfg, random_state_dict(cfg, seed=0), max_batch=5, max_tokens=4)
-
-    if not TOY:
+    if not _ab_step.TOY:
         k = attention.SMALL_PRELOAD.kernel
         print(f"preload kernel: {k.get_regs_per_thread()} registers, "
               f"{k.get_local_mem_per_thread()} bytes local, "
               f"{k.get_shared_mem_per_block()} bytes shared a block", flush=True)
-    graphs, tokens = {}, {}
-    for name in NAMES:
-        attention.PRELOAD[0] = name == "preload"   # read when the graphs record their launches
-        t0 = time.perf_counter()
-        g = GraphedGPT2(model, batch=5, max_len=MAX, binding="alias", strategy="device")
-        replay = {p: g.replayer(p) for p in POSITIONS}
-        for r in replay.values():
-            r()
-        backend.synchronize()
-        tokens[name] = np.asarray(g.beam_search(prompt, max_new_tokens=NEW).tokens)
-        graphs[name] = (g, replay)
-        print(f"built {name} in {time.perf_counter() - t0:.1f} s", flush=True)
-    attention.PRELOAD[0] = True
-
-    step_us = {(n, p): [] for n in NAMES for p in POSITIONS}
-    for _ in range(ROUNDS):
-        for p in POSITIONS:
-            for n in NAMES:
-                r = graphs[n][1][p]
-                t = timing.bench(lambda: [r() for _ in range(REPLAYS)], **REPS)
-                step_us[(n, p)].append(t.median_us / REPLAYS)
-    for p in POSITIONS:
-        base = np.median(step_us[("plain", p)])
-        for n in NAMES:
-            s = np.array(step_us[(n, p)])
-            print(f"STEP pos {p:4d} {n:8s} {np.median(s):8.1f} us (min {s.min():.1f}, max "
-                  f"{s.max():.1f}, n={len(s)}) / plain {np.median(s) / base:.4f}", flush=True)
-    equal = np.array_equal(tokens["plain"], tokens["preload"])
-    print(f"beam search, {NEW} tokens: tokens equal: {equal}", flush=True)
-    for g, _ in graphs.values():
-        g.close()
-    return 0 if equal else 1
+    return _ab_step.run({"plain": lambda: preload(False), "preload": lambda: preload(True)})
 
 
 if __name__ == "__main__":

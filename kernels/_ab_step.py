@@ -1,0 +1,65 @@
+"""The harness of the step A/Bs (kernels.ab_attention_cp, kernels.ab_mlp_step), on the H200 in
+one process: one GPT-2 small model (12 layers, beam 5), a graphed step per variant (alias
+binding, the length read on the device) recorded while the variant's switch is on, timed at
+positions 100, 512 and 1000 in interleaved rounds (the first variant is the base of the
+ratios), each one's planned arena (the memory the step's temporaries take), then a beam
+search under each, whose tokens must equal the first's. AB_TOY=1: toy sizes, to check a
+script end to end on the simulator.
+"""
+import os
+import time
+from typing import Callable, ContextManager
+
+import numpy as np
+
+from proto import backend, timing
+from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
+from proto.models.graphed import GraphedGPT2
+
+TOY = os.environ.get("AB_TOY") == "1"
+cfg = GPT2Config(2, 32, 2, 50, 32) if TOY else GPT2Config(12, 768, 12, 50257, 1024)
+MAX, POSITIONS, ROUNDS, NEW = (16, (6,), 1, 2) if TOY else (1024, (100, 512, 1000), 7, 200)
+REPLAYS, REPS = (1, dict(warmup=0, reps=1)) if TOY else (10, dict(warmup=3, reps=20))
+prompt = np.array([4, 20, 7, 21, 18] if TOY else [464, 2068, 7586, 21831, 18045], np.int32)
+
+
+def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
+    """variants: name -> a context manager that switches the library's code to the variant
+    (it is read while the graphs record their launches). Returns 0 when every variant's
+    tokens equal the first's, else 1."""
+    names = list(variants)
+    model = GPT2(cfg, random_state_dict(cfg, seed=0), max_batch=5, max_tokens=4)
+    graphs, tokens = {}, {}
+    for name, switch in variants.items():
+        with switch():
+            t0 = time.perf_counter()
+            g = GraphedGPT2(model, batch=5, max_len=MAX, binding="alias", strategy="device")
+            replay = {p: g.replayer(p) for p in POSITIONS}
+            for r in replay.values():
+                r()
+            backend.synchronize()
+            tokens[name] = np.asarray(g.beam_search(prompt, max_new_tokens=NEW).tokens)
+        graphs[name] = (g, replay)
+        print(f"built {name} in {time.perf_counter() - t0:.1f} s; planned arena "
+              f"{g.arena_bytes / 2**20:.3f} MiB", flush=True)
+
+    step_us = {(n, p): [] for n in names for p in POSITIONS}
+    for _ in range(ROUNDS):
+        for p in POSITIONS:
+            for n in names:
+                r = graphs[n][1][p]
+                t = timing.bench(lambda: [r() for _ in range(REPLAYS)], **REPS)
+                step_us[(n, p)].append(t.median_us / REPLAYS)
+    width = max(len(n) for n in names)
+    for p in POSITIONS:
+        base = np.median(step_us[(names[0], p)])
+        for n in names:
+            s = np.array(step_us[(n, p)])
+            print(f"STEP pos {p:4d} {n:{width}s} {np.median(s):8.1f} us (min {s.min():.1f}, "
+                  f"max {s.max():.1f}, n={len(s)}) / {names[0]} {np.median(s) / base:.4f}",
+                  flush=True)
+    equal = all(np.array_equal(tokens[names[0]], tokens[n]) for n in names)
+    print(f"beam search, {NEW} tokens: tokens equal: {equal}", flush=True)
+    for g, _ in graphs.values():
+        g.close()
+    return 0 if equal else 1
