@@ -22,17 +22,18 @@ from proto import backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REPO = ROOT   # the checkout (ROOT is where results go; tests point it elsewhere)
+DEVICE = None  # results/<DEVICE>/ and figures/<DEVICE>/ instead of this machine's (--device)
 SIM_WARNING = "Numba CUDA simulator: timings are NOT meaningful (toy size, Python threads)"
 
 
 def results_dir(device: str | None = None) -> pathlib.Path:
-    d = ROOT / "results" / (device or backend.device_name())
+    d = ROOT / "results" / (device or DEVICE or backend.device_name())
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
 def figures_dir(device: str | None = None) -> pathlib.Path:
-    d = ROOT / "figures" / (device or backend.device_name())
+    d = ROOT / "figures" / (device or DEVICE or backend.device_name())
     d.mkdir(parents=True, exist_ok=True)
     return d
 

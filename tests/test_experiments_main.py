@@ -1,0 +1,44 @@
+"""`python -m experiments --plot-only --device NAME` draws another machine's results (the
+H200's, committed) on this one: into figures/NAME/, stamped with the rows' device, and
+without touching this machine's own results folder."""
+import shutil
+
+import pytest
+
+from experiments import __main__ as cli
+from experiments import common
+
+COMMITTED = common.REPO / "results" / "h200"
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    monkeypatch.setattr(common, "DEVICE", None)   # main() sets it for the process
+    return tmp_path
+
+
+def test_plot_only_draws_the_named_devices_results(root, capsys):
+    (root / "results" / "h200").mkdir(parents=True)
+    for f in ("launch_overhead.csv", "launch_overhead.summary.json"):
+        shutil.copy(COMMITTED / f, root / "results" / "h200" / f)
+    assert cli.main(["launch_overhead", "--plot-only", "--device", "h200"]) == 0
+    figure = root / "figures" / "h200" / "launch_overhead.png"
+    assert figure.stat().st_size > 10_000
+    assert sorted(p.name for p in (root / "results").iterdir()) == ["h200"]
+    assert sorted(p.name for p in (root / "figures").iterdir()) == ["h200"]
+    out = capsys.readouterr().out
+    assert f"figure: {figure}" in out and common.SIM_WARNING not in out
+
+
+def test_device_without_plot_only_is_refused(root, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["launch_overhead", "--device", "h200"])
+    assert "--device: only with --plot-only" in capsys.readouterr().err
+
+
+def test_a_device_without_results_is_refused(root, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["launch_overhead", "--plot-only", "--device", "h100"])
+    assert "--device: no folder results/h100/" in capsys.readouterr().err
+    assert not (root / "results").exists()
