@@ -28,8 +28,9 @@ shapes (and more than 8 rows) run kernels.gemm's fc and projection instead (`fus
 
 The partials are H / C x M x D floats, 2.95 MB at GPT-2 small's beam of 5: the largest
 temporary of the step, so the planned arena's peak (where kernels.gemm's split-K held 0.25
-MB). C = 32 would halve them at 214 registers and one block an SM (kernels.ab_mlp_step
-measures it).
+MB). C = 32 halves them at 214 registers and one block an SM, but its step is slower than
+the GEMM path's (606 against 539 us at C = 16 and 586 through kernels.gemm on the H200,
+kernels.ab_mlp_step), so C stays 16.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ if not backend.SIMULATOR:
     THREADS = 256
     C = 16           # hidden columns a fused block owns
     # Blocks an SM the registers must allow (launch bounds), by C: the grid is one wave.
-    # C = 32 halves the partials (1.47 MB at GPT-2 small) at 214 registers, 96 blocks.
+    # C = 32 halves the partials (1.47 MB at GPT-2 small) at 214 registers, 96 blocks, and
+    # makes the step 12% slower (kernels.ab_mlp_step).
     BLOCKS_PER_SM = {16: 2, 32: 1}
     MAX_WIDTH = 768  # D: the weights a thread holds in registers grow as D * C / 128
 else:   # each simulated thread is a Python thread: small blocks, the same code
