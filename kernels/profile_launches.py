@@ -14,6 +14,8 @@ Winograd's forward at the conv3 shape (kernels.winograd: its transforms and GEMM
 or read both. Results: results/h200/profiles/.
 
     python -m kernels.profile_launches decode_gemm   # only the two decode GEMMs, twice
+    python -m kernels.profile_launches decode_layer  # qkv plain, qkv normalizing its input
+                                                     # (ln_in), the fused MLP: twice
     python -m kernels.profile_launches winograd      # only Winograd's three convolutions at
                                                      # conv4 (N 64, 512 -> 512, 28x28), twice
 
@@ -24,7 +26,7 @@ import sys
 
 import numpy as np
 
-from kernels import attention, conv, gemm, sampling, winograd
+from kernels import attention, conv, gemm, mlp, sampling, winograd
 from proto.backend import cuda, synchronize
 
 
@@ -88,6 +90,26 @@ def decode_gemm() -> None:
     synchronize()
 
 
+def decode_layer() -> None:
+    """GPT-2 small's qkv GEMM without and with its input layer norm (gemm's ln_in: every block
+    normalizes the 5 rows after the early-launch wait; kernel_speed times it 1.39x the plain
+    one), then the model's MLP (kernels.mlp: the fused kernel and its sum), so a profiler
+    shows where the normalization's time goes. Residual-stream-like rows (mean 0, scale 3)."""
+    rng = np.random.default_rng(0)
+    x = _dev(rng, 5, 768, scale=3.0)
+    w_qkv, b_qkv = _dev(rng, 768, 2304, scale=0.02), _dev(rng, 2304, scale=0.02)
+    gamma = cuda.to_device((1 + 0.1 * rng.standard_normal(768)).astype(np.float32))
+    beta = _dev(rng, 768, scale=0.1)
+    w1, b1 = _dev(rng, 768, 3072, scale=0.02), _dev(rng, 3072, scale=0.02)
+    w2, b2 = _dev(rng, 3072, 768, scale=0.02), _dev(rng, 768, scale=0.02)
+    qkv, out = cuda.device_array((5, 2304), np.float32), _dev(rng, 5, 768)
+    for _ in range(2):
+        gemm.gemm(x, w_qkv, qkv, bias=b_qkv)
+        gemm.gemm(x, w_qkv, qkv, bias=b_qkv, ln_in=(gamma, beta, 1e-5))
+        mlp.mlp(x, w1, b1, w2, b2, out)
+    synchronize()
+
+
 def winograd_conv4() -> None:
     """kernel_speed's conv4 shape, where Winograd is furthest from cuDNN (1.9-3.5x)."""
     x, dy, w, b, out, dx, dw, db = _conv_layer(np.random.default_rng(0), 64, 512, 28)
@@ -101,7 +123,8 @@ def winograd_conv4() -> None:
     synchronize()
 
 
-FAMILIES = {"all": main, "decode_gemm": decode_gemm, "winograd": winograd_conv4}
+FAMILIES = {"all": main, "decode_gemm": decode_gemm, "decode_layer": decode_layer,
+            "winograd": winograd_conv4}
 
 if __name__ == "__main__":
     family = sys.argv[1] if len(sys.argv) > 1 else "all"
