@@ -14,11 +14,11 @@ from kernels import _ab_step, attention
 
 @contextlib.contextmanager
 def preload(on: bool):
-    attention.PRELOAD[0] = on
+    was, attention.PRELOAD[0] = attention.PRELOAD[0], on
     try:
         yield
     finally:
-        attention.PRELOAD[0] = True
+        attention.PRELOAD[0] = was
 
 
 def main() -> int:
