@@ -4,8 +4,12 @@ the 5 rows after its early-launch wait) against a layer norm launch into scratch
 plain GEMM (what gemm does where its plan splits K), in GPT-2 small's graphed step
 (kernels._ab_step: positions 100, 512 and 1000, rounds interleaved, each one's planned arena,
 then a beam search under each, whose tokens must be equal). kernel_speed times qkv with ln_in
-at 1.39x qkv alone; this says what the fusion is worth in the step. AB_TOY=1 checks the
-script on the simulator.
+at 1.39x qkv alone; this says what the fusion is worth in the step. A third
+variant: ln_in with gamma and beta stored to shared memory after the wait and op(a)'s
+staging loads (`gemm.LN_STORE_AFTER_WAIT`; the default stores them before the wait, where
+each store holds its thread until its load, queued behind the block's weight loads, comes
+back). AB_TOY=1 checks the script on the
+simulator.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.ab_ln_in_step 2>&1 | tee $OUT/ab_ln_in_step.txt
 """
@@ -37,9 +41,29 @@ def ln_in_launched(on: bool):
         gemm.gemm = fused
 
 
+@contextlib.contextmanager
+def ln_store_after_wait(on: bool):
+    """While on, the decode kernels rebuilt with gamma and beta stored after the wait."""
+    names = ("NN", "NN_COLS", "NN_WIDE_K", "NT")
+    kept, was = {n: getattr(gemm, n) for n in names}, gemm.LN_STORE_AFTER_WAIT[0]
+    gemm.LN_STORE_AFTER_WAIT[0] = on
+    if on != was:
+        gemm.NN, gemm.NN_COLS = gemm.make_decode_nn(*gemm.NN_SPLIT), \
+            gemm.make_decode_nn(*gemm.NN_COLUMNS)
+        gemm.NN_WIDE_K, gemm.NT = gemm.make_decode_nn(*gemm.NN_WIDE), \
+            gemm.make_decode_nt(*gemm.NT_CONFIG)
+    try:
+        yield
+    finally:
+        gemm.LN_STORE_AFTER_WAIT[0] = was
+        for n, dk in kept.items():
+            setattr(gemm, n, dk)
+
+
 def main() -> int:
-    return _ab_step.run({"ln_in": lambda: ln_in_launched(False),
-                         "launch": lambda: ln_in_launched(True)})
+    return _ab_step.run({"ln_in": lambda: ln_store_after_wait(False),
+                         "launch": lambda: ln_in_launched(True),
+                         "ln_in_after": lambda: ln_store_after_wait(True)})
 
 
 if __name__ == "__main__":

@@ -180,26 +180,31 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
 
 
 def _ln_params_loader(threads: int):
-    """A device function stage(gbs, gamma, beta, k_len): gbs[k] = gamma[k], gbs[SPAN_MAX +
-    k] = beta[k] for k < k_len <= SPAN_MAX, for a block of `threads`. Every thread issues all
-    its loads before storing any (one memory round trip, not one per element)."""
+    """Two device functions for a block of `threads`: load(g, b, gamma, beta, k_len) puts a
+    thread's share of gamma and beta in its local arrays g, b (`PER` each), every load
+    issued before any is used; store(gbs, g, b, k_len) writes them to gbs[k] = gamma[k],
+    gbs[SPAN_MAX + k] = beta[k] for k < k_len <= SPAN_MAX. Apart, so that a kernel can issue
+    the loads before its early-launch wait and store after it (a store waits for its load,
+    which queues behind the block's weight loads)."""
     per = -(-SPAN_MAX // threads)
 
-    @cuda.jit(device=True)
-    def stage(gbs, gamma, beta, k_len):
-        g = cuda.local.array(per, np.float32)
-        b = cuda.local.array(per, np.float32)
+    @cuda.jit(device=True, inline="always")
+    def load(g, b, gamma, beta, k_len):
         t = _u(cuda.threadIdx.x)
         for i in range(per):   # past k_len, re-read the last element (never stored)
             k = _u(min(t + _u(i * threads), k_len - _u(1)))
             g[i] = gamma[k]
             b[i] = beta[k]
+
+    @cuda.jit(device=True, inline="always")
+    def store(gbs, g, b, k_len):
+        t = _u(cuda.threadIdx.x)
         for i in range(per):
             k = t + _u(i * threads)
             if k < k_len:
                 gbs[k] = g[i]
                 gbs[_u(SPAN_MAX) + k] = b[i]
-    return stage
+    return per, load, store
 
 
 @cuda.jit(device=True)
@@ -235,6 +240,12 @@ def _normalize_x(xs, gbs, length, eps):
     cuda.syncthreads()
 
 
+# For one A/B (kernels.ab_ln_in_step), to be removed with its verdict: ln_in's gamma and beta
+# stored to shared memory after the early-launch wait and op(a)'s staging loads (True) or
+# before the wait (False, as measured so far). Read when the decode kernels are built.
+LN_STORE_AFTER_WAIT = [False]
+
+
 def _input_stager(threads: int, ln_in: bool):
     """A device function stage(xs, gbs, a, gamma, beta, eps, bz, k_lo, length, padded, m_rows,
     trans_a): what a decode kernel of `threads` does between issuing its first weight loads
@@ -242,17 +253,24 @@ def _input_stager(threads: int, ln_in: bool):
     before the early-launch wait. Then the wait (op(a) is an earlier kernel's output), op(a)
     staged into xs (`_stage_x`) and a barrier; with `ln_in`, its rows normalized
     (`_normalize_x`)."""
-    stage_ln_params = _ln_params_loader(threads)
+    per, load_ln_params, store_ln_params = _ln_params_loader(threads)
+    defer = LN_STORE_AFTER_WAIT[0]
 
     # Inlined in Numba's IR: as a separate device function it moved ptxas' register
     # allocation (the head's ln_in twin spilled 12 bytes; kernels.registers).
     @cuda.jit(device=True, inline="always")
     def stage(xs, gbs, a, gamma, beta, eps, bz, k_lo, length, padded, m_rows, trans_a):
+        g = cuda.local.array(per, np.float32)
+        b = cuda.local.array(per, np.float32)
         if ln_in:
-            stage_ln_params(gbs, gamma, beta, length)
+            load_ln_params(g, b, gamma, beta, length)
+            if not defer:
+                store_ln_params(gbs, g, b, length)
         _pdl.wait()
         _pdl.launch_dependents()
         _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a)
+        if ln_in and defer:
+            store_ln_params(gbs, g, b, length)
         cuda.syncthreads()
         if ln_in:
             _normalize_x(xs, gbs, length, eps)
