@@ -35,6 +35,7 @@ import dataclasses
 from proto import backend
 from proto.backend import ALIGN, address, align_up, cuda, extent, view_at
 from proto.graph.ir import Conditional, Description
+from proto.memo import PerObject
 
 
 class PlanError(AssertionError):
@@ -233,6 +234,18 @@ def plan(description: Description, outputs=(), fixed: dict | None = None) -> Pla
 
 
 # ------------------------------------------------------------------------- applying it
+_arena_views = PerObject()
+
+
+def arena_view(arena, offset: int, like):
+    """`like`'s shape, strides and dtype at `offset` bytes into `arena`: one object for every
+    graph planned on that arena. The graphs of a tape hold the same tensors at the same
+    offsets, and making a device array costs host time at every capture (Numba builds it
+    from scratch)."""
+    key = (offset, tuple(like.shape), tuple(like.strides), like.dtype.str)
+    return _arena_views.get(arena, key, lambda: view_at(arena, offset, like))
+
+
 def apply(description: Description, plan_: Plan, arena, outputs):
     """(the description on the arena, the outputs on the arena): every array inside a buffer
     becomes the same view at the buffer's offset in the arena. The buffers keep their keys
@@ -245,7 +258,7 @@ def apply(description: Description, plan_: Plan, arena, outputs):
         if found is None:
             return arr
         i, within = found
-        return view_at(arena, offsets[i] + within, arr)
+        return arena_view(arena, offsets[i] + within, arr)
 
     def moved(desc: Description) -> Description:
         nodes = []
@@ -257,7 +270,7 @@ def apply(description: Description, plan_: Plan, arena, outputs):
         return Description(nodes, list(desc.deps))
 
     result = moved(description)
-    result.buffers = [dataclasses.replace(b, array=view_at(arena, off, b.array))
+    result.buffers = [dataclasses.replace(b, array=arena_view(arena, off, b.array))
                       for b, off in zip(description.buffers, offsets)]
     return result, map_arrays(outputs, rebase)
 
