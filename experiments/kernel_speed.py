@@ -24,8 +24,8 @@ The decode GEMMs are GPT-2 small's, 5 beams (M = 5) with their fused epilogues: 
 GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @ wte.T,
 50257 columns; also in the [K, N] layout). Pure weight streaming: the summary's
 `decode_gemm_min_fraction_of_bandwidth` is the worst of the five. Beside them, the two as the
-model runs them: qkv with ln_1 fused into its staging (`gemm_decode_qkv_ln_in`;
-`decode_qkv_ln_in_over_qkv_time`) and the whole MLP (`mlp_decode`: kernels.mlp's fused kernel
+model runs them: qkv with ln_1 before it (`gemm_decode_qkv_ln_in`: gemm's ln_in, a
+layernorm launch and the GEMM; `decode_qkv_ln_in_over_qkv_time`) and the whole MLP (`mlp_decode`: kernels.mlp's fused kernel
 and sum, against PyTorch's addmm, GELU and addmm_; `decode_mlp_fraction_of_bandwidth`,
 `decode_mlp_us`). PyTorch runs the same with
 TF32 off for matmuls and cuDNN (the CSV's torch_tf32 reads torch's flags; the residual as a
@@ -158,8 +158,8 @@ def _cases(s: dict, torch) -> list[Case]:
         cases.append(_decode_gemm_case(name, rng, torch, tt, f32(B, K) if K != D else x,
                                        np.ascontiguousarray(w), N, trans_b, act, accumulate,
                                        f32(N) if bias else None))
-    # qkv as the model runs it: ln_1 of the residual fused into the GEMM's staging (ln_in);
-    # beside gemm_decode_qkv, what the layer norm costs the GEMM.
+    # qkv as the model runs it: ln_1 of the residual first (gemm's ln_in: a layernorm launch);
+    # beside gemm_decode_qkv, what the layer norm costs.
     cases.append(_decode_gemm_case("gemm_decode_qkv_ln_in", rng, torch, tt, x, f32(D, 3 * D),
                                    3 * D, False, None, False, f32(3 * D), ln=(f32(D), f32(D))))
 

@@ -1,7 +1,7 @@
 """A/B on the H200, one process: the MLP by kernels.mlp's fused kernel and sum (2 launches)
 against kernels.gemm's fc and projection (3 launches: `mlp.fuses` forced False while that
-model's graphs record), and the fused kernel with two teams a block (`mlp.TEAMS` = 2: half
-the partials, the same work a thread), in GPT-2 small's graphed step (kernels._ab_step: positions 100,
+model's graphs record), and the fused kernel at twice the hidden columns a block (`mlp.C`
+doubled: half the partials), in GPT-2 small's graphed step (kernels._ab_step: positions 100,
 512 and 1000, rounds interleaved, each one's planned arena, then a beam search under each,
 whose tokens must be equal). AB_TOY=1 checks the script on the simulator.
 
@@ -14,22 +14,20 @@ from kernels import _ab_step, mlp
 
 
 @contextlib.contextmanager
-def variant(fused: bool, teams: int):
-    fuses, TEAMS = mlp.fuses, mlp.TEAMS
+def variant(fused: bool, c: int):
+    fuses, C = mlp.fuses, mlp.C
     mlp.fuses = fuses if fused else (lambda *shape: False)
-    mlp.TEAMS = teams
+    mlp.C = c
     try:
         yield
     finally:
-        mlp.fuses, mlp.TEAMS = fuses, TEAMS
+        mlp.fuses, mlp.C = fuses, C
 
 
 def main() -> int:
-    # (C = 32, one team: 606.3 us against 538.9 at C = 16, results/h200/profiles/
-    # ab_mlp_step_c3c1ebc.txt; not timed again)
-    return _ab_step.run({"gemm": lambda: variant(False, 1),
-                         "fused": lambda: variant(True, 1),
-                         "fused_2teams": lambda: variant(True, 2)})
+    return _ab_step.run({"gemm": lambda: variant(False, mlp.C),
+                         "fused": lambda: variant(True, mlp.C),
+                         "fused_2c": lambda: variant(True, 2 * mlp.C)})
 
 
 if __name__ == "__main__":

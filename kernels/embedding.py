@@ -4,8 +4,7 @@ One block per (t, b) row, threads along C (coalesced rows of the tables). The fi
 comes from a device int32 (1,) array, so one launch configuration (and one captured CUDA
 graph) serves every decoding step. Ids outside the tables cannot be rejected before the
 launch (they live on the device), so such rows are written as NaN: visible, and never an
-out-of-bounds read. (GPT-2's first layer norm rides on the qkv GEMM that reads these rows:
-kernels.gemm's ln_in.)
+out-of-bounds read.
 """
 from __future__ import annotations
 

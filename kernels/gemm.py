@@ -45,18 +45,16 @@ written: the layer norm costs no launch of its own. Outside the decode path `lay
 runs after the product instead.
 
 Optional layer norm of the input (`ln_in=(gamma, beta, eps)`): out = act(layernorm(a) @ op(b)
-+ bias), each row of a normalized over K. A decode kernel that covers the whole K in one
-block (no split: GPT-2's qkv and the output head) normalizes the rows it has just staged in
-shared memory, a warp a row, so a residual stream whose last writer could not normalize it
-(kernels.mlp sums partials spread over the GPU) costs no layer-norm launch either; gamma and
-beta are copied to shared memory before the early-launch wait (they are weights). Otherwise
-`layernorm` writes the normalized rows to scratch first.
++ bias), each row of a normalized over K: a `layernorm` launch into scratch, then the
+product. (The decode kernels once normalized the rows they had staged, every block
+repeating it after the early-launch wait: GPT-2 small's step took 537.7 us that way on the
+H200 against 531.4 with the launch, and qkv alone 16.3 us against 11.0 under ncu;
+results/h200/profiles/ab_step_8b3630b.txt, decode_layer_ncu_8b3630b.txt.gz.)
 
 2-D calls are 3-D calls with a batch of 1, so every kernel has one argument layout.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -106,8 +104,6 @@ else:
     LN_THREADS = 64
 BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the tile K splits are planned for (tiled_plan)
 _XS = M8 * SPAN_MAX
-_GB = 2 * SPAN_MAX     # gamma and beta of ln_in, staged
-_LN_STATS = 2 * M8     # ln_in's (mean, rstd) a row
 _LN_VALS = LN_COLS * RED_CHUNK
 _LN_GB = 2 * LN_COLS   # the layer norm's gamma, beta
 
@@ -179,104 +175,6 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
             xs[_u(m * SPAN_MAX) + kk] = vals[m] if kk < length else _ZERO
 
 
-def _ln_params_loader(threads: int):
-    """Two device functions for a block of `threads`: load(g, b, gamma, beta, k_len) puts a
-    thread's share of gamma and beta in its local arrays g, b (`PER` each), every load
-    issued before any is used; store(gbs, g, b, k_len) writes them to gbs[k] = gamma[k],
-    gbs[SPAN_MAX + k] = beta[k] for k < k_len <= SPAN_MAX. Apart, so that a kernel can issue
-    the loads before its early-launch wait and store after it (a store waits for its load,
-    which queues behind the block's weight loads)."""
-    per = -(-SPAN_MAX // threads)
-
-    @cuda.jit(device=True, inline="always")
-    def load(g, b, gamma, beta, k_len):
-        t = _u(cuda.threadIdx.x)
-        for i in range(per):   # past k_len, re-read the last element (never stored)
-            k = _u(min(t + _u(i * threads), k_len - _u(1)))
-            g[i] = gamma[k]
-            b[i] = beta[k]
-
-    @cuda.jit(device=True, inline="always")
-    def store(gbs, g, b, k_len):
-        t = _u(cuda.threadIdx.x)
-        for i in range(per):
-            k = t + _u(i * threads)
-            if k < k_len:
-                gbs[k] = g[i]
-                gbs[_u(SPAN_MAX) + k] = b[i]
-    return per, load, store
-
-
-@cuda.jit(device=True)
-def _normalize_x(xs, gbs, length, eps):
-    """Every staged row of xs (M8 rows of `length`, the whole K) := layernorm(row) * gamma +
-    beta, gamma and beta in gbs (`_ln_params_loader`). A warp a row, two passes over shared
-    memory (no E[x^2] - mean^2 cancellation); rows past m_rows are copies of the last and
-    come out the same. Call after the staging barrier; ends with one."""
-    stats = cuda.shared.array(_LN_STATS, np.float32)   # (mean, rstd) a row
-    tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
-    lane, warp = tid % _u(32), tid // _u(32)
-    inv_n = np.float32(1.0) / np.float32(length)
-    for m in range(warp, M8, nt // _u(32)):
-        row = _u(m * SPAN_MAX)
-        s1 = _ZERO
-        for k in range(lane, length, _u(32)):
-            s1 += xs[row + k]
-        mean = warp_allreduce(s1, False) * inv_n
-        s2 = _ZERO
-        for k in range(lane, length, _u(32)):
-            d = xs[row + k] - mean
-            s2 += d * d
-        rstd = np.float32(1.0) / math.sqrt(warp_allreduce(s2, False) * inv_n + eps)
-        if lane == _u(0):
-            stats[2 * m] = mean
-            stats[2 * m + 1] = rstd
-    cuda.syncthreads()
-    for k in range(tid, length, nt):
-        g, b = gbs[k], gbs[_u(SPAN_MAX) + k]
-        for m in range(M8):
-            i = _u(m * SPAN_MAX) + k
-            xs[i] = (xs[i] - stats[2 * m]) * stats[2 * m + 1] * g + b
-    cuda.syncthreads()
-
-
-# For one A/B (kernels.ab_ln_in_step), to be removed with its verdict: ln_in's gamma and beta
-# stored to shared memory after the early-launch wait and op(a)'s staging loads (True) or
-# before the wait (False, as measured so far). Read when the decode kernels are built.
-LN_STORE_AFTER_WAIT = [False]
-
-
-def _input_stager(threads: int, ln_in: bool):
-    """A device function stage(xs, gbs, a, gamma, beta, eps, bz, k_lo, length, padded, m_rows,
-    trans_a): what a decode kernel of `threads` does between issuing its first weight loads
-    and its product. With `ln_in` (compile-time), gamma and beta into gbs first: weights, so
-    before the early-launch wait. Then the wait (op(a) is an earlier kernel's output), op(a)
-    staged into xs (`_stage_x`) and a barrier; with `ln_in`, its rows normalized
-    (`_normalize_x`)."""
-    per, load_ln_params, store_ln_params = _ln_params_loader(threads)
-    defer = LN_STORE_AFTER_WAIT[0]
-
-    # Inlined in Numba's IR: as a separate device function it moved ptxas' register
-    # allocation (the head's ln_in twin spilled 12 bytes; kernels.registers).
-    @cuda.jit(device=True, inline="always")
-    def stage(xs, gbs, a, gamma, beta, eps, bz, k_lo, length, padded, m_rows, trans_a):
-        g = cuda.local.array(per, np.float32)
-        b = cuda.local.array(per, np.float32)
-        if ln_in:
-            load_ln_params(g, b, gamma, beta, length)
-            if not defer:
-                store_ln_params(gbs, g, b, length)
-        _pdl.wait()
-        _pdl.launch_dependents()
-        _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a)
-        if ln_in and defer:
-            store_ln_params(gbs, g, b, length)
-        cuda.syncthreads()
-        if ln_in:
-            _normalize_x(xs, gbs, length, eps)
-    return stage
-
-
 def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
     """A device function load(regs, src, at, step, row, k, rows, k_end, whole): a thread's
     `count` staged elements of one operand, element i at (row + i * DR, k + i * DK) of
@@ -307,11 +205,9 @@ _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
 # the tiled kernel: a and b flattened (uint32 offsets), out, bias, has_bias, act, accumulate
 _TILED_ARGS = ("float32[::1], float32[::1], float32[:,:,::1], float32[::1], int32, int32, int32, "
                "float32[:,:,:,::1], int32, int32, int32")
-# a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span, gamma, beta, eps
-# (gamma, beta, eps: the ln_in variant's; placeholders for the other)
+# a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span
 _DECODE_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
-                "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32, "
-                "float32[::1], float32[::1], float32")
+                "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32")
 
 
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
@@ -431,7 +327,6 @@ TILED_KERNELS = {(ta, tb, t): _make_tiled(ta, tb, t)
 class Decode(NamedTuple):
     """One compiled decode kernel and its geometry (see `make_decode_nn`/`make_decode_nt`)."""
     kernel: object
-    ln_kernel: object   # the same with ln_in: op(a)'s rows normalized as they are staged
     threads: int
     tile: int       # output columns per block tile
     k_step: int     # K rows a block consumes per batch of loads
@@ -472,86 +367,82 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
                     v = b[bz, kk, col[c]]
                     wv[u * cols + c] = v if k < k_hi else _ZERO
 
-    def build(LN_IN: bool):
-        """The kernel, with the input layer norm (LN_IN) compiled in or out."""
-        gb_n = _GB if LN_IN else 1   # (ln_in) gamma and beta, staged
-        stage_input = _input_stager(32 * warps, LN_IN)
 
-        @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
-        def gemm_decode_nn_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
-                                  direct, span, gamma, beta, eps):
-            """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
-            b (B, K, N) over K rows [split * span, + span): the epilogue to out when `direct`,
-            else the partial sums to part[bz, split]. LN_IN (one split only): op(a)'s rows
-            layer-normalized with gamma, beta, eps first."""
-            xs = cuda.shared.array(_XS, np.float32)        # (8, SPAN_MAX) op(a), this K range
-            gbs = cuda.shared.array(gb_n, np.float32)       # (ln_in) gamma, beta
-            red = cuda.shared.array(red_size, np.float32)  # (row groups, 8, tile) partial sums
-            acc = cuda.local.array(acc_size, np.float32)   # [m * cols + c]
-            wv = cuda.local.array(wv_size, np.float32)     # [u * cols + c]
-            col = cuda.local.array(cols, np.uint32)
-            tid = _u(cuda.threadIdx.x)
-            lane = tid % _u(32)
-            j = lane % _u(lane_cols)
-            rg = (tid // _u(32)) * _u(groups) + lane // _u(lane_cols)
-            bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
-            # (see _BOUNDS)
-            m_rows, n_cols, k_len = _u(out.shape[1]), _u(out.shape[2]), _u(b.shape[1])
-            k_lo = split * _u(span)
-            k_hi = _u(min(k_lo + _u(span), k_len))
-            length = k_hi - k_lo
-            n_tiles = (n_cols + tile - 1) // tile
-            kb0 = k_lo + rg
-            tile_i = cuda.blockIdx.x
-            # First batch of weight loads before staging, so staging overlaps their latency.
-            for c in range(cols):  # past the last column, re-read the last one; never stored
-                col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - _u(1)))
-            load(wv, b, bz, kb0, k_hi, col)   # (weights: nobody's output, so before the wait)
-            stage_input(xs, gbs, a, gamma, beta, eps, bz, k_lo, length,
-                        (length + _u(step - 1)) // _u(step) * _u(step), m_rows, trans_a)
-            while tile_i < n_tiles:
-                n0 = _u(tile_i) * _u(tile)
-                for i in range(acc_size):
-                    acc[i] = _ZERO
-                kb = kb0
-                while kb < k_hi:
-                    r = kb - k_lo  # rows past k_hi: zero in xs and in wv
-                    for u in range(unroll):
-                        for m in range(M8):
-                            xm = xs[_u(m * SPAN_MAX + u * row_groups) + r]
-                            for c in range(cols):
-                                acc[m * cols + c] += xm * wv[u * cols + c]
-                    kb += _u(step)
-                    if kb < k_hi:
-                        load(wv, b, bz, kb, k_hi, col)
-                tile_i += cuda.gridDim.x
-                if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
-                    for c in range(cols):
-                        col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c),
-                                        n_cols - _u(1)))
-                    load(wv, b, bz, kb0, k_hi, col)
-                # Block sum over the row groups, in a fixed order; rows past m_rows are padding.
-                for m in range(M8):
-                    if m < m_rows:
+    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
+    def gemm_decode_nn_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
+                              direct, span):
+        """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
+        b (B, K, N) over K rows [split * span, + span): the epilogue to out when `direct`,
+        else the partial sums to part[bz, split]."""
+        xs = cuda.shared.array(_XS, np.float32)        # (8, SPAN_MAX) op(a), this K range
+        red = cuda.shared.array(red_size, np.float32)  # (row groups, 8, tile) partial sums
+        acc = cuda.local.array(acc_size, np.float32)   # [m * cols + c]
+        wv = cuda.local.array(wv_size, np.float32)     # [u * cols + c]
+        col = cuda.local.array(cols, np.uint32)
+        tid = _u(cuda.threadIdx.x)
+        lane = tid % _u(32)
+        j = lane % _u(lane_cols)
+        rg = (tid // _u(32)) * _u(groups) + lane // _u(lane_cols)
+        bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
+        # (see _BOUNDS)
+        m_rows, n_cols, k_len = _u(out.shape[1]), _u(out.shape[2]), _u(b.shape[1])
+        k_lo = split * _u(span)
+        k_hi = _u(min(k_lo + _u(span), k_len))
+        length = k_hi - k_lo
+        n_tiles = (n_cols + tile - 1) // tile
+        kb0 = k_lo + rg
+        tile_i = cuda.blockIdx.x
+        # First batch of weight loads before staging, so staging overlaps their latency.
+        for c in range(cols):  # past the last column, re-read the last one; never stored
+            col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - _u(1)))
+        load(wv, b, bz, kb0, k_hi, col)   # (weights: nobody's output, so before the wait)
+        _pdl.wait()   # (early launch: op(a) is an earlier kernel's output)
+        _pdl.launch_dependents()
+        _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
+                 m_rows, trans_a)
+        cuda.syncthreads()
+        while tile_i < n_tiles:
+            n0 = _u(tile_i) * _u(tile)
+            for i in range(acc_size):
+                acc[i] = _ZERO
+            kb = kb0
+            while kb < k_hi:
+                r = kb - k_lo  # rows past k_hi: zero in xs and in wv
+                for u in range(unroll):
+                    for m in range(M8):
+                        xm = xs[_u(m * SPAN_MAX + u * row_groups) + r]
                         for c in range(cols):
-                            red[(rg * _u(M8) + _u(m)) * _u(tile) + j + _u(lane_cols * c)] = \
-                                acc[m * cols + c]
-                cuda.syncthreads()
-                for idx in range(tid, m_rows * tile, cuda.blockDim.x):
-                    m, jj = _u(idx // tile), _u(idx % tile)
-                    n = n0 + jj
-                    if n < n_cols:
-                        v = _ZERO
-                        for g in range(row_groups):
-                            v += red[(_u(g * M8) + m) * _u(tile) + jj]
-                        if direct:
-                            _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
-                        else:
-                            part[bz, split, m, n] = v
-                cuda.syncthreads()  # `red` is rewritten by the next tile
-        return gemm_decode_nn_kernel
+                            acc[m * cols + c] += xm * wv[u * cols + c]
+                kb += _u(step)
+                if kb < k_hi:
+                    load(wv, b, bz, kb, k_hi, col)
+            tile_i += cuda.gridDim.x
+            if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
+                for c in range(cols):
+                    col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c),
+                                    n_cols - _u(1)))
+                load(wv, b, bz, kb0, k_hi, col)
+            # Block sum over the row groups, in a fixed order; rows past m_rows are padding.
+            for m in range(M8):
+                if m < m_rows:
+                    for c in range(cols):
+                        red[(rg * _u(M8) + _u(m)) * _u(tile) + j + _u(lane_cols * c)] = \
+                            acc[m * cols + c]
+            cuda.syncthreads()
+            for idx in range(tid, m_rows * tile, cuda.blockDim.x):
+                m, jj = _u(idx // tile), _u(idx % tile)
+                n = n0 + jj
+                if n < n_cols:
+                    v = _ZERO
+                    for g in range(row_groups):
+                        v += red[(_u(g * M8) + m) * _u(tile) + jj]
+                    if direct:
+                        _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
+                    else:
+                        part[bz, split, m, n] = v
+            cuda.syncthreads()  # `red` is rewritten by the next tile
 
-    return Decode(build(False), build(True), 32 * warps, tile, step, False,
+    return Decode(gemm_decode_nn_kernel, 32 * warps, tile, step, False,
                   ("nn", warps, groups, cols, unroll, min_blocks))
 
 
@@ -584,74 +475,70 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
                     v = b[bz, rows[c], kk]
                     wv[u * cols + c] = v if k < length else _ZERO
 
-    def build(LN_IN: bool):
-        """The kernel, with the input layer norm (LN_IN) compiled in or out."""
-        gb_n = _GB if LN_IN else 1   # (ln_in) gamma and beta, staged
-        stage_input = _input_stager(32 * warps, LN_IN)
 
-        @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
-        def gemm_decode_nt_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
-                                  direct, span, gamma, beta, eps):
-            """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
-            b (B, N, K).T over K rows [split * span, + span): the epilogue to out when
-            `direct`, else the partial sums to part[bz, split]. LN_IN (one split only): op(a)'s
-            rows layer-normalized with gamma, beta, eps first."""
-            xs = cuda.shared.array(_XS, np.float32)  # (8, SPAN_MAX) op(a), this K range
-            gbs = cuda.shared.array(gb_n, np.float32)  # (ln_in) gamma, beta
-            acc = cuda.local.array(acc_size, np.float32)  # [m * cols + c]
-            wv = cuda.local.array(wv_size, np.float32)    # [u * cols + c]
-            rows = cuda.local.array(cols, np.uint32)
-            lane, warp = _u(cuda.threadIdx.x % 32), _u(cuda.threadIdx.x // 32)
-            bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
-            # (see _BOUNDS)
-            m_rows, n_cols, k_len = _u(out.shape[1]), _u(out.shape[2]), _u(b.shape[2])
-            k_lo = split * _u(span)
-            length = _u(min(k_lo + _u(span), k_len)) - k_lo
-            n_tiles = (n_cols + tile - 1) // tile
-            tile_i = cuda.blockIdx.x
-            n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
-            for c in range(cols):  # past the last column, re-read the last row; never stored
-                rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
-            load(wv, b, bz, k_lo, lane, length, rows)   # (weights: before the wait)
-            stage_input(xs, gbs, a, gamma, beta, eps, bz, k_lo, length,
-                        (length + _u(step - 1)) // _u(step) * _u(step), m_rows, trans_a)
-            while tile_i < n_tiles:
-                for i in range(acc_size):
-                    acc[i] = _ZERO
-                kb = _u(0)
-                while kb < length:  # uniform over the block
-                    r = kb + lane  # k past length: zero in xs and in wv
-                    for u in range(unroll):
-                        for m in range(M8):
-                            xm = xs[_u(m * SPAN_MAX + 32 * u) + r]
-                            for c in range(cols):
-                                acc[m * cols + c] += xm * wv[u * cols + c]
-                    kb += _u(step)
-                    if kb < length:
-                        load(wv, b, bz, k_lo, kb + lane, length, rows)
-                n_done = n0
-                tile_i += cuda.gridDim.x
-                if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
-                    n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
-                    for c in range(cols):
-                        rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
-                    load(wv, b, bz, k_lo, lane, length, rows)
-                # Sum each (m, c) over the warp's 32 lanes with shuffles (no barrier: the warps
-                # of a block stream independently); lane i then stores the i-th result. Rows
-                # past m_rows are padding: skip their reductions.
-                for i in range(acc_size):
-                    if i // cols < m_rows:
-                        v = warp_allreduce(acc[i], False)
-                        n = n_done + _u(i % cols)
-                        if lane == _u(i) and n < n_cols:
-                            m = _u(i // cols)
-                            if direct:
-                                _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
-                            else:
-                                part[bz, split, m, n] = v
-        return gemm_decode_nt_kernel
+    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
+    def gemm_decode_nt_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
+                              direct, span):
+        """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
+        b (B, N, K).T over K rows [split * span, + span): the epilogue to out when
+        `direct`, else the partial sums to part[bz, split]."""
+        xs = cuda.shared.array(_XS, np.float32)  # (8, SPAN_MAX) op(a), this K range
+        acc = cuda.local.array(acc_size, np.float32)  # [m * cols + c]
+        wv = cuda.local.array(wv_size, np.float32)    # [u * cols + c]
+        rows = cuda.local.array(cols, np.uint32)
+        lane, warp = _u(cuda.threadIdx.x % 32), _u(cuda.threadIdx.x // 32)
+        bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
+        # (see _BOUNDS)
+        m_rows, n_cols, k_len = _u(out.shape[1]), _u(out.shape[2]), _u(b.shape[2])
+        k_lo = split * _u(span)
+        length = _u(min(k_lo + _u(span), k_len)) - k_lo
+        n_tiles = (n_cols + tile - 1) // tile
+        tile_i = cuda.blockIdx.x
+        n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
+        for c in range(cols):  # past the last column, re-read the last row; never stored
+            rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
+        load(wv, b, bz, k_lo, lane, length, rows)   # (weights: before the wait)
+        _pdl.wait()   # (early launch: op(a) is an earlier kernel's output)
+        _pdl.launch_dependents()
+        _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
+                 m_rows, trans_a)
+        cuda.syncthreads()
+        while tile_i < n_tiles:
+            for i in range(acc_size):
+                acc[i] = _ZERO
+            kb = _u(0)
+            while kb < length:  # uniform over the block
+                r = kb + lane  # k past length: zero in xs and in wv
+                for u in range(unroll):
+                    for m in range(M8):
+                        xm = xs[_u(m * SPAN_MAX + 32 * u) + r]
+                        for c in range(cols):
+                            acc[m * cols + c] += xm * wv[u * cols + c]
+                kb += _u(step)
+                if kb < length:
+                    load(wv, b, bz, k_lo, kb + lane, length, rows)
+            n_done = n0
+            tile_i += cuda.gridDim.x
+            if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
+                n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
+                for c in range(cols):
+                    rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
+                load(wv, b, bz, k_lo, lane, length, rows)
+            # Sum each (m, c) over the warp's 32 lanes with shuffles (no barrier: the warps
+            # of a block stream independently); lane i then stores the i-th result. Rows
+            # past m_rows are padding: skip their reductions.
+            for i in range(acc_size):
+                if i // cols < m_rows:
+                    v = warp_allreduce(acc[i], False)
+                    n = n_done + _u(i % cols)
+                    if lane == _u(i) and n < n_cols:
+                        m = _u(i // cols)
+                        if direct:
+                            _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
+                        else:
+                            part[bz, split, m, n] = v
 
-    return Decode(build(False), build(True), 32 * warps, tile, step, True,
+    return Decode(gemm_decode_nt_kernel, 32 * warps, tile, step, True,
                   ("nt", warps, cols, unroll, min_blocks))
 
 
@@ -797,24 +684,18 @@ def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
 
 
 def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stream,
-           ln_out=None, target_blocks=None, grid_cap=None, ln_in=None) -> None:
+           ln_out=None, target_blocks=None, grid_cap=None) -> None:
     """Launch decode kernel `dk` and, when it splits K (or `ln_out` = (gamma, beta, eps, y)
     asks for the row-wise layer norm), the reduction, on validated 3-D arguments (`bias`
-    a device array, a placeholder when has_bias is 0; y 3-D like out). `ln_in` = (gamma,
-    beta, eps) normalizes op(a)'s rows as they are staged: only where the plan does not
-    split K (`decode_plan`; the caller checks)."""
+    a device array, a placeholder when has_bias is 0; y 3-D like out)."""
     batch, m_rows, n_cols = out.shape
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
-    if ln_in is not None and splits > 1:
-        raise ValueError(f"ln_in: the decode plan splits K={k_len} {splits} ways; the fused "
-                         f"input layer norm needs the whole K in one block")
     direct = splits == 1 and ln_out is None
     part = _partials(out, splits, direct)
-    gamma, beta, eps = (bias, bias, 1.0) if ln_in is None else ln_in   # (placeholders unread)
-    launch(dk.kernel if ln_in is None else dk.ln_kernel, (blocks, splits, batch), dk.threads,
+    launch(dk.kernel, (blocks, splits, batch), dk.threads,
            (a, b, out, bias, part, has_bias, act, accumulate, trans_a, int(direct),
-            np.int32(span), gamma, beta, np.float32(eps)), stream)
+            np.int32(span)), stream)
     if direct:
         return
     if ln_out is None:
@@ -875,8 +756,7 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
 
 
 def _normalized(a3, gamma, beta, eps, stream):
-    """layernorm of a3's rows (B, M, K) into scratch of this call: ln_in where the decode
-    kernel cannot fuse it."""
+    """layernorm of a3's rows (B, M, K) into scratch of this call (ln_in)."""
     from kernels import layernorm
     batch, m_rows, k_len = a3.shape
     flat = backend.reshaped(a3, (batch * m_rows, k_len))
@@ -894,9 +774,8 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     while one writes; checked at launch).
 
     ln_in=(gamma, beta, eps): a's rows are layer-normalized over K first (gamma, beta of
-    shape (K,); trans_a must be False): out = act(layernorm(a) @ op(b) + bias). Fused into
-    the decode kernel's staging for M <= 8 where it does not split K; otherwise `layernorm`
-    writes the normalized rows to scratch first.
+    shape (K,); trans_a must be False): out = act(layernorm(a) @ op(b) + bias), by a
+    `layernorm` launch into scratch before the product.
 
     ln_out=(gamma, beta, eps, y): also y = layernorm(out) over each row of the result,
     gamma and beta of shape (N,), y shaped like out and overlapping nothing. Fused into the
@@ -946,15 +825,14 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     a3, b3, out3 = a, b, out
     if not lead:  # every kernel takes (B, ., .) arrays
         a3, b3, out3 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, out))
+    if ln_in is not None:
+        a3 = _normalized(a3, *ln_in, stream)
     dk = pick_decode(trans_b, batch, n_cols) if m_rows <= DECODE_MAX_M else None
-    if ln_in is not None and (dk is None or decode_plan(dk, batch, n_cols, k_len)[1] > 1):
-        a3 = _normalized(a3, *ln_in, stream)   # not fused: normalize into scratch first
-        ln_in = None
     if dk is not None:
         fused = None
         if ln_out is not None and n_cols <= LN_COLS * LN_THREADS:
             fused = (gamma, beta, float(eps), backend.reshaped(y, out3.shape))
-        decode(dk, a3, b3, out3, bias_arg, has_bias, *flags, stream, fused, ln_in=ln_in)
+        decode(dk, a3, b3, out3, bias_arg, has_bias, *flags, stream, fused)
         if ln_out is None or fused is not None:
             return
     else:

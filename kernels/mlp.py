@@ -18,7 +18,7 @@ one kernel:
           the groups in order through shared memory (deterministic, no atomics).
 
 The residual that `sum` writes is not layer-normalized (the partials are spread over the
-GPU): its consumer normalizes the rows as it stages them (kernels.gemm's `ln_in`). On the
+GPU): a layer-norm launch before its consumer normalizes it (kernels.gemm's `ln_in`). On the
 H200 the two launches took 11.3 us for GPT-2 small's MLP of 5 rows, against 17.7 for the
 three of kernels.gemm (results/h200/profiles/bench_mlp_6b28e61.txt).
 
@@ -26,16 +26,14 @@ Registers hold D / 8 weights a thread at C = 16 (96 at D = 768, 128 registers, 2
 SM, the whole grid resident at once), so the fused kernel takes widths up to MAX_WIDTH; other
 shapes (and more than 8 rows) run kernels.gemm's fc and projection instead (`fuses`).
 
-The partials are H / (C * TEAMS) x M x D floats, 2.95 MB at GPT-2 small's beam of 5 with one
-team: the largest temporary of the step, so the planned arena's peak (where kernels.gemm's
-split-K held 0.25 MB). C = 32 halves them at 214 registers and one block an SM, but its step
-is slower than the GEMM path's (606 against 539 us at C = 16 and 586 through kernels.gemm on
-the H200, kernels.ab_mlp_step), so C stays 16. TEAMS = 2 halves them another way: a block of
-two teams of THREADS threads, each doing one C = 16 block's work on its own hidden columns
-(the same registers a thread), the second team's partial added to the first's through shared
-memory before the block writes one. 96 blocks of 512 threads fill as many SMs with the same
-work as the 60 SMs that hold two C = 16 blocks; what it costs in the step is for
-kernels.ab_mlp_step to say.
+The partials are H / C x M x D floats, 2.95 MB at GPT-2 small's beam of 5: the largest
+temporary of the step, so the planned arena's peak (where kernels.gemm's split-K held 0.25
+MB). Two ways to halve them were timed in the step on the H200 (kernels.ab_mlp_step, 539 us
+at C = 16, 586 through kernels.gemm): C = 32 (214 registers, one block an SM) 606 us; and
+blocks of two teams of 256 threads, each doing a C = 16 block's work and the second adding
+its partial to the first's in shared memory (116 registers, one block of 512 an SM) 560 us,
+its kernel 17.9 us under ncu against 12.4. Both lose to C = 16, so C stays 16 and the
+partials stay 2.95 MB (results/h200/profiles/ab_mlp_step_c3c1ebc.txt, ab_step_8b3630b.txt).
 """
 from __future__ import annotations
 
@@ -58,14 +56,13 @@ if not backend.SIMULATOR:
     # Blocks an SM the registers must allow (launch bounds), by C: the grid is one wave.
     # C = 32 halves the partials (1.47 MB at GPT-2 small) at 214 registers, 96 blocks, and
     # makes the step 12% slower (kernels.ab_mlp_step).
-    BLOCKS_PER_SM = {(16, 1): 2, (32, 1): 1, (16, 2): 1}   # by (C, TEAMS)
+    BLOCKS_PER_SM = {16: 2, 32: 1}
     MAX_WIDTH = 768  # D: the weights a thread holds in registers grow as D * C / 128
 else:   # each simulated thread is a Python thread: small blocks, the same code
     THREADS = 32
     C = 8
     BLOCKS_PER_SM = {}
     MAX_WIDTH = 128
-TEAMS = 1        # teams of THREADS threads a fused block (1 or 2), each C hidden columns
 WARPS = THREADS // 32
 SUM_COLS = 32             # output elements a sum block covers (one warp's worth)
 SUM_GROUPS = THREADS // SUM_COLS
@@ -74,44 +71,34 @@ SUM_GROUPS = THREADS // SUM_COLS
 def fuses(m_rows: int, d: int, h: int) -> bool:
     """Whether `mlp` runs the fused kernel for x (m_rows, d) and w1 (d, h)."""
     return (m_rows <= MAX_ROWS and d <= MAX_WIDTH and d % THREADS == 0
-            and h % (C * TEAMS * SUM_GROUPS) == 0 and d * h < 2**32)   # (uint32 offsets)
+            and h % (C * SUM_GROUPS) == 0 and d * h < 2**32)   # (uint32 offsets)
 
 
 @functools.cache
-def fused_kernel(m_rows: int, d: int, h: int, c: int, teams: int = 1):
-    """The fused kernel for M = m_rows, D = d, H = h, c hidden columns a team, `teams` (1 or
-    2) teams of THREADS threads a block (compile-time: the weights of a thread and the rows it
-    multiplies are register arrays): (x (M*D,), w1 (D*H,), b1 (H,), w2 (H*D,),
-    part (H/(c*teams)*M*D,)), grid (H // (c * teams),), THREADS * teams threads."""
+def fused_kernel(m_rows: int, d: int, h: int, c: int):
+    """The fused kernel for M = m_rows, D = d, H = h, c hidden columns a block (compile-time:
+    the weights of a thread and the rows it multiplies are register arrays): (x (M*D,),
+    w1 (D*H,), b1 (H,), w2 (H*D,), part (H/c*M*D,)), grid (H // c,), THREADS threads."""
     M, D, H, C = m_rows, d, h, c
-    if teams not in (1, 2):   # the second team's partial is parked over xs: one fits
-        raise ValueError(f"teams: expected 1 or 2, got {teams!r}")
     GROUPS = THREADS // C          # thread t: hidden column t % C, K rows t // C + GROUPS * j
     rows_a = D // GROUPS           # W1 rows a thread multiplies
     per_b = D // THREADS           # output columns a thread takes in the second product
-    blocks = BLOCKS_PER_SM.get((C, teams))
-    bounds = {"launch_bounds": (THREADS * teams, blocks)} if blocks else {}
+    blocks = BLOCKS_PER_SM.get(C)
+    bounds = {"launch_bounds": (THREADS, blocks)} if blocks else {}
     uC, uD, uH = _u(C), _u(D), _u(H)
-    xs_n, red_n, hs_n, w2r_n = M * D, WARPS * M * C, M * C, C * per_b   # a team's sizes
-    own_n = per_b * M
-    block_threads, red_all, hs_all = THREADS * teams, teams * red_n, teams * hs_n
+    xs_n, red_n, hs_n, w2r_n = M * D, WARPS * M * C, M * C, C * per_b   # array sizes
 
     @jit("void(float32[::1], float32[::1], float32[::1], float32[::1], float32[::1])",
          writes=("part",), early_launch=True, **bounds)
     def fused_mlp_kernel(x, w1, b1, w2, part):
-        xs = cuda.shared.array(xs_n, np.float32)     # x, the MLP's input; later team 1's partial
-        red = cuda.shared.array(red_all, np.float32)   # a warp's sums per (row, column)
-        hs = cuda.shared.array(hs_all, np.float32)     # GELU(fc), each team's columns
+        xs = cuda.shared.array(xs_n, np.float32)     # x, the MLP's (normalized) input
+        red = cuda.shared.array(red_n, np.float32)   # a warp's sums per (row, column)
+        hs = cuda.shared.array(hs_n, np.float32)     # GELU(fc), this block's columns
         w1r = cuda.local.array(rows_a, np.float32)   # [j]
         w2r = cuda.local.array(w2r_n, np.float32)    # [c * per_b + i]
         acc = cuda.local.array(M, np.float32)
-        own = cuda.local.array(own_n, np.float32)   # team 0's partial, until team 1's is in
-        tb = _u(cuda.threadIdx.x)
-        if teams == 1:   # (a compile-time branch: one team compiles as it always did)
-            team, t = _u(0), tb
-        else:
-            team, t = tb // _u(THREADS), tb % _u(THREADS)
-        c0 = (_u(cuda.blockIdx.x) * _u(teams) + team) * uC
+        t = _u(cuda.threadIdx.x)
+        c0 = _u(cuda.blockIdx.x) * uC
         col, g = t % uC, t // uC
         # Every weight of the block, before the wait: weights are nobody's output.
         for j in range(rows_a):
@@ -121,8 +108,8 @@ def fused_kernel(m_rows: int, d: int, h: int, c: int, teams: int = 1):
                 w2r[c * per_b + i] = w2[(c0 + _u(c)) * uD + t + _u(i * THREADS)]
         _pdl.wait()   # (early launch: the weights above are nobody's output; x is)
         _pdl.launch_dependents()
-        for i in range(-(-xs_n // block_threads)):
-            e = tb + _u(i * block_threads)
+        for i in range(-(-xs_n // THREADS)):
+            e = t + _u(i * THREADS)
             if e < _u(xs_n):
                 xs[e] = x[e]
         cuda.syncthreads()
@@ -138,39 +125,25 @@ def fused_kernel(m_rows: int, d: int, h: int, c: int, teams: int = 1):
                 acc[m] += shfl_xor(acc[m], off)
             off *= 2
         lane, warp = t % _u(32), t // _u(32)
-        red_t, hs_t = team * _u(red_n), team * _u(hs_n)   # this team's slices
         if lane < uC:
             for m in range(M):
-                red[red_t + (warp * _u(M) + _u(m)) * uC + lane] = acc[m]
+                red[(warp * _u(M) + _u(m)) * uC + lane] = acc[m]
         cuda.syncthreads()
         for i in range(-(-hs_n // THREADS)):
             e = t + _u(i * THREADS)   # e = m * C + c
             if e < _u(hs_n):
                 v = _ZERO
                 for w in range(WARPS):   # the warps in order
-                    v += red[red_t + _u(w * M * C) + e]
-                hs[hs_t + e] = gelu_f32(v + b1[c0 + e % uC])
+                    v += red[_u(w * M * C) + e]
+                hs[e] = gelu_f32(v + b1[c0 + e % uC])
         cuda.syncthreads()
         for i in range(per_b):
             n = t + _u(i * THREADS)
             for m in range(M):
                 v = _ZERO
                 for c in range(C):
-                    v += hs[hs_t + _u(m * C + c)] * w2r[c * per_b + i]
-                if teams == 1:
-                    part[(_u(cuda.blockIdx.x) * _u(M) + _u(m)) * uD + n] = v
-                elif team == _u(0):
-                    own[i * M + m] = v
-                else:   # xs is read no more (two barriers since)
-                    xs[_u(m) * uD + n] = v
-        if teams == 2:
-            cuda.syncthreads()
-            if team == _u(0):   # team 0's columns, then team 1's: one order every run
-                for i in range(per_b):
-                    n = t + _u(i * THREADS)
-                    for m in range(M):
-                        e = _u(m) * uD + n
-                        part[_u(cuda.blockIdx.x) * _u(M * D) + e] = own[i * M + m] + xs[e]
+                    v += hs[_u(m * C + c)] * w2r[c * per_b + i]
+                part[(_u(cuda.blockIdx.x) * _u(M) + _u(m)) * uD + n] = v
 
     return fused_mlp_kernel
 
@@ -231,13 +204,12 @@ def mlp(x, w1, b1, w2, b2, out, *, stream=0) -> None:
         gemm.gemm(hidden, w2, out, bias=b2, accumulate=True, stream=stream)
         return
     flat = backend.reshaped
-    blocks = h // (C * TEAMS)   # one partial each
-    part = backend.empty((blocks * m_rows * d,), np.float32, "mlp.partials")
-    launch(fused_kernel(m_rows, d, h, C, TEAMS), blocks, THREADS * TEAMS,
+    part = backend.empty((h // C * m_rows * d,), np.float32, "mlp.partials")
+    launch(fused_kernel(m_rows, d, h, C), h // C, THREADS,
            (flat(x, (m_rows * d,)), flat(w1, (d * h,)), b1, flat(w2, (h * d,)), part), stream)
-    launch(sum_kernel(blocks), -(-(m_rows * d) // SUM_COLS), THREADS,
+    launch(sum_kernel(h // C), -(-(m_rows * d) // SUM_COLS), THREADS,
            (part, flat(out, (m_rows * d,)), b2, np.int32(d)), stream)
 
 
 if not backend.SIMULATOR:   # GPT-2 small's beam-5 step, compiled at import (compile_check)
-    GPT2_SMALL = (fused_kernel(5, 768, 3072, C, TEAMS), sum_kernel(3072 // (C * TEAMS)))
+    GPT2_SMALL = (fused_kernel(5, 768, 3072, C), sum_kernel(3072 // C))

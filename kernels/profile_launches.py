@@ -14,9 +14,9 @@ Winograd's forward at the conv3 shape (kernels.winograd: its transforms and GEMM
 or read both. Results: results/h200/profiles/.
 
     python -m kernels.profile_launches decode_gemm   # only the two decode GEMMs, twice
-    python -m kernels.profile_launches decode_layer  # qkv plain, qkv normalizing its input
-                                                     # (ln_in), the fused MLP with one team
-                                                     # a block and with two: twice
+    python -m kernels.profile_launches decode_layer  # GPT-2 small's layer as the model
+                                                     # runs it but attention: layer norm,
+                                                     # qkv, the fused MLP: twice
     python -m kernels.profile_launches winograd      # only Winograd's three convolutions at
                                                      # conv4 (N 64, 512 -> 512, 28x28), twice
 
@@ -92,11 +92,9 @@ def decode_gemm() -> None:
 
 
 def decode_layer() -> None:
-    """GPT-2 small's qkv GEMM without and with its input layer norm (gemm's ln_in: every block
-    normalizes the 5 rows after the early-launch wait; kernel_speed times it 1.39x the plain
-    one), then the model's MLP (kernels.mlp: the fused kernel and its sum) with one team a
-    block and with two (mlp.TEAMS), so a profiler shows where the normalization's time goes
-    and what a second team costs. Residual-stream-like rows (mean 0, scale 3)."""
+    """GPT-2 small's qkv GEMM with its input layer norm (gemm's ln_in: a layernorm launch,
+    then the GEMM), then the model's MLP (kernels.mlp: the fused kernel and its sum), for a
+    profiler. Residual-stream-like rows (mean 0, scale 3)."""
     rng = np.random.default_rng(0)
     x = _dev(rng, 5, 768, scale=3.0)
     w_qkv, b_qkv = _dev(rng, 768, 2304, scale=0.02), _dev(rng, 2304, scale=0.02)
@@ -105,14 +103,9 @@ def decode_layer() -> None:
     w1, b1 = _dev(rng, 768, 3072, scale=0.02), _dev(rng, 3072, scale=0.02)
     w2, b2 = _dev(rng, 3072, 768, scale=0.02), _dev(rng, 768, scale=0.02)
     qkv, out = cuda.device_array((5, 2304), np.float32), _dev(rng, 5, 768)
-    default = mlp.TEAMS
     for _ in range(2):
-        gemm.gemm(x, w_qkv, qkv, bias=b_qkv)
         gemm.gemm(x, w_qkv, qkv, bias=b_qkv, ln_in=(gamma, beta, 1e-5))
-        for teams in (1, 2):
-            mlp.TEAMS = teams
-            mlp.mlp(x, w1, b1, w2, b2, out)
-        mlp.TEAMS = default
+        mlp.mlp(x, w1, b1, w2, b2, out)
     synchronize()
 
 

@@ -149,31 +149,12 @@ def _ln_in_case(rng, lead, m, n, k, trans_b, offset=0.0):
     return a, b, old, gamma, beta, bias
 
 
-@pytest.mark.parametrize("kernel", list(DECODE))
-@pytest.mark.parametrize("offset", [0.0, 1e3])
-def test_ln_in_normalizes_the_staged_rows_in_every_decode_kernel(kernel, offset):
-    """ln_in fused into each decode kernel's staging (the whole K in one block): rows with
-    a large mean too (a one-pass variance gets those wrong)."""
-    rng = np.random.default_rng(int(offset) + len(kernel))
-    dk = DECODE[kernel]
-    k = min(G.SPAN_MAX, 70)
-    a, b, old, gamma, beta, bias = _ln_in_case(rng, (2,), 5, 21, k, dk.trans_b, offset)
-    out, db = dev(old), dev(b)
-    G.decode(dk, dev(a), db, out, dev(bias), 1, G.ACTS["gelu"], 1, 0, 0,
-             target_blocks=1, ln_in=(dev(gamma), dev(beta), 1e-5))
-    want = G.gemm_ref(_layernorm64(a, gamma, beta), b, bias, "gelu", trans_b=dk.trans_b,
-                      old=old)
-    # An offset of 1e3 costs float32 a about 3 digits of its spread (see test_layernorm).
-    np.testing.assert_allclose(out.copy_to_host(), want,
-                               **(dict(atol=2e-2, rtol=1e-3) if offset else _tol(k)))
-
-
 @given(m=st.integers(1, 12), n=st.integers(1, 12), k=st.integers(1, 100),
        batch=st.sampled_from([None, 3]), trans_b=st.booleans(), accumulate=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_ln_in_matches_reference_fused_or_not(m, n, k, batch, trans_b, accumulate, seed, scale):
-    """gemm(..., ln_in): fused where the decode plan keeps K whole (k up to the simulator's
-    64-row span), a layernorm launch into scratch first where it splits K or M > 8."""
+def test_ln_in_matches_reference(m, n, k, batch, trans_b, accumulate, seed, scale):
+    """gemm(..., ln_in): a's rows layer-normalized (a layernorm launch into scratch), then
+    the product, decode kernels (M <= 8, K whole or split) and the tiled kernel alike."""
     m = m if m <= G.DECODE_MAX_M else m * scale
     lead = () if batch is None else (batch,)
     a, b, old, gamma, beta, bias = _ln_in_case(np.random.default_rng(seed), lead, m,
@@ -186,23 +167,12 @@ def test_ln_in_matches_reference_fused_or_not(m, n, k, batch, trans_b, accumulat
     np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k * scale))
 
 
-def test_ln_in_is_refused_where_the_plan_splits_k():
-    rng = np.random.default_rng(7)
-    k = G.SPAN_MAX + 1
-    a, b, old, gamma, beta, bias = _ln_in_case(rng, (1,), 5, 4, k, False)
-    with pytest.raises(ValueError, match=r"ln_in: the decode plan splits K=\d+ \d+ ways"):
-        G.decode(G.NN, dev(a), dev(b), dev(old), dev(bias), 1, 0, 0, 0, 0,
-                 ln_in=(dev(gamma), dev(beta), 1e-5))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,trans_b", [(2304, False), (50257, True)])
 def test_ln_in_gpt2_shapes(n, trans_b):
-    """GPT-2 small's qkv and tied head with ln_1 / ln_f fused into their staging."""
+    """GPT-2 small's qkv and tied head with ln_1 / ln_f, as the model calls them."""
     rng = np.random.default_rng(n)
     a, b, old, gamma, beta, bias = _ln_in_case(rng, (), 5, n, 768, trans_b, offset=3.0)
-    dk = G.pick_decode(trans_b, 1, n)
-    assert G.decode_plan(dk, 1, n, 768)[1] == 1    # K whole: the fused path
     out = dev(np.full_like(old, np.nan))
     G.gemm(dev(a), dev(b), out, bias=dev(bias), trans_b=trans_b,
            ln_in=(dev(gamma), dev(beta), 1e-5))

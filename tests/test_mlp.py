@@ -58,22 +58,6 @@ def test_twice_the_columns_a_block(monkeypatch):
     np.testing.assert_allclose(_run(host), reference(**host), **TOL)
 
 
-@given(m=st.integers(1, K.MAX_ROWS), parts=st.integers(1, 2), seed=st.integers(0, 2**16))
-def test_two_teams_a_block(monkeypatch, m, parts, seed):
-    """TEAMS = 2 (kernels.ab_mlp_step times it): a block of two teams, the second's partial
-    added to the first's in shared memory, half the partials, the same answer."""
-    monkeypatch.setattr(K, "TEAMS", 2)
-    d, h = W, parts * 2 * K.C * K.SUM_GROUPS
-    assert K.fuses(m, d, h) and not K.fuses(m, d, h + K.C * K.SUM_GROUPS)
-    host = _operands(np.random.default_rng(seed), m, d, h)
-    np.testing.assert_allclose(_run(host), reference(**host), **TOL)
-
-
-def test_teams_other_than_one_or_two_are_refused():
-    with pytest.raises(ValueError, match=r"teams: expected 1 or 2, got 3"):
-        K.fused_kernel(5, W, K.C * K.SUM_GROUPS, K.C, 3)
-
-
 @given(m=st.integers(1, 12), d=st.integers(1, 40), h=st.integers(1, 40),
        seed=st.integers(0, 2**16))
 def test_shapes_the_fused_kernel_does_not_take_run_through_gemm(m, d, h, seed):
