@@ -409,6 +409,7 @@ def plot():
     """Figure 1: ms per generated token by method; figure 2 (end_to_end_phases): the same
     split into input preparation, model and search; figure 3 (end_to_end_while) where the
     WHILE graph was profiled. Returns figure 1's path."""
+    from matplotlib import ticker
     rows = common.read_csv(NAME)
     setups, by = _by_setup(rows)
     steps = {r["setup"]: r for r in common.read_csv(NAME + "_step")} \
@@ -432,16 +433,19 @@ def plot():
         bars = ax.bar(range(len(mine)), values, yerr=spread, capsize=3,
                       color=[COLORS[n] for n in names])
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set_xticks(range(len(mine)), [n.replace("_", "\n", 1) for n in names], fontsize=8)
+        ax.set_xticks(range(len(mine)), [n.replace("_", "\n") for n in names], fontsize=8)
         ax.set_ylabel("ms per generated token (log scale)")
         # log: eager is 10-40x the graphed methods, whose bars and the step's floor would
         # otherwise sit flat on the axis
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_title(f"GPT-2 {setup}, beam {mine[0]['beam']}, to {mine[0]['max_len']} positions",
                      fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
         if step.get("floor_us") or step.get("ours_step_us"):
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="lower left")   # (the bars' values are at their tops)
     path = common.save_figure(fig, NAME)
 
     fig, axes = common.new_figure(rows, 1, len(setups), figsize=(5.5 * len(setups), 4.2),
@@ -453,7 +457,7 @@ def plot():
             values = np.array([float(r[key]) for r in mine])
             ax.bar(range(len(mine)), values, bottom=bottom, label=label, color=color)
             bottom += values
-        ax.set_xticks(range(len(mine)), [r["method"].replace("_", "\n", 1) for r in mine],
+        ax.set_xticks(range(len(mine)), [r["method"].replace("_", "\n") for r in mine],
                       fontsize=8)
         ax.set_ylabel("ms per token (phases synchronized)")
         ax.set_title(f"GPT-2 {setup}: where a token's time goes", fontsize=9)
