@@ -312,7 +312,9 @@ class GraphedGPT2(_Graphed):
         cache = self._set(capacity)[set_index]
         placeholders = self._inputs(self._tokens_ph, self._pos_ph, cache)
         if self.strategy == "exact":   # this graph's own position, a constant only it reads
-            baked = self._positions.setdefault(key, cuda.to_device(np.array([key - 1], np.int32)))
+            baked = self._positions.get(key)
+            if baked is None:          # (one per length, shared by both cache sets' graphs)
+                baked = self._positions[key] = cuda.to_device(np.array([key - 1], np.int32))
         L, B = self.config.n_layer, self.batch
 
         def step(tokens, pos=None, **kv):
