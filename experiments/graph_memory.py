@@ -38,6 +38,11 @@ driver bytes per node measured over ours_planned's 2038 graphs), and the headlin
 larger of the two. Where PyTorch runs out of memory before the last length, the measured
 curve is fitted and extrapolated (drawn dashed, flagged in the summary).
 
+Capture time: `capture_s`, the wall time of building a method's graphs (the meter's samples
+included); for ours, `record_s`, `plan_s` and `build_s` split the host time of the captures
+(recording the launches, placing the temporaries and moving the description onto the arena,
+lowering and instantiating: `Graph.capture_s`).
+
 Time per token: whole generations (1019 tokens), the median of `reps` after a warm-up one,
 spread (p10, p90) in the CSV; tokens compared with ours_unplanned's. Toy size: a tiny model on
 the simulator (no PyTorch, no memory figures, timings meaningless).
@@ -141,11 +146,18 @@ def _ours_gpt2(method, model, beam, max_len, cfg):
             "arena_bytes": g.arena_bytes, "private_bytes": g.private_bytes,
             "executables": (g.shared.instantiations if g.shared is not None
                             else g.num_graphs + g.num_reorder_graphs),
-            "update_us_per_switch": None}
+            "update_us_per_switch": None, **_phases(g)}
     if g.tape is not None and g.tape.plans:
         plan = g.tape.plans[0]
         info.update(peak_live_bytes=plan.peak_live_bytes, buffer_bytes=plan.total_bytes)
     return g, meter, capture_s, info, lambda prompt, new: g.beam_search(prompt, max_new_tokens=new)
+
+
+def _phases(g) -> dict:
+    """Where our capture time went, summed over the graphs (`capture_seconds`): record_s,
+    plan_s, build_s, columns beside capture_s."""
+    return {f"{phase}_s": round(s, 3) for phase, s in g.capture_seconds.items()
+            if phase != "warmup"}
 
 
 def _ptgraph_gpt2(method, config, state_dict, beam, max_len, cfg):
@@ -324,7 +336,7 @@ def run_lstm(cfg, rows, curve) -> dict:
                 m.step(m.tokens, b)                  # a shared pool instantiates on first use
             meter.sample(B)
             info = {"graphs": m.num_graphs, "nodes": m.num_nodes, "arena_bytes": m.arena_bytes,
-                    "private_bytes": m.private_bytes}
+                    "private_bytes": m.private_bytes, **_phases(m)}
             run = lambda: _ours_lstm_shrinking(m, prompt)  # noqa: E731
         else:
             for n, b in enumerate(range(B, 0, -1), 1):

@@ -24,6 +24,10 @@ def test_graph_memory_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert int(gpt2["ours_device"]["graphs"]) == 2 + 2
     assert int(gpt2["ours_planned"]["arena_bytes"]) > 0 and int(gpt2["ours_planned"]["private_bytes"]) == 0
     assert int(gpt2["ours_unplanned"]["private_bytes"]) >= 2 * lengths * int(gpt2["ours_planned"]["arena_bytes"]) // 2
+    for r in rows:   # our capture time by phase: each measured, together within capture_s
+        phases = [float(r[f"{p}_s"]) for p in ("record", "plan", "build")]
+        assert all(s >= 0 for s in phases) and sum(phases) <= float(r["capture_s"]) + 1e-3
+    assert float(gpt2["ours_unplanned"]["plan_s"]) < float(gpt2["ours_planned"]["plan_s"])
     summary = common.read_summary("graph_memory")
     assert summary["all_tokens_equal"] is True
     assert summary["ptgraph_over_ours_memory"] is None    # no PyTorch, no memory on the simulator

@@ -134,6 +134,32 @@ def test_capture_warms_up_records_and_replays():
         g.replay(x=x, y=y)
 
 
+def test_capture_times_each_phase():
+    """capture_s splits the capture's host time by phase: a warm-up that sleeps shows up in
+    'warmup' and nowhere else, and the phases add up to no more than the whole call."""
+    import time
+    n = 5
+    x, y = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
+    step, recording = make_step(n), []
+
+    def slow_warmup(x, y):
+        if not graph.recording():
+            time.sleep(0.2)
+        recording.append(graph.recording())
+        return step(x=x, y=y)
+
+    t0 = time.perf_counter()
+    g = graph.capture(slow_warmup, {"x": x, "y": y}, warmup=1)
+    wall = time.perf_counter() - t0
+    assert recording == [False, True]
+    assert set(g.capture_s) == {"warmup", "record", "plan", "build"}
+    assert all(s >= 0 for s in g.capture_s.values())
+    assert g.capture_s["warmup"] >= 0.2 and max(g.capture_s["record"], g.capture_s["plan"],
+                                                 g.capture_s["build"]) < 0.2
+    assert sum(g.capture_s.values()) <= wall
+    g.close()
+
+
 def test_capture_rejects_functions_that_launch_nothing_and_bad_options():
     x = dev(np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="launched no kernels"):

@@ -35,6 +35,7 @@ and returns a `Graph`:
     y = graph.replay(x=x_new)    # check inputs, bind, launch; returns fn's outputs (arrays
                                  # the replay writes again: graph.outputs)
     graph.stats                  # ReplayStats summed over replays: bytes copied, bind time
+    graph.capture_s              # host seconds of each phase: warmup, record, plan, build
     graph.close()                # or: with capture(...) as graph: ...
 
 Every array a node references is kept alive by the description until `close()`; closing
@@ -102,6 +103,7 @@ class Graph:
         self._binder = Binder(binding, placeholders, self.slots, self._executable)
         self.stats = ReplayStats()  # accumulated over replays
         self.last_stats = ReplayStats()
+        self.capture_s: dict[str, float] = {}   # seconds a phase (set by `capture`)
 
     @property
     def closed(self) -> bool:
@@ -204,9 +206,11 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
     check_disjoint(inputs)
     placeholders = dict(inputs)
 
+    t0 = time.perf_counter()
     for _ in range(int(warmup)):      # WARM-UP
         fn(**placeholders)
     backend.synchronize()
+    t1 = time.perf_counter()
     with record(private=not planned) as recorder:        # RECORD
         outputs = fn(**placeholders)
     if not recorder.nodes:
@@ -222,17 +226,22 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
                          "conditional body may read the inputs too; use 'copy' or 'alias'")
     plan = None
     own_tape = planned and tape is None
+    t2 = time.perf_counter()
     if planned:                       # PLAN
         tape = tape or planner.Tape("graph")
         plan = tape.plan_graph(description, planner.leaves(outputs))
         # (a description on several streams keeps every buffer live throughout: nothing
         # shares bytes, so planning cannot add a race)
         description, outputs = planner.apply(description, plan, tape.arena, outputs)
+    t3 = time.perf_counter()
     try:                              # BUILD
-        return Graph(description, outputs, placeholders, binding=binding,
-                     executor=executor, plan=plan, tape=tape, own_tape=own_tape,
-                     shared=shared, control=control, unroll=unroll)
+        graph = Graph(description, outputs, placeholders, binding=binding,
+                      executor=executor, plan=plan, tape=tape, own_tape=own_tape,
+                      shared=shared, control=control, unroll=unroll)
     except BaseException:
         if own_tape:
             tape.close()
         raise
+    graph.capture_s = {"warmup": t1 - t0, "record": t2 - t1, "plan": t3 - t2,
+                       "build": time.perf_counter() - t3}
+    return graph

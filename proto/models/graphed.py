@@ -131,6 +131,17 @@ class _Graphed:
         """Temporaries in private memory, summed over graphs (0 with the planner)."""
         return sum(g.private_bytes for g in self._step_graphs())
 
+    @property
+    def capture_seconds(self) -> dict[str, float]:
+        """Host seconds of each capture phase (warmup, record, plan, build: `Graph.capture_s`)
+        summed over every graph built so far. A shared pool's executables are instantiated at
+        their first use, outside `build`."""
+        total: dict[str, float] = {}
+        for g in self._step_graphs() + self._other_graphs():
+            for phase, s in g.capture_s.items():
+                total[phase] = total.get(phase, 0.0) + s
+        return total
+
     def _require_open(self, what: str) -> None:
         if self.closed:   # its graphs and buffers are gone: a rebuild would hide the misuse
             raise RuntimeError(f"{what}: this {type(self).__name__} is closed")
