@@ -175,6 +175,19 @@ def _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
             xs[_u(m * SPAN_MAX) + kk] = vals[m] if kk < length else _ZERO
 
 
+# Inlined in Numba's IR: as a separate device function a stager moved ptxas' register
+# allocation (kernels.registers).
+@cuda.jit(device=True, inline="always")
+def _stage_input(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
+    """What a decode kernel does between issuing its first weight loads and its product: the
+    early-launch wait (op(a) is an earlier kernel's output), op(a) staged into xs
+    (`_stage_x`), a barrier."""
+    _pdl.wait()
+    _pdl.launch_dependents()
+    _stage_x(xs, a, bz, k_lo, length, padded, m_rows, trans_a)
+    cuda.syncthreads()
+
+
 def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
     """A device function load(regs, src, at, step, row, k, rows, k_end, whole): a thread's
     `count` staged elements of one operand, element i at (row + i * DR, k + i * DK) of
@@ -396,11 +409,8 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
         for c in range(cols):  # past the last column, re-read the last one; never stored
             col[c] = _u(min(_u(tile_i) * _u(tile) + j + _u(lane_cols * c), n_cols - _u(1)))
         load(wv, b, bz, kb0, k_hi, col)   # (weights: nobody's output, so before the wait)
-        _pdl.wait()   # (early launch: op(a) is an earlier kernel's output)
-        _pdl.launch_dependents()
-        _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
-                 m_rows, trans_a)
-        cuda.syncthreads()
+        _stage_input(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
+                     m_rows, trans_a)
         while tile_i < n_tiles:
             n0 = _u(tile_i) * _u(tile)
             for i in range(acc_size):
@@ -498,11 +508,8 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
         for c in range(cols):  # past the last column, re-read the last row; never stored
             rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
         load(wv, b, bz, k_lo, lane, length, rows)   # (weights: before the wait)
-        _pdl.wait()   # (early launch: op(a) is an earlier kernel's output)
-        _pdl.launch_dependents()
-        _stage_x(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
-                 m_rows, trans_a)
-        cuda.syncthreads()
+        _stage_input(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step),
+                     m_rows, trans_a)
         while tile_i < n_tiles:
             for i in range(acc_size):
                 acc[i] = _ZERO
