@@ -435,7 +435,7 @@ def plot(device: str | None = None):
     rows = common.read_csv(NAME, device)
     curve = [r for r in common.read_csv(f"{NAME}_curve", device) if r["method"]]
     summary = common.read_summary(NAME, device)
-    fig, axes = common.new_figure(rows, 2, 2, figsize=(12, 8),
+    fig, axes = common.new_figure(rows, 2, 2, figsize=(12, 10),
                                   gridspec_kw={"width_ratios": [1.6, 1]})
     for i, model in enumerate(("gpt2", "lstm")):
         ax, bars = axes[i]
@@ -462,8 +462,8 @@ def plot(device: str | None = None):
         ax.set_xlabel("lengths served" if model == "gpt2" else "batch sizes served")
         ax.set_ylabel("GPU memory held by the graphs (MiB, log)")
         ax.set_title(f"{model.upper()}: memory against shapes served")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:   # below the axes: the curves fill them
+            ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
         timed = [r for r in mine if r["ms_per_token"] not in ("", "None")]
         names = [r["method"].replace("_", "\n", 1) for r in timed]
         vals = [float(r["ms_per_token"]) for r in timed]
