@@ -24,10 +24,9 @@ The decode GEMMs are GPT-2 small's, 5 beams (M = 5) with their fused epilogues: 
 GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @ wte.T,
 50257 columns; also in the [K, N] layout). Pure weight streaming: the summary's
 `decode_gemm_min_fraction_of_bandwidth` is the worst of the five. Beside them, the two as the
-model runs them: qkv with ln_1 before it (`gemm_decode_qkv_ln_in`: gemm's ln_in, a
-layernorm launch and the GEMM; `decode_qkv_ln_in_over_qkv_time`) and the whole MLP (`mlp_decode`: kernels.mlp's fused kernel
-and sum, against PyTorch's addmm, GELU and addmm_; `decode_mlp_fraction_of_bandwidth`,
-`decode_mlp_us`). PyTorch runs the same with
+model runs them: the whole MLP (`mlp_decode`: kernels.mlp's fused kernel and its sum, which
+writes the next layer norm's rows too, against PyTorch's addmm, GELU, addmm_ and layer_norm;
+`decode_mlp_fraction_of_bandwidth`, `decode_mlp_us`). PyTorch runs the same with
 TF32 off for matmuls and cuDNN (the CSV's torch_tf32 reads torch's flags; the residual as a
 second op, as a user writes it). An LSTM step's gates GEMM (64
 rows against a 4096 x 1024 weight) runs twice: as gemm() picks it (K split: few 64 x 64
@@ -158,15 +157,11 @@ def _cases(s: dict, torch) -> list[Case]:
         cases.append(_decode_gemm_case(name, rng, torch, tt, f32(B, K) if K != D else x,
                                        np.ascontiguousarray(w), N, trans_b, act, accumulate,
                                        f32(N) if bias else None))
-    # qkv as the model runs it: ln_1 of the residual first (gemm's ln_in: a layernorm launch);
-    # beside gemm_decode_qkv, what the layer norm costs.
-    cases.append(_decode_gemm_case("gemm_decode_qkv_ln_in", rng, torch, tt, x, f32(D, 3 * D),
-                                   3 * D, False, None, False, f32(3 * D), ln=(f32(D), f32(D))))
-
-    # The whole MLP of a decode step (kernels.mlp: one fused kernel and a sum at GPT-2 small),
-    # against the two GEMMs above that it replaces and PyTorch's three ops.
+    # The whole MLP of a decode step (kernels.mlp: one fused kernel and a sum that also
+    # normalizes the rows for the next layer), against the two GEMMs above that it replaces
+    # and PyTorch's four ops.
     cases.append(_decode_mlp_case(rng, torch, tt, x, f32(D, 4 * D), f32(4 * D),
-                                  f32(4 * D, D), f32(D)))
+                                  f32(4 * D, D), f32(D), (f32(D), f32(D))))
 
     # Prefill GEMM (c_attn: bias fused) and the MLP's first GEMM (bias + GELU fused).
     xs, w_attn, b_attn = f32(B * T, D), f32(D, 3 * D) * 0.05, f32(3 * D)
@@ -281,34 +276,28 @@ def _copies(nbytes: int) -> int:
     return max(1, min(64, -(-5 * cuda.get_current_device().L2_CACHE_SIZE // (2 * nbytes))))
 
 
-def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate, bias,
-                      ln=None) -> Case:
-    """out (B, N) (+)= act(x @ op(w) + bias) on rotating copies of w, x and out; with `ln` =
-    (gamma, beta), x's rows layer-normalized first (gemm's ln_in; PyTorch: layer_norm)."""
+def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate,
+                      bias) -> Case:
+    """out (B, N) (+)= act(x @ op(w) + bias) on rotating copies of w, x and out."""
     B, K = x.shape
     old = rng.standard_normal((B, N), dtype=np.float32)
     nbytes = 4 * (w.size + x.size + old.size * (2 if accumulate else 1)
-                  + (0 if bias is None else N) + (0 if ln is None else 2 * K))
+                  + (0 if bias is None else N))
     dbias = None if bias is None else _dev(bias)
     tbias = tt(bias) if torch and bias is not None else None
-    dln = None if ln is None else (_dev(ln[0]), _dev(ln[1]), 1e-5)
-    tln = (tt(ln[0]), tt(ln[1])) if torch and ln is not None else None
     F = torch.nn.functional if torch else None
     rotation, outs, last = [], [], {}
     for _ in range(_copies(nbytes)):
         dx, dw, dout = _dev(x), _dev(w), _dev(old)
         outs.append(dout)
         ours = (lambda dx=dx, dw=dw, dout=dout: gemm.gemm(
-            dx, dw, dout, bias=dbias, act=act, trans_b=trans_b, accumulate=accumulate,
-            ln_in=dln))
+            dx, dw, dout, bias=dbias, act=act, trans_b=trans_b, accumulate=accumulate))
         theirs = None
         if torch:
             tx, tw, tout = tt(x), tt(w), tt(old)
 
             def theirs(tx=tx, tw=tw, tout=tout):
                 wk = tw.T if trans_b else tw
-                if ln is not None:
-                    tx = F.layer_norm(tx, (K,), *tln, 1e-5)
                 if accumulate:  # the residual: out += x @ w + bias
                     y = tout.addmm_(tx, wk).add_(tbias)
                 else:
@@ -318,8 +307,7 @@ def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate, b
                 last.setdefault("y", y)  # copy 0's first result, for the cross-check
                 return y
         rotation.append((ours, theirs))
-    shape = ("layernorm(" if ln else "") + f"{B}x{K}" + (") @ " if ln else " @ ") + \
-        (f"({N}x{K}).T" if trans_b else f"{K}x{N}") + \
+    shape = f"{B}x{K} @ " + (f"({N}x{K}).T" if trans_b else f"{K}x{N}") + \
         ("" if bias is None else " + bias") + (", gelu" if act else "") + \
         (", += out" if accumulate else "")
     # Cross-check on copy 0: both start from the same old out, each runs once.
@@ -328,19 +316,24 @@ def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate, b
                 first_theirs, (lambda: last["y"].cpu().numpy()) if torch else None, rotation)
 
 
-def _decode_mlp_case(rng, torch, tt, x, w1, b1, w2, b2) -> Case:
-    """out (B, D) += GELU(x @ w1 + b1) @ w2 + b2 on rotating copies of the weights, x and
-    out. PyTorch: addmm, GELU (tanh), then addmm_ into out and the bias."""
+def _decode_mlp_case(rng, torch, tt, x, w1, b1, w2, b2, ln) -> Case:
+    """out (B, D) += GELU(x @ w1 + b1) @ w2 + b2, then ln_out = layernorm(out) with ln =
+    (gamma, beta), as the model runs it, on rotating copies of the weights, x, out and
+    ln_out. PyTorch: addmm, GELU (tanh), addmm_ into out and the bias, layer_norm. The
+    cross-check compares out."""
     (B, D), H = x.shape, w1.shape[1]
     old = rng.standard_normal((B, D), dtype=np.float32)
-    nbytes = 4 * (w1.size + b1.size + w2.size + b2.size + x.size + 2 * old.size)
+    nbytes = 4 * (w1.size + b1.size + w2.size + b2.size + x.size + 3 * old.size + 2 * D)
     F = torch.nn.functional if torch else None
+    dln = (_dev(ln[0]), _dev(ln[1]))
+    tln = (tt(ln[0]), tt(ln[1])) if torch else None
     rotation, outs, last = [], [], {}
     for _ in range(_copies(nbytes)):
         dx, dw1, db1, dw2, db2, dout = (_dev(a) for a in (x, w1, b1, w2, b2, old))
+        dy = cuda.device_array((B, D), np.float32)
         outs.append(dout)
-        ours = (lambda dx=dx, dw1=dw1, db1=db1, dw2=dw2, db2=db2, dout=dout:
-                mlp.mlp(dx, dw1, db1, dw2, db2, dout))
+        ours = (lambda dx=dx, dw1=dw1, db1=db1, dw2=dw2, db2=db2, dout=dout, dy=dy:
+                mlp.mlp(dx, dw1, db1, dw2, db2, dout, ln_out=(*dln, 1e-5, dy)))
         theirs = None
         if torch:
             tx, tw1, tb1, tw2, tb2, tout = (tt(a) for a in (x, w1, b1, w2, b2, old))
@@ -348,10 +341,11 @@ def _decode_mlp_case(rng, torch, tt, x, w1, b1, w2, b2) -> Case:
             def theirs(tx=tx, tw1=tw1, tb1=tb1, tw2=tw2, tb2=tb2, tout=tout):
                 h = F.gelu(torch.addmm(tb1, tx, tw1), approximate="tanh")
                 y = tout.addmm_(h, tw2).add_(tb2)
+                F.layer_norm(y, (D,), *tln, 1e-5)
                 last.setdefault("y", y)  # copy 0's first result, for the cross-check
                 return y
         rotation.append((ours, theirs))
-    shape = (f"{B}x{D} @ {D}x{H} + bias, gelu, @ {H}x{D} + bias, += out"
+    shape = (f"{B}x{D} @ {D}x{H} + bias, gelu, @ {H}x{D} + bias, += out, layernorm"
              + (" (fused)" if mlp.fuses(B, D, H) else " (two GEMMs)"))
     first_ours, first_theirs = rotation[0]
     return Case("mlp_decode", shape, "memory", nbytes, 4 * B * D * H, first_ours,
@@ -689,9 +683,8 @@ def summarize(rows: list[dict], s: dict) -> dict:
         "decode_gemm_eager_us": eager[(HEADLINE, "ours")],
         "torch_decode_gemm_eager_us": eager.get((HEADLINE, "torch")),
         "decode_gemm_nn_fraction_of_bandwidth": fraction("gemm_decode_nn"),
-        "decode_qkv_ln_in_over_qkv_time": (us[("gemm_decode_qkv_ln_in", "ours")]
-                                           / us[("gemm_decode_qkv", "ours")]),
-        # The MLP as the model runs it (fc and projection in one fused kernel and a sum),
+        # The MLP as the model runs it (fc and projection in one fused kernel and a sum that
+        # writes the next layer norm too),
         # beside the two decode GEMMs it replaces (decode_gemm_step_us' fc + mlp_proj).
         "decode_mlp_fraction_of_bandwidth": fraction("mlp_decode"),
         "decode_mlp_us": us[("mlp_decode", "ours")],

@@ -116,15 +116,6 @@ def ln_out(value, shape: tuple) -> tuple:
     return gamma, beta, eps, y
 
 
-def ln_in(value, k_len: int) -> tuple:
-    """An input layer norm's (gamma, beta, eps) for rows of k_len values; returns it
-    checked, eps as a float."""
-    if not (isinstance(value, tuple) and len(value) == 3):
-        raise ValueError(f"ln_in: expected (gamma, beta, eps), got {value!r}")
-    gamma, beta, eps = value
-    return gamma, beta, _ln_params("ln_in", gamma, beta, eps, k_len)
-
-
 def same_shape(names_arrays) -> None:
     (n0, a0), *rest = names_arrays
     for n, a in rest:

@@ -5,17 +5,24 @@ comes from a device int32 (1,) array, so one launch configuration (and one captu
 graph) serves every decoding step. Ids outside the tables cannot be rejected before the
 launch (they live on the device), so such rows are written as NaN: visible, and never an
 out-of-bounds read.
+
+Optional `ln_out=(gamma, beta, eps, y)`: the block also writes y = layernorm(row) from the
+values still in its registers (GPT-2's first layer norm: no launch of its own).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from kernels import _check
+from kernels._reduce import block_layernorm_row, load_ln_params
 from proto import backend
 from proto.backend import cuda, jit, launch
 
 MAX_THREADS = 256 if not backend.SIMULATOR else 32
+LN_COLS = 8   # row values a thread holds for the fused layer norm: C <= LN_COLS * MAX_THREADS
+_GB = 2 * LN_COLS   # (local array sizes must be plain constants)
 _NAN = np.float32(np.nan)
+_ZERO = np.float32(0.0)
 
 
 # ---------------------------------------------------------------------------- reference
@@ -42,21 +49,50 @@ def _entry(wte, wpe, tok, p, j, bad, has_wpe):
 
 
 @jit("void(int32[:, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, ::1], int32[::1], "
-     "int32, int32)", writes=("out",))
-def embed_kernel(tokens, wte, out, wpe, pos0, has_wpe, has_pos0):
+     "int32, int32, float32[::1], float32[::1], float32, float32[:, :, ::1], int32)",
+     writes=("out", "y"))
+def embed_kernel(tokens, wte, out, wpe, pos0, has_wpe, has_pos0, gamma, beta, eps, y, has_ln):
+    xv = cuda.local.array(LN_COLS, np.float32)
+    gb = cuda.local.array(_GB, np.float32)   # the layer norm's gamma, beta
     t, b = cuda.blockIdx.x, cuda.blockIdx.y
+    n, tid, nt = out.shape[2], cuda.threadIdx.x, cuda.blockDim.x
+    if has_ln:   # loads first: each would otherwise wait for the stores before it
+        load_ln_params(gamma, beta, gb, LN_COLS, n)
     tok = tokens[b, t]
     p = t + (pos0[0] if has_pos0 else 0)
     bad = tok < 0 or tok >= wte.shape[0] or (has_wpe and (p < 0 or p >= wpe.shape[0]))
-    for j in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+    for c in range(LN_COLS):   # (has_ln: n <= LN_COLS * blockDim, checked at launch)
+        j = tid + c * nt
+        xv[c] = _entry(wte, wpe, tok, p, j, bad, has_wpe) if j < n else _ZERO
+    for c in range(LN_COLS):
+        j = tid + c * nt
+        if j < n:
+            out[b, t, j] = xv[c]
+    for j in range(tid + LN_COLS * nt, n, nt):   # rows wider than the registers hold
         out[b, t, j] = _entry(wte, wpe, tok, p, j, bad, has_wpe)
+    if has_ln:   # uniform over the block: the barriers inside are safe
+        block_layernorm_row(xv, LN_COLS, n, gb, eps, y[b, t])
 
 
 # ---------------------------------------------------------------------------- launcher
-def embed(tokens, wte, out, *, wpe=None, pos0=None, stream=0):
+def _threads(width: int, ln: bool) -> int:
+    """Threads a row: one a column up to MAX_THREADS; whole warps with the layer norm (its
+    reductions shuffle)."""
+    threads = min(MAX_THREADS, width)
+    return _check.warp_threads(threads) if ln else threads
+
+
+def fuses_layernorm(width: int) -> bool:
+    """Whether `embed` can write ln_out for rows of `width` (else run layernorm after it)."""
+    return width <= LN_COLS * _threads(width, True)
+
+
+def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
     """out (B, T, C) = wte[tokens] (+ wpe[pos0 + t] when wpe (P, C) is given; pos0 a device
     int32 (1,), default position 0). tokens: device int32 (B, T). Ids or positions outside
-    the tables give NaN rows."""
+    the tables give NaN rows. ln_out=(gamma, beta, eps, y): also y (B, T, C) =
+    layernorm(out) row by row, gamma and beta (C,), y overlapping nothing; C at most
+    LN_COLS * MAX_THREADS."""
     _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
     _check.device_array("wte", wte, ndim=2)
     batch, steps = tokens.shape
@@ -70,8 +106,18 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, stream=0):
         _check.device_array("pos0", pos0, dtype=np.int32, shape=(1,))
     if batch > 65535:
         raise ValueError(f"tokens: batch {batch} exceeds the grid limit 65535")
+    threads = _threads(width, ln_out is not None)
+    if ln_out is None:   # placeholders, never touched (has_ln is 0): y a scratch element
+        gamma = beta = backend.reshaped(wte, (wte.size,))
+        eps, y = 1.0, backend.empty((1, 1, 1), np.float32, "embed.no_ln")
+    else:
+        gamma, beta, eps, y = _check.ln_out(ln_out, (batch, steps, width))
+        if not fuses_layernorm(width):
+            raise ValueError(f"ln_out: rows of {width} exceed the fused layer norm's "
+                             f"{LN_COLS * threads} (run kernels.layernorm after)")
     # Unused tables are replaced by ones of the right type, never read (flags are 0).
     args = (tokens, wte, out, wte if wpe is None else wpe,
             backend.reshaped(tokens, (tokens.size,)) if pos0 is None else pos0,
-            int(wpe is not None), int(pos0 is not None))
-    launch(embed_kernel, (steps, batch), min(MAX_THREADS, width), args, stream)
+            int(wpe is not None), int(pos0 is not None), gamma, beta, np.float32(eps), y,
+            int(ln_out is not None))
+    launch(embed_kernel, (steps, batch), threads, args, stream)

@@ -44,12 +44,12 @@ reduction (`gemm_splitk_reduce_ln_kernel`, a block per row) normalizes the rows 
 written: the layer norm costs no launch of its own. Outside the decode path `layernorm`
 runs after the product instead.
 
-Optional layer norm of the input (`ln_in=(gamma, beta, eps)`): out = act(layernorm(a) @ op(b)
-+ bias), each row of a normalized over K: a `layernorm` launch into scratch, then the
-product. (The decode kernels once normalized the rows they had staged, every block
-repeating it after the early-launch wait: GPT-2 small's step took 537.7 us that way on the
-H200 against 531.4 with the launch, and qkv alone 16.3 us against 11.0 under ncu;
-results/h200/profiles/ab_step_8b3630b.txt, decode_layer_ncu_8b3630b.txt.gz.)
+(A layer norm of the input, `ln_in`, normalized the rows of a before the product, first in
+every decode block after the early-launch wait and then as a launch of its own: GPT-2's
+step took 537.7 us the first way and 531.4 the second on the H200, qkv alone 16.3 us against
+11.0 under ncu (results/h200/profiles/ab_step_8b3630b.txt, decode_layer_ncu_8b3630b.txt.gz).
+It went when the launches that write the residual took over every layer norm of the step:
+the embedding's and the MLP sum's ln_out.)
 
 2-D calls are 3-D calls with a batch of 1, so every kernel has one argument layout.
 """
@@ -762,27 +762,13 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
 
 
-def _normalized(a3, gamma, beta, eps, stream):
-    """layernorm of a3's rows (B, M, K) into scratch of this call (ln_in)."""
-    from kernels import layernorm
-    batch, m_rows, k_len = a3.shape
-    flat = backend.reshaped(a3, (batch * m_rows, k_len))
-    y = backend.empty((batch * m_rows, k_len), np.float32, "gemm.ln_in")
-    layernorm.layernorm(flat, gamma, beta, y, eps=eps, stream=stream)
-    return backend.reshaped(y, a3.shape)
-
-
 def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumulate=False,
-         ln_in=None, ln_out=None, stream=0):
+         ln_out=None, stream=0):
     """out = act(op(a) @ op(b) + bias), with out's old value added first when `accumulate`.
 
     2-D: op(a) (M, K), op(b) (K, N), out (M, N), bias (N,). 3-D: a leading batch dim on
     a, b and out. `out` must not overlap `a`, `b` or `bias` (other blocks still read them
     while one writes; checked at launch).
-
-    ln_in=(gamma, beta, eps): a's rows are layer-normalized over K first (gamma, beta of
-    shape (K,); trans_a must be False): out = act(layernorm(a) @ op(b) + bias), by a
-    `layernorm` launch into scratch before the product.
 
     ln_out=(gamma, beta, eps, y): also y = layernorm(out) over each row of the result,
     gamma and beta of shape (N,), y shaped like out and overlapping nothing. Fused into the
@@ -822,18 +808,10 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
         _check.no_overlap({"y": y, "a": a, "b": b, "out": out, "bias": bias_arg,
                            "gamma": gamma, "beta": beta},
                           [("y", other) for other in ("a", "b", "out", "bias", "gamma", "beta")])
-    if ln_in is not None:
-        ln_in = _check.ln_in(ln_in, k_len)
-        if trans_a:
-            raise ValueError("ln_in: normalizes the rows of a, so trans_a must be False")
-        _check.no_overlap({"out": out, "gamma": ln_in[0], "beta": ln_in[1]},
-                          [("out", "gamma"), ("out", "beta")])
     flags = (ACTS[act], int(bool(accumulate)), int(bool(trans_a)))
     a3, b3, out3 = a, b, out
     if not lead:  # every kernel takes (B, ., .) arrays
         a3, b3, out3 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, out))
-    if ln_in is not None:
-        a3 = _normalized(a3, *ln_in, stream)
     dk = pick_decode(trans_b, batch, n_cols) if m_rows <= DECODE_MAX_M else None
     if dk is not None:
         fused = None

@@ -1,9 +1,9 @@
 """Layer normalization over the last axis: out = (x - mean) / sqrt(var + eps) * gamma + beta.
 
-GPT-2's decode step normalizes ln_2's input inside the split-K reduction of the GEMM that
-writes it (`kernels.gemm.gemm(..., ln_out=...)`); this standalone kernel serves the rest:
-ln_1 and ln_f before the GEMM that reads them (`gemm(..., ln_in=...)`), prefill, rows the
-fused path does not take.
+GPT-2's decode step normalizes every row in the launch that writes it (the embedding, the
+attention projection's split-K reduction, the MLP's sum: their `ln_out`); this standalone
+kernel serves the rest: rows those fused paths do not take, and `gemm(..., ln_out=...)`
+outside the decode path.
 
 Rows of up to 1024 run a warp a row, the row in the lanes' registers, reduced by shuffles
 (kernels._reduce.WARP_ELEMS); wider rows a block a row. Two passes over the row: the mean,

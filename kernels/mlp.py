@@ -17,10 +17,17 @@ one kernel:
           SUM_GROUPS row groups of threads each summing every SUM_GROUPS-th partial, then
           the groups in order through shared memory (deterministic, no atomics).
 
-The residual that `sum` writes is not layer-normalized (the partials are spread over the
-GPU): a layer-norm launch before its consumer normalizes it (kernels.gemm's `ln_in`). On the
-H200 the two launches took 11.3 us for GPT-2 small's MLP of 5 rows, against 17.7 for the
-three of kernels.gemm (results/h200/profiles/bench_mlp_6b28e61.txt).
+On the H200 the two launches took 11.3 us for GPT-2 small's MLP of 5 rows, against 17.7 for
+the three of kernels.gemm (results/h200/profiles/bench_mlp_6b28e61.txt).
+
+  ln_out  the residual the sum writes is spread over its blocks (32 outputs each), so no
+          block holds a whole row to normalize. With ln_out (the next layer's ln_1, or
+          ln_f) the sum's blocks count themselves in per row once their outputs are
+          written, and each row's last block reads the row back through L2 and normalizes
+          it (`sum_ln_kernel`, kernels._lastblock), instead of a layernorm launch after the
+          sum (4.6 us a layer in GPT-2 small's step on the H200: the ln_2 A/B,
+          results/h200/profiles/ab_ln_out_step_863f0b2.txt). Timed against that launch by
+          `python3 -m kernels.ab_mlp_ln_step`.
 
 Registers hold D / 8 weights a thread at C = 16 (96 at D = 768, 128 registers, 2 blocks an
 SM, the whole grid resident at once), so the fused kernel takes widths up to MAX_WIDTH; other
@@ -42,7 +49,8 @@ import functools
 import numpy as np
 
 from kernels import _check, _pdl, gemm
-from kernels._reduce import shfl_xor
+from kernels._lastblock import count_in, launch_counters
+from kernels._reduce import block_layernorm_row, load_ln_params, shfl_xor
 from kernels.elementwise import gelu_f32
 from proto import backend
 from proto.backend import cuda, jit, launch
@@ -149,24 +157,18 @@ def fused_kernel(m_rows: int, d: int, h: int, c: int):
 
 
 @functools.cache
-def sum_kernel(parts: int):
-    """out[e] = (sum over p of part[p * n_out + e], p in order) + out[e] + b2[e % d] for
-    e < n_out: grid (ceil(n_out / SUM_COLS),), THREADS threads; `parts` a multiple of
-    SUM_GROUPS."""
-    per = parts // SUM_GROUPS
+def _summer(per: int):
+    """The sum's work after the wait, as one inlined device function (per = partials a row
+    group adds, compile-time, so its loads stay in registers): out[e] = (sum of the
+    partials in order) + out[e] + b2[e % d] for this block's SUM_COLS outputs below n_out."""
 
-    @jit("void(float32[::1], float32[::1], float32[::1], int32)", writes=("out",),
-         early_launch=True)
-    def mlp_sum_kernel(part, out, b2, d):
-        red = cuda.shared.array(THREADS, np.float32)
-        vals = cuda.local.array(per, np.float32)
+    @cuda.jit(device=True, inline="always")
+    def sum_block(part, out, b2, ud, red, vals):
         t = _u(cuda.threadIdx.x)
         n_out = _u(out.shape[0])
         cl, rg = t % _u(SUM_COLS), t // _u(SUM_COLS)
         e = _u(cuda.blockIdx.x) * _u(SUM_COLS) + cl
         ee = min(e, n_out - _u(1))   # past the end, re-read the last element (never stored)
-        _pdl.wait()   # (early launch: the partials and out are earlier kernels' outputs)
-        _pdl.launch_dependents()
         for j in range(per):         # every load first, then the sum in order
             vals[j] = part[(rg + _u(j * SUM_GROUPS)) * n_out + ee]
         v = _ZERO
@@ -178,15 +180,77 @@ def sum_kernel(parts: int):
             s = _ZERO
             for r in range(SUM_GROUPS):
                 s += red[_u(r * SUM_COLS) + cl]
-            out[e] = (s + out[e]) + b2[e % _u(d)]
+            out[e] = (s + out[e]) + b2[e % ud]
+
+    return sum_block
+
+
+@functools.cache
+def sum_kernel(parts: int):
+    """out[e] = (sum over p of part[p * n_out + e], p in order) + out[e] + b2[e % d] for
+    e < n_out: grid (ceil(n_out / SUM_COLS),), THREADS threads; `parts` a multiple of
+    SUM_GROUPS."""
+    per = parts // SUM_GROUPS
+    sum_block = _summer(per)
+
+    @jit("void(float32[::1], float32[::1], float32[::1], int32)", writes=("out",),
+         early_launch=True)
+    def mlp_sum_kernel(part, out, b2, d):
+        red = cuda.shared.array(THREADS, np.float32)
+        vals = cuda.local.array(per, np.float32)
+        _pdl.wait()   # (early launch: the partials and out are earlier kernels' outputs)
+        _pdl.launch_dependents()
+        sum_block(part, out, b2, _u(d), red, vals)
 
     return mlp_sum_kernel
 
 
-def mlp(x, w1, b1, w2, b2, out, *, stream=0) -> None:
+LN_VALS = -(-MAX_WIDTH // THREADS)   # a row's values a thread holds in the layer norm
+LN_GB = 2 * LN_VALS                  # ... and its gamma and beta (a constant for local.array)
+
+
+@functools.cache
+def sum_ln_kernel(parts: int):
+    """`sum_kernel` and then y = layernorm(out) * gamma + beta, row by row, in the same
+    launch: a row's blocks (d / SUM_COLS of them: every block's outputs lie in one row) count
+    themselves in on counters[row] once their outputs are written, and the row's last block
+    reads the whole row back through L2 and normalizes it (kernels._lastblock). Five rows,
+    five last blocks at once; the layer norm's own launch goes. Extra arguments: gamma,
+    beta (d,), eps, y (M, d), counters (at least M, zero)."""
+    per = parts // SUM_GROUPS
+    sum_block = _summer(per)
+
+    @jit("void(float32[::1], float32[::1], float32[::1], int32, float32[::1], float32[::1], "
+         "float32, float32[:, ::1], int32[::1])", writes=("out", "y", "counters"),
+         early_launch=True)
+    def mlp_sum_ln_kernel(part, out, b2, d, gamma, beta, eps, y, counters):
+        red = cuda.shared.array(THREADS, np.float32)
+        flag = cuda.shared.array(1, np.int32)
+        vals = cuda.local.array(per, np.float32)
+        xv = cuda.local.array(LN_VALS, np.float32)
+        gb = cuda.local.array(LN_GB, np.float32)
+        t, ud = _u(cuda.threadIdx.x), _u(d)
+        row = _u(cuda.blockIdx.x) * _u(SUM_COLS) // ud   # every output of the block's row
+        load_ln_params(gamma, beta, gb, LN_VALS, d)   # (nobody's output: before the wait)
+        _pdl.wait()   # (early launch: the partials and out are earlier kernels' outputs)
+        _pdl.launch_dependents()
+        sum_block(part, out, b2, ud, red, vals)
+        if count_in(counters, row, ud // _u(SUM_COLS), flag):
+            for c in range(LN_VALS):   # past d, re-read the row's last value (never used)
+                xv[c] = backend.ldcg(out, row * ud + min(t + _u(c * THREADS), ud - _u(1)))
+            block_layernorm_row(xv, LN_VALS, d, gb, eps, y[row])
+
+    return mlp_sum_ln_kernel
+
+
+def mlp(x, w1, b1, w2, b2, out, *, ln_out=None, stream=0) -> None:
     """out += GELU(x @ w1 + b1) @ w2 + b2 (GPT-2's tanh GELU): x, out (M, D); w1 (D, H),
     b1 (H,), w2 (H, D), b2 (D,). `out` must not overlap the others. Two launches where
-    `fuses` says so, else kernels.gemm's fc (into scratch) and accumulating projection."""
+    `fuses` says so, else kernels.gemm's fc (into scratch) and accumulating projection.
+
+    ln_out=(gamma, beta, eps, y): also y = layernorm(out) * gamma + beta, the next layer's
+    input layer norm: in the sum's launch where the MLP fuses (its rows' last blocks), else
+    in the projection's reduction (kernels.gemm's ln_out). y (M, D) overlaps nothing."""
     _check.device_array("x", x, ndim=2)
     m_rows, d = x.shape
     _check.device_array("w1", w1, ndim=2)
@@ -197,19 +261,30 @@ def mlp(x, w1, b1, w2, b2, out, *, stream=0) -> None:
     _check.device_array("w2", w2, shape=(h, d))
     _check.device_array("b2", b2, shape=(d,))
     _check.device_array("out", out, shape=(m_rows, d))
-    _check.separate({"out": out}, {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2})
+    inputs = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    outputs = {"out": out}
+    if ln_out is not None:
+        gamma, beta, eps, y = ln_out = _check.ln_out(ln_out, (m_rows, d))
+        inputs.update(gamma=gamma, beta=beta)
+        outputs["y"] = y
+    _check.separate(outputs, inputs)
     if not fuses(m_rows, d, h):
         hidden = backend.empty((m_rows, h), np.float32, "mlp.hidden")
         gemm.gemm(x, w1, hidden, bias=b1, act="gelu", stream=stream)
-        gemm.gemm(hidden, w2, out, bias=b2, accumulate=True, stream=stream)
+        gemm.gemm(hidden, w2, out, bias=b2, accumulate=True, ln_out=ln_out, stream=stream)
         return
     flat = backend.reshaped
     part = backend.empty((h // C * m_rows * d,), np.float32, "mlp.partials")
     launch(fused_kernel(m_rows, d, h, C), h // C, THREADS,
            (flat(x, (m_rows * d,)), flat(w1, (d * h,)), b1, flat(w2, (h * d,)), part), stream)
-    launch(sum_kernel(h // C), -(-(m_rows * d) // SUM_COLS), THREADS,
-           (part, flat(out, (m_rows * d,)), b2, np.int32(d)), stream)
+    sums = (part, flat(out, (m_rows * d,)), b2, np.int32(d))
+    if ln_out is None:
+        launch(sum_kernel(h // C), -(-(m_rows * d) // SUM_COLS), THREADS, sums, stream)
+    else:
+        launch(sum_ln_kernel(h // C), m_rows * d // SUM_COLS, THREADS,
+               (*sums, gamma, beta, np.float32(eps), y, launch_counters(m_rows)), stream)
 
 
 if not backend.SIMULATOR:   # GPT-2 small's beam-5 step, compiled at import (compile_check)
-    GPT2_SMALL = (fused_kernel(5, 768, 3072, C), sum_kernel(3072 // C))
+    GPT2_SMALL = (fused_kernel(5, 768, 3072, C), sum_kernel(3072 // C),
+                  sum_ln_kernel(3072 // C))

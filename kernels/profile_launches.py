@@ -15,8 +15,8 @@ or read both. Results: results/h200/profiles/.
 
     python -m kernels.profile_launches decode_gemm   # only the two decode GEMMs, twice
     python -m kernels.profile_launches decode_layer  # GPT-2 small's layer as the model
-                                                     # runs it but attention: layer norm,
-                                                     # qkv, the fused MLP: twice
+                                                     # runs it but attention: qkv, the
+                                                     # fused MLP and its sum: twice
     python -m kernels.profile_launches winograd      # only Winograd's three convolutions at
                                                      # conv4 (N 64, 512 -> 512, 28x28), twice
 
@@ -92,9 +92,9 @@ def decode_gemm() -> None:
 
 
 def decode_layer() -> None:
-    """GPT-2 small's qkv GEMM with its input layer norm (gemm's ln_in: a layernorm launch,
-    then the GEMM), then the model's MLP (kernels.mlp: the fused kernel and its sum), for a
-    profiler. Residual-stream-like rows (mean 0, scale 3)."""
+    """GPT-2 small's qkv GEMM, then the model's MLP (kernels.mlp: the fused kernel and its
+    sum, which writes the next qkv's layer-normalized rows), for a profiler.
+    Residual-stream-like rows (mean 0, scale 3)."""
     rng = np.random.default_rng(0)
     x = _dev(rng, 5, 768, scale=3.0)
     w_qkv, b_qkv = _dev(rng, 768, 2304, scale=0.02), _dev(rng, 2304, scale=0.02)
@@ -103,9 +103,10 @@ def decode_layer() -> None:
     w1, b1 = _dev(rng, 768, 3072, scale=0.02), _dev(rng, 3072, scale=0.02)
     w2, b2 = _dev(rng, 3072, 768, scale=0.02), _dev(rng, 768, scale=0.02)
     qkv, out = cuda.device_array((5, 2304), np.float32), _dev(rng, 5, 768)
+    y = cuda.device_array((5, 768), np.float32)
     for _ in range(2):
-        gemm.gemm(x, w_qkv, qkv, bias=b_qkv, ln_in=(gamma, beta, 1e-5))
-        mlp.mlp(x, w1, b1, w2, b2, out)
+        gemm.gemm(x, w_qkv, qkv, bias=b_qkv)
+        mlp.mlp(x, w1, b1, w2, b2, out, ln_out=(gamma, beta, 1e-5, y))
     synchronize()
 
 

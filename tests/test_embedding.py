@@ -56,3 +56,45 @@ def test_rejects_bad_input_before_launch():
     with pytest.raises(TypeError, match="wte: expected a device array"):
         E.embed(tok, np.ones((5, 3), np.float32), out)
     np.testing.assert_array_equal(out.copy_to_host(), 1.0)  # nothing ran
+
+
+@given(batch=st.integers(1, 3), steps=st.integers(1, 3), width=st.integers(1, 40),
+       offset=st.sampled_from([0.0, 100.0]), seed=st.integers(0, 2**16))
+def test_ln_out_normalizes_each_embedded_row(batch, steps, width, offset, seed, scale):
+    """GPT-2's first layer norm in the embedding's launch: out as without it, y its row-wise
+    layer norm; an out-of-range id's row is NaN in both (widths past one thread's share of
+    a row, and rows with a large mean, which a one-pass variance gets wrong)."""
+    from kernels.layernorm import layernorm_ref
+    rng = np.random.default_rng(seed)
+    width = min(width * scale, E.LN_COLS * E.MAX_THREADS)
+    vocab = 9
+    tokens = rng.integers(0, vocab, (batch, steps)).astype(np.int32)
+    tokens[0, 0] = vocab   # out of range: a NaN row
+    wte = (rand(rng, vocab, width) + np.float32(offset)).astype(np.float32)
+    wpe = rand(rng, steps + 3, width)
+    gamma, beta = rand(rng, width), rand(rng, width)
+    out = cuda.device_array((batch, steps, width), np.float32)
+    y = dev(np.full((batch, steps, width), -7.0, np.float32))
+    E.embed(dev(tokens), dev(wte), out, wpe=dev(wpe), pos0=dev(np.array([2], np.int32)),
+            ln_out=(dev(gamma), dev(beta), 1e-5, y))
+    want = E.embed_ref(tokens, wte, wpe, 2)
+    assert_close(out, want, "elementwise")
+    got_y = y.copy_to_host()
+    assert np.isnan(got_y[0, 0]).all()
+    want_y = layernorm_ref(want.reshape(-1, width), gamma, beta).reshape(want.shape)
+    ok = ~np.isnan(want).any(axis=-1)
+    np.testing.assert_allclose(got_y[ok], want_y[ok], atol=1e-3 if offset else 2e-5, rtol=1e-4)
+
+
+def test_ln_out_rejects_bad_input_before_launch():
+    tokens, wte = dev(np.zeros((1, 2), np.int32)), dev(np.zeros((5, 4), np.float32))
+    out, y = cuda.device_array((1, 2, 4), np.float32), cuda.device_array((1, 2, 4), np.float32)
+    g = dev(np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="ln_out: expected"):
+        E.embed(tokens, wte, out, ln_out=(g, g, 1e-5))
+    with pytest.raises(ValueError, match=r"ln_out y: expected shape \(1, 2, 4\)"):
+        E.embed(tokens, wte, out, ln_out=(g, g, 1e-5, cuda.device_array((2, 4), np.float32)))
+    with pytest.raises(ValueError, match="ln_out eps"):
+        E.embed(tokens, wte, out, ln_out=(g, g, 0.0, y))
+    with pytest.raises(ValueError, match="overlap"):
+        E.embed(tokens, wte, out, ln_out=(g, g, 1e-5, out))

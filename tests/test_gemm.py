@@ -135,51 +135,6 @@ def test_ln_out_beyond_the_decode_path_runs_layernorm_after(scale):
                                atol=2e-5, rtol=1e-4)
 
 
-def _layernorm64(x, gamma, beta, eps=1e-5):
-    """Rows of x normalized over the last axis, then scaled and shifted, in float64."""
-    x = np.asarray(x, np.float64)
-    centred = x - x.mean(axis=-1, keepdims=True)
-    return centred / np.sqrt((centred ** 2).mean(axis=-1, keepdims=True) + eps) * gamma + beta
-
-
-def _ln_in_case(rng, lead, m, n, k, trans_b, offset=0.0):
-    a, b, old = _operands(rng, lead, m, n, k, False, trans_b)
-    a += np.float32(offset)
-    gamma, beta, bias = rand(rng, k), rand(rng, k), rand(rng, n)
-    return a, b, old, gamma, beta, bias
-
-
-@given(m=st.integers(1, 12), n=st.integers(1, 12), k=st.integers(1, 100),
-       batch=st.sampled_from([None, 3]), trans_b=st.booleans(), accumulate=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_ln_in_matches_reference(m, n, k, batch, trans_b, accumulate, seed, scale):
-    """gemm(..., ln_in): a's rows layer-normalized (a layernorm launch into scratch), then
-    the product, decode kernels (M <= 8, K whole or split) and the tiled kernel alike."""
-    m = m if m <= G.DECODE_MAX_M else m * scale
-    lead = () if batch is None else (batch,)
-    a, b, old, gamma, beta, bias = _ln_in_case(np.random.default_rng(seed), lead, m,
-                                               n * scale, k * scale, trans_b)
-    out = dev(old if accumulate else np.full_like(old, np.nan))
-    G.gemm(dev(a), dev(b), out, bias=dev(bias), trans_b=trans_b, accumulate=accumulate,
-           ln_in=(dev(gamma), dev(beta), 1e-5))
-    want = G.gemm_ref(_layernorm64(a, gamma, beta), b, bias, trans_b=trans_b,
-                      old=old if accumulate else None)
-    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k * scale))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,trans_b", [(2304, False), (50257, True)])
-def test_ln_in_gpt2_shapes(n, trans_b):
-    """GPT-2 small's qkv and tied head with ln_1 / ln_f, as the model calls them."""
-    rng = np.random.default_rng(n)
-    a, b, old, gamma, beta, bias = _ln_in_case(rng, (), 5, n, 768, trans_b, offset=3.0)
-    out = dev(np.full_like(old, np.nan))
-    G.gemm(dev(a), dev(b), out, bias=dev(bias), trans_b=trans_b,
-           ln_in=(dev(gamma), dev(beta), 1e-5))
-    want = G.gemm_ref(_layernorm64(a, gamma, beta), b, bias, trans_b=trans_b)
-    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(768))
-
-
 def test_split_k_is_deterministic():
     """Partials are added in split order by one thread, never by atomics: bit-identical
     results run after run."""
@@ -374,16 +329,6 @@ def test_rejects_bad_input_before_launch(monkeypatch):
     raises(ValueError, r"ln_out y: expected shape \(3, 5\)", **ok,
            ln_out=(g, g, 1e-5, cuda.device_array((5, 3), np.float32)))
     raises(ValueError, "ln_out eps: expected a positive number", **ok, ln_out=(g, g, 0.0, y))
-    g4 = dev(np.ones(4, np.float32))
-    raises(ValueError, r"ln_in: expected \(gamma, beta, eps\)", **ok, ln_in=(g4, g4))
-    raises(ValueError, r"ln_in gamma: expected shape \(4,\)", **ok, ln_in=(g, g4, 1e-5))
-    raises(ValueError, r"ln_in beta: expected shape \(4,\)", **ok, ln_in=(g4, g, 1e-5))
-    raises(ValueError, "ln_in eps: expected a positive number", **ok, ln_in=(g4, g4, -1.0))
-    raises(ValueError, "ln_in: normalizes the rows of a, so trans_a must be False",
-           a=dev(np.ones((4, 3), np.float32)), b=b, out=out, trans_a=True, ln_in=(g4, g4, 1e-5))
-    sq = dev(np.ones((3, 4), np.float32))   # out, whose first rows are gamma and beta
-    raises(ValueError, "overlap", a=a, b=dev(np.ones((4, 4), np.float32)), out=sq,
-           ln_in=(sq[0], sq[1], 1e-5))
 
 
 def test_tiled_refuses_operands_past_its_32_bit_offsets(monkeypatch):

@@ -36,6 +36,9 @@ def pos_dev(p: int):
 @settings(max_examples=3)
 @example(config=GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=11, n_positions=16),
          batch=1, prompt_len=2, decode=1, seed=7)  # the drawn ones may all have one layer
+@example(config=GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=11, n_positions=16),
+         batch=2, prompt_len=1, decode=2, seed=3)  # the fused MLP (kernels.mlp.fuses), whose
+                                                   # sum normalizes for ln_1 and then ln_f
 @given(config=gpt2_configs(heads=(1, 2)), batch=st.integers(1, 2), prompt_len=st.integers(1, 3),
        decode=st.integers(1, 2), seed=st.integers(0, 2**16))
 def test_prefill_then_decode_matches_reference(config, batch, prompt_len, decode, seed):
@@ -52,6 +55,19 @@ def test_prefill_then_decode_matches_reference(config, batch, prompt_len, decode
     for t in range(prompt_len, prompt_len + decode):
         logits = model.step(tokens_dev(seq[:, t:t + 1]), pos_dev(t), cache)
         np.testing.assert_allclose(logits.copy_to_host()[:, 0], want[:, t], **LOGIT_TOL)
+
+
+def test_rows_too_wide_for_the_embeddings_layer_norm(monkeypatch):
+    """Where the embedding cannot normalize its rows (wider than its registers hold), the
+    first ln_1 is a layer norm launch of its own: the same logits. Simulated by refusing."""
+    from kernels import embedding
+    config = GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
+    sd = random_state_dict(config, 4)
+    monkeypatch.setattr(embedding, "fuses_layernorm", lambda width: False)
+    model = GPT2(config, sd, max_batch=1, max_tokens=2)
+    logits = model.step(tokens_dev([[3, 7]]), pos_dev(0), KVCache(config, 1, 4))
+    want = reference.gpt2_logits(config, sd, [[3, 7]])
+    np.testing.assert_allclose(logits.copy_to_host(), want, **LOGIT_TOL)
 
 
 def _address(array) -> int:

@@ -123,3 +123,96 @@ def test_out_overlapping_an_input_is_refused():
     d = {k: dev(v) for k, v in host.items()}
     with pytest.raises(ValueError, match=r"output 'out' .* overlaps 'x'"):
         K.mlp(d["x"], d["w1"], d["b1"], d["w2"], d["b2"], d["x"])
+
+
+# ------------------------------------------------------------------ ln_out: the next layer norm
+def layer_norm(v, gamma, beta, eps):
+    """(v - mean) / sqrt(var + eps) * gamma + beta over each row, in float64."""
+    v = np.asarray(v, np.float64)
+    mean = v.mean(axis=1, keepdims=True)
+    var = ((v - mean) ** 2).mean(axis=1, keepdims=True)
+    return (v - mean) / np.sqrt(var + eps) * gamma + beta
+
+
+def _run_ln(host, gamma, beta, eps=1e-5):
+    d = {k: dev(v) for k, v in host.items()}
+    y = dev(np.full(host["out"].shape, np.nan, np.float32))
+    K.mlp(d["x"], d["w1"], d["b1"], d["w2"], d["b2"], d["out"],
+          ln_out=(dev(gamma), dev(beta), eps, y))
+    return d["out"].copy_to_host(), y.copy_to_host()
+
+
+@given(m=st.integers(1, K.MAX_ROWS), fused=st.booleans(), offset=st.sampled_from([0.0, 30.0]),
+       seed=st.integers(0, 2**16))
+def test_ln_out_normalizes_the_updated_rows(m, fused, offset, seed):
+    """y = layernorm(out after the update), in the sum's launch (its rows' last blocks) where
+    the MLP fuses, through kernels.gemm's projection where it does not. An offset on the
+    residual checks the variance is taken about the mean."""
+    rng = np.random.default_rng(seed)
+    d, h = (3 * W, 2 * K.C * K.SUM_GROUPS) if fused else (24, 20)   # 3W: several blocks a row
+    assert K.fuses(m, d, h) == fused
+    host = _operands(rng, m, d, h)
+    host["out"] += np.float32(offset)
+    gamma, beta = rand(rng, d), rand(rng, d)
+    out, y = _run_ln(host, gamma, beta)
+    want = reference(**host)
+    np.testing.assert_allclose(out, want, **TOL)
+    np.testing.assert_allclose(y, layer_norm(want, gamma, beta, 1e-5), atol=1e-4, rtol=1e-4)
+
+
+def test_ln_out_leaves_the_counters_at_zero():
+    """The rows' last blocks reset their counters, so the next launch counts from zero: three
+    runs in a row give the same bits, and the counters read zero after them."""
+    from kernels._lastblock import launch_counters
+    rng = np.random.default_rng(6)
+    m, d, h = 5, 3 * W, K.C * K.SUM_GROUPS
+    host, gamma, beta = _operands(rng, m, d, h), rand(rng, d), rand(rng, d)
+    first = _run_ln(host, gamma, beta)
+    for _ in range(2):
+        again = _run_ln(host, gamma, beta)
+        for a, b in zip(again, first):
+            np.testing.assert_array_equal(a, b)
+    assert not launch_counters(m).copy_to_host()[:m].any()
+
+
+def test_ln_out_without_the_layer_norm_is_caught():
+    """The comparison is sharp: y is not out itself, nor out normalized without gamma, beta."""
+    rng = np.random.default_rng(7)
+    m, d, h = 5, W, K.C * K.SUM_GROUPS
+    host, gamma, beta = _operands(rng, m, d, h), rand(rng, d), rand(rng, d) + 1
+    out, y = _run_ln(host, gamma, beta)
+    assert np.abs(y - out).max() > 1e-2
+    assert np.abs(y - layer_norm(out, 1.0, 0.0, 1e-5)).max() > 1e-2
+
+
+@pytest.mark.gpu
+def test_gpt2_small_shape_with_ln_out():
+    rng = np.random.default_rng(8)
+    host, gamma, beta = _operands(rng, 5, 768, 3072), rand(rng, 768), rand(rng, 768)
+    out, y = _run_ln(host, gamma, beta)
+    want = reference(**host)
+    np.testing.assert_allclose(out, want, **TOL)
+    np.testing.assert_allclose(y, layer_norm(want, gamma, beta, 1e-5), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("y_shape", r"ln_out y: expected shape \(5, 8\)"),
+    ("gamma", r"gamma"),
+    ("y_over_out", r"output 'y' .* overlaps 'out'|output 'out' .* overlaps 'y'"),
+    ("y_over_x", r"output 'y' .* overlaps 'x'"),
+    ("tuple", r"ln_out: expected \(gamma, beta, eps, y\)"),
+])
+def test_bad_ln_out_is_refused_before_a_launch(bad, match):
+    host = _operands(np.random.default_rng(9), 5, 8, 16)
+    d = {k: dev(v) for k, v in host.items()}
+    gamma, beta = dev(np.ones(8, np.float32)), dev(np.zeros(8, np.float32))
+    y = dev(np.zeros((5, 8), np.float32))
+    ln = {"y_shape": (gamma, beta, 1e-5, dev(np.zeros((5, 7), np.float32))),
+          "gamma": (dev(np.ones(7, np.float32)), beta, 1e-5, y),
+          "y_over_out": (gamma, beta, 1e-5, d["out"]),
+          "y_over_x": (gamma, beta, 1e-5, d["x"]),
+          "tuple": (gamma, beta, y)}[bad]
+    before = host["out"].copy()
+    with pytest.raises(ValueError, match=match):
+        K.mlp(d["x"], d["w1"], d["b1"], d["w2"], d["b2"], d["out"], ln_out=ln)
+    np.testing.assert_array_equal(d["out"].copy_to_host(), before)   # nothing launched

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels import _check, attention, embedding, gemm, mlp
+from kernels import _check, attention, embedding, gemm, layernorm, mlp
 from proto.backend import cuda, empty, reshaped
 from proto.models import checked_params, zeros
 
@@ -246,16 +246,24 @@ class GPT2:
         C, V, N = self.config.n_embd, self.config.vocab_size, B * T
         x = self._empty("x", B, T, C)               # the residual stream, updated in place
         x2 = reshaped(x, (N, C))   # (the same view object step after step)
-        embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
-        # ln_2 rides on the attention projection that writes the residual (ln_out: in its
-        # split-K reduction). The MLP's residual is summed from partials spread over the GPU
-        # (kernels.mlp), so nothing after it normalizes it for free: ln_1 (and ln_f) are a
-        # layernorm launch before the GEMM that reads it (gemm's ln_in), which on the H200
-        # beat normalizing in every block of that GEMM (kernels.gemm's docstring).
-        for i, L in enumerate(self.layers):
+        # Every layer norm rides on the launch that writes the residual it normalizes: the
+        # first ln_1 on the embedding, ln_2 on the attention projection (in its split-K
+        # reduction), the next layer's ln_1 and finally ln_f on the MLP (in its sum's launch:
+        # each row's last block, kernels.mlp). ln_1 holds the rows the next qkv reads.
+        first, ln_1 = self.layers[0], self._empty("ln_1", N, C)
+        if embedding.fuses_layernorm(C):
+            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
+                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS,
+                                    reshaped(ln_1, (B, T, C))))
+        else:   # rows wider than the embedding's registers hold: a layer norm launch
+            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
+            layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln_1, eps=LN_EPS,
+                                stream=stream)
+        # the layer norm each layer's MLP writes: the next layer's ln_1, after the last ln_f
+        after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
+        for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
             qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
-            gemm.gemm(x2, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b,
-                      ln_in=(L.ln_1_w, L.ln_1_b, LN_EPS), stream=stream)
+            gemm.gemm(ln_1, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, stream=stream)
             att = self._empty(f"h{i}.att", B, T, C)
             attention.attention(qkv, cache.k[i], cache.v[i], pos, att,
                                 rows=getattr(cache, "rows", None),
@@ -264,8 +272,10 @@ class GPT2:
             ln = self._empty(f"h{i}.ln_2", N, C)
             gemm.gemm(reshaped(att, (N, C)), L.attn_proj_w, x2, bias=L.attn_proj_b,
                       accumulate=True, ln_out=(L.ln_2_w, L.ln_2_b, LN_EPS, ln), stream=stream)
-            mlp.mlp(ln, L.fc_w, L.fc_b, L.mlp_proj_w, L.mlp_proj_b, x2, stream=stream)
+            ln_1 = self._empty(f"h{i}.ln_next", N, C)
+            mlp.mlp(ln, L.fc_w, L.fc_b, L.mlp_proj_w, L.mlp_proj_b, x2,
+                    ln_out=(gamma, beta, LN_EPS, ln_1), stream=stream)
         logits = self._empty("logits", B, T, V)
-        gemm.gemm(x2, self.wte, reshaped(logits, (N, V)), trans_b=True,    # the tied head
-                  ln_in=(self.ln_f_w, self.ln_f_b, LN_EPS), stream=stream)
+        gemm.gemm(ln_1, self.wte, reshaped(logits, (N, V)), trans_b=True,   # the tied head,
+                  stream=stream)                                            # ln_f(x) in
         return logits
