@@ -1,10 +1,17 @@
 """The harness of the step A/Bs (kernels.ab_attention_cp, kernels.ab_mlp_step), on the H200 in
 one process: one GPT-2 small model (12 layers, beam 5), a graphed step per variant (alias
-binding, the length read on the device) recorded while the variant's switch is on, timed at
-positions 100, 512 and 1000 in interleaved rounds (the first variant is the base of the
-ratios), each one's planned arena (the memory the step's temporaries take), then a beam
-search under each, whose tokens must equal the first's. AB_TOY=1: toy sizes, to check a
-script end to end on the simulator.
+binding, the length read on the device) recorded while the variant's switch is on, a beam
+search under each, whose tokens must equal the first's, each one's planned arena (the memory
+the step's temporaries take), then the step timed at positions 100, 512 and 1000 in
+interleaved rounds (the first variant is the base of the ratios). AB_TOY=1: toy sizes, to
+check a script end to end on the simulator.
+
+Every replayer of a model reads the one position input that its searches write (alias
+binding: the graphs read it in place), so a replayer is taken right before its timing, and
+the position in that input is read back after it: until 2026-12-04 the replayers were taken
+before the beam search, and every A/B timed the search's last position (203) under the
+labels 100, 512 and 1000 (the profiles in results/h200/profiles/ before ab_mlp_ln_step's at
+that date).
 """
 import os
 import time
@@ -18,7 +25,7 @@ from proto.models.graphed import GraphedGPT2
 
 TOY = os.environ.get("AB_TOY") == "1"
 cfg = GPT2Config(2, 32, 2, 50, 32) if TOY else GPT2Config(12, 768, 12, 50257, 1024)
-MAX, POSITIONS, ROUNDS, NEW = (16, (6,), 1, 2) if TOY else (1024, (100, 512, 1000), 7, 200)
+MAX, POSITIONS, ROUNDS, NEW = (16, (6, 11), 1, 2) if TOY else (1024, (100, 512, 1000), 7, 200)
 REPLAYS, REPS = (1, dict(warmup=0, reps=1)) if TOY else (10, dict(warmup=3, reps=20))
 prompt = np.array([4, 20, 7, 21, 18] if TOY else [464, 2068, 7586, 21831, 18045], np.int32)
 
@@ -34,12 +41,11 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
         with switch():
             t0 = time.perf_counter()
             g = GraphedGPT2(model, batch=5, max_len=MAX, binding="alias", strategy="device")
-            replay = {p: g.replayer(p) for p in POSITIONS}
-            for r in replay.values():
-                r()
+            for p in POSITIONS:   # records (under the switch) and lowers every graph timed
+                g.replayer(p)()
             backend.synchronize()
             tokens[name] = np.asarray(g.beam_search(prompt, max_new_tokens=NEW).tokens)
-        graphs[name] = (g, replay)
+        graphs[name] = g
         print(f"built {name} in {time.perf_counter() - t0:.1f} s; planned arena "
               f"{g.arena_bytes / 2**20:.3f} MiB", flush=True)
 
@@ -47,9 +53,12 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
     for _ in range(ROUNDS):
         for p in POSITIONS:
             for n in names:
-                r = graphs[n][1][p]
+                r = graphs[n].replayer(p)   # writes p into the position input: see above
                 t = timing.bench(lambda: [r() for _ in range(REPLAYS)], **REPS)
                 step_us[(n, p)].append(t.median_us / REPLAYS)
+                timed = int(graphs[n].inputs.pos.copy_to_host()[0])
+                if timed != p:
+                    raise RuntimeError(f"{n}: timed at position {timed}, not {p}")
     width = max(len(n) for n in names)
     for p in POSITIONS:
         base = np.median(step_us[(names[0], p)])
@@ -60,6 +69,6 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
                   flush=True)
     equal = all(np.array_equal(tokens[names[0]], tokens[n]) for n in names)
     print(f"beam search, {NEW} tokens: tokens equal: {equal}", flush=True)
-    for g, _ in graphs.values():
+    for g in graphs.values():
         g.close()
     return 0 if equal else 1

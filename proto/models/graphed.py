@@ -404,7 +404,10 @@ class GraphedGPT2(_Graphed):
     def replayer(self, position: int):
         """A zero-argument replay of the decode graph at `position` on the search's first
         cache, for timing a step alone (built and recorded first if need be). Repeating it
-        rewrites the same cache slot, so it is idempotent."""
+        rewrites the same cache slot, so it is idempotent. The position is written into
+        `inputs.pos`, which every replayer, step and search of this model shares (under
+        alias binding the graphs read it in place): a replayer replays `position` only until
+        the next of them writes it, so take it right before use."""
         self.reset()
         self._use_capacity(self._capacity_for(position + 1))
         self.inputs.pos.copy_to_device(np.array([position], np.int32))
