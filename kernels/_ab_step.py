@@ -3,8 +3,11 @@ one process: one GPT-2 small model (12 layers, beam 5), a graphed step per varia
 binding, the length read on the device) recorded while the variant's switch is on, a beam
 search under each, whose tokens must equal the first's, each one's planned arena (the memory
 the step's temporaries take), then the step timed at positions 100, 512 and 1000 in
-interleaved rounds (the first variant is the base of the ratios). AB_TOY=1: toy sizes, to
-check a script end to end on the simulator.
+interleaved rounds (the first variant is the base of the ratios), and a whole generation to
+the last position in one WHILE graph (`BeamLoop`, as end_to_end's graph_while), per token,
+in interleaved rounds, its tokens compared too: a generation passes every position, so it
+weighs a change by how the positions of a real search use it. AB_TOY=1: toy sizes, to check
+a script end to end on the simulator.
 
 Every replayer of a model reads the one position input that its searches write (alias
 binding: the graphs read it in place), so a replayer is taken right before its timing, and
@@ -22,12 +25,15 @@ import numpy as np
 from proto import backend, timing
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
 from proto.models.graphed import GraphedGPT2
+from proto.models.search_loop import BeamLoop
 
 TOY = os.environ.get("AB_TOY") == "1"
 cfg = GPT2Config(2, 32, 2, 50, 32) if TOY else GPT2Config(12, 768, 12, 50257, 1024)
 MAX, POSITIONS, ROUNDS, NEW = (16, (6, 11), 1, 2) if TOY else (1024, (100, 512, 1000), 7, 200)
 REPLAYS, REPS = (1, dict(warmup=0, reps=1)) if TOY else (10, dict(warmup=3, reps=20))
 prompt = np.array([4, 20, 7, 21, 18] if TOY else [464, 2068, 7586, 21831, 18045], np.int32)
+# the WHILE generation: to the last position, as end_to_end's (the toy's 3: the simulator)
+WHILE_NEW = 3 if TOY else MAX - len(prompt) + 1
 
 
 def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
@@ -36,7 +42,7 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
     tokens equal the first's, else 1."""
     names = list(variants)
     model = GPT2(cfg, random_state_dict(cfg, seed=0), max_batch=5, max_tokens=4)
-    graphs, tokens = {}, {}
+    graphs, loops, tokens, while_tokens = {}, {}, {}, {}
     for name, switch in variants.items():
         with switch():
             t0 = time.perf_counter()
@@ -45,7 +51,10 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
                 g.replayer(p)()
             backend.synchronize()
             tokens[name] = np.asarray(g.beam_search(prompt, max_new_tokens=NEW).tokens)
-        graphs[name] = g
+            loop = BeamLoop(model, beam=5, max_len=MAX)   # records its graph under the switch
+            while_tokens[name] = np.asarray(
+                loop.generate(prompt, max_new_tokens=WHILE_NEW).tokens)
+        graphs[name], loops[name] = g, loop
         print(f"built {name} in {time.perf_counter() - t0:.1f} s; planned arena "
               f"{g.arena_bytes / 2**20:.3f} MiB", flush=True)
 
@@ -59,6 +68,13 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
                 timed = int(graphs[n].inputs.pos.copy_to_host()[0])
                 if timed != p:
                     raise RuntimeError(f"{n}: timed at position {timed}, not {p}")
+    while_ms = {n: [] for n in names}
+    for _ in range(ROUNDS):
+        for n in names:
+            t0 = time.perf_counter()
+            loops[n].generate(prompt, max_new_tokens=WHILE_NEW)
+            backend.synchronize()
+            while_ms[n].append((time.perf_counter() - t0) * 1e3 / WHILE_NEW)
     width = max(len(n) for n in names)
     for p in POSITIONS:
         base = np.median(step_us[(names[0], p)])
@@ -67,8 +83,18 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
             print(f"STEP pos {p:4d} {n:{width}s} {np.median(s):8.1f} us (min {s.min():.1f}, "
                   f"max {s.max():.1f}, n={len(s)}) / {names[0]} {np.median(s) / base:.4f}",
                   flush=True)
+    base = np.median(while_ms[names[0]])
+    for n in names:
+        s = np.array(while_ms[n])
+        print(f"WHILE {WHILE_NEW} tokens {n:{width}s} {np.median(s):.4f} ms a token (min "
+              f"{s.min():.4f}, max {s.max():.4f}, n={len(s)}) / {names[0]} "
+              f"{np.median(s) / base:.4f}", flush=True)
     equal = all(np.array_equal(tokens[names[0]], tokens[n]) for n in names)
     print(f"beam search, {NEW} tokens: tokens equal: {equal}", flush=True)
+    while_equal = all(np.array_equal(while_tokens[names[0]], while_tokens[n]) for n in names)
+    print(f"WHILE graph, {WHILE_NEW} tokens: tokens equal: {while_equal}", flush=True)
     for g in graphs.values():
         g.close()
-    return 0 if equal else 1
+    for loop in loops.values():
+        loop.close()
+    return 0 if equal and while_equal else 1

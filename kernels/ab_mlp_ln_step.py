@@ -2,10 +2,13 @@
 last) computed by the MLP's sum launch, in each row's last block (`kernels.mlp`'s ln_out:
 `sum_ln_kernel`), and the first ln_1 by the embedding (`embed`'s ln_out, as at 572e02c),
 against the plain sum and the embedding each followed by a layernorm launch (the step as it
-was at 863f0b2: 99 nodes against 86), in GPT-2 small's graphed step (kernels._ab_step: positions
-100, 512 and 1000, rounds interleaved, each one's planned arena, then a beam search under
-each, whose tokens must be equal). Why it may pay: a layernorm launch cost 4.6 us a layer in
-the step (ln_2's A/B, results/h200/profiles/ab_ln_out_step_863f0b2.txt), while the last
+was at 863f0b2: 99 nodes against 86), in GPT-2 small's graphed step and its WHILE graph
+(kernels._ab_step: the step at positions 100, 512 and 1000 and a whole generation per token,
+rounds interleaved, the tokens of each compared). Measured at d7842d3, when the harness
+timed position 203 alone: 515.8 us against 528.7 (ab_mlp_ln_step_d7842d3.txt); what it
+gains at the other positions is this script's next run. Why it may pay: a layernorm launch
+cost 4.6 us a layer in the step (ln_2's A/B, results/h200/profiles/ab_ln_out_step_863f0b2.txt,
+at 203 too), while the last
 block's tail is a threadfence, an atomic and one row read back from L2. Why it may not: the
 tail runs after every other block of its row, and every last-block fusion tried before lost
 (kernels/NOTES_decode.md). AB_TOY=1 checks the script on the simulator.
