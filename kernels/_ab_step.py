@@ -77,24 +77,32 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
             while_ms[n].append((time.perf_counter() - t0) * 1e3 / WHILE_NEW)
     width = max(len(n) for n in names)
     for p in POSITIONS:
-        base = np.median(step_us[(names[0], p)])
-        for n in names:
-            s = np.array(step_us[(n, p)])
-            print(f"STEP pos {p:4d} {n:{width}s} {np.median(s):8.1f} us (min {s.min():.1f}, "
-                  f"max {s.max():.1f}, n={len(s)}) / {names[0]} {np.median(s) / base:.4f}",
-                  flush=True)
-    base = np.median(while_ms[names[0]])
-    for n in names:
-        s = np.array(while_ms[n])
-        print(f"WHILE {WHILE_NEW} tokens {n:{width}s} {np.median(s):.4f} ms a token (min "
-              f"{s.min():.4f}, max {s.max():.4f}, n={len(s)}) / {names[0]} "
-              f"{np.median(s) / base:.4f}", flush=True)
-    equal = all(np.array_equal(tokens[names[0]], tokens[n]) for n in names)
-    print(f"beam search, {NEW} tokens: tokens equal: {equal}", flush=True)
-    while_equal = all(np.array_equal(while_tokens[names[0]], while_tokens[n]) for n in names)
-    print(f"WHILE graph, {WHILE_NEW} tokens: tokens equal: {while_equal}", flush=True)
+        _report(f"STEP pos {p:4d}", {n: step_us[(n, p)] for n in names}, width, "8.1f", ".1f",
+                "us")
+    _report(f"WHILE {WHILE_NEW} tokens", while_ms, width, ".4f", ".4f", "ms a token")
+    equal = _same(f"beam search, {NEW} tokens", tokens)
+    while_equal = _same(f"WHILE graph, {WHILE_NEW} tokens", while_tokens)
     for g in graphs.values():
         g.close()
     for loop in loops.values():
         loop.close()
     return 0 if equal and while_equal else 1
+
+
+def _report(head: str, samples: dict, width: int, fmt: str, spread: str, unit: str) -> None:
+    """A line a variant: the median of its samples, their min, max and count, and its ratio
+    to the first variant's median."""
+    first, base = next(iter(samples)), np.median(next(iter(samples.values())))
+    for n, values in samples.items():
+        v = np.array(values)
+        print(f"{head} {n:{width}s} {np.median(v):{fmt}} {unit} (min {v.min():{spread}}, "
+              f"max {v.max():{spread}}, n={len(v)}) / {first} {np.median(v) / base:.4f}",
+              flush=True)
+
+
+def _same(what: str, tokens: dict) -> bool:
+    """Whether every variant's tokens equal the first's; printed."""
+    first = next(iter(tokens.values()))
+    equal = all(np.array_equal(first, t) for t in tokens.values())
+    print(f"{what}: tokens equal: {equal}", flush=True)
+    return equal
