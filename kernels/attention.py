@@ -501,11 +501,183 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                    ("groups", group, dims, positions, warps, min_blocks), True)
 
 
+def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int = 0,
+                        use_rows: bool = False) -> Variant:
+    """The plain step's attention for splits of at most `capacity` positions, with the whole split
+    in shared memory: a block copies its split's K and V there by cp.async before the
+    early-launch wait (as `make_attention(..., preload=...)`), and after it computes from
+    shared memory as a small matrix product, not a warp per position:
+
+      scores   `threads // capacity` neighbouring lanes a position, each a strided share of the
+               head dims (rows padded by 4 floats, so a warp's loads hit 32 banks), summed by
+               log2 of them shuffles;
+      softmax  the block's scores at once: one max, one exponential a position;
+      P.V      a thread per (head dim, group of positions), the groups then summed in order.
+
+    `make_attention`'s lanes-along-the-head-dim layout spends a 5-shuffle butterfly and an
+    online-softmax update on every position in every warp (ncu at position 512: 6.7 million
+    instructions a launch, the SMs 53% busy issuing, DRAM 27%). Same arguments, grid, guard,
+    cache writes and partials as `make_attention`; head dims up to `width`, a multiple of 4
+    (the copies are 16 bytes), cache rows 16-byte aligned (the caller checks); splits of at
+    most `capacity` positions (the caller checks the plan's span). `use_rows`: earlier
+    positions are read from the rows that the `rows` table names, as in `make_attention`
+    (the table is final before the wait: the beam's reorder that writes it runs at least two
+    kernels earlier, and only the predecessor may still run then)."""
+    threads = 32 * warps
+    per_pos = threads // capacity     # lanes that share one position's score
+    groups = threads // width     # position groups of the P.V product
+    if per_pos * capacity != threads or per_pos & (per_pos - 1) or per_pos > 32:
+        raise ValueError(f"make_attention_tile: {threads} threads do not split into {capacity} "
+                         f"positions of a power of two <= 32 lanes each")
+    if groups * width != threads or width % 4:
+        raise ValueError(f"make_attention_tile: {threads} threads are not whole groups of "
+                         f"width {width} (a multiple of 4)")
+    stride = width + 4            # floats a shared row (16-byte aligned, banks shifted by 4)
+    tile_size = capacity * stride
+    bounds = {"launch_bounds": (threads, min_blocks)} if min_blocks else {}
+
+    @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
+         early_launch=True, **bounds)
+    def attention_tile_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows):
+        """Grid (B*H, T, S), `threads` threads; as make_attention's kernel (without
+        use_rows, `rows` is never read)."""
+        ks = cuda.shared.array(tile_size, np.float32, alignment=_ALIGN)  # [r*stride+d]
+        vs = cuda.shared.array(tile_size, np.float32, alignment=_ALIGN)
+        qs = cuda.shared.array(width, np.float32)     # q, scaled
+        sc = cuda.shared.array(capacity, np.float32)      # scores (-inf past the split's end)
+        pe = cuda.shared.array(capacity, np.float32)      # exp(score - max)
+        red = cuda.shared.array(threads, np.float32)  # [g*width+d] P.V of position group g
+        T = qkv.shape[1]
+        H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        C = H * hd
+        bh = cuda.blockIdx.x
+        b = bh // H
+        h = bh - b * H
+        t = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        B = k_cache.shape[0]
+        lo = split * span
+        # Before the wait, as make_attention's preload: pos may not be final, it only picks
+        # the rows to copy (the split's rows below it); rows at or past the final pos are
+        # loaded again after the wait.
+        n_pre = min(max(min(lo + span, pos[0], Tmax) - lo, 0), capacity)
+        quads = _u(hd // 4)
+        for q4 in range(tid, n_pre * (hd // 4), threads):
+            r, c4 = _u(q4) // quads, _u(q4) % quads
+            src = _u(b)
+            if use_rows:   # (an entry outside 0..B-1 is copied from row b, then NaN below)
+                named = rows[b, _u(lo) + r]
+                src = _u(named if 0 <= named < B else b)
+            at = ((src * _u(H) + _u(h)) * _u(Tmax) + _u(lo) + r) * _u(hd) + c4 * _u(4)
+            _cpasync.copy16(ks, r * _u(stride) + c4 * _u(4), k_cache, at)
+            _cpasync.copy16(vs, r * _u(stride) + c4 * _u(4), v_cache, at)
+        _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
+        _pdl.launch_dependents()
+        scale = np.float32(1.0) / math.sqrt(np.float32(hd))
+        for d in range(tid, hd, threads):
+            qs[d] = qkv[b, t, h * hd + d] * scale
+        p0 = pos[0]
+        _cpasync.wait_all()
+        # Every condition below is uniform over the block, so early returns skip no barrier.
+        if p0 < 0 or p0 + T > Tmax:
+            if cuda.gridDim.z == 1:
+                for d in range(tid, hd, threads):
+                    out[b, t, h * hd + d] = NAN
+            else:
+                _empty_split(part_o, part_ml, bh, t, split, tid, hd)
+            return
+        if split == 0:  # token t's k, v into the caches; attention reads them from qkv
+            for d in range(tid, hd, threads):
+                k_cache[b, h, p0 + t, d] = qkv[b, t, C + h * hd + d]
+                v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
+        hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
+        if lo >= hi:
+            _empty_split(part_o, part_ml, bh, t, split, tid, hd)
+            return
+        n = hi - lo
+        # The rows the copies did not bring, a warp a row: past them, at or past the final
+        # pos (this step's tokens come from qkv: their cache rows may be unwritten), or (rows)
+        # named outside the cache, which give NaN.
+        for r in range(warp, n, warps):
+            p = _u(lo + r)
+            src, ok = _u(b), True
+            if use_rows and p < p0:
+                named = rows[b, p]
+                ok = 0 <= named < B
+                src = _u(named if ok else b)
+            if not (r < n_pre and p < p0 and ok):
+                at = _u(r) * _u(stride)
+                for d in range(lane, hd, 32):
+                    if p < p0:
+                        ks[at + _u(d)] = k_cache[src, h, p, d] if ok else NAN
+                        vs[at + _u(d)] = v_cache[src, h, p, d] if ok else NAN
+                    else:
+                        ks[at + _u(d)] = qkv[b, p - _u(p0), _u(C + h * hd + d)]
+                        vs[at + _u(d)] = qkv[b, p - _u(p0), _u(2 * C + h * hd + d)]
+        cuda.syncthreads()
+        # Scores: lanes c = 0..per_pos-1 of position r take dims c, c + per_pos, ...
+        r = _u(tid) // _u(per_pos)
+        c = _u(tid) % _u(per_pos)
+        s = ZERO
+        for d in range(c, hd, per_pos):
+            s += qs[d] * ks[r * _u(stride) + _u(d)]
+        off = 1
+        while off < per_pos:
+            s += shfl_xor(s, off)
+            off *= 2
+        if c == 0:
+            sc[r] = s if r < _u(n) else NEG_INF
+        cuda.syncthreads()
+        # Softmax: every warp finds the max (the same value), one thread a position its exp.
+        m = NEG_INF
+        for i in range(tid % 32, capacity, 32):
+            m = max(m, sc[i])
+        m = warp_allreduce(m, True)
+        if tid < capacity:
+            pe[tid] = math.exp(sc[tid] - m)   # 0 past the split's end
+        cuda.syncthreads()
+        total = ZERO
+        for i in range(tid % 32, capacity, 32):
+            total += pe[i]
+        total = warp_allreduce(total, False)
+        # P.V: thread (g, d) sums positions g, g + groups, ... of head dim d.
+        g = _u(tid) // _u(width)
+        d = _u(tid) % _u(width)
+        o = ZERO
+        if d < _u(hd):
+            for i in range(g, n, groups):
+                o += pe[i] * vs[_u(i) * _u(stride) + d]
+        red[tid] = o
+        cuda.syncthreads()
+        if tid < hd:
+            o = ZERO
+            for k in range(groups):
+                o += red[k * width + tid]
+            if cuda.gridDim.z == 1:
+                out[b, t, h * hd + tid] = o / total
+            else:
+                part_o[bh, t, split, tid] = o
+                if tid == 0:
+                    part_ml[bh, t, split, 0] = m
+                    part_ml[bh, t, split, 1] = total
+
+    return Variant(attention_tile_kernel, threads, capacity, width,
+                   ("tile", capacity, warps, width, min_blocks), use_rows)
+
+
 SMALL = make_attention(*SMALL_CONFIG)
 # The plain step's kernel with a split's K and V copied by cp.async before the early-launch
 # wait: two batches of positions, a whole split at GPT-2 small's plan (64 positions, 32 KB).
 SMALL_PRELOAD = make_attention(*SMALL_CONFIG, preload=2 * SMALL.unit)
 PRELOAD = [True]   # (switched off by kernels.ab_attention_cp for its A/B: 9 us a step less with it)
+# The plain step's kernel where a split fits in shared memory whole (GPT-2's decode: 64
+# positions of head dim 64; 35 KB a block).
+TILE_CONFIG = (64, 8, 64, 5) if not backend.SIMULATOR else (8, 1, 32)
+SMALL_TILE = make_attention_tile(*TILE_CONFIG)
+SMALL_TILE_ROWS = make_attention_tile(*TILE_CONFIG, use_rows=True)   # (the WHILE graph's)
+TILE = [True]      # (switched off by kernels.ab_attention_tile for its A/B)
 LARGE = make_attention(*LARGE_CONFIG)
 # The row-table variant of head dims up to 64 (GPT-2's; the WHILE graph's beam search) is
 # `make_attention_groups`: 16 lanes x 4 dims, 2 positions a group a batch, so a lane has as
@@ -648,8 +820,12 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -
         rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
     # (the row-table kernel is planned by its own batch of positions)
     variant, splits, span = _plan(B, n_head, T, Tmax, hd, kernel_for(hd, rows is not None))
-    if (variant is SMALL and PRELOAD[0] and hd % 4 == 0
-            and backend.address(k_cache) % 16 == 0 and backend.address(v_cache) % 16 == 0):
+    aligned = (hd % 4 == 0 and backend.address(k_cache) % 16 == 0
+               and backend.address(v_cache) % 16 == 0)   # (cp.async copies 16 bytes)
+    if (TILE[0] and aligned and hd <= SMALL_TILE.max_hd and span <= SMALL_TILE.unit
+            and variant in (SMALL, _WITH_ROWS[SMALL.config])):
+        variant = SMALL_TILE_ROWS if rows is not None else SMALL_TILE   # the same plan
+    elif variant is SMALL and PRELOAD[0] and aligned:
         variant = SMALL_PRELOAD   # the same plan: its unit is SMALL's
     if splits > 1:  # scratch of this call: the combine launch reads it
         part_o = backend.empty((B * n_head, T, splits, hd), np.float32, "attention.partials")
