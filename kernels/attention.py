@@ -525,15 +525,22 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
     kernels earlier, and only the predecessor may still run then)."""
     threads = 32 * warps
     per_pos = threads // capacity     # lanes that share one position's score
-    groups = threads // width     # position groups of the P.V product
+    groups = threads // width         # position groups of the P.V product
+    quads = width // 4                # 16-byte copies a row
     if per_pos * capacity != threads or per_pos & (per_pos - 1) or per_pos > 32:
         raise ValueError(f"make_attention_tile: {threads} threads do not split into {capacity} "
                          f"positions of a power of two <= 32 lanes each")
-    if groups * width != threads or width % 4:
+    if groups * width != threads or width % 32 or threads % quads or capacity % warps:
         raise ValueError(f"make_attention_tile: {threads} threads are not whole groups of "
-                         f"width {width} (a multiple of 4)")
+                         f"width {width} (a multiple of 32), or {capacity} positions not "
+                         f"whole rows of {warps} warps")
     stride = width + 4            # floats a shared row (16-byte aligned, banks shifted by 4)
     tile_size = capacity * stride
+    copy_rows = threads // quads  # rows the block's copies cover a pass
+    # Every loop below has a trip count known at compile time and uint32 indices: the
+    # compiler unrolls them, and no index pays Numba's negative-index fix-up (with Python
+    # ranges over runtime bounds the first draft executed as many instructions as the
+    # kernel it replaced: 7.8 million a launch at position 512, ncu).
     bounds = {"launch_bounds": (threads, min_blocks)} if min_blocks else {}
 
     @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
@@ -543,56 +550,58 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         use_rows, `rows` is never read)."""
         ks = cuda.shared.array(tile_size, np.float32, alignment=_ALIGN)  # [r*stride+d]
         vs = cuda.shared.array(tile_size, np.float32, alignment=_ALIGN)
-        qs = cuda.shared.array(width, np.float32)     # q, scaled
+        qs = cuda.shared.array(width, np.float32)         # q, scaled
         sc = cuda.shared.array(capacity, np.float32)      # scores (-inf past the split's end)
         pe = cuda.shared.array(capacity, np.float32)      # exp(score - max)
-        red = cuda.shared.array(threads, np.float32)  # [g*width+d] P.V of position group g
+        red = cuda.shared.array(threads, np.float32)      # [g*width+d] P.V of group g
         T = qkv.shape[1]
         H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         C = H * hd
-        bh = cuda.blockIdx.x
-        b = bh // H
-        h = bh - b * H
-        t = cuda.blockIdx.y
-        split = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        lane, warp = tid % 32, tid // 32
+        bh = _u(cuda.blockIdx.x)
+        b = bh // _u(H)
+        h = bh - b * _u(H)
+        t = _u(cuda.blockIdx.y)
+        split = _u(cuda.blockIdx.z)
+        tid = _u(cuda.threadIdx.x)
+        lane, warp = tid % _u(32), tid // _u(32)
         B = k_cache.shape[0]
-        lo = split * span
+        lo = split * _u(span)
+        head = (b * _u(H) + h) * _u(Tmax)            # row of (b, h, position 0) in the caches
+        qcol, kcol, vcol = h * _u(hd), _u(C) + h * _u(hd), _u(2 * C) + h * _u(hd)
         # Before the wait, as make_attention's preload: pos may not be final, it only picks
         # the rows to copy (the split's rows below it); rows at or past the final pos are
         # loaded again after the wait.
-        n_pre = min(max(min(lo + span, pos[0], Tmax) - lo, 0), capacity)
-        quads = _u(hd // 4)
-        for q4 in range(tid, n_pre * (hd // 4), threads):
-            r, c4 = _u(q4) // quads, _u(q4) % quads
-            src = _u(b)
-            if use_rows:   # (an entry outside 0..B-1 is copied from row b, then NaN below)
-                named = rows[b, _u(lo) + r]
-                src = _u(named if 0 <= named < B else b)
-            at = ((src * _u(H) + _u(h)) * _u(Tmax) + _u(lo) + r) * _u(hd) + c4 * _u(4)
-            _cpasync.copy16(ks, r * _u(stride) + c4 * _u(4), k_cache, at)
-            _cpasync.copy16(vs, r * _u(stride) + c4 * _u(4), v_cache, at)
+        n_pre = min(max(min(lo + _u(span), pos[0], Tmax) - lo, 0), capacity)
+        c4 = tid % _u(quads)
+        for k in range(capacity // copy_rows):
+            r = tid // _u(quads) + _u(k * copy_rows)
+            if r < n_pre and c4 < _u(hd // 4):
+                src = b
+                if use_rows:   # (an entry outside 0..B-1 is copied from row b, NaN below)
+                    named = rows[b, lo + r]
+                    src = _u(named if 0 <= named < B else b)
+                at = (((src * _u(H) + h) * _u(Tmax)) + lo + r) * _u(hd) + c4 * _u(4)
+                _cpasync.copy16(ks, r * _u(stride) + c4 * _u(4), k_cache, at)
+                _cpasync.copy16(vs, r * _u(stride) + c4 * _u(4), v_cache, at)
         _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
         _pdl.launch_dependents()
         scale = np.float32(1.0) / math.sqrt(np.float32(hd))
-        for d in range(tid, hd, threads):
-            qs[d] = qkv[b, t, h * hd + d] * scale
+        if tid < _u(hd):
+            qs[tid] = qkv[b, t, qcol + tid] * scale
         p0 = pos[0]
         _cpasync.wait_all()
         # Every condition below is uniform over the block, so early returns skip no barrier.
         if p0 < 0 or p0 + T > Tmax:
             if cuda.gridDim.z == 1:
-                for d in range(tid, hd, threads):
-                    out[b, t, h * hd + d] = NAN
+                if tid < _u(hd):
+                    out[b, t, qcol + tid] = NAN
             else:
                 _empty_split(part_o, part_ml, bh, t, split, tid, hd)
             return
-        if split == 0:  # token t's k, v into the caches; attention reads them from qkv
-            for d in range(tid, hd, threads):
-                k_cache[b, h, p0 + t, d] = qkv[b, t, C + h * hd + d]
-                v_cache[b, h, p0 + t, d] = qkv[b, t, 2 * C + h * hd + d]
-        hi = min(lo + span, p0 + t + 1)  # causal: positions 0..pos+t
+        if split == 0 and tid < _u(hd):  # token t's k, v into the caches (read from qkv)
+            k_cache[b, h, _u(p0) + t, tid] = qkv[b, t, kcol + tid]
+            v_cache[b, h, _u(p0) + t, tid] = qkv[b, t, vcol + tid]
+        hi = min(lo + _u(span), _u(p0) + t + _u(1))  # causal: positions 0..pos+t
         if lo >= hi:
             _empty_split(part_o, part_ml, bh, t, split, tid, hd)
             return
@@ -600,63 +609,74 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         # The rows the copies did not bring, a warp a row: past them, at or past the final
         # pos (this step's tokens come from qkv: their cache rows may be unwritten), or (rows)
         # named outside the cache, which give NaN.
-        for r in range(warp, n, warps):
-            p = _u(lo + r)
-            src, ok = _u(b), True
-            if use_rows and p < p0:
-                named = rows[b, p]
-                ok = 0 <= named < B
-                src = _u(named if ok else b)
-            if not (r < n_pre and p < p0 and ok):
-                at = _u(r) * _u(stride)
-                for d in range(lane, hd, 32):
-                    if p < p0:
-                        ks[at + _u(d)] = k_cache[src, h, p, d] if ok else NAN
-                        vs[at + _u(d)] = v_cache[src, h, p, d] if ok else NAN
-                    else:
-                        ks[at + _u(d)] = qkv[b, p - _u(p0), _u(C + h * hd + d)]
-                        vs[at + _u(d)] = qkv[b, p - _u(p0), _u(2 * C + h * hd + d)]
+        for k in range(capacity // warps):
+            r = warp + _u(k * warps)
+            p = lo + r
+            if r < n:
+                src, ok = b, True
+                if use_rows and p < p0:
+                    named = rows[b, p]
+                    ok = 0 <= named < B
+                    src = _u(named if ok else b)
+                if not (r < n_pre and p < p0 and ok):
+                    for j in range(width // 32):
+                        d = lane + _u(32 * j)
+                        if d < _u(hd):
+                            if p < p0:
+                                ks[r * _u(stride) + d] = k_cache[src, h, p, d] if ok else NAN
+                                vs[r * _u(stride) + d] = v_cache[src, h, p, d] if ok else NAN
+                            else:
+                                ks[r * _u(stride) + d] = qkv[b, p - _u(p0), kcol + d]
+                                vs[r * _u(stride) + d] = qkv[b, p - _u(p0), vcol + d]
         cuda.syncthreads()
         # Scores: lanes c = 0..per_pos-1 of position r take dims c, c + per_pos, ...
-        r = _u(tid) // _u(per_pos)
-        c = _u(tid) % _u(per_pos)
+        r = tid // _u(per_pos)
+        c = tid % _u(per_pos)
         s = ZERO
-        for d in range(c, hd, per_pos):
-            s += qs[d] * ks[r * _u(stride) + _u(d)]
+        for j in range(width // per_pos):
+            d = c + _u(j * per_pos)
+            if d < _u(hd):
+                s += qs[d] * ks[r * _u(stride) + d]
         off = 1
         while off < per_pos:
             s += shfl_xor(s, off)
             off *= 2
         if c == 0:
-            sc[r] = s if r < _u(n) else NEG_INF
+            sc[r] = s if r < n else NEG_INF
         cuda.syncthreads()
         # Softmax: every warp finds the max (the same value), one thread a position its exp.
         m = NEG_INF
-        for i in range(tid % 32, capacity, 32):
-            m = max(m, sc[i])
+        for j in range((capacity + 31) // 32):
+            i = lane + _u(32 * j)
+            if i < _u(capacity):
+                m = max(m, sc[i])
         m = warp_allreduce(m, True)
-        if tid < capacity:
+        if tid < _u(capacity):
             pe[tid] = math.exp(sc[tid] - m)   # 0 past the split's end
         cuda.syncthreads()
         total = ZERO
-        for i in range(tid % 32, capacity, 32):
-            total += pe[i]
+        for j in range((capacity + 31) // 32):
+            i = lane + _u(32 * j)
+            if i < _u(capacity):
+                total += pe[i]
         total = warp_allreduce(total, False)
         # P.V: thread (g, d) sums positions g, g + groups, ... of head dim d.
-        g = _u(tid) // _u(width)
-        d = _u(tid) % _u(width)
+        g = tid // _u(width)
+        d = tid % _u(width)
         o = ZERO
         if d < _u(hd):
-            for i in range(g, n, groups):
-                o += pe[i] * vs[_u(i) * _u(stride) + d]
+            for j in range(capacity // groups):
+                i = g + _u(j * groups)
+                if i < n:
+                    o += pe[i] * vs[i * _u(stride) + d]
         red[tid] = o
         cuda.syncthreads()
-        if tid < hd:
+        if tid < _u(hd):
             o = ZERO
             for k in range(groups):
-                o += red[k * width + tid]
+                o += red[_u(k * width) + tid]
             if cuda.gridDim.z == 1:
-                out[b, t, h * hd + tid] = o / total
+                out[b, t, qcol + tid] = o / total
             else:
                 part_o[bh, t, split, tid] = o
                 if tid == 0:
@@ -674,9 +694,11 @@ SMALL_PRELOAD = make_attention(*SMALL_CONFIG, preload=2 * SMALL.unit)
 PRELOAD = [True]   # (switched off by kernels.ab_attention_cp for its A/B: 9 us a step less with it)
 # The plain step's kernel where a split fits in shared memory whole (GPT-2's decode: 64
 # positions of head dim 64; 35 KB a block).
-TILE_CONFIG = (64, 8, 64, 5) if not backend.SIMULATOR else (8, 1, 32)
-SMALL_TILE = make_attention_tile(*TILE_CONFIG)
-SMALL_TILE_ROWS = make_attention_tile(*TILE_CONFIG, use_rows=True)   # (the WHILE graph's)
+# (capacity, warps, width, blocks an SM the registers must allow: the row-table twin
+# spills at 5, from 48 registers)
+SMALL_TILE = make_attention_tile(*((64, 8, 64, 6) if not backend.SIMULATOR else (8, 1, 32)))
+SMALL_TILE_ROWS = make_attention_tile(   # (the WHILE graph's)
+    *((64, 8, 64, 4) if not backend.SIMULATOR else (8, 1, 32)), use_rows=True)
 TILE = [True]      # (switched off by kernels.ab_attention_tile for its A/B)
 LARGE = make_attention(*LARGE_CONFIG)
 # The row-table variant of head dims up to 64 (GPT-2's; the WHILE graph's beam search) is
