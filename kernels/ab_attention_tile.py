@@ -1,17 +1,19 @@
 """A/B on the H200, one process: decode attention computing from shared memory as a small
 matrix product (`attention.SMALL_TILE`: a split's K and V copied there whole before the
-early-launch wait, then scores, softmax and P.V by the block) against today's preloading
-kernel (`attention.SMALL_PRELOAD`: the same copies, then a warp per batch of positions with
-its lanes along the head dim), in GPT-2 small's graphed step and WHILE graph
-(kernels._ab_step: the step at positions 100, 512 and 1000, a whole generation per token,
-rounds interleaved, the tokens of each compared).
+early-launch wait, then scores, softmax and P.V by the block) against the preloading
+kernel it replaced (`attention.SMALL_PRELOAD`: the same copies, then a warp per batch of
+positions with its lanes along the head dim), and the tile with splits twice as long (8 of
+128 positions, 70 KB of shared memory a block), in GPT-2 small's graphed step and WHILE
+graph (kernels._ab_step: the step at positions 100, 512 and 1000, a whole generation per
+token, rounds interleaved, the tokens of each compared).
 
-Why it may pay: ncu at position 512 found the lanes-along-the-head-dim kernel issue-bound,
+Why the tile: ncu at position 512 found the lanes-along-the-head-dim kernel issue-bound,
 not memory-bound (6.7 million instructions a launch, 53% of issue slots, DRAM 27%): every
-warp spends a 5-shuffle butterfly and an online-softmax update on every position. The tile
-kernel does a position's score in 4 lanes with 2 shuffles, one exponential a position and
-P.V from shared memory. The WHILE graph's row-table kernel is not changed. AB_TOY=1 checks
-the script on the simulator.
+warp spends a 5-shuffle butterfly and an online-softmax update on every position. Why
+longer splits: the tile makes a position cheap in instructions, so a block may take more of
+them (the old kernel's 8 x 128 lost to each warp's serial batches), with half the blocks
+and half the partials for the combine to read; 3 blocks an SM instead of 6. AB_TOY=1
+checks the script on the simulator.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.ab_attention_tile 2>&1 | tee $OUT/ab_attention_tile.txt
 """
@@ -19,25 +21,46 @@ import contextlib
 import sys
 
 from kernels import _ab_step, attention
+from proto import backend
 
 
 @contextlib.contextmanager
-def tile(on: bool):
-    was, attention.TILE[0] = attention.TILE[0], on
+def switched(**values):
+    """attention's module globals set to `values` while the graphs record."""
+    was = {k: getattr(attention, k) for k in values}
+    for k, v in values.items():
+        setattr(attention, k, v)
     try:
         yield
     finally:
-        attention.TILE[0] = was
+        for k, v in was.items():
+            setattr(attention, k, v)
+
+
+def _describe(name, k):
+    print(f"{name} kernel: {k.get_regs_per_thread()} registers, "
+          f"{k.get_local_mem_per_thread()} bytes local, "
+          f"{k.get_shared_mem_per_block()} bytes shared a block", flush=True)
 
 
 def main() -> int:
+    variants = {"preload": lambda: switched(TILE=[False]),
+                "tile": lambda: switched(TILE=[True])}
     if not _ab_step.TOY:
-        for name, v in (("preload", attention.SMALL_PRELOAD), ("tile", attention.SMALL_TILE)):
-            k = v.kernel
-            print(f"{name} kernel: {k.get_regs_per_thread()} registers, "
-                  f"{k.get_local_mem_per_thread()} bytes local, "
-                  f"{k.get_shared_mem_per_block()} bytes shared a block", flush=True)
-    return _ab_step.run({"preload": lambda: tile(False), "tile": lambda: tile(True)})
+        _describe("preload", attention.SMALL_PRELOAD.kernel)
+        _describe("tile", attention.SMALL_TILE.kernel)
+        try:   # twice the positions a split: more shared memory than a static array may ask
+            long, long_rows = (attention.make_attention_tile(128, 8, 64, 3, use_rows=r)
+                               for r in (False, True))
+            _describe("tile 8x128", long.kernel)
+            _describe("tile 8x128 rows", long_rows.kernel)
+            target = round(attention.TARGET_BLOCKS * 15 / 32)   # S = 8 of 128 at GPT-2 small
+            variants["tile8x128"] = lambda: switched(
+                TILE=[True], SMALL_TILE=long, SMALL_TILE_ROWS=long_rows, TARGET_BLOCKS=target)
+        except Exception as exc:   # noqa: BLE001 (a compile or load failure drops the variant)
+            print(f"tile 8x128 not run: {type(exc).__name__}: {exc}", flush=True)
+    backend.synchronize()
+    return _ab_step.run(variants)
 
 
 if __name__ == "__main__":
