@@ -64,3 +64,17 @@ def fast_simulated_barriers():
     sys.setswitchinterval(1e-4)
     yield
     sys.setswitchinterval(old)
+
+
+@pytest.fixture
+def attention_launches(monkeypatch):
+    """The kernels kernels.attention's launcher launched, in order (which variant ran)."""
+    from kernels import attention
+    seen = []
+    real = attention.launch
+
+    def spy(kernel, *args, **kw):
+        seen.append(kernel)
+        return real(kernel, *args, **kw)
+    monkeypatch.setattr(attention, "launch", spy)
+    return seen

@@ -10,7 +10,7 @@ from kernels import attention
 from tests.helpers import dev, rand
 
 
-def _run(qkv, kc, vc, pos, H, preload, launched):
+def _run(qkv, kc, vc, pos, H, preload, attention_launches):
     attention.PRELOAD[0], attention.TILE[0] = preload, False   # (the tile: its own tests)
     try:
         dk, dv = dev(kc), dev(vc)
@@ -21,22 +21,9 @@ def _run(qkv, kc, vc, pos, H, preload, launched):
     return out.copy_to_host(), dk.copy_to_host(), dv.copy_to_host()
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernels attention() launched, in order."""
-    seen = []
-    real = attention.launch
-
-    def spy(kernel, *args, **kw):
-        seen.append(kernel)
-        return real(kernel, *args, **kw)
-    monkeypatch.setattr(attention, "launch", spy)
-    return seen
-
-
 @settings(max_examples=6, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2 ** 16))
-def test_preload_is_bit_identical_to_the_plain_kernel(data, seed, launched, scale):
+def test_preload_is_bit_identical_to_the_plain_kernel(data, seed, attention_launches, scale):
     B = data.draw(st.integers(1, 2), "B")
     H = data.draw(st.integers(1, 2), "H")
     hd = 4 * data.draw(st.integers(1, 8 if scale == 1 else 16), "hd / 4")
@@ -44,22 +31,22 @@ def test_preload_is_bit_identical_to_the_plain_kernel(data, seed, launched, scal
     pos = data.draw(st.integers(0, Tmax - 1), "pos")
     rng = np.random.default_rng(seed)
     qkv, kc, vc = rand(rng, B, 1, 3 * H * hd), rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd)
-    launched.clear()
-    got = _run(qkv, kc, vc, pos, H, True, launched)
-    assert launched[0] is attention.SMALL_PRELOAD.kernel
-    launched.clear()
-    want = _run(qkv, kc, vc, pos, H, False, launched)
-    assert launched[0] is attention.SMALL.kernel
+    attention_launches.clear()
+    got = _run(qkv, kc, vc, pos, H, True, attention_launches)
+    assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
+    attention_launches.clear()
+    want = _run(qkv, kc, vc, pos, H, False, attention_launches)
+    assert attention_launches[0] is attention.SMALL.kernel
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 
 
-def test_head_dims_not_a_multiple_of_4_take_the_plain_kernel(launched):
+def test_head_dims_not_a_multiple_of_4_take_the_plain_kernel(attention_launches):
     rng = np.random.default_rng(0)
     H, hd, Tmax = 1, 6, 8
     qkv, kc, vc = rand(rng, 1, 1, 3 * H * hd), rand(rng, 1, H, Tmax, hd), rand(rng, 1, H, Tmax, hd)
-    _run(qkv, kc, vc, 3, H, True, launched)
-    assert launched[0] is attention.SMALL.kernel
+    _run(qkv, kc, vc, 3, H, True, attention_launches)
+    assert attention_launches[0] is attention.SMALL.kernel
 
 
 def test_a_preload_with_a_row_table_is_refused():
@@ -68,15 +55,15 @@ def test_a_preload_with_a_row_table_is_refused():
 
 
 @pytest.mark.parametrize("pos", [-3, 10 ** 6])
-def test_a_pos_outside_the_cache_copies_nothing_outside_it(pos, launched):
+def test_a_pos_outside_the_cache_copies_nothing_outside_it(pos, attention_launches):
     """pos chooses the rows copied before the wait: one past the cache must not send a copy
     past the last row (the guard then writes NaN, as the plain kernel does)."""
     rng = np.random.default_rng(1)
     H, hd, Tmax = 1, 8, 11   # (the last split's span reaches past the cache's end)
     qkv, kc, vc = rand(rng, 2, 1, 3 * H * hd), rand(rng, 2, H, Tmax, hd), rand(rng, 2, H, Tmax, hd)
-    got = _run(qkv, kc, vc, pos, H, True, launched)
-    want = _run(qkv, kc, vc, pos, H, False, launched)
-    assert launched[0] is attention.SMALL_PRELOAD.kernel
+    got = _run(qkv, kc, vc, pos, H, True, attention_launches)
+    want = _run(qkv, kc, vc, pos, H, False, attention_launches)
+    assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
     assert np.isnan(got[0]).all()
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)

@@ -12,19 +12,6 @@ from kernels import attention
 from tests.helpers import assert_close, dev, rand
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernels attention() launched, in order."""
-    seen = []
-    real = attention.launch
-
-    def spy(kernel, *args, **kw):
-        seen.append(kernel)
-        return real(kernel, *args, **kw)
-    monkeypatch.setattr(attention, "launch", spy)
-    return seen
-
-
 def _fits(B, H, T, Tmax, hd, rows):
     """Whether attention's plan for this shape gives splits the tile holds whole."""
     _, _, span = attention._plan(B, H, T, Tmax, hd, attention.kernel_for(hd, rows))
@@ -44,7 +31,7 @@ def _gathered(kc, rows, pos):
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2 ** 16), with_rows=st.booleans())
-def test_tile_matches_the_reference(data, seed, with_rows, launched, scale):
+def test_tile_matches_the_reference(data, seed, with_rows, attention_launches, scale):
     B = data.draw(st.integers(1, 5 if scale > 1 else 2), "B")
     H = data.draw(st.integers(1, 12 if scale > 1 else 2), "H")
     T = data.draw(st.integers(1, 2), "T")
@@ -65,10 +52,10 @@ def test_tile_matches_the_reference(data, seed, with_rows, launched, scale):
         _gathered(vc, rows, pos) if with_rows else vc, pos, H)
     dk, dv = dev(kc), dev(vc)
     out = dev(np.full(want.shape, np.nan, np.float32))
-    launched.clear()
+    attention_launches.clear()
     attention.attention(dev(qkv), dk, dv, dev(np.array([pos], np.int32)), out, n_head=H,
                         rows=None if rows is None else dev(rows))
-    assert launched[0] is (attention.SMALL_TILE_ROWS if with_rows else attention.SMALL_TILE).kernel
+    assert attention_launches[0] is (attention.SMALL_TILE_ROWS if with_rows else attention.SMALL_TILE).kernel
     got = out.copy_to_host()
     if broken is not None:
         assert np.isnan(got[broken]).all()
@@ -87,7 +74,7 @@ def test_tile_matches_the_reference(data, seed, with_rows, launched, scale):
 
 @pytest.mark.parametrize("with_rows", [False, True], ids=["plain", "row_table"])
 @pytest.mark.parametrize("pos", [-3, 10 ** 6])
-def test_a_pos_outside_the_cache_gives_nan_and_leaves_the_cache(pos, with_rows, launched):
+def test_a_pos_outside_the_cache_gives_nan_and_leaves_the_cache(pos, with_rows, attention_launches):
     """pos picks the rows copied before the wait: one outside the cache must copy nothing
     outside it, and the guard writes NaN and leaves the caches alone."""
     rng = np.random.default_rng(1)
@@ -99,13 +86,13 @@ def test_a_pos_outside_the_cache_gives_nan_and_leaves_the_cache(pos, with_rows, 
     out = dev(np.zeros((B, 1, H * hd), np.float32))
     attention.attention(dev(qkv), dk, dv, dev(np.array([pos], np.int32)), out, n_head=H,
                         rows=rows)
-    assert launched[0] is (attention.SMALL_TILE_ROWS if with_rows else attention.SMALL_TILE).kernel
+    assert attention_launches[0] is (attention.SMALL_TILE_ROWS if with_rows else attention.SMALL_TILE).kernel
     assert np.isnan(out.copy_to_host()).all()
     np.testing.assert_array_equal(dk.copy_to_host(), kc)
     np.testing.assert_array_equal(dv.copy_to_host(), vc)
 
 
-def test_switched_off_or_too_long_a_split_takes_the_other_kernels(launched, monkeypatch):
+def test_switched_off_or_too_long_a_split_takes_the_other_kernels(attention_launches, monkeypatch):
     rng = np.random.default_rng(2)
     B, H, hd = 1, 1, 8
     Tmax = 2 * attention.SMALL_TILE.unit
@@ -114,15 +101,15 @@ def test_switched_off_or_too_long_a_split_takes_the_other_kernels(launched, monk
     qkv, kc, vc = rand(rng, B, 1, 3 * H * hd), rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd)
     out = dev(np.zeros((B, 1, H * hd), np.float32))
     attention.attention(dev(qkv), dev(kc), dev(vc), dev(np.array([3], np.int32)), out, n_head=H)
-    assert launched[0] is attention.SMALL_PRELOAD.kernel
-    launched.clear()
+    assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
+    attention_launches.clear()
     monkeypatch.setattr(attention, "TARGET_BLOCKS", 10 ** 6)   # short splits: each fits
     monkeypatch.setattr(attention, "TILE", [False])
     Tmax = 8
     assert _fits(B, H, 1, Tmax, hd, False)
     kc, vc = rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd)
     attention.attention(dev(qkv), dev(kc), dev(vc), dev(np.array([3], np.int32)), out, n_head=H)
-    assert launched[0] is attention.SMALL_PRELOAD.kernel
+    assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
 
 
 @pytest.mark.parametrize("capacity, warps, width", [(48, 8, 64), (64, 8, 48), (1, 2, 32)])
