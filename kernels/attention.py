@@ -572,22 +572,24 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         tid = _u(cuda.threadIdx.x)
         lane, warp = tid % _u(32), tid // _u(32)
         B = k_cache.shape[0]
-        lo = split * _u(span)
+        # Bounds are signed (pos may be anything), indices uint32; the two never meet in a
+        # comparison: Numba compares a signed with an unsigned 64-bit value in float64.
+        lo = cuda.blockIdx.z * span
         head = (b * _u(H) + h) * _u(Tmax)            # row of (b, h, position 0) in the caches
         qcol, kcol, vcol = h * _u(hd), _u(C) + h * _u(hd), _u(2 * C) + h * _u(hd)
         # Before the wait, as make_attention's preload: pos may not be final, it only picks
         # the rows to copy (the split's rows below it); rows at or past the final pos are
         # loaded again after the wait.
-        n_pre = min(max(min(lo + _u(span), pos[0], Tmax) - lo, 0), capacity)
+        n_pre = _u(min(max(min(lo + span, pos[0], Tmax) - lo, 0), capacity))
         c4 = tid % _u(quads)
         for k in range(capacity // copy_rows):
             r = tid // _u(quads) + _u(k * copy_rows)
             if r < n_pre and c4 < _u(hd // 4):
                 src = b
                 if use_rows:   # (an entry outside 0..B-1 is copied from row b, NaN below)
-                    named = rows[b, lo + r]
-                    src = _u(named if 0 <= named < B else b)
-                at = (((src * _u(H) + h) * _u(Tmax)) + lo + r) * _u(hd) + c4 * _u(4)
+                    named = rows[b, _u(lo) + r]
+                    src = _u(named) if 0 <= named < B else b
+                at = (((src * _u(H) + h) * _u(Tmax)) + _u(lo) + r) * _u(hd) + c4 * _u(4)
                 _cpasync.copy16(ks, r * _u(stride) + c4 * _u(4), k_cache, at)
                 _cpasync.copy16(vs, r * _u(stride) + c4 * _u(4), v_cache, at)
         _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
@@ -608,23 +610,24 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         if split == 0 and tid < _u(hd):  # token t's k, v into the caches (read from qkv)
             k_cache[b, h, _u(p0) + t, tid] = qkv[b, t, kcol + tid]
             v_cache[b, h, _u(p0) + t, tid] = qkv[b, t, vcol + tid]
-        hi = min(lo + _u(span), _u(p0) + t + _u(1))  # causal: positions 0..pos+t
+        hi = min(lo + span, p0 + cuda.blockIdx.y + 1)  # causal: positions 0..pos+t
         if lo >= hi:
             _empty_split(part_o, part_ml, bh, t, split, tid, hd)
             return
-        n = hi - lo
+        n = _u(hi - lo)
+        p0 = _u(p0)   # (>= 0 past the guard)
         # The rows the copies did not bring, a warp a row: past them, at or past the final
         # pos (this step's tokens come from qkv: their cache rows may be unwritten), or (rows)
         # named outside the cache, which give NaN.
         for k in range(capacity // warps):
             r = warp + _u(k * warps)
-            p = lo + r
+            p = _u(lo) + r
             if r < n:
                 src, ok = b, True
                 if use_rows and p < p0:
                     named = rows[b, p]
                     ok = 0 <= named < B
-                    src = _u(named if ok else b)
+                    src = _u(named) if ok else b
                 if not (r < n_pre and p < p0 and ok):
                     for j in range(width // 32):
                         d = lane + _u(32 * j)
@@ -633,8 +636,8 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
                                 ks[r * _u(stride) + d] = k_cache[src, h, p, d] if ok else NAN
                                 vs[r * _u(stride) + d] = v_cache[src, h, p, d] if ok else NAN
                             else:
-                                ks[r * _u(stride) + d] = qkv[b, p - _u(p0), kcol + d]
-                                vs[r * _u(stride) + d] = qkv[b, p - _u(p0), vcol + d]
+                                ks[r * _u(stride) + d] = qkv[b, p - p0, kcol + d]
+                                vs[r * _u(stride) + d] = qkv[b, p - p0, vcol + d]
         cuda.syncthreads()
         # Scores: lanes c = 0..per_pos-1 of position r take dims c, c + per_pos, ...
         r = tid // _u(per_pos)
