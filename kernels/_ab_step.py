@@ -16,6 +16,7 @@ before the beam search, and every A/B timed the search's last position (203) und
 labels 100, 512 and 1000 (the profiles in results/h200/profiles/ before ab_mlp_ln_step's at
 that date).
 """
+import contextlib
 import os
 import time
 from typing import Callable, ContextManager
@@ -34,6 +35,27 @@ REPLAYS, REPS = (1, dict(warmup=0, reps=1)) if TOY else (10, dict(warmup=3, reps
 prompt = np.array([4, 20, 7, 21, 18] if TOY else [464, 2068, 7586, 21831, 18045], np.int32)
 # the WHILE generation: to the last position, as end_to_end's (the toy's 3: the simulator)
 WHILE_NEW = 3 if TOY else MAX - len(prompt) + 1
+
+
+@contextlib.contextmanager
+def patched(module, **values):
+    """The module's globals set to `values` while a variant's graphs record, then restored:
+    the library reads them at recording, so a switch needs nothing else."""
+    was = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in was.items():
+            setattr(module, k, v)
+
+
+def describe(name: str, kernel) -> None:
+    """Print a compiled kernel's registers, local and shared memory (a variant's occupancy)."""
+    print(f"{name} kernel: {kernel.get_regs_per_thread()} registers, "
+          f"{kernel.get_local_mem_per_thread()} bytes local, "
+          f"{kernel.get_shared_mem_per_block()} bytes shared a block", flush=True)
 
 
 def run(variants: dict[str, Callable[[], ContextManager]]) -> int:

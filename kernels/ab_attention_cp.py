@@ -6,28 +6,16 @@ script on the simulator.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.ab_attention_cp 2>&1 | tee $OUT/ab_attention_cp.txt
 """
-import contextlib
 import sys
 
 from kernels import _ab_step, attention
 
 
-@contextlib.contextmanager
-def preload(on: bool):
-    was, attention.PRELOAD[0] = attention.PRELOAD[0], on
-    try:
-        yield
-    finally:
-        attention.PRELOAD[0] = was
-
-
 def main() -> int:
     if not _ab_step.TOY:
-        k = attention.SMALL_PRELOAD.kernel
-        print(f"preload kernel: {k.get_regs_per_thread()} registers, "
-              f"{k.get_local_mem_per_thread()} bytes local, "
-              f"{k.get_shared_mem_per_block()} bytes shared a block", flush=True)
-    return _ab_step.run({"plain": lambda: preload(False), "preload": lambda: preload(True)})
+        _ab_step.describe("preload", attention.SMALL_PRELOAD.kernel)
+    return _ab_step.run({"plain": lambda: _ab_step.patched(attention, PRELOAD=[False]),
+                         "preload": lambda: _ab_step.patched(attention, PRELOAD=[True])})
 
 
 if __name__ == "__main__":

@@ -16,22 +16,12 @@ positions only. AB_TOY=1 checks the script on the simulator.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.ab_attention_split 2>&1 | tee $OUT/ab_attention_split.txt
 """
-import contextlib
 import sys
 
 from kernels import _ab_step, attention
 
 # Grids to aim for, as fractions of today's; each becomes a plan of its own (deduplicated).
 FRACTIONS = (1.0, 15 / 32, 21 / 32, 15 / 8)
-
-
-@contextlib.contextmanager
-def aiming_at(target: int):
-    was, attention.TARGET_BLOCKS = attention.TARGET_BLOCKS, target
-    try:
-        yield
-    finally:
-        attention.TARGET_BLOCKS = was
 
 
 def variants() -> dict:
@@ -44,7 +34,8 @@ def variants() -> dict:
         target = max(1, round(attention.TARGET_BLOCKS * f))
         _, splits, span = attention._plan(5, cfg.n_head, 1, _ab_step.MAX, hd,
                                           target_blocks=target)
-        out.setdefault(f"S{splits}x{span}", lambda t=target: aiming_at(t))
+        out.setdefault(f"S{splits}x{span}",
+                       lambda t=target: _ab_step.patched(attention, TARGET_BLOCKS=t))
     return out
 
 

@@ -17,49 +17,29 @@ checks the script on the simulator.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.ab_attention_tile 2>&1 | tee $OUT/ab_attention_tile.txt
 """
-import contextlib
 import sys
 
 from kernels import _ab_step, attention
-from proto import backend
-
-
-@contextlib.contextmanager
-def switched(**values):
-    """attention's module globals set to `values` while the graphs record."""
-    was = {k: getattr(attention, k) for k in values}
-    for k, v in values.items():
-        setattr(attention, k, v)
-    try:
-        yield
-    finally:
-        for k, v in was.items():
-            setattr(attention, k, v)
-
-
-def _describe(name, k):
-    print(f"{name} kernel: {k.get_regs_per_thread()} registers, "
-          f"{k.get_local_mem_per_thread()} bytes local, "
-          f"{k.get_shared_mem_per_block()} bytes shared a block", flush=True)
+from kernels._ab_step import describe, patched
 
 
 def main() -> int:
-    variants = {"preload": lambda: switched(TILE=[False]),
-                "tile": lambda: switched(TILE=[True])}
+    variants = {"preload": lambda: patched(attention, TILE=[False]),
+                "tile": lambda: patched(attention, TILE=[True])}
     if not _ab_step.TOY:
-        _describe("preload", attention.SMALL_PRELOAD.kernel)
-        _describe("tile", attention.SMALL_TILE.kernel)
+        describe("preload", attention.SMALL_PRELOAD.kernel)
+        describe("tile", attention.SMALL_TILE.kernel)
         try:   # twice the positions a split: more shared memory than a static array may ask
             long, long_rows = (attention.make_attention_tile(128, 8, 64, 3, use_rows=r)
                                for r in (False, True))
-            _describe("tile 8x128", long.kernel)
-            _describe("tile 8x128 rows", long_rows.kernel)
+            describe("tile 8x128", long.kernel)
+            describe("tile 8x128 rows", long_rows.kernel)
             target = round(attention.TARGET_BLOCKS * 15 / 32)   # S = 8 of 128 at GPT-2 small
-            variants["tile8x128"] = lambda: switched(
-                TILE=[True], SMALL_TILE=long, SMALL_TILE_ROWS=long_rows, TARGET_BLOCKS=target)
+            variants["tile8x128"] = lambda: patched(
+                attention, TILE=[True], SMALL_TILE=long, SMALL_TILE_ROWS=long_rows,
+                TARGET_BLOCKS=target)
         except Exception as exc:   # noqa: BLE001 (a compile or load failure drops the variant)
             print(f"tile 8x128 not run: {type(exc).__name__}: {exc}", flush=True)
-    backend.synchronize()
     return _ab_step.run(variants)
 
 

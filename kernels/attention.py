@@ -575,7 +575,6 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         # Bounds are signed (pos may be anything), indices uint32; the two never meet in a
         # comparison: Numba compares a signed with an unsigned 64-bit value in float64.
         lo = cuda.blockIdx.z * span
-        head = (b * _u(H) + h) * _u(Tmax)            # row of (b, h, position 0) in the caches
         qcol, kcol, vcol = h * _u(hd), _u(C) + h * _u(hd), _u(2 * C) + h * _u(hd)
         # Before the wait, as make_attention's preload: pos may not be final, it only picks
         # the rows to copy (the split's rows below it); rows at or past the final pos are

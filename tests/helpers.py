@@ -73,3 +73,9 @@ def spy_on_plan_visits(monkeypatch) -> dict:
 
     monkeypatch.setattr(Visitor, "visit", spy)
     return seen
+
+
+def per_signature(value):
+    """A compiled kernel's figure (registers, local or shared memory): Numba returns a dict
+    per signature unless the kernel is specialized; the largest of them."""
+    return max(value.values()) if isinstance(value, dict) else value

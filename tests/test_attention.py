@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from kernels import attention
 from proto import backend
 from proto.backend import cuda
-from tests.helpers import assert_close, dev, rand
+from tests.helpers import assert_close, dev, per_signature, rand
 
 
 def _case(rng, B, H, T, Tmax, hd):
@@ -154,9 +154,6 @@ def test_gpt2_attention_kernels_fit_their_blocks_an_sm_without_spilling(rows, bl
     local memory (a spill inside the position loop would cost more than a block an SM
     gains). Registers are allocated 256 a warp at a time, 64K an SM."""
     variant = attention.kernel_for(64, rows)
-
-    def per_signature(value):   # a dict per signature, unless specialized
-        return max(value.values()) if isinstance(value, dict) else value
 
     regs = per_signature(variant.kernel.get_regs_per_thread())
     per_warp = -(-regs * 32 // 256) * 256

@@ -10,7 +10,7 @@ from kernels import attention
 from tests.helpers import dev, rand
 
 
-def _run(qkv, kc, vc, pos, H, preload, attention_launches):
+def _run(qkv, kc, vc, pos, H, preload):
     attention.PRELOAD[0], attention.TILE[0] = preload, False   # (the tile: its own tests)
     try:
         dk, dv = dev(kc), dev(vc)
@@ -32,10 +32,10 @@ def test_preload_is_bit_identical_to_the_plain_kernel(data, seed, attention_laun
     rng = np.random.default_rng(seed)
     qkv, kc, vc = rand(rng, B, 1, 3 * H * hd), rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd)
     attention_launches.clear()
-    got = _run(qkv, kc, vc, pos, H, True, attention_launches)
+    got = _run(qkv, kc, vc, pos, H, True)
     assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
     attention_launches.clear()
-    want = _run(qkv, kc, vc, pos, H, False, attention_launches)
+    want = _run(qkv, kc, vc, pos, H, False)
     assert attention_launches[0] is attention.SMALL.kernel
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
@@ -45,7 +45,7 @@ def test_head_dims_not_a_multiple_of_4_take_the_plain_kernel(attention_launches)
     rng = np.random.default_rng(0)
     H, hd, Tmax = 1, 6, 8
     qkv, kc, vc = rand(rng, 1, 1, 3 * H * hd), rand(rng, 1, H, Tmax, hd), rand(rng, 1, H, Tmax, hd)
-    _run(qkv, kc, vc, 3, H, True, attention_launches)
+    _run(qkv, kc, vc, 3, H, True)
     assert attention_launches[0] is attention.SMALL.kernel
 
 
@@ -61,8 +61,8 @@ def test_a_pos_outside_the_cache_copies_nothing_outside_it(pos, attention_launch
     rng = np.random.default_rng(1)
     H, hd, Tmax = 1, 8, 11   # (the last split's span reaches past the cache's end)
     qkv, kc, vc = rand(rng, 2, 1, 3 * H * hd), rand(rng, 2, H, Tmax, hd), rand(rng, 2, H, Tmax, hd)
-    got = _run(qkv, kc, vc, pos, H, True, attention_launches)
-    want = _run(qkv, kc, vc, pos, H, False, attention_launches)
+    got = _run(qkv, kc, vc, pos, H, True)
+    want = _run(qkv, kc, vc, pos, H, False)
     assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
     assert np.isnan(got[0]).all()
     for g, w in zip(got, want):

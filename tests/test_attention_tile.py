@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from kernels import attention
-from tests.helpers import assert_close, dev, rand
+from tests.helpers import assert_close, dev, per_signature, rand
 
 
 def _fits(B, H, T, Tmax, hd, rows):
@@ -128,9 +128,6 @@ def test_gpt2_decode_takes_the_tile_at_its_blocks_an_sm_without_spilling(with_ro
     of it reserved a block."""
     assert _fits(5, 12, 1, 1024, 64, with_rows)
     k = (attention.SMALL_TILE_ROWS if with_rows else attention.SMALL_TILE).kernel
-
-    def per_signature(value):
-        return max(value.values()) if isinstance(value, dict) else value
 
     regs = per_signature(k.get_regs_per_thread())
     assert 65536 // (-(-regs * 32 // 256) * 256 * 8) >= blocks
