@@ -63,11 +63,13 @@ if not backend.SIMULATOR:
     SMALL_CONFIG, LARGE_CONFIG = (2, 4, 8), (8, 2, 8)
     TARGET_BLOCKS = 1024  # decode splits the cache until the grid has about this many blocks
     COMBINE_CHUNK = 16    # splits whose partials a combine thread loads at once
+    MAX_PARTS = 16        # partial sums of qkv the tile kernel adds as it loads
 else:
     # Simulated threads cost ~0.1 ms each: one-warp blocks, a few positions per batch.
     SMALL_CONFIG, LARGE_CONFIG = (2, 2, 1), (8, 2, 1)
     TARGET_BLOCKS = 8
     COMBINE_CHUNK = 4
+    MAX_PARTS = 4
 # Hot-loop indices are uint32 where they index: Numba guards signed indices against Python's
 # negative indexing (extra instructions per access); unsigned ones compile to plain offsets.
 _u = np.uint32
@@ -116,6 +118,25 @@ def _empty_split(part_o, part_ml, bh, t, split, tid, hd):
     if tid == 0:
         part_ml[bh, t, split, 0] = NEG_INF
         part_ml[bh, t, split, 1] = ZERO
+
+
+@cuda.jit(device=True, inline="always")
+def _projected(qkv, bias, row, col):
+    """Element (row, col) of the qkv projection from its P = qkv.shape[0] partial sums
+    (qkv (P, rows, 3C); `kernels.gemm.partials`), added in order, plus bias[col] when `bias`
+    covers every column (else it is a placeholder): the order of gemm's split-K reduction.
+    All P loads are issued before the first add (one memory round trip, not P)."""
+    vals = cuda.local.array(MAX_PARTS, np.float32)
+    n = qkv.shape[0]
+    for s in range(MAX_PARTS):   # (past the last, the last again: never added)
+        vals[s] = qkv[_u(min(s, n - 1)), row, col]
+    v = ZERO
+    for s in range(MAX_PARTS):
+        if s < n:
+            v += vals[s]
+    if bias.shape[0] == qkv.shape[2]:
+        v += bias[col]
+    return v
 
 
 _ATT_ARGS = ("float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], "
@@ -550,18 +571,20 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
     # kernel it replaced: 7.8 million a launch at position 512, ncu).
     bounds = {"launch_bounds": (threads, min_blocks)} if min_blocks else {}
 
-    @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
-         early_launch=True, **bounds)
-    def attention_tile_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows):
+    @jit(f"void({_ATT_ARGS}, float32[::1])",
+         writes=("k_cache", "v_cache", "out", "part_o", "part_ml"), early_launch=True, **bounds)
+    def attention_tile_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows,
+                              bias):
         """Grid (B*H, T, S), `threads` threads; as make_attention's kernel (without
-        use_rows, `rows` is never read)."""
+        use_rows, `rows` is never read), but qkv is (P, B*T, 3C): P partial sums of the
+        projection (P = 1: qkv itself), summed with `bias` as they load (`_projected`)."""
         ks = cuda.shared.array(tile_size, np.float32, alignment=_ALIGN)  # [r*stride+d]
         vs = cuda.shared.array(tile_size, np.float32, alignment=_ALIGN)
         qs = cuda.shared.array(width, np.float32)         # q, scaled
         sc = cuda.shared.array(capacity, np.float32)      # scores (-inf past the split's end)
         pe = cuda.shared.array(capacity, np.float32)      # exp(score - max)
         red = cuda.shared.array(threads, np.float32)      # [g*width+d] P.V of group g
-        T = qkv.shape[1]
+        T = out.shape[1]
         H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         C = H * hd
         bh = _u(cuda.blockIdx.x)
@@ -594,10 +617,14 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         _pdl.wait()   # (early launch: q, pos and the cache are earlier kernels' outputs)
         _pdl.launch_dependents()
         scale = np.float32(1.0) / math.sqrt(np.float32(hd))
+        row = b * _u(T) + t   # this query's row of qkv
         if tid < _u(hd):
-            qs[tid] = qkv[b, t, qcol + tid] * scale
+            qs[tid] = _projected(qkv, bias, row, qcol + tid) * scale
         p0 = pos[0]
         _cpasync.wait_all()
+        # A row the copies brought may be refilled below by another thread (if pos was
+        # larger before the wait than after): every copy lands before any refill.
+        cuda.syncthreads()
         # Every condition below is uniform over the block, so early returns skip no barrier.
         if p0 < 0 or p0 + T > Tmax:
             if cuda.gridDim.z == 1:
@@ -606,37 +633,50 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
             else:
                 _empty_split(part_o, part_ml, bh, t, split, tid, hd)
             return
-        if split == 0 and tid < _u(hd):  # token t's k, v into the caches (read from qkv)
-            k_cache[b, h, _u(p0) + t, tid] = qkv[b, t, kcol + tid]
-            v_cache[b, h, _u(p0) + t, tid] = qkv[b, t, vcol + tid]
+        # Thread e < 2 hd takes element e of this step's (k | v) of head h below.
+        if split == 0:   # token t's k, v into the caches
+            for k in range(-(-2 * width // threads)):
+                e = tid + _u(k * threads)
+                if e < _u(2 * hd):
+                    kv = e // _u(hd)
+                    d = e - kv * _u(hd)
+                    (v_cache if kv else k_cache)[b, h, _u(p0) + t, d] = \
+                        _projected(qkv, bias, row, kcol + kv * _u(C) + d)
         hi = min(lo + span, p0 + cuda.blockIdx.y + 1)  # causal: positions 0..pos+t
         if lo >= hi:
             _empty_split(part_o, part_ml, bh, t, split, tid, hd)
             return
         n = _u(hi - lo)
+        # This step's tokens 0..t in the split (their cache rows may be unwritten yet): from
+        # qkv, one element a thread.
+        for j in range(cuda.blockIdx.y + 1):
+            if lo <= p0 + j < hi:
+                r = _u(p0 + j - lo)
+                for k in range(-(-2 * width // threads)):
+                    e = tid + _u(k * threads)
+                    if e < _u(2 * hd):
+                        kv = e // _u(hd)
+                        d = e - kv * _u(hd)
+                        (vs if kv else ks)[r * _u(stride) + d] = _projected(
+                            qkv, bias, b * _u(T) + _u(j), kcol + kv * _u(C) + d)
         p0 = _u(p0)   # (>= 0 past the guard)
-        # The rows the copies did not bring, a warp a row: past them, at or past the final
-        # pos (this step's tokens come from qkv: their cache rows may be unwritten), or (rows)
-        # named outside the cache, which give NaN.
+        # The cache rows the copies did not bring, a warp a row: past them, or (rows) named
+        # outside the cache, which give NaN.
         for k in range(capacity // warps):
             r = warp + _u(k * warps)
             p = _u(lo) + r
-            if r < n:
+            if r < n and p < p0:
                 src, ok = b, True
-                if use_rows and p < p0:
+                if use_rows:
                     named = rows[b, p]
                     ok = 0 <= named < B
                     src = _u(named) if ok else b
-                if not (r < n_pre and p < p0 and ok):
+                if not (r < n_pre and ok):
                     for j in range(width // 32):
                         d = lane + _u(32 * j)
                         if d < _u(hd):
-                            if p < p0:
-                                ks[r * _u(stride) + d] = k_cache[src, h, p, d] if ok else NAN
-                                vs[r * _u(stride) + d] = v_cache[src, h, p, d] if ok else NAN
-                            else:
-                                ks[r * _u(stride) + d] = qkv[b, p - p0, kcol + d]
-                                vs[r * _u(stride) + d] = qkv[b, p - p0, vcol + d]
+                            ks[r * _u(stride) + d] = k_cache[src, h, p, d] if ok else NAN
+                            vs[r * _u(stride) + d] = v_cache[src, h, p, d] if ok else NAN
         cuda.syncthreads()
         # Scores: lanes c = 0..per_pos-1 of position r take dims c, c + per_pos, ...
         r = tid // _u(per_pos)
@@ -709,6 +749,7 @@ SMALL_TILE = make_attention_tile(*((64, 8, 64, 6) if not backend.SIMULATOR else 
 SMALL_TILE_ROWS = make_attention_tile(   # (the WHILE graph's)
     *((64, 8, 64, 4) if not backend.SIMULATOR else (8, 1, 32)), use_rows=True)
 TILE = [True]      # (switched off by kernels.ab_attention_tile for its A/B)
+SUM_PARTIALS = [True]   # (switched off by kernels.ab_qkv_partials for its A/B)
 LARGE = make_attention(*LARGE_CONFIG)
 # The row-table variant of head dims up to 64 (GPT-2's; the WHILE graph's beam search) is
 # `make_attention_groups`: 16 lanes x 4 dims, 2 positions a group a batch, so a lane has as
@@ -813,7 +854,37 @@ def _plan(B: int, H: int, T: int, Tmax: int, hd: int, variant: Variant | None = 
     return v, -(-Tmax // span), span
 
 
-def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -> None:
+def _choose(B: int, H: int, T: int, k_cache, v_cache, rows) -> tuple[Variant, int, int]:
+    """(kernel variant, splits, span) `attention` launches for validated arguments."""
+    Tmax, hd = k_cache.shape[2], k_cache.shape[3]
+    # (the row-table kernel is planned by its own batch of positions)
+    variant, splits, span = _plan(B, H, T, Tmax, hd, kernel_for(hd, rows is not None))
+    aligned = (hd % 4 == 0 and backend.address(k_cache) % 16 == 0
+               and backend.address(v_cache) % 16 == 0)   # (cp.async copies 16 bytes)
+    if (TILE[0] and aligned and hd <= SMALL_TILE.max_hd and span <= SMALL_TILE.unit
+            and variant in (SMALL, _WITH_ROWS[SMALL.config])):
+        variant = SMALL_TILE_ROWS if rows is not None else SMALL_TILE   # the same plan
+    elif variant is SMALL and PRELOAD[0] and aligned:
+        variant = SMALL_PRELOAD   # the same plan: its unit is SMALL's
+    return variant, splits, span
+
+
+def _is_tile(variant: Variant) -> bool:
+    return variant.config[0] == "tile"
+
+
+def takes_partials(k_cache, v_cache, T: int, rows=None, parts: int = 1) -> bool:
+    """Whether `attention` over these caches, T new tokens and `rows` takes qkv as `parts`
+    partial sums of its projection and a bias (the tile kernel does, for splits of up to 64
+    positions of head dims up to 64: GPT-2's decode); the caller then skips the projection's
+    reduction (`kernels.gemm.partials`). `SUM_PARTIALS` switches it off for A/Bs."""
+    B, H = k_cache.shape[0], k_cache.shape[1]
+    return (SUM_PARTIALS[0] and 1 <= parts <= MAX_PARTS
+            and _is_tile(_choose(B, H, T, k_cache, v_cache, rows)[0]))
+
+
+def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=None,
+              stream=0) -> None:
     """Causal attention of this step's T queries over the cache, after appending its k, v.
 
     qkv (B, T, 3C): fused q | k | v, head h at [h*hd:(h+1)*hd] of each; k_cache, v_cache
@@ -826,9 +897,18 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -
     cache row rows[b, p] instead of row b (this step's are still written to row b). Beam
     search then reorders a table of rows (`reorder_rows`) instead of moving the cache: a
     hypothesis's prefix stays where it was written. A row outside 0..B-1 gives NaN.
+
+    qkv (P, B, T, 3C) with qkv_bias (3C,): P partial sums of the projection
+    (`kernels.gemm.partials`); q | k | v is their sum in order plus the bias, which the
+    kernel adds as it loads them. Only where `takes_partials` says so (else ValueError).
     """
-    _check.device_array("qkv", qkv, ndim=3)
-    B, T, C3 = qkv.shape
+    _check.device_array("qkv", qkv)
+    if qkv.ndim not in (3, 4) or (qkv.ndim == 4) != (qkv_bias is not None):
+        raise ValueError(f"qkv: expected (B, T, 3C), or (P, B, T, 3C) partial sums with "
+                         f"qkv_bias, got shape {tuple(qkv.shape)} and qkv_bias "
+                         f"{'given' if qkv_bias is not None else 'None'}")
+    parts = qkv.shape[0] if qkv.ndim == 4 else 1
+    B, T, C3 = qkv.shape[-3:]
     n_head = _check.positive("n_head", n_head)
     if C3 % 3 or (C3 // 3) % n_head:
         raise ValueError(f"qkv: last dim {C3} must be 3*C with C a multiple of n_head={n_head}")
@@ -849,23 +929,24 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, stream=0) -
         rows_arg = backend.empty((1, 1), np.int32, "attention.no_rows")
     else:
         rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
-    # (the row-table kernel is planned by its own batch of positions)
-    variant, splits, span = _plan(B, n_head, T, Tmax, hd, kernel_for(hd, rows is not None))
-    aligned = (hd % 4 == 0 and backend.address(k_cache) % 16 == 0
-               and backend.address(v_cache) % 16 == 0)   # (cp.async copies 16 bytes)
-    if (TILE[0] and aligned and hd <= SMALL_TILE.max_hd and span <= SMALL_TILE.unit
-            and variant in (SMALL, _WITH_ROWS[SMALL.config])):
-        variant = SMALL_TILE_ROWS if rows is not None else SMALL_TILE   # the same plan
-    elif variant is SMALL and PRELOAD[0] and aligned:
-        variant = SMALL_PRELOAD   # the same plan: its unit is SMALL's
+    variant, splits, span = _choose(B, n_head, T, k_cache, v_cache, rows)
+    if qkv_bias is not None:
+        _check.device_array("qkv_bias", qkv_bias, shape=(C3,))
+        if not takes_partials(k_cache, v_cache, T, rows, parts):
+            raise ValueError(f"qkv: {parts} partial sums need the tile kernel, which does not "
+                             f"serve this shape (see attention.takes_partials)")
     if splits > 1:  # scratch of this call: the combine launch reads it
         part_o = backend.empty((B * n_head, T, splits, hd), np.float32, "attention.partials")
         part_ml = backend.empty((B * n_head, T, splits, 2), np.float32, "attention.stats")
     else:  # placeholders, never touched
         part_o = backend.empty((1, 1, 1, 1), np.float32, "attention.partials")
         part_ml = backend.empty((1, 1, 1, 2), np.float32, "attention.stats")
-    launch(variant.kernel, (B * n_head, T, splits), variant.threads,
-           (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, rows_arg), stream)
+    args = (qkv, k_cache, v_cache, pos, out, np.int32(span), part_o, part_ml, rows_arg)
+    if _is_tile(variant):   # qkv as (P, B*T, 3C), a bias or a placeholder (never read)
+        bias = qkv_bias if qkv_bias is not None else backend.empty((1,), np.float32,
+                                                                    "attention.no_bias")
+        args = (backend.reshaped(qkv, (parts, B * T, C3)), *args[1:], bias)
+    launch(variant.kernel, (B * n_head, T, splits), variant.threads, args, stream)
     if splits > 1:
         launch(attention_combine_kernel, (B * n_head, T), _check.warp_threads(hd),
                (pos, np.int32(Tmax), np.int32(span), part_o, part_ml, out), stream)

@@ -85,6 +85,7 @@ if not backend.SIMULATOR:
     NN_WIDE = (8, 1, 4, 4, 3)     # 128-column tiles, persistent: wider N (50257)
     NT_CONFIG = (8, 2, 8, 3)
     TARGET_BLOCKS = 2 * 132  # K splits until the grid has about this many blocks
+    PARTIALS_TARGET = TARGET_BLOCKS   # ... for `partials` (switched by kernels.ab_qkv_partials)
     RED_CHUNK = 16           # partials a reduce thread loads before adding any
     LN_COLS = 4              # columns per thread of the fused layer norm
     LN_THREADS = 512         # ... and threads at most: N <= LN_COLS * LN_THREADS
@@ -99,6 +100,7 @@ else:
     NN_WIDE = (1, 1, 2, 2)
     NT_CONFIG = (1, 2, 2)
     TARGET_BLOCKS = 2
+    PARTIALS_TARGET = TARGET_BLOCKS
     RED_CHUNK = 2
     LN_COLS = 2
     LN_THREADS = 64
@@ -664,15 +666,20 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
     if target is None:  # the whole-K kernels split only where K exceeds SPAN_MAX
         target = 1 if dk is NN_COLS or dk is NN_WIDE_K else TARGET_BLOCKS
     n_tiles = -(-n_cols // dk.tile)
-    step = min(dk.k_step, SPAN_MAX)
-    want = -(-target // (n_tiles * batch))
-    splits = max(-(-k_len // SPAN_MAX), min(want, -(-k_len // step)))
-    span = -(-(-(-k_len // splits)) // step) * step  # whole batches per split
-    span = min(span, SPAN_MAX)
-    splits = -(-k_len // span)
+    splits, span = _split_k(dk, k_len, -(-target // (n_tiles * batch)))
     cap = _check.resident_blocks(dk.kernel, dk.threads) if grid_cap is None else grid_cap
     blocks = max(1, min(n_tiles, cap // (splits * batch)))
     return blocks, splits, span
+
+
+def _split_k(dk: Decode, k_len: int, want: int) -> tuple[int, int]:
+    """(splits, span) of K: about `want` splits of whole batches of the kernel's loads, never
+    more than one batch or fewer than SPAN_MAX rows allow."""
+    step = min(dk.k_step, SPAN_MAX)
+    splits = max(-(-k_len // SPAN_MAX), min(want, -(-k_len // step)))
+    span = -(-(-(-k_len // splits)) // step) * step  # whole batches per split
+    span = min(span, SPAN_MAX)
+    return -(-k_len // span), span
 
 
 def _partials(out, splits: int, direct: bool):
@@ -713,6 +720,50 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
                _check.warp_threads(-(-n_cols // LN_COLS)),
                (part, out, bias, has_bias, act, accumulate, gamma, beta, np.float32(eps), y),
                stream)
+
+
+def partial_splits(n_cols: int, k_len: int) -> int:
+    """The K splits `partials` takes for a decode product of N = n_cols, K = k_len: as many
+    as the split kernel's plan gives when it must reduce (GPT-2 small's qkv, 768 x 2304: 6
+    of 128 rows, 216 blocks)."""
+    return _split_k(NN, k_len, -(-PARTIALS_TARGET // -(-n_cols // NN.tile)))[0]
+
+
+def partials(a, b, part, *, stream=0) -> None:
+    """part[s] = a @ b over K rows [s * span, (s + 1) * span), span = K / S rounded up to the
+    split kernel's batch (`NN`), for S = part.shape[0]: the split-K partial products of a
+    decode GEMM with no epilogue and no reduction launch, for a consumer that sums the S
+    partials in order (and adds the bias) as it loads its operands: kernels.attention's tile
+    does so for qkv, where the whole-K kernel needs 144 blocks to read 7 MB and takes about
+    twice what the split kernel does (results/h200/profiles/stream_df1cd61.txt).
+
+    a (M <= 8, K), b (K, N), part (S, M, N) device float32; S from `partial_splits` or any
+    count whose span covers K in exactly S splits of at most SPAN_MAX rows."""
+    _check.device_array("a", a, ndim=2)
+    m_rows, k_len = a.shape
+    _check.positive("a.shape[0] (rows)", m_rows, at_most=DECODE_MAX_M)
+    _check.device_array("b", b, shape=(k_len, None))
+    n_cols = b.shape[1]
+    _check.device_array("part", part, shape=(None, m_rows, n_cols))
+    splits = _check.positive("part.shape[0] (splits)", part.shape[0])
+    got, span = _split_k(NN, k_len, splits)
+    if got != splits:
+        raise ValueError(f"part: {splits} splits of K={k_len} in whole batches of "
+                         f"{NN.k_step} rows do not come out even (or exceed {SPAN_MAX} rows "
+                         f"each); partial_splits({n_cols}, {k_len}) = "
+                         f"{partial_splits(n_cols, k_len)}")
+    _check.no_overlap({"part": part, "a": a, "b": b}, [("part", "a"), ("part", "b")])
+    a3, b3 = backend.reshaped(a, (1, m_rows, k_len)), backend.reshaped(b, (1, k_len, n_cols))
+    part4 = backend.reshaped(part, (1, splits, m_rows, n_cols))
+    # out: never written with direct = 0, but its shape gives M and N, and a declared output
+    # may overlap no other argument
+    out3 = backend.empty((1, m_rows, n_cols), np.float32, "gemm.partials.out")
+    n_tiles = -(-n_cols // NN.tile)
+    cap = _check.resident_blocks(NN.kernel, NN.threads)
+    blocks = max(1, min(n_tiles, cap // splits))
+    launch(NN.kernel, (blocks, splits, 1), NN.threads,
+           (a3, b3, out3, backend.reshaped(b, (b.size,)), part4, 0, 0, 0, 0, 0,
+            np.int32(span)), stream)
 
 
 def tiled_plan(batch: int, m_rows: int, n_cols: int, k_len: int,

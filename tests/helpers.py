@@ -28,6 +28,18 @@ def rand(rng: np.random.Generator, *shape, scale: float = 1.0, dtype=np.float32)
     return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
+def split_counts(k: int, step: int, span_max: int) -> list[int]:
+    """Every count S of K splits that a decode GEMM's partials cover K with exactly: span =
+    ceil(K / S) rounded up to whole batches of `step` rows, at most `span_max`, and
+    ceil(K / span) == S."""
+    out = []
+    for s in range(1, k + 1):
+        span = -(-(-(-k // s)) // step) * step
+        if span <= span_max and -(-k // span) == s:
+            out.append(s)
+    return out
+
+
 # ------------------------------------------------------------------------- memory plans
 def relu_output(rng, shape):
     """A ReLU's output: about half its elements exactly 0, and one NaN (a NaN y passes no

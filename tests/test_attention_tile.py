@@ -1,8 +1,8 @@
 """attention's tile kernels (`attention.SMALL_TILE`, and `SMALL_TILE_ROWS` with a row
 table): a split whole in shared memory, scores, softmax and P.V by the block. Against the
 float64 reference: random shapes whose plan gives splits that fit the tile (the kernel that
-ran is checked), positions inside splits and past them, this step's tokens from qkv, the
-cache written exactly; with a row table, each earlier position from its named row and NaN
+ran is checked), positions inside splits and past them, this step's tokens from qkv or from
+partial sums of it and a bias, the cache written exactly; with a row table, each earlier position from its named row and NaN
 for a row that does not exist; the device-side guard on pos; the geometry it refuses."""
 import numpy as np
 import pytest
@@ -41,6 +41,17 @@ def test_tile_matches_the_reference(data, seed, with_rows, attention_launches, s
     pos = data.draw(st.integers(0, Tmax - T), "pos")
     rng = np.random.default_rng(seed)
     qkv, kc, vc = rand(rng, B, T, 3 * H * hd), rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd)
+    # qkv itself, or P partial sums of it and a bias (kernels.gemm.partials): q | k | v is
+    # then their float32 sum in order, the bias last
+    parts = data.draw(st.integers(0, attention.MAX_PARTS), "partial sums (0: qkv itself)")
+    given_qkv, qkv_bias = dev(qkv), None
+    if parts:
+        split, bias = rand(rng, parts, B, T, 3 * H * hd), rand(rng, 3 * H * hd)
+        qkv = np.zeros_like(qkv)
+        for p in split:
+            qkv = qkv + p
+        qkv = qkv + bias
+        given_qkv, qkv_bias = dev(split), dev(bias)
     rows, broken = None, None
     if with_rows:
         rows = rng.integers(0, B, (B, Tmax)).astype(np.int32)
@@ -53,8 +64,8 @@ def test_tile_matches_the_reference(data, seed, with_rows, attention_launches, s
     dk, dv = dev(kc), dev(vc)
     out = dev(np.full(want.shape, np.nan, np.float32))
     attention_launches.clear()
-    attention.attention(dev(qkv), dk, dv, dev(np.array([pos], np.int32)), out, n_head=H,
-                        rows=None if rows is None else dev(rows))
+    attention.attention(given_qkv, dk, dv, dev(np.array([pos], np.int32)), out, n_head=H,
+                        rows=None if rows is None else dev(rows), qkv_bias=qkv_bias)
     assert attention_launches[0] is (attention.SMALL_TILE_ROWS if with_rows else attention.SMALL_TILE).kernel
     got = out.copy_to_host()
     if broken is not None:
@@ -110,6 +121,30 @@ def test_switched_off_or_too_long_a_split_takes_the_other_kernels(attention_laun
     kc, vc = rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd)
     attention.attention(dev(qkv), dev(kc), dev(vc), dev(np.array([3], np.int32)), out, n_head=H)
     assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
+
+
+def test_partials_are_refused_where_the_tile_does_not_serve(monkeypatch):
+    """Partial sums of qkv without a bias, a bias with qkv itself, too many partials, or a
+    shape the tile does not take (switched off): ValueError naming qkv, before any launch."""
+    rng = np.random.default_rng(3)
+    B, H, hd, Tmax = 1, 1, 8, 8
+    kc, vc = dev(rand(rng, B, H, Tmax, hd)), dev(rand(rng, B, H, Tmax, hd))
+    split, bias = dev(rand(rng, 2, B, 1, 3 * H * hd)), dev(rand(rng, 3 * H * hd))
+    qkv = dev(rand(rng, B, 1, 3 * H * hd))
+    too_many = dev(rand(rng, attention.MAX_PARTS + 1, B, 1, 3 * H * hd))
+    launched = []
+    monkeypatch.setattr(attention, "launch", lambda *a, **k: launched.append(a))
+    out = dev(np.zeros((B, 1, H * hd), np.float32))
+    pos = dev(np.array([3], np.int32))
+    assert attention.takes_partials(kc, vc, 1, parts=2)
+    for given_qkv, given_bias in ((split, None), (qkv, bias), (too_many, bias)):
+        with pytest.raises(ValueError, match="qkv"):
+            attention.attention(given_qkv, kc, vc, pos, out, n_head=H, qkv_bias=given_bias)
+    monkeypatch.setattr(attention, "TILE", [False])
+    assert not attention.takes_partials(kc, vc, 1, parts=2)
+    with pytest.raises(ValueError, match="qkv"):
+        attention.attention(split, kc, vc, pos, out, n_head=H, qkv_bias=bias)
+    assert launched == []
 
 
 @pytest.mark.parametrize("capacity, warps, width", [(48, 8, 64), (64, 8, 48), (1, 2, 32)])

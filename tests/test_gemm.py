@@ -15,7 +15,7 @@ from kernels import _check, gemm as G
 from kernels.layernorm import layernorm_ref
 from proto import backend
 from proto.backend import cuda
-from tests.helpers import assert_close, dev, rand
+from tests.helpers import assert_close, dev, rand, split_counts
 
 FLAGS = list(itertools.product([False, True], [False, True], [None, "gelu", "relu"],
                                [False, True], [False, True]))  # trans_a, trans_b, act, bias, acc
@@ -342,4 +342,46 @@ def test_tiled_refuses_operands_past_its_32_bit_offsets(monkeypatch):
     b, out = dev(np.ones((1, 2**16, 4), np.float32)), SimpleNamespace(shape=(1, 2**16, 4))
     with pytest.raises(ValueError, match=r"a: 4294967296 elements exceed the tiled GEMM's 2\*\*32"):
         G.tiled(big, b, out, b, 0, 0, 0, 0, 0, 0)
+    assert recorder.launches == []
+
+
+def _valid_splits(k):
+    return split_counts(k, G.NN.k_step, G.SPAN_MAX)
+
+
+@given(m=st.integers(1, G.DECODE_MAX_M), n=st.integers(1, 80), k=st.integers(1, 150),
+       data=st.data(), seed=st.integers(0, 2**16))
+def test_partials_are_each_splits_product(m, n, k, data, seed):
+    """part[s] = a[:, span_s] @ b[span_s] with span_s = [s*span, (s+1)*span): each split's
+    own product, no bias and nothing summed (the consumer sums them)."""
+    splits = data.draw(st.sampled_from(_valid_splits(k)), "splits")
+    span = -(-(-(-k // splits)) // G.NN.k_step) * G.NN.k_step
+    rng = np.random.default_rng(seed)
+    a, b = rand(rng, m, k), rand(rng, k, n)
+    part = dev(np.full((splits, m, n), np.nan, np.float32))
+    G.partials(dev(a), dev(b), part)
+    want = np.stack([a[:, s * span:(s + 1) * span].astype(np.float64)
+                     @ b[s * span:(s + 1) * span] for s in range(splits)])
+    assert_close(part, want, "gemm")
+
+
+@given(n=st.integers(1, 60000), k=st.integers(1, 5000))
+def test_partial_splits_is_a_count_partials_takes(n, k):
+    assert G.partial_splits(n, k) in _valid_splits(k)
+
+
+def test_partials_refuse_bad_input_before_launch(monkeypatch):
+    """A split count that does not cover K evenly, a part of the wrong shape, too many rows
+    for the decode kernel, or mismatched K: ValueError naming the argument, nothing launched."""
+    rng = np.random.default_rng(0)
+    k = 3 * G.NN.k_step
+    bad = [s for s in range(1, k + 1) if s not in _valid_splits(k)][0]
+    m8 = G.DECODE_MAX_M + 1
+    cases = [("part", (2, k), (k, 5), (bad, 2, 5)), ("part", (2, k), (k, 5), (1, 2, 6)),
+             ("a", (m8, k), (k, 5), (1, m8, 5)), ("b", (2, k), (k + 1, 5), (1, 2, 5))]
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(backend, "_recorder", recorder)
+    for name, a, b, part in cases:
+        with pytest.raises(ValueError, match=name):
+            G.partials(dev(rand(rng, *a)), dev(rand(rng, *b)), dev(np.zeros(part, np.float32)))
     assert recorder.launches == []

@@ -7,7 +7,7 @@ from proto import backend
 from proto.backend import cuda
 from proto.models import reference
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, load_state_dict, random_state_dict
-from tests.helpers import dev
+from tests.helpers import dev, split_counts
 
 # float32 model, float64 reference, unit-scale activations through <= 2 layers: errors seen
 # are ~1e-5 of logits of size ~sqrt(n_embd); this leaves 10x room.
@@ -55,6 +55,40 @@ def test_prefill_then_decode_matches_reference(config, batch, prompt_len, decode
     for t in range(prompt_len, prompt_len + decode):
         logits = model.step(tokens_dev(seq[:, t:t + 1]), pos_dev(t), cache)
         np.testing.assert_allclose(logits.copy_to_host()[:, 0], want[:, t], **LOGIT_TOL)
+
+
+@pytest.mark.parametrize("most", [False, True], ids=["planned", "most_partials"])
+def test_decode_sums_qkvs_partials_in_attention(most, monkeypatch):
+    """Decode on the tile kernel: qkv's projection writes its K-split partials and attention
+    sums them with the bias (the planned count, and the most the tile takes); the logits
+    equal the reference's, and with the switch off (a whole qkv) too."""
+    from kernels import attention, gemm
+    # (K must span two batches of the split kernel's loads: 8 rows simulated, 64 on a GPU)
+    C, H = (32, 2) if backend.SIMULATOR else (128, 4)   # (head dims of 16 and 32: the tile's)
+    config = GPT2Config(n_layer=1, n_embd=C, n_head=H, vocab_size=11, n_positions=8)
+    if most:
+        parts = max(s for s in split_counts(C, gemm.NN.k_step, gemm.SPAN_MAX)
+                    if s <= attention.MAX_PARTS)
+        monkeypatch.setattr(gemm, "partial_splits", lambda n, k: parts)
+    else:
+        parts = gemm.partial_splits(3 * C, C)
+    sd = random_state_dict(config, 5)
+    seq = np.array([[3, 7, 1], [2, 9, 4]])
+    want = reference.gpt2_logits(config, sd, seq)
+    seen = []
+    real = attention.attention
+    monkeypatch.setattr(attention, "attention",
+                        lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
+    for sums in (True, False):
+        monkeypatch.setattr(attention, "SUM_PARTIALS", [sums])
+        model = GPT2(config, sd, max_batch=2, max_tokens=2)
+        cache = KVCache(config, 2, 4)
+        model.step(tokens_dev(seq[:, :2]), pos_dev(0), cache)
+        seen.clear()
+        logits = model.step(tokens_dev(seq[:, 2:]), pos_dev(2), cache)
+        np.testing.assert_allclose(logits.copy_to_host()[:, 0], want[:, 2], **LOGIT_TOL)
+        assert seen == [(parts, 2, 1, 3 * C) if sums else (2, 1, 3 * C)]
+    assert not most or parts > 1
 
 
 def test_rows_too_wide_for_the_embeddings_layer_norm(monkeypatch):

@@ -121,6 +121,8 @@ class KVCache:
     Beam search keeps two caches and gathers from one into the other, never in place.
     """
 
+    rows = None   # a pair's table of rows (see `pair`; views of a cache have none)
+
     def __init__(self, config: GPT2Config, batch: int, max_len: int):
         _check.positive("batch", batch)
         _check.positive("max_len", max_len, at_most=config.n_positions)
@@ -130,7 +132,6 @@ class KVCache:
         self.k = [self.data[0, i] for i in range(L)]
         self.v = [self.data[1, i] for i in range(L)]
         self._capacity = cuda.to_device(np.array([max_len], np.int32))  # reorder's default length
-        self.rows = None   # a pair's table of rows (see `pair`)
 
     @classmethod
     def pair(cls, config: GPT2Config, batch: int, max_len: int) -> tuple["KVCache", "KVCache"]:
@@ -224,6 +225,26 @@ class GPT2:
     def _empty(self, name: str, *shape):
         return empty(shape, np.float32, name, owner=self)
 
+    def _attention(self, i: int, x, cache: KVCache, pos, out, stream) -> None:
+        """out = layer i's attention of qkv = x @ W + b over the cache. In decode on the tile
+        kernel (`attention.takes_partials`) the projection writes its K-split partial sums
+        and attention adds them and the bias as it loads q, k and v: the split kernel, not the
+        whole-K one that needs no reduction, and no reduction launch."""
+        B, T, C = out.shape
+        N, L, k, v = B * T, self.layers[i], cache.k[i], cache.v[i]
+        rows = cache.rows
+        parts = gemm.partial_splits(3 * C, C) if N <= gemm.DECODE_MAX_M else 0
+        if parts and attention.takes_partials(k, v, T, rows, parts):
+            qkv = self._empty(f"h{i}.qkv_parts", parts, B, T, 3 * C)
+            gemm.partials(x, L.attn_w, reshaped(qkv, (parts, N, 3 * C)), stream=stream)
+            bias = L.attn_b
+        else:
+            qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
+            gemm.gemm(x, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, stream=stream)
+            bias = None
+        attention.attention(qkv, k, v, pos, out, rows=rows, qkv_bias=bias,
+                            n_head=self.config.n_head, stream=stream)
+
     def step(self, tokens, pos, cache: KVCache, stream=0):
         """Run T new tokens of B sequences; return their logits.
 
@@ -262,12 +283,8 @@ class GPT2:
         # the layer norm each layer's MLP writes: the next layer's ln_1, after the last ln_f
         after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
         for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
-            qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
-            gemm.gemm(ln_1, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, stream=stream)
             att = self._empty(f"h{i}.att", B, T, C)
-            attention.attention(qkv, cache.k[i], cache.v[i], pos, att,
-                                rows=getattr(cache, "rows", None),
-                                n_head=self.config.n_head, stream=stream)
+            self._attention(i, ln_1, cache, pos, att, stream)
             # x += att @ W + b (the residual add fused), then ln = ln_2(x)
             ln = self._empty(f"h{i}.ln_2", N, C)
             gemm.gemm(reshaped(att, (N, C)), L.attn_proj_w, x2, bias=L.attn_proj_b,
