@@ -53,9 +53,12 @@ def patched(module, **values):
 
 def describe(name: str, kernel) -> None:
     """Print a compiled kernel's registers, local and shared memory (a variant's occupancy)."""
-    print(f"{name} kernel: {kernel.get_regs_per_thread()} registers, "
-          f"{kernel.get_local_mem_per_thread()} bytes local, "
-          f"{kernel.get_shared_mem_per_block()} bytes shared a block", flush=True)
+    def one(by_signature):   # (a kernel of one eager signature: its value, not a dict)
+        values = list(by_signature.values()) if isinstance(by_signature, dict) else [by_signature]
+        return values[0] if len(values) == 1 else by_signature
+    print(f"{name} kernel: {one(kernel.get_regs_per_thread())} registers, "
+          f"{one(kernel.get_local_mem_per_thread())} bytes local, "
+          f"{one(kernel.get_shared_mem_per_block())} bytes shared a block", flush=True)
 
 
 def run(variants: dict[str, Callable[[], ContextManager]]) -> int:

@@ -3,8 +3,11 @@ tile adds (with the bias) as it loads q, k and v (`kernels.gemm.partials`,
 `attention.takes_partials`), against the whole-K projection that writes qkv itself
 (`gemm.NN_COLS`: 16-column tiles, 144 blocks, no reduction launch), in GPT-2 small's graphed
 step and WHILE graph (kernels._ab_step: the step at positions 100, 512 and 1000, a whole
-generation per token, rounds interleaved, the tokens of each compared). Two split counts:
-the plan's 6 of 128 rows (216 blocks) and 12 of 64 (432).
+generation per token, rounds interleaved, the tokens of each compared). The first run
+(d9543fc) also took 12 splits of 64 rows (432 blocks): 500.8 us at 512 against the plan's 6
+of 128 rows (216 blocks), 495.1, and 0.5567 against 0.5491 ms a WHILE token. The tile then
+loaded all 16 partials a value could have (the index clamped to the last); now it loads the
+P that exist, of at most 8: `clamped16` rebuilds the tile the first way.
 
 Why: the whole-K kernel took 7.9-8.4 us a launch to read 7 MB (0.20 of copy bandwidth,
 kernel_speed), and a split kernel about 5 (results/h200/profiles/stream_df1cd61.txt), but
@@ -17,8 +20,30 @@ AB_TOY=1 checks the script on the simulator.
 import contextlib
 import sys
 
+import numpy as np
+
 from kernels import _ab_step, attention, gemm
 from kernels._ab_step import describe, patched
+from proto.backend import cuda
+
+_u = np.uint32
+
+
+@cuda.jit(device=True, inline="always")
+def _projected_clamped16(qkv, bias, row, col):
+    """attention._projected as d9543fc had it: 16 loads a value, past the last partial the
+    last again (never added)."""
+    vals = cuda.local.array(16, np.float32)
+    n = qkv.shape[0]
+    for s in range(16):
+        vals[s] = qkv[_u(min(s, n - 1)), row, col]
+    v = np.float32(0.0)
+    for s in range(16):
+        if s < n:
+            v += vals[s]
+    if bias.shape[0] == qkv.shape[2]:
+        v += bias[col]
+    return v
 
 
 @contextlib.contextmanager
@@ -27,16 +52,29 @@ def _qkv(sums: bool, target: int):
         yield
 
 
+@contextlib.contextmanager
+def _clamped(tiles, target: int):
+    with _qkv(True, target), patched(attention, SMALL_TILE=tiles[0], SMALL_TILE_ROWS=tiles[1],
+                                     MAX_PARTS=16):
+        yield
+
+
 def main() -> int:
     base = gemm.PARTIALS_TARGET
     variants = {"whole_qkv": lambda: _qkv(False, base),
-                "partials": lambda: _qkv(True, base),
-                "partials_x2": lambda: _qkv(True, 2 * base)}
+                "partials": lambda: _qkv(True, base)}
     C = _ab_step.cfg.n_embd
-    for name, target in (("partials", base), ("partials_x2", 2 * base)):
-        with patched(gemm, PARTIALS_TARGET=target):
-            print(f"{name}: {gemm.partial_splits(3 * C, C)} splits of K = {C}", flush=True)
+    print(f"partials: {gemm.partial_splits(3 * C, C)} splits of K = {C}", flush=True)
     if not _ab_step.TOY:
+        try:
+            with patched(attention, _projected=_projected_clamped16):
+                old = [attention.make_attention_tile(*v.config[1:], use_rows=v.use_rows)
+                       for v in (attention.SMALL_TILE, attention.SMALL_TILE_ROWS)]
+            describe("tile clamped16", old[0].kernel)
+            describe("tile clamped16 rows", old[1].kernel)
+            variants["clamped16"] = lambda: _clamped(old, base)
+        except Exception as exc:   # noqa: BLE001 (a compile failure drops the variant)
+            print(f"clamped16 not run: {type(exc).__name__}: {exc}", flush=True)
         describe("tile", attention.SMALL_TILE.kernel)
         describe("tile rows", attention.SMALL_TILE_ROWS.kernel)
         describe("split gemm (NN)", gemm.NN.kernel)

@@ -63,7 +63,7 @@ if not backend.SIMULATOR:
     SMALL_CONFIG, LARGE_CONFIG = (2, 4, 8), (8, 2, 8)
     TARGET_BLOCKS = 1024  # decode splits the cache until the grid has about this many blocks
     COMBINE_CHUNK = 16    # splits whose partials a combine thread loads at once
-    MAX_PARTS = 16        # partial sums of qkv the tile kernel adds as it loads
+    MAX_PARTS = 8         # partial sums of qkv the tile kernel adds as it loads
 else:
     # Simulated threads cost ~0.1 ms each: one-warp blocks, a few positions per batch.
     SMALL_CONFIG, LARGE_CONFIG = (2, 2, 1), (8, 2, 1)
@@ -128,12 +128,11 @@ def _projected(qkv, bias, row, col):
     All P loads are issued before the first add (one memory round trip, not P)."""
     vals = cuda.local.array(MAX_PARTS, np.float32)
     n = qkv.shape[0]
-    for s in range(MAX_PARTS):   # (past the last, the last again: never added)
-        vals[s] = qkv[_u(min(s, n - 1)), row, col]
+    for s in range(MAX_PARTS):
+        vals[s] = qkv[_u(s), row, col] if s < n else ZERO
     v = ZERO
     for s in range(MAX_PARTS):
-        if s < n:
-            v += vals[s]
+        v += vals[s]   # (+0 past the last: no change)
     if bias.shape[0] == qkv.shape[2]:
         v += bias[col]
     return v
