@@ -26,7 +26,9 @@ GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @
 `decode_gemm_min_fraction_of_bandwidth` is the worst of the five. Beside them, the two as the
 model runs them: the whole MLP (`mlp_decode`: kernels.mlp's fused kernel and its sum, which
 writes the next layer norm's rows too, against PyTorch's addmm, GELU, addmm_ and layer_norm;
-`decode_mlp_fraction_of_bandwidth`, `decode_mlp_us`). PyTorch runs the same with
+`decode_mlp_fraction_of_bandwidth`, `decode_mlp_us`), and qkv with attention
+(`self_attention_decode`: kernels.self_attention, whose tile sums qkv's K-split partials,
+against PyTorch's addmm and SDPA over the live prefix; `decode_self_attention_us`). PyTorch runs the same with
 TF32 off for matmuls and cuDNN (the CSV's torch_tf32 reads torch's flags; the residual as a
 second op, as a user writes it). An LSTM step's gates GEMM (64
 rows against a 4096 x 1024 weight) runs twice: as gemm() picks it (K split: few 64 x 64
@@ -93,6 +95,7 @@ _FP32_LANES = {(6, 0): 64, (7, 0): 64, (8, 0): 64}
 
 # Kernels of other modules, measured only where the module exists: module -> its cases.
 OPTIONAL = {m: cases for m, cases in {"attention": ["attention_decode"],
+                                      "self_attention": ["self_attention_decode"],
                                       "sampling": ["argmax", "topk", "beam_topk"],
                                       "lstm": ["lstm_cell"]}.items()
             if importlib.util.find_spec(f"kernels.{m}") is not None}
@@ -258,6 +261,8 @@ def _cases(s: dict, torch) -> list[Case]:
 
     if "attention" in OPTIONAL:
         cases.append(_attention_case(s, rng, torch, tt))
+    if "self_attention" in OPTIONAL:
+        cases.append(_self_attention_case(s, rng, torch, tt))
     if "sampling" in OPTIONAL:
         cases.extend(_sampling_cases(s, rng, torch, tt))
     if "lstm" in OPTIONAL:
@@ -391,6 +396,51 @@ def _attention_case(s, rng, torch, tt) -> Case:
     return Case("attention_decode", f"B{B} H{H} hd{hd}, pos {pos} of {T}", "memory", nbytes,
                 4 * B * H * (pos + 1) * hd, rotation[0][0], outs[0].copy_to_host,
                 rotation[0][1], their_result, rotation)
+
+
+def _self_attention_case(s, rng, torch, tt) -> Case:
+    """A decode layer's qkv projection and attention as the model runs them
+    (`kernels.self_attention`: at GPT-2 small's size the projection's K-split partials,
+    summed by the attention tile), at the attention case's position, on rotating copies of
+    the weight and the caches. Bytes: the weight and bias, the live K and V, x and the
+    output. PyTorch: addmm, then SDPA over the live prefix after writing this step's k, v."""
+    from kernels import self_attention
+    D, T, B, H = s["D"], s["T"], s["B"], s["H"]
+    hd, pos = D // H, T // 2
+    x = rng.standard_normal((B, 1, D), dtype=np.float32)
+    w = rng.standard_normal((D, 3 * D), dtype=np.float32) / np.float32(np.sqrt(D))
+    b = rng.standard_normal(3 * D, dtype=np.float32)
+    cache = rng.standard_normal((2, B, H, T, hd), dtype=np.float32)
+    dpos, dx, db = _dev(np.array([pos], np.int32)), _dev(x), _dev(b)
+    nbytes = 4 * (w.size + b.size + 2 * B * H * (pos + 1) * hd + B * D + B * D)
+    tx, tb = (tt(x[:, 0]), tt(b)) if torch else (None, None)
+    rotation, outs, last = [], [], {}
+    for _ in range(_copies(w.nbytes + cache.nbytes)):
+        dw, dk, dv = _dev(w), _dev(cache[0]), _dev(cache[1])
+        out = cuda.device_array((B, 1, D), np.float32)
+        outs.append(out)
+        ours = (lambda dw=dw, dk=dk, dv=dv, out=out: self_attention.self_attention(
+            dx, dw, db, dk, dv, dpos, out, n_head=H))
+        theirs = None
+        if torch:
+            tw, tk, tvv = tt(w), tt(cache[0]), tt(cache[1])
+
+            def theirs(tw=tw, tk=tk, tvv=tvv):
+                qkv = torch.addmm(tb, tx, tw).reshape(B, 3, H, 1, hd)
+                tk[:, :, pos:pos + 1] = qkv[:, 1]
+                tvv[:, :, pos:pos + 1] = qkv[:, 2]
+                y = torch.nn.functional.scaled_dot_product_attention(
+                    qkv[:, 0], tk[:, :, :pos + 1], tvv[:, :, :pos + 1])
+                last.setdefault("y", y)
+                return y
+        rotation.append((ours, theirs))
+    their_result = (lambda: last["y"].permute(0, 2, 1, 3).reshape(B, 1, D).cpu().numpy()) \
+        if torch else None
+    return Case("self_attention_decode",
+                f"{B}x{D} @ {D}x{3 * D} + bias, then attention B{B} H{H} hd{hd}, pos {pos} "
+                f"of {T}", "memory", nbytes,
+                2 * B * D * 3 * D + 4 * B * H * (pos + 1) * hd, rotation[0][0],
+                outs[0].copy_to_host, rotation[0][1], their_result, rotation)
 
 
 def _sampling_cases(s, rng, torch, tt) -> list[Case]:
@@ -719,6 +769,11 @@ def summarize(rows: list[dict], s: dict) -> dict:
         summary["attention_decode_fraction_of_bandwidth"] = fraction("attention_decode")
         summary["attention_decode_us"] = us[("attention_decode", "ours")]
         summary["torch_attention_decode_us"] = us.get(("attention_decode", "torch"))
+    if "self_attention_decode" in ours:   # qkv and attention as the model runs them
+        summary["decode_self_attention_fraction_of_bandwidth"] = fraction(
+            "self_attention_decode")
+        summary["decode_self_attention_us"] = us[("self_attention_decode", "ours")]
+        summary["torch_decode_self_attention_us"] = us.get(("self_attention_decode", "torch"))
     return summary
 
 

@@ -31,7 +31,8 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     summary = common.read_summary("kernel_speed")
     for key in ("decode_gemm_fraction_of_bandwidth", "decode_gemm_over_torch_time",
                 "copy_bandwidth_GBps", "decode_gemm_min_fraction_of_bandwidth",
-                "attention_decode_fraction_of_bandwidth"):
+                "attention_decode_fraction_of_bandwidth",
+                "decode_self_attention_fraction_of_bandwidth"):
         assert key in summary
     assert summary["copy_bandwidth_GBps"] > 0
     assert set(summary["conv_over_cudnn_time"]) == convs

@@ -69,7 +69,7 @@ def test_decode_sums_qkvs_partials_in_attention(most, monkeypatch):
     if most:
         parts = max(s for s in split_counts(C, gemm.NN.k_step, gemm.SPAN_MAX)
                     if s <= attention.MAX_PARTS)
-        monkeypatch.setattr(gemm, "partial_splits", lambda n, k: parts)
+        monkeypatch.setattr(gemm, "partial_splits", lambda n, k: parts)   # (self_attention's)
     else:
         parts = gemm.partial_splits(3 * C, C)
     sd = random_state_dict(config, 5)

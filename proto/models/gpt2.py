@@ -5,7 +5,7 @@
     logits = model.step(tokens, pos, cache)          # (B, T, V), valid until the next step
 
 A step launches kernels and allocates its temporaries through ``proto.backend.empty`` under
-names unique within the step ("h3.qkv", "logits"): eagerly those are buffers kept per name,
+names unique within the step ("h3.att", "logits"): eagerly those are buffers kept per name,
 and while a graph records the step they become buffers the memory planner places (one arena
 shared by every graph of the model, the same address for a name in each). The step makes no
 host sync and reads no device value on the host, so a graph recorder can capture it as it
@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels import _check, attention, embedding, gemm, layernorm, mlp
+from kernels import _check, attention, embedding, gemm, layernorm, mlp, self_attention
 from proto.backend import cuda, empty, reshaped
 from proto.models import checked_params, zeros
 
@@ -225,26 +225,6 @@ class GPT2:
     def _empty(self, name: str, *shape):
         return empty(shape, np.float32, name, owner=self)
 
-    def _attention(self, i: int, x, cache: KVCache, pos, out, stream) -> None:
-        """out = layer i's attention of qkv = x @ W + b over the cache. In decode on the tile
-        kernel (`attention.takes_partials`) the projection writes its K-split partial sums
-        and attention adds them and the bias as it loads q, k and v: the split kernel, not the
-        whole-K one that needs no reduction, and no reduction launch."""
-        B, T, C = out.shape
-        N, L, k, v = B * T, self.layers[i], cache.k[i], cache.v[i]
-        rows = cache.rows
-        parts = gemm.partial_splits(3 * C, C) if N <= gemm.DECODE_MAX_M else 0
-        if parts and attention.takes_partials(k, v, T, rows, parts):
-            qkv = self._empty(f"h{i}.qkv_parts", parts, B, T, 3 * C)
-            gemm.partials(x, L.attn_w, reshaped(qkv, (parts, N, 3 * C)), stream=stream)
-            bias = L.attn_b
-        else:
-            qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
-            gemm.gemm(x, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, stream=stream)
-            bias = None
-        attention.attention(qkv, k, v, pos, out, rows=rows, qkv_bias=bias,
-                            n_head=self.config.n_head, stream=stream)
-
     def step(self, tokens, pos, cache: KVCache, stream=0):
         """Run T new tokens of B sequences; return their logits.
 
@@ -284,7 +264,9 @@ class GPT2:
         after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
         for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
             att = self._empty(f"h{i}.att", B, T, C)
-            self._attention(i, ln_1, cache, pos, att, stream)
+            self_attention.self_attention(reshaped(ln_1, (B, T, C)), L.attn_w, L.attn_b,
+                                          cache.k[i], cache.v[i], pos, att, rows=cache.rows,
+                                          n_head=self.config.n_head, stream=stream)
             # x += att @ W + b (the residual add fused), then ln = ln_2(x)
             ln = self._empty(f"h{i}.ln_2", N, C)
             gemm.gemm(reshaped(att, (N, C)), L.attn_proj_w, x2, bias=L.attn_proj_b,
