@@ -872,14 +872,18 @@ def _is_tile(variant: Variant) -> bool:
     return variant.config[0] == "tile"
 
 
+def _sums(variant: Variant, parts: int) -> bool:
+    """Whether `variant` takes qkv as `parts` partial sums and a bias: the tile does."""
+    return SUM_PARTIALS[0] and 1 <= parts <= MAX_PARTS and _is_tile(variant)
+
+
 def takes_partials(k_cache, v_cache, T: int, rows=None, parts: int = 1) -> bool:
     """Whether `attention` over these caches, T new tokens and `rows` takes qkv as `parts`
     partial sums of its projection and a bias (the tile kernel does, for splits of up to 64
     positions of head dims up to 64: GPT-2's decode); the caller then skips the projection's
     reduction (`kernels.gemm.partials`). `SUM_PARTIALS` switches it off for A/Bs."""
     B, H = k_cache.shape[0], k_cache.shape[1]
-    return (SUM_PARTIALS[0] and 1 <= parts <= MAX_PARTS
-            and _is_tile(_choose(B, H, T, k_cache, v_cache, rows)[0]))
+    return _sums(_choose(B, H, T, k_cache, v_cache, rows)[0], parts)
 
 
 def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=None,
@@ -931,7 +935,7 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=No
     variant, splits, span = _choose(B, n_head, T, k_cache, v_cache, rows)
     if qkv_bias is not None:
         _check.device_array("qkv_bias", qkv_bias, shape=(C3,))
-        if not takes_partials(k_cache, v_cache, T, rows, parts):
+        if not _sums(variant, parts):
             raise ValueError(f"qkv: {parts} partial sums need the tile kernel, which does not "
                              f"serve this shape (see attention.takes_partials)")
     if splits > 1:  # scratch of this call: the combine launch reads it

@@ -667,9 +667,14 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
         target = 1 if dk is NN_COLS or dk is NN_WIDE_K else TARGET_BLOCKS
     n_tiles = -(-n_cols // dk.tile)
     splits, span = _split_k(dk, k_len, -(-target // (n_tiles * batch)))
+    return _column_blocks(dk, n_tiles, splits * batch, grid_cap), splits, span
+
+
+def _column_blocks(dk: Decode, n_tiles: int, others: int, grid_cap: int | None = None) -> int:
+    """Column-tile blocks for a grid of `others` (splits x batch) blocks a column tile: at
+    most one wave of resident blocks (default), the rest looped over by the blocks."""
     cap = _check.resident_blocks(dk.kernel, dk.threads) if grid_cap is None else grid_cap
-    blocks = max(1, min(n_tiles, cap // (splits * batch)))
-    return blocks, splits, span
+    return max(1, min(n_tiles, cap // others))
 
 
 def _split_k(dk: Decode, k_len: int, want: int) -> tuple[int, int]:
@@ -752,16 +757,13 @@ def partials(a, b, part, *, stream=0) -> None:
                          f"{NN.k_step} rows do not come out even (or exceed {SPAN_MAX} rows "
                          f"each); partial_splits({n_cols}, {k_len}) = "
                          f"{partial_splits(n_cols, k_len)}")
-    _check.no_overlap({"part": part, "a": a, "b": b}, [("part", "a"), ("part", "b")])
     a3, b3 = backend.reshaped(a, (1, m_rows, k_len)), backend.reshaped(b, (1, k_len, n_cols))
     part4 = backend.reshaped(part, (1, splits, m_rows, n_cols))
     # out: never written with direct = 0, but its shape gives M and N, and a declared output
     # may overlap no other argument
     out3 = backend.empty((1, m_rows, n_cols), np.float32, "gemm.partials.out")
-    n_tiles = -(-n_cols // NN.tile)
-    cap = _check.resident_blocks(NN.kernel, NN.threads)
-    blocks = max(1, min(n_tiles, cap // splits))
-    launch(NN.kernel, (blocks, splits, 1), NN.threads,
+    blocks = _column_blocks(NN, -(-n_cols // NN.tile), splits)
+    launch(NN.kernel, (blocks, splits, 1), NN.threads,   # (which refuses part overlapping a, b)
            (a3, b3, out3, backend.reshaped(b, (b.size,)), part4, 0, 0, 0, 0, 0,
             np.int32(span)), stream)
 

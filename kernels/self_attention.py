@@ -32,8 +32,8 @@ def self_attention(x, w, bias, k_cache, v_cache, pos, out, *, n_head, rows=None,
     _check.device_array("w", w, shape=(C, 3 * C))
     N = B * T
     x2 = backend.reshaped(x, (N, C))
-    parts = gemm.partial_splits(3 * C, C) if N <= gemm.DECODE_MAX_M else 0
-    if parts and attention.takes_partials(k_cache, v_cache, T, rows, parts):
+    parts = gemm.partial_splits(3 * C, C)
+    if N <= gemm.DECODE_MAX_M and attention.takes_partials(k_cache, v_cache, T, rows, parts):
         qkv = backend.empty((parts, B, T, 3 * C), np.float32, "self_attention.qkv_partials")
         gemm.partials(x2, w, backend.reshaped(qkv, (parts, N, 3 * C)), stream=stream)
         qkv_bias = bias
