@@ -266,7 +266,7 @@ def argmax(x, out, *, stream=0) -> None:
 
 
 # ---------------------------------------------------------------------------- a beam step's top-k
-CHOOSE_IN_TOPK = [True]   # (beam_step; switched off by kernels.ab_beam_step for its A/B)
+CHOOSE_IN_TOPK = [True]   # (beam_step; switched off by kernels.ab_while_search for its A/B)
 
 def beam_topk_ref(logits: np.ndarray, scores: np.ndarray, k: int):
     """The top k of log_softmax(logits) + scores over all beams and tokens (one row of
