@@ -549,7 +549,9 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
     most `capacity` positions (the caller checks the plan's span). `use_rows`: earlier
     positions are read from the rows that the `rows` table names, as in `make_attention`
     (the table is final before the wait: the beam's reorder that writes it runs at least two
-    kernels earlier, and only the predecessor may still run then)."""
+    kernels earlier, and only the predecessor may still run then); the split's entries are
+    staged in shared memory first, a load a thread, so the copies do not hold them in
+    registers."""
     threads = 32 * warps
     per_pos = threads // capacity     # lanes that share one position's score
     groups = threads // width         # position groups of the P.V product
@@ -583,6 +585,7 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         sc = cuda.shared.array(capacity, np.float32)      # scores (-inf past the split's end)
         pe = cuda.shared.array(capacity, np.float32)      # exp(score - max)
         red = cuda.shared.array(threads, np.float32)      # [g*width+d] P.V of group g
+        rs = cuda.shared.array(capacity, np.int32)        # (use_rows) the split's table rows
         T = out.shape[1]
         H, Tmax, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         C = H * hd
@@ -603,12 +606,16 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         # loaded again after the wait.
         n_pre = _u(min(max(min(lo + span, pos[0], Tmax) - lo, 0), capacity))
         c4 = tid % _u(quads)
+        if use_rows:   # the split's rows of the table, a load a thread, then shared
+            if tid < n_pre:
+                rs[tid] = rows[b, _u(lo) + tid]
+            cuda.syncthreads()
         for k in range(capacity // copy_rows):
             r = tid // _u(quads) + _u(k * copy_rows)
             if r < n_pre and c4 < _u(hd // 4):
                 src = b
                 if use_rows:   # (an entry outside 0..B-1 is copied from row b, NaN below)
-                    named = rows[b, _u(lo) + r]
+                    named = rs[r]
                     src = _u(named) if 0 <= named < B else b
                 at = (((src * _u(H) + h) * _u(Tmax)) + _u(lo) + r) * _u(hd) + c4 * _u(4)
                 _cpasync.copy16(ks, r * _u(stride) + c4 * _u(4), k_cache, at)
@@ -742,11 +749,13 @@ SMALL_PRELOAD = make_attention(*SMALL_CONFIG, preload=2 * SMALL.unit)
 PRELOAD = [True]   # (switched off by kernels.ab_attention_cp for its A/B: 9 us a step less with it)
 # The plain step's kernel where a split fits in shared memory whole (GPT-2's decode: 64
 # positions of head dim 64; 35 KB a block).
-# (capacity, warps, width, blocks an SM the registers must allow: the row-table twin
-# spills at 5, from 48 registers)
+# (capacity, warps, width, blocks an SM the registers must allow: 40 registers. The
+# row-table twin reading each copy's row from the table in global memory took 60 and spilled
+# at 5 an SM; with the split's rows staged in shared memory first, 40 and no spill at 6 and
+# 12 bytes at 5, local ptxas)
 SMALL_TILE = make_attention_tile(*((64, 8, 64, 6) if not backend.SIMULATOR else (8, 1, 32)))
 SMALL_TILE_ROWS = make_attention_tile(   # (the WHILE graph's)
-    *((64, 8, 64, 4) if not backend.SIMULATOR else (8, 1, 32)), use_rows=True)
+    *((64, 8, 64, 6) if not backend.SIMULATOR else (8, 1, 32)), use_rows=True)
 TILE = [True]      # (switched off by kernels.ab_attention_tile for its A/B)
 SUM_PARTIALS = [True]   # (switched off by kernels.ab_qkv_partials for its A/B)
 LARGE = make_attention(*LARGE_CONFIG)

@@ -154,11 +154,11 @@ def test_geometry_that_does_not_divide_the_block_is_refused(capacity, warps, wid
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_rows, blocks", [(False, 6), (True, 4)], ids=["plain", "row_table"])
+@pytest.mark.parametrize("with_rows, blocks", [(False, 6), (True, 6)], ids=["plain", "row_table"])
 def test_gpt2_decode_takes_the_tile_at_its_blocks_an_sm_without_spilling(with_rows, blocks):
     """GPT-2 small's beam decode (B 5, H 12, hd 64, 1024 positions): its plan's splits fit
     the tile, whose registers and 36 KB of shared memory give the blocks of 256 threads an
-    SM that its launch bounds ask for (the plain kernel 6, the row-table twin 4), no local
+    SM that its launch bounds ask for (6, the row-table twin too), no local
     memory. Registers go 256 a warp at a time, 64K an SM; shared memory 228 KB an SM, 1 KB
     of it reserved a block."""
     assert _fits(5, 12, 1, 1024, 64, with_rows)
