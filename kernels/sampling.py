@@ -266,8 +266,6 @@ def argmax(x, out, *, stream=0) -> None:
 
 
 # ---------------------------------------------------------------------------- a beam step's top-k
-CHOOSE_IN_TOPK = [True]   # (beam_step; switched off by kernels.ab_while_search for its A/B)
-
 def beam_topk_ref(logits: np.ndarray, scores: np.ndarray, k: int):
     """The top k of log_softmax(logits) + scores over all beams and tokens (one row of
     beams * vocab, flat index b * V + token), as topk_ref orders them."""
@@ -276,9 +274,16 @@ def beam_topk_ref(logits: np.ndarray, scores: np.ndarray, k: int):
     return topk_ref(flat.astype(np.float32), k)
 
 
-@cuda.jit(device=True)
-def _beam_topk(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
-    """beam_topk_kernel's body; True in the launch's last block (after its merge)."""
+@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
+     "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1])",
+     writes=("cand_v", "cand_i", "counters", "values", "indices"))
+def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
+    """Grid (spans, R), after softmax.log_softmax_partials_kernel: block (i, row) ranks
+    (x[row, j] - shift[row]) + scores[row] over span i of the row (the log-softmax and the
+    beam's running score, the same float32 operations as log_softmax then adding the score)
+    into k candidates of flat index row * V + j, at cand[0, row * spans + i]; the launch's
+    last block merges every block's candidates into values/indices[0, :k]
+    (kernels._lastblock)."""
     flag = cuda.shared.array(1, np.int32)
     i, row = cuda.blockIdx.x, cuda.blockIdx.y
     R, V = x.shape
@@ -303,21 +308,6 @@ def _beam_topk(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, i
     if count_in(counters, 0, cuda.gridDim.x * cuda.gridDim.y, flag):
         cv, ci = _merge_candidates(cand_v, cand_i, 0, k)
         _block_topk(cv, ci, k, values[0], indices[0])
-        return True
-    return False
-
-
-@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
-     "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1])",
-     writes=("cand_v", "cand_i", "counters", "values", "indices"))
-def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
-    """Grid (spans, R), after softmax.log_softmax_partials_kernel: block (i, row) ranks
-    (x[row, j] - shift[row]) + scores[row] over span i of the row (the log-softmax and the
-    beam's running score, the same float32 operations as log_softmax then adding the score)
-    into k candidates of flat index row * V + j, at cand[0, row * spans + i]; the launch's
-    last block merges every block's candidates into values/indices[0, :k]
-    (kernels._lastblock)."""
-    _beam_topk(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices)
 
 
 def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:
@@ -329,14 +319,6 @@ def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:
 
     logits (R, V) float32, at most 65535 rows; scores (R, 1) float32; values (1, k)
     float32; indices (1, k) int32; 1 <= k <= min(8, R * V)."""
-    grid, args = _beam_topk_args(logits, scores, k, values, indices, stream)
-    launch(beam_topk_kernel, grid, softmax.SPLIT_THREADS, args, stream)
-
-
-def _beam_topk_args(logits, scores, k, values, indices, stream):
-    """beam_topk's checks and its first launch (the rows' span partials); returns the grid
-    and arguments of the second (beam_topk_kernel's, the first ten of
-    beam_topk_choose_kernel's)."""
     R, V = _check_x(logits)
     _check.device_array("scores", scores, shape=(R, 1))
     k = _check.positive("k", k, at_most=min(KMAX, R * V))
@@ -351,10 +333,12 @@ def _beam_topk_args(logits, scores, k, values, indices, stream):
     # every row's spans as one row of candidates: the last block merges them as topk does
     cand_v = backend.empty((1, R * spans, KMAX), np.float32, "beam_topk.cand_v")
     cand_i = backend.empty((1, R * spans, KMAX), np.int32, "beam_topk.cand_i")
-    launch(softmax.log_softmax_partials_kernel, (spans, R), softmax.SPLIT_THREADS,
-           (logits, part_m, part_s), stream)
-    return (spans, R), (logits, scores, part_m, part_s, np.int32(k), cand_v, cand_i,
-                        launch_counters(1), values, indices)
+    threads = softmax.SPLIT_THREADS
+    launch(softmax.log_softmax_partials_kernel, (spans, R), threads, (logits, part_m, part_s),
+           stream)
+    launch(beam_topk_kernel, (spans, R), threads,
+           (logits, scores, part_m, part_s, np.int32(k), cand_v, cand_i, launch_counters(1),
+            values, indices), stream)
 
 
 # ---------------------------------------------------------------------------- a search's score check
@@ -490,10 +474,14 @@ def beam_choose_ref(values, indices, vocab, beam, state, best):
             scores, live, best, new_best, go)
 
 
-@cuda.jit(device=True)
-def _choose(values, indices, vocab, capacity, scores, tokens, parents, best, best_meta,
-            state, pos, flag, floor, bad):
-    """beam_choose_kernel's work, by one thread."""
+@jit("void(float32[:, ::1], int32[:, ::1], int32, int32, float32[:, ::1], int32[:, ::1], "
+     "int32[::1], float32[::1], int32[::1], int32[::1], int32[::1], int32[::1], float32, "
+     "int32[::1])",
+     writes=("scores", "tokens", "parents", "best", "best_meta", "state", "pos", "flag", "bad"))
+def beam_choose_kernel(values, indices, vocab, capacity, scores, tokens, parents, best, best_meta,
+                       state, pos, flag, floor, bad):
+    if cuda.grid(1) != 0:
+        return
     # Every load before the first store: a load after a store to an array the compiler
     # cannot prove distinct waits for it, one memory round trip per candidate.
     vals = cuda.local.array(KMAX, np.float32)
@@ -547,37 +535,6 @@ def _choose(values, indices, vocab, capacity, scores, tokens, parents, best, bes
     flag[0] = 1 if t + 1 < limit and n > 0 and not top >= first else 0
 
 
-@jit("void(float32[:, ::1], int32[:, ::1], int32, int32, float32[:, ::1], int32[:, ::1], "
-     "int32[::1], float32[::1], int32[::1], int32[::1], int32[::1], int32[::1], float32, "
-     "int32[::1])",
-     writes=("scores", "tokens", "parents", "best", "best_meta", "state", "pos", "flag", "bad"))
-def beam_choose_kernel(values, indices, vocab, capacity, scores, tokens, parents, best, best_meta,
-                       state, pos, flag, floor, bad):
-    if cuda.grid(1) == 0:
-        _choose(values, indices, vocab, capacity, scores, tokens, parents, best, best_meta,
-                state, pos, flag, floor, bad)
-
-
-@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
-     "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1], "
-     "int32, int32, int32[:, ::1], int32[::1], float32[::1], int32[::1], int32[::1], "
-     "int32[::1], int32[::1], float32, int32[::1])",
-     writes=("cand_v", "cand_i", "counters", "values", "indices", "scores", "tokens",
-             "parents", "best", "best_meta", "state", "pos", "flag", "bad"))
-def beam_topk_choose_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values,
-                            indices, vocab, capacity, tokens, parents, best, best_meta, state,
-                            pos, flag, floor, bad):
-    """beam_topk_kernel, whose last block then makes beam_choose_kernel's choice (its thread
-    0, after a barrier: the top k it merged are in values/indices): a launch fewer a token.
-    Every block reads `scores` before it counts in, so the last block's writes to it come
-    after every read."""
-    if _beam_topk(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            _choose(values, indices, vocab, capacity, scores, tokens, parents, best,
-                    best_meta, state, pos, flag, floor, bad)
-
-
 @jit("void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], "
      "int32[::1])", writes=("dst", "best_hist"))
 def beam_histories_kernel(src, dst, parents, tokens, best_hist, best_meta, state):
@@ -617,46 +574,6 @@ def beam_advance(values, indices, vocab: int, scores, tokens, parents, hist_src,
     its tokens best_hist (capacity,), best_meta (3,); state (5,), pos and flag (1,). And
     check_scores on the candidates, in the same launch: bad[0] (1,) := 1 if one is not
     finite or not above `floor`, else left as it was."""
-    head, tail = _choice_args(values, indices, vocab, scores, tokens, parents, hist_src,
-                              hist_dst, best, best_hist, best_meta, state, pos, flag, floor, bad)
-    launch(beam_choose_kernel, 1, 1, (values, indices, *head, scores, *tail), stream)
-    _histories(hist_src, hist_dst, parents, tokens, best_hist, best_meta, state, stream)
-
-
-def beam_step(logits, k: int, values, indices, scores, tokens, parents, hist_src, hist_dst,
-              best, best_hist, best_meta, state, pos, flag, *, floor: float, bad,
-              stream=0) -> None:
-    """beam_topk(logits, scores, k, values, indices) then beam_advance(values, indices,
-    V, scores, ...) for logits (beam, V): a beam-search step's ranking and choice. With
-    `CHOOSE_IN_TOPK` (the default) the choice runs in beam_topk's last block
-    (`beam_topk_choose_kernel`): three launches instead of four."""
-    V = _check_x(logits)[1]
-    if not CHOOSE_IN_TOPK[0]:
-        beam_topk(logits, scores, k, values, indices, stream=stream)
-        beam_advance(values, indices, V, scores, tokens, parents, hist_src, hist_dst, best,
-                     best_hist, best_meta, state, pos, flag, floor=floor, bad=bad,
-                     stream=stream)
-        return
-    # every check before the first launch
-    head, tail = _choice_args(values, indices, V, scores, tokens, parents, hist_src, hist_dst,
-                              best, best_hist, best_meta, state, pos, flag, floor, bad)
-    grid, args = _beam_topk_args(logits, scores, k, values, indices, stream)
-    # (scores is beam_topk's second argument already)
-    launch(beam_topk_choose_kernel, grid, softmax.SPLIT_THREADS, (*args, *head, *tail), stream)
-    _histories(hist_src, hist_dst, parents, tokens, best_hist, best_meta, state, stream)
-
-
-def _histories(hist_src, hist_dst, parents, tokens, best_hist, best_meta, state, stream):
-    beam, cap = hist_dst.shape
-    blocks, threads = _check.grid_stride_launch((beam + 1) * cap)
-    launch(beam_histories_kernel, blocks, threads,
-           (hist_src, hist_dst, parents, tokens, best_hist, best_meta, state), stream)
-
-
-def _choice_args(values, indices, vocab, scores, tokens, parents, hist_src, hist_dst, best,
-                 best_hist, best_meta, state, pos, flag, floor, bad) -> tuple:
-    """beam_advance's checks; returns beam_choose_kernel's arguments around `scores`: those
-    before it (vocab, capacity) and after it."""
     _check.device_array("values", values, shape=(1, None))
     k = values.shape[1]
     if k > KMAX:
@@ -681,8 +598,12 @@ def _choice_args(values, indices, vocab, scores, tokens, parents, hist_src, hist
                          best=best, best_hist=best_hist, best_meta=best_meta, state=state,
                          pos=pos, flag=flag, bad=bad),
                     dict(values=values, indices=indices, hist_src=hist_src))   # two launches
-    return ((np.int32(vocab), np.int32(cap)),
-            (tokens, parents, best, best_meta, state, pos, flag, np.float32(floor), bad))
+    launch(beam_choose_kernel, 1, 1, (values, indices, np.int32(vocab), np.int32(cap), scores,
+                                      tokens, parents, best, best_meta, state, pos, flag,
+                                      np.float32(floor), bad), stream)
+    blocks, threads = _check.grid_stride_launch((beam + 1) * cap)
+    launch(beam_histories_kernel, blocks, threads,
+           (hist_src, hist_dst, parents, tokens, best_hist, best_meta, state), stream)
 
 
 # ---------------------------------------------------------------------------- check, then time

@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from kernels import sampling
 from proto import backend
@@ -306,36 +306,3 @@ def test_beam_topk_rejects_bad_input_before_launch():
         sampling.beam_topk(logits, scores, 3, cuda.device_array((2, 3), np.float32), indices)
     with pytest.raises(TypeError, match="indices: expected dtype int32"):
         sampling.beam_topk(logits, scores, 3, values, cuda.device_array((1, 3), np.float32))
-
-
-@settings(max_examples=6, deadline=None)
-@given(beam=st.integers(1, 3), vocab=st.integers(2, 40), eos=st.integers(-1, 3),
-       length=st.integers(0, 3), seed=st.integers(0, 2**16))
-def test_beam_step_with_the_choice_in_topk_equals_topk_then_advance(beam, vocab, eos, length,
-                                                                    seed, monkeypatch):
-    """beam_step with the choice in beam_topk's last block (three launches) leaves every
-    output bit for bit as beam_topk then beam_advance (four): the same candidates, scores,
-    tokens, parents, histories, best, state, pos, flag and bad."""
-    rng = np.random.default_rng(seed)
-    k = min(2 * beam, sampling.KMAX, beam * vocab)
-    logits = rng.standard_normal((beam, vocab)).astype(np.float32)
-    scores = rng.standard_normal((beam, 1)).astype(np.float32)
-    launched = {}
-    real = sampling.launch
-    results = {}
-    for fused in (True, False):
-        monkeypatch.setattr(sampling, "CHOOSE_IN_TOPK", [fused])
-        monkeypatch.setattr(sampling, "launch", lambda kern, *a, **kw: launched.setdefault(
-            fused, []).append(kern) or real(kern, *a, **kw))
-        d = _beam_buffers(beam=beam, vocab=vocab, cap=4, length=length,
-                          indices=tuple(range(k)))
-        d["scores"] = dev(scores)
-        d["state"] = dev(np.int32([0, 9, eos, length, beam]))
-        sampling.beam_step(dev(logits), k, *(d[n] for n in (
-            "values", "indices", "scores", "tokens", "parents", "hist_src", "hist_dst", "best",
-            "best_hist", "best_meta", "state", "pos", "flag")), floor=-1e30, bad=d["bad"])
-        results[fused] = {n: d[n].copy_to_host() for n in d if n != "vocab"}
-    for name, want in results[False].items():
-        np.testing.assert_array_equal(results[True][name], want, err_msg=name)
-    assert len(launched[True]) == 3 and len(launched[False]) == 4
-    assert sampling.beam_topk_choose_kernel in launched[True]

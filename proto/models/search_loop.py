@@ -11,9 +11,10 @@ search is over:
                               greedy_advance: record tokens, done |= eos, pos += 1, flag
     BeamLoop     WHILE flag:  logits = step(tokens, pos, cache)
                               top-k of log_softmax(logits) + scores over beams x vocab
-                              and the choice (sampling.beam_step, in top-k's last block):
-                              choose beams in rank order (finished on eos), new tokens,
-                              scores, parents, histories, best finished, pos += 1, flag
+                              (sampling.beam_topk)
+                              beam_advance: choose beams in rank order (finished on eos), new
+                                            tokens, scores, parents, histories, best finished,
+                                            pos += 1, flag
                               reorder by parents the table of cache rows each position of
                               a hypothesis is in (KVCache.pair: the K and V stay where they
                               were written; the table's live prefix, read on the device,
@@ -196,12 +197,13 @@ class BeamLoop(_DeviceLoop):
         `hist_next`."""
         beam, V = self.batch, self.config.vocab_size
         logits = self.model.step(self.tokens, self.pos, cache)
-        # top k of log_softmax + running scores, then the choice (the host search's check)
-        sampling.beam_step(logits.reshape(beam, V), self.k, self.values, self.indices,
-                           self.scores, self.tokens, self.parents, hist, hist_next, self.best,
-                           self.best_hist, self.best_meta, self.state, self.pos, self.flag,
-                           floor=generate.DEAD / 2, bad=self.bad)
-        # beam_step has counted this step's position: pos[0] positions are live
+        sampling.beam_topk(logits.reshape(beam, V), self.scores, self.k, self.values,
+                           self.indices)   # top k of log_softmax + running scores
+        sampling.beam_advance(self.values, self.indices, V, self.scores, self.tokens, self.parents,
+                              hist, hist_next, self.best, self.best_hist,
+                              self.best_meta, self.state, self.pos, self.flag,
+                              floor=generate.DEAD / 2, bad=self.bad)   # the host search's check
+        # beam_advance has counted this step's position: pos[0] positions are live
         cache.reorder_into(self.parents, other, length=self.pos)
 
     def _set(self, prompt: np.ndarray, limit: int, eos: int, go: bool) -> None:
