@@ -79,9 +79,10 @@ def _kernel_rows(label: str, who: str, kernels: dict, per: int, kernel_rows: lis
             round(sum(c for _, c in kernels.values()) / per, 2))
 
 
-def _replay_us(replay, replays: int, warmup: int, reps: int) -> float:
+def _replay_us(replay, replays: int, warmup: int, reps: int) -> tuple[float, float, float]:
+    """(median, p10, p90) in us of one replay, over `reps` samples of `replays` replays."""
     t = timing.bench(lambda: [replay() for _ in range(replays)], warmup=warmup, reps=reps)
-    return t.median_us / replays
+    return tuple(round(ms * 1e3 / replays, 2) for ms in (t.median_ms, t.p10_ms, t.p90_ms))
 
 
 def _step_timings(label: str, position: int, alias, plain, masked, live, kernel_rows: list, *,
@@ -105,10 +106,12 @@ def _step_timings(label: str, position: int, alias, plain, masked, live, kernel_
         replays["torch"] = live.graphs[position + 1].replay
     for who, replay in replays.items():
         kernels = _kernels(profiled.get(who, replay)) if profile else None
-        row[f"{who}_step_us"] = round(_replay_us(replay, step["replays"], step["warmup"],
-                                                 step["reps"]), 2)
+        (row[f"{who}_step_us"], row[f"{who}_step_p10_us"],
+         row[f"{who}_step_p90_us"]) = _replay_us(replay, step["replays"], step["warmup"],
+                                                 step["reps"])
         row[f"{who}_kernel_sum_us"], row[f"{who}_kernels_per_step"] = (None, None) \
             if kernels is None else _kernel_rows(label, who, kernels, 1, kernel_rows)
+    row["step_samples"] = step["reps"]   # (each of step["replays"] replays)
     row["ours_graph_nodes"] = alias.num_nodes // max(alias.num_graphs, 1)
     # The bandwidth floor: the bytes the step must read (every weight once, the live K and V
     # of every layer) at the device-to-device copy rate measured here.

@@ -27,6 +27,9 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
         assert r["git_commit"] and r["device"]  # provenance on every row
     step = common.read_csv("end_to_end_step")   # measured by the child process
     assert [r["setup"] for r in step] == ["toy-1L-d8"] and float(step[0]["ours_step_us"]) > 0
+    # the step's spread over its samples, as every per-token figure has
+    assert float(step[0]["ours_step_p10_us"]) <= float(step[0]["ours_step_us"]) \
+        <= float(step[0]["ours_step_p90_us"]) and int(step[0]["step_samples"]) == 2
     assert int(step[0]["ours_graph_nodes"]) > 0
     # The bandwidth floor's bytes, restated: V*d (the tied embedding, once), the final layer
     # norm 2d, one wpe row d, and per layer 12 d^2 + 13 d weights (two layer norms 4d, qkv
@@ -52,6 +55,7 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert summary["step_over_bandwidth_floor"] == \
         float(step[0]["ours_step_us"]) / float(step[0]["floor_us"])
     assert summary["ours_graph_nodes_per_step"] == int(step[0]["ours_graph_nodes"])
+    assert summary["ours_step_p10_us"] <= summary["ours_step_us"] <= summary["ours_step_p90_us"]
     for key in ("graphed_step_over_kernel_sum", "ours_over_torch_graph_step"):
         assert key in summary  # measured on a GPU only (None on the simulator)
     figure = end_to_end.plot()
