@@ -274,14 +274,17 @@ def beam_topk_ref(logits: np.ndarray, scores: np.ndarray, k: int):
     return topk_ref(flat.astype(np.float32), k)
 
 
-@cuda.jit(device=True)
-def _rank_span(x, scores, part_m, part_s, k):
-    """Block (i, row) of a grid (spans, R): this warp's top k (its carry, as _warp_topk's) of
+@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
+     "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1])",
+     writes=("cand_v", "cand_i", "counters", "values", "indices"))
+def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
+    """Grid (spans, R), after softmax.log_softmax_partials_kernel: block (i, row) ranks
     (x[row, j] - shift[row]) + scores[row] over span i of the row (the log-softmax and the
-    beam's running score, the same float32 operations as log_softmax then adding the score),
-    of flat index row * V + j. The caller's _block_topk then puts the block's k at
-    cand[0, row * spans + i]. (_block_topk's shared arrays stay in the kernel's own body:
-    called from a device function and from the kernel both, NVVM rejected the IR.)"""
+    beam's running score, the same float32 operations as log_softmax then adding the score)
+    into k candidates of flat index row * V + j, at cand[0, row * spans + i]; the launch's
+    last block merges every block's candidates into values/indices[0, :k]
+    (kernels._lastblock)."""
+    flag = cuda.shared.array(1, np.int32)
     i, row = cuda.blockIdx.x, cuda.blockIdx.y
     R, V = x.shape
     spans = part_m.shape[1]
@@ -301,44 +304,18 @@ def _rank_span(x, scores, part_m, part_s, k):
             vals[q] = NEG_INF if v != v or j >= hi else v   # NaN ranks as -inf
             idxs[q] = row * V + j if j < hi else SENTINEL
         cv, ci = _warp_topk(vals, idxs, cv, ci, k)
-    return cv, ci
-
-
-@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
-     "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1])",
-     writes=("cand_v", "cand_i", "counters", "values", "indices"))
-def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
-    """Grid (spans, R), after softmax.log_softmax_partials_kernel: each block ranks its span
-    (`_rank_span`); the launch's last block merges every block's candidates into
-    values/indices[0, :k] (kernels._lastblock)."""
-    flag = cuda.shared.array(1, np.int32)
-    cv, ci = _rank_span(x, scores, part_m, part_s, k)
-    at = cuda.blockIdx.y * part_m.shape[1] + cuda.blockIdx.x   # row * spans + i
-    _block_topk(cv, ci, k, cand_v[0, at], cand_i[0, at])
+    _block_topk(cv, ci, k, cand_v[0, row * spans + i], cand_i[0, row * spans + i])
     if count_in(counters, 0, cuda.gridDim.x * cuda.gridDim.y, flag):
         cv, ci = _merge_candidates(cand_v, cand_i, 0, k)
         _block_topk(cv, ci, k, values[0], indices[0])
-
-
-@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
-     "float32[:, :, ::1], int32[:, :, ::1])", writes=("cand_v", "cand_i"))
-def beam_topk_spans_kernel(x, scores, part_m, part_s, k, cand_v, cand_i):
-    """beam_topk_kernel without the merge: topk_merge_kernel's launch merges after it."""
-    cv, ci = _rank_span(x, scores, part_m, part_s, k)
-    at = cuda.blockIdx.y * part_m.shape[1] + cuda.blockIdx.x   # row * spans + i
-    _block_topk(cv, ci, k, cand_v[0, at], cand_i[0, at])
-
-
-MERGE_IN_LAST_BLOCK = [True]   # (beam_topk; switched off by kernels.ab_beam_merge's A/B)
 
 
 def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:
     """values/indices[0] = the k best continuations of a beam-search step: the top k of
     log_softmax(logits[b]) + scores[b] over every beam b and token (flat index b * V +
     token), descending, ties to the lower index, NaN as -inf. Two launches: the rows' span
-    partials (max, sum of exp), then one that ranks each span and merges in its last block
-    (topk's order, log_softmax's arithmetic), instead of log_softmax, adding the scores and
-    topk (five); with MERGE_IN_LAST_BLOCK off, three (the merge a launch of its own).
+    partials (max, sum of exp), then one that ranks each span and merges (topk's order,
+    log_softmax's arithmetic), instead of log_softmax, adding the scores and topk (five).
 
     logits (R, V) float32, at most 65535 rows; scores (R, 1) float32; values (1, k)
     float32; indices (1, k) int32; 1 <= k <= min(8, R * V)."""
@@ -359,14 +336,9 @@ def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:
     threads = softmax.SPLIT_THREADS
     launch(softmax.log_softmax_partials_kernel, (spans, R), threads, (logits, part_m, part_s),
            stream)
-    ranks = (logits, scores, part_m, part_s, np.int32(k), cand_v, cand_i)
-    if MERGE_IN_LAST_BLOCK[0]:
-        launch(beam_topk_kernel, (spans, R), threads,
-               (*ranks, launch_counters(1), values, indices), stream)
-        return
-    launch(beam_topk_spans_kernel, (spans, R), threads, ranks, stream)
-    launch(topk_merge_kernel, 1, min(THREADS, _check.warp_threads(R * spans * k)),
-           (cand_v, cand_i, np.int32(k), values, indices), stream)
+    launch(beam_topk_kernel, (spans, R), threads,
+           (logits, scores, part_m, part_s, np.int32(k), cand_v, cand_i, launch_counters(1),
+            values, indices), stream)
 
 
 # ---------------------------------------------------------------------------- a search's score check

@@ -222,25 +222,17 @@ def test_beam_histories_give_minus_one_for_a_parent_that_names_no_row():
     assert (best_hist.copy_to_host() == -7).all()
 
 
-def _run_beam_topk(logits: np.ndarray, scores: np.ndarray, k: int, in_last_block=True):
+def _run_beam_topk(logits: np.ndarray, scores: np.ndarray, k: int):
     values = cuda.device_array((1, k), np.float32)
     indices = cuda.device_array((1, k), np.int32)
-    was = sampling.MERGE_IN_LAST_BLOCK[0]
-    sampling.MERGE_IN_LAST_BLOCK[0] = in_last_block
-    try:
-        sampling.beam_topk(dev(logits), dev(scores), k, values, indices)
-    finally:
-        sampling.MERGE_IN_LAST_BLOCK[0] = was
+    sampling.beam_topk(dev(logits), dev(scores), k, values, indices)
     return values.copy_to_host()[0], indices.copy_to_host()[0]
 
 
 @given(beams=st.integers(1, 5), spans=st.integers(2, 3), k=st.integers(1, 8),
-       levels=st.sampled_from([3, 50, None]), seed=st.integers(0, 2**16),
-       in_last_block=st.booleans())
-def test_beam_topk_is_log_softmax_plus_scores_then_topk(beams, spans, k, levels, seed,
-                                                        in_last_block):
-    """One beam-search step's candidates in two launches (the merge in the ranking launch's
-    last block) or three (the merge a launch of its own) give exactly what log_softmax,
+       levels=st.sampled_from([3, 50, None]), seed=st.integers(0, 2**16))
+def test_beam_topk_is_log_softmax_plus_scores_then_topk(beams, spans, k, levels, seed):
+    """One beam-search step's candidates in two launches give exactly what log_softmax,
     adding each beam's score and topk over the beams x vocab row give (the float32 values
     bit for bit, ties to the lower flat index b * V + token): rows of several spans, as a
     vocabulary's, and few distinct logits (levels) so that ties are common."""
@@ -254,7 +246,7 @@ def test_beam_topk_is_log_softmax_plus_scores_then_topk(beams, spans, k, levels,
     logprobs = cuda.device_array((beams, V), np.float32)
     softmax.log_softmax(dev(logits), logprobs)           # the three-step way
     want_v, want_i = sampling.topk_ref((logprobs.copy_to_host() + scores).reshape(1, -1), k)
-    values, indices = _run_beam_topk(logits, scores, k, in_last_block)
+    values, indices = _run_beam_topk(logits, scores, k)
     np.testing.assert_array_equal(indices, want_i[0])
     np.testing.assert_array_equal(values, want_v[0])
     # and against float64 NumPy (values only: float32 rounding may reorder near-ties)
