@@ -28,13 +28,18 @@ def rand(rng: np.random.Generator, *shape, scale: float = 1.0, dtype=np.float32)
     return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
+def split_span(k: int, s: int, step: int) -> int:
+    """The rows a split takes when a decode GEMM's partials cut K into s splits: ceil(K / s)
+    rounded up to whole batches of `step` rows."""
+    return -(-(-(-k // s)) // step) * step
+
+
 def split_counts(k: int, step: int, span_max: int) -> list[int]:
-    """Every count S of K splits that a decode GEMM's partials cover K with exactly: span =
-    ceil(K / S) rounded up to whole batches of `step` rows, at most `span_max`, and
-    ceil(K / span) == S."""
+    """Every count S of K splits that a decode GEMM's partials cover K with exactly: the
+    split_span at most `span_max`, and ceil(K / span) == S."""
     out = []
     for s in range(1, k + 1):
-        span = -(-(-(-k // s)) // step) * step
+        span = split_span(k, s, step)
         if span <= span_max and -(-k // span) == s:
             out.append(s)
     return out

@@ -15,7 +15,7 @@ from kernels import _check, gemm as G
 from kernels.layernorm import layernorm_ref
 from proto import backend
 from proto.backend import cuda
-from tests.helpers import assert_close, dev, rand, split_counts
+from tests.helpers import assert_close, dev, rand, split_counts, split_span
 
 FLAGS = list(itertools.product([False, True], [False, True], [None, "gelu", "relu"],
                                [False, True], [False, True]))  # trans_a, trans_b, act, bias, acc
@@ -355,7 +355,7 @@ def test_partials_are_each_splits_product(m, n, k, data, seed):
     """part[s] = a[:, span_s] @ b[span_s] with span_s = [s*span, (s+1)*span): each split's
     own product, no bias and nothing summed (the consumer sums them)."""
     splits = data.draw(st.sampled_from(_valid_splits(k)), "splits")
-    span = -(-(-(-k // splits)) // G.NN.k_step) * G.NN.k_step
+    span = split_span(k, splits, G.NN.k_step)
     rng = np.random.default_rng(seed)
     a, b = rand(rng, m, k), rand(rng, k, n)
     part = dev(np.full((splits, m, n), np.nan, np.float32))
