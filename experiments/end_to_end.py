@@ -361,9 +361,8 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
     step = next((r for r in step_rows if r["setup"] == label), None)
     if step is not None:
         summary["ours_step_us"] = float(step["ours_step_us"])
-        if step.get("ours_step_p10_us"):   # (rows from before 2026-12-04's last run lack it)
-            summary["ours_step_p10_us"] = float(step["ours_step_p10_us"])
-            summary["ours_step_p90_us"] = float(step["ours_step_p90_us"])
+        summary["ours_step_p10_us"] = float(step["ours_step_p10_us"])
+        summary["ours_step_p90_us"] = float(step["ours_step_p90_us"])
         summary["ours_graph_nodes_per_step"] = int(step["ours_graph_nodes"])
         if step.get("floor_us"):   # (rows from before the floor was measured lack it)
             summary.update(weight_bytes_per_step=int(step["weight_bytes"]),
