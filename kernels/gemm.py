@@ -348,7 +348,7 @@ class Decode(NamedTuple):
     k_step: int     # K rows a block consumes per batch of loads
     trans_b: bool
     config: tuple
-    rows: int = 8   # rows of x the kernel multiplies (compile time; M <= rows; see rows_variant)
+    rows: int = DECODE_MAX_M   # rows of x it multiplies (compile time; M <= rows; rows_variant)
 
 
 def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: int = 0,
