@@ -55,6 +55,7 @@ the embedding's and the MLP sum's ln_out.)
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -347,23 +348,30 @@ class Decode(NamedTuple):
     k_step: int     # K rows a block consumes per batch of loads
     trans_b: bool
     config: tuple
+    rows: int = DECODE_MAX_M   # rows of x it multiplies (compile time; M <= rows; rows_variant)
 
 
-def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: int = 0):
+def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: int = 0,
+                   rows: int = DECODE_MAX_M):
     """The [K, N] decode kernel for one geometry. A warp's lanes form `groups` row groups of
     32/groups lanes on consecutive columns (groups=1: each warp load is one 128-byte row
     segment); a lane takes `cols` columns 32/groups apart and `unroll` rows per batch, so
     cols * unroll weight loads are in flight per lane. Block tile: warps*groups*unroll rows
-    x cols*32/groups columns. `min_blocks`: resident blocks per SM the registers must allow."""
+    x cols*32/groups columns. `min_blocks`: resident blocks per SM the registers must allow.
+    `rows`: the rows of x it multiplies, at most DECODE_MAX_M (compile time: a launch with
+    fewer, M, leaves rows M.. to repeat row M - 1, multiplied and never stored)."""
     lane_cols = 32 // groups
     tile = cols * lane_cols
     row_groups = warps * groups
     step = row_groups * unroll
     red_size = row_groups * M8 * tile
-    acc_size, wv_size = M8 * cols, unroll * cols
+    x_rows = rows     # (a name the kernels' own locals do not take)
+    acc_size, wv_size = x_rows * cols, unroll * cols
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
     if SPAN_MAX % step:  # x is zero-padded to whole batches inside its SPAN_MAX slots
         raise ValueError(f"make_decode_nn: SPAN_MAX {SPAN_MAX} is not a multiple of {step}")
+    if not 1 <= rows <= M8:
+        raise ValueError(f"make_decode_nn: rows {rows} is not in 1..{M8}")
 
     @cuda.jit(device=True)
     def load(wv, b, bz, kb, k_hi, col):
@@ -421,7 +429,7 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
             while kb < k_hi:
                 r = kb - k_lo  # rows past k_hi: zero in xs and in wv
                 for u in range(unroll):
-                    for m in range(M8):
+                    for m in range(x_rows):
                         xm = xs[_u(m * SPAN_MAX + u * row_groups) + r]
                         for c in range(cols):
                             acc[m * cols + c] += xm * wv[u * cols + c]
@@ -435,7 +443,7 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
                                     n_cols - _u(1)))
                 load(wv, b, bz, kb0, k_hi, col)
             # Block sum over the row groups, in a fixed order; rows past m_rows are padding.
-            for m in range(M8):
+            for m in range(x_rows):
                 if m < m_rows:
                     for c in range(cols):
                         red[(rg * _u(M8) + _u(m)) * _u(tile) + j + _u(lane_cols * c)] = \
@@ -455,17 +463,21 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
             cuda.syncthreads()  # `red` is rewritten by the next tile
 
     return Decode(gemm_decode_nn_kernel, 32 * warps, tile, step, False,
-                  ("nn", warps, groups, cols, unroll, min_blocks))
+                  ("nn", warps, groups, cols, unroll, min_blocks), x_rows)
 
 
-def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
+def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
+                   rows: int = DECODE_MAX_M):
     """The trans_b decode kernel for one geometry: warp w of a block takes `cols` output
     columns (contiguous rows of b), its lanes along K with `unroll` loads per column per
     batch (cols * unroll in flight per lane), then sums across lanes by shuffles. Block
-    tile: warps * cols columns."""
+    tile: warps * cols columns. `rows` as in `make_decode_nn`."""
     tile = warps * cols
     step = 32 * unroll
-    acc_size, wv_size = M8 * cols, unroll * cols
+    x_rows = rows     # (a name the kernels' own locals do not take)
+    acc_size, wv_size = x_rows * cols, unroll * cols
+    if not 1 <= rows <= M8:
+        raise ValueError(f"make_decode_nt: rows {rows} is not in 1..{M8}")
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
     if SPAN_MAX % step:  # x is zero-padded to whole batches inside its SPAN_MAX slots
         raise ValueError(f"make_decode_nt: SPAN_MAX {SPAN_MAX} is not a multiple of {step}")
@@ -519,7 +531,7 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
             while kb < length:  # uniform over the block
                 r = kb + lane  # k past length: zero in xs and in wv
                 for u in range(unroll):
-                    for m in range(M8):
+                    for m in range(x_rows):
                         xm = xs[_u(m * SPAN_MAX + 32 * u) + r]
                         for c in range(cols):
                             acc[m * cols + c] += xm * wv[u * cols + c]
@@ -548,7 +560,7 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0):
                             part[bz, split, m, n] = v
 
     return Decode(gemm_decode_nt_kernel, 32 * warps, tile, step, True,
-                  ("nt", warps, cols, unroll, min_blocks))
+                  ("nt", warps, cols, unroll, min_blocks), x_rows)
 
 
 @jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32)",
@@ -639,6 +651,23 @@ gemm_decode_nn_kernel = NN.kernel
 gemm_decode_nt_kernel = NT.kernel
 
 
+@functools.cache
+def _with_rows(config: tuple, rows: int) -> Decode:
+    kind, *geometry = config
+    return (make_decode_nt if kind == "nt" else make_decode_nn)(*geometry, rows=rows)
+
+
+def rows_variant(dk: Decode, m_rows: int) -> Decode:
+    """`dk`'s geometry compiled for exactly m_rows (<= DECODE_MAX_M) rows of x: a launch of
+    5 rows then multiplies 5, where the 8-row kernel spent 3/8 of its multiply-adds and
+    shared-memory loads on padding. Compiled on first use, once."""
+    return dk if dk.rows == m_rows else _with_rows(dk.config, m_rows)
+
+
+if not backend.SIMULATOR:   # GPT-2's beam of 5 (qkv's partials, attention projection, head):
+    GPT2_BEAM = (rows_variant(NN, 5), rows_variant(NT, 5))   # compiled at import (compile_check)
+
+
 # ---------------------------------------------------------------------------- launcher
 def pick_decode(trans_b: bool, batch: int, n_cols: int) -> Decode:
     """The decode kernel for a shape (H200 measurements, NOTES_decode.md): trans_b has one;
@@ -708,6 +737,7 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
     asks for the row-wise layer norm), the reduction, on validated 3-D arguments (`bias`
     a device array, a placeholder when has_bias is 0; y 3-D like out)."""
     batch, m_rows, n_cols = out.shape
+    dk = rows_variant(dk, m_rows)
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
     direct = splits == 1 and ln_out is None
@@ -762,8 +792,9 @@ def partials(a, b, part, *, stream=0) -> None:
     # out: never written with direct = 0, but its shape gives M and N, and a declared output
     # may overlap no other argument
     out3 = backend.empty((1, m_rows, n_cols), np.float32, "gemm.partials.out")
-    blocks = _column_blocks(NN, -(-n_cols // NN.tile), splits)
-    launch(NN.kernel, (blocks, splits, 1), NN.threads,   # (which refuses part overlapping a, b)
+    nn = rows_variant(NN, m_rows)
+    blocks = _column_blocks(nn, -(-n_cols // nn.tile), splits)
+    launch(nn.kernel, (blocks, splits, 1), nn.threads,   # (which refuses part overlapping a, b)
            (a3, b3, out3, backend.reshaped(b, (b.size,)), part4, 0, 0, 0, 0, 0,
             np.int32(span)), stream)
 

@@ -102,6 +102,26 @@ def test_each_decode_kernel_matches_reference(kernel, case):
     np.testing.assert_allclose(out, want, **_tol(k))
 
 
+@pytest.mark.parametrize("kernel", list(DECODE))
+def test_a_decode_launch_multiplies_exactly_its_rows(kernel, monkeypatch):
+    """decode() launches the geometry compiled for M rows of x, not DECODE_MAX_M (compiled
+    once per geometry and M), and its result is the reference's."""
+    launched = []
+    real_launch = G.launch
+    monkeypatch.setattr(G, "launch", lambda k, *a, **kw: (launched.append(k),
+                                                            real_launch(k, *a, **kw)))
+    out, _, want, _ = _run_decode(DECODE[kernel], np.random.default_rng(4), 1, 3, 20, 40,
+                                  False, None, True, False)
+    np.testing.assert_allclose(out, want, **_tol(40))
+    three = G.rows_variant(DECODE[kernel], 3)
+    assert three.rows == 3 and G.rows_variant(DECODE[kernel], 3) is three
+    assert G.rows_variant(DECODE[kernel], G.DECODE_MAX_M) is DECODE[kernel]
+    assert launched[0] is three.kernel
+    make = G.make_decode_nt if DECODE[kernel].trans_b else G.make_decode_nn
+    with pytest.raises(ValueError, match="rows 9"):
+        make(*DECODE[kernel].config[1:], rows=9)
+
+
 @pytest.mark.parametrize("kernel", ["split", "trans_b"])
 @pytest.mark.parametrize("offset", [0.0, 1e3])
 def test_ln_out_normalizes_the_rows_of_the_result(kernel, offset):
