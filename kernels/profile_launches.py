@@ -17,6 +17,8 @@ or read both. Results: results/h200/profiles/.
     python -m kernels.profile_launches decode_layer  # GPT-2 small's layer as the model
                                                      # runs it but attention: qkv, the
                                                      # fused MLP and its sum: twice
+    python -m kernels.profile_launches decode_step   # GPT-2 small's whole step at 512, as
+                                                     # the model runs it: twice
     python -m kernels.profile_launches winograd      # only Winograd's three convolutions at
                                                      # conv4 (N 64, 512 -> 512, 28x28), twice
 
@@ -110,6 +112,23 @@ def decode_layer() -> None:
     synchronize()
 
 
+def decode_step() -> None:
+    """GPT-2 small's whole decode step as the model runs it (beam 5, position 512, random
+    weights), eagerly, twice: every kernel of the step (qkv's partials, the attention tile
+    and its combine, the projection and its reduction with ln_2, the fused MLP and its sum
+    with the next ln_1, the head), 86 launches a pass. `--launch-skip 86` profiles the
+    second pass only."""
+    from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
+    cfg = GPT2Config(12, 768, 12, 50257, 1024)
+    model = GPT2(cfg, random_state_dict(cfg, seed=0), max_batch=5, max_tokens=1)
+    cache = KVCache(cfg, batch=5, max_len=1024)
+    tokens = cuda.to_device(np.array([[464], [2068], [7586], [21831], [18045]], np.int32))
+    pos = cuda.to_device(np.array([512], np.int32))
+    for _ in range(2):
+        model.step(tokens, pos, cache)
+    synchronize()
+
+
 def winograd_conv4() -> None:
     """kernel_speed's conv4 shape, where Winograd is furthest from cuDNN (1.9-3.5x)."""
     x, dy, w, b, out, dx, dw, db = _conv_layer(np.random.default_rng(0), 64, 512, 28)
@@ -124,7 +143,7 @@ def winograd_conv4() -> None:
 
 
 FAMILIES = {"all": main, "decode_gemm": decode_gemm, "decode_layer": decode_layer,
-            "winograd": winograd_conv4}
+            "decode_step": decode_step, "winograd": winograd_conv4}
 
 if __name__ == "__main__":
     family = sys.argv[1] if len(sys.argv) > 1 else "all"
