@@ -18,7 +18,8 @@ or read both. Results: results/h200/profiles/.
                                                      # runs it but attention: qkv, the
                                                      # fused MLP and its sum: twice
     python -m kernels.profile_launches decode_step   # GPT-2 small's whole step at 512, as
-                                                     # the model runs it: twice
+                                                     # the model runs it, the second pass
+                                                     # alone (ncu --profile-from-start off)
     python -m kernels.profile_launches winograd      # only Winograd's three convolutions at
                                                      # conv4 (N 64, 512 -> 512, 28x28), twice
 
@@ -116,17 +117,20 @@ def decode_step() -> None:
     """GPT-2 small's whole decode step as the model runs it (beam 5, position 512, random
     weights), eagerly, twice: every kernel of the step (qkv's partials, the attention tile
     and its combine, the projection and its reduction with ln_2, the fused MLP and its sum
-    with the next ln_1, the head), 86 launches a pass. `--launch-skip 86` profiles the
-    second pass only."""
+    with the next ln_1, the head), 86 launches a pass. The second pass runs between
+    cudaProfilerStart and Stop: `ncu --profile-from-start off` profiles it alone."""
     from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
     cfg = GPT2Config(12, 768, 12, 50257, 1024)
     model = GPT2(cfg, random_state_dict(cfg, seed=0), max_batch=5, max_tokens=1)
     cache = KVCache(cfg, batch=5, max_len=1024)
     tokens = cuda.to_device(np.array([[464], [2068], [7586], [21831], [18045]], np.int32))
     pos = cuda.to_device(np.array([512], np.int32))
-    for _ in range(2):
-        model.step(tokens, pos, cache)
+    model.step(tokens, pos, cache)   # (compiles; outside the profiled range)
     synchronize()
+    cuda.profile_start()
+    model.step(tokens, pos, cache)
+    synchronize()
+    cuda.profile_stop()
 
 
 def winograd_conv4() -> None:
