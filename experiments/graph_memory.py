@@ -307,7 +307,7 @@ def _ours_lstm_shrinking(g, prompt) -> None:
     from kernels import sampling
     g.tokens.copy_to_device(prompt.astype(np.int32))
     for b in range(len(prompt), 0, -1):
-        sampling.argmax(g.step(g.tokens, b), g.tokens[:b])
+        sampling.argmax(g.step(g.tokens, b), backend.leading(g.tokens, b))
 
 
 def run_lstm(cfg, rows, curve) -> dict:

@@ -402,7 +402,7 @@ def address(arr) -> int:
 
 
 _extents = PerObject()
-_reshaped = PerObject()
+_views = PerObject()   # reshaped's and leading's views, by shape or ("rows", n)
 
 
 def extent(arr) -> tuple[int, int]:
@@ -414,7 +414,14 @@ def extent(arr) -> tuple[int, int]:
 def reshaped(arr, shape: tuple):
     """arr.reshape(*shape), the same view object for the same array and shape (making a
     device array costs host time at every eager launch)."""
-    return _reshaped.get(arr, tuple(shape), lambda: arr.reshape(*shape))
+    return _views.get(arr, tuple(shape), lambda: arr.reshape(*shape))
+
+
+def leading(arr, n: int):
+    """arr[:n], the same view object for the same array and n: a dynamic-shape step slices
+    its buffers to the served rows at every replay, and a new view each time costs the
+    slicing and misses every per-object cache after it (its extent, its launch parameters)."""
+    return _views.get(arr, ("rows", n), lambda: arr[:n])
 
 
 def _extent(arr) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kernels import _check
+from proto import backend
 
 STRATEGIES = ("exact", "bucket", "device")
 
@@ -127,7 +128,7 @@ class ShapeDispatcher:
                 raise ValueError(f"replay: input {name!r}: the graph for length {length} reads "
                                  f"{key} rows, got a buffer of {x.shape[0]}; pass a buffer with "
                                  f"room for {key} rows (rows past the length are padding)")
-            inputs[name] = x if x.shape[0] == key else x[:key]
+            inputs[name] = x if x.shape[0] == key else backend.leading(x, key)
         return graph.replay(**inputs)
 
     @property

@@ -228,7 +228,23 @@ def test_a_remembered_view_leaves_with_its_array():
     assert view.shape == (1, 2, 6) and backend.reshaped(a, (1, 2, 6)) is view
     assert backend.reshaped(a, (3, 4)) is not view
     key = (id(a), (1, 2, 6))
-    assert key in backend._reshaped._values
+    assert key in backend._views._values
     del a, view
     gc.collect()
-    assert key not in backend._reshaped._values
+    assert key not in backend._views._values
+
+
+def test_leading_rows_are_one_view_per_array_and_count():
+    """`leading(a, n)` is a[:n], the same object for the same array and n, a distinct view
+    for another n or another array, and its writes reach the array's rows."""
+    a = cuda.to_device(np.arange(12, dtype=np.float32).reshape(6, 2))
+    rows = backend.leading(a, 4)
+    assert rows.shape == (4, 2) and backend.leading(a, 4) is rows
+    assert backend.leading(a, 3) is not rows and backend.leading(a, 3).shape == (3, 2)
+    np.testing.assert_array_equal(rows.copy_to_host(), np.arange(8).reshape(4, 2))
+    rows.copy_to_device(np.full((4, 2), -1, np.float32))
+    np.testing.assert_array_equal(a.copy_to_host()[:4], -1)
+    np.testing.assert_array_equal(a.copy_to_host()[4:], [[8, 9], [10, 11]])
+    b = cuda.to_device(np.zeros((6, 2), np.float32))
+    assert backend.leading(b, 4) is not rows
+    assert backend.reshaped(a, (12,)) is not backend.leading(a, 4)

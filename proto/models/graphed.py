@@ -59,7 +59,7 @@ import numpy as np
 
 from kernels import _check, sampling
 from proto import shapes
-from proto.backend import cuda
+from proto.backend import cuda, leading, reshaped
 from proto.graph import (MODES, ReplayStats, SharedExecutables, Tape, capture, copy,
                          default_executor)
 from proto.models import generate
@@ -479,8 +479,8 @@ class GraphedLSTM(_Graphed):
 
     def _build(self, key: int):
         L = self.config.n_layer
-        placeholders = {"tokens": self._tokens_ph[:key],
-                        **{n: a[:key] for n, a in zip(self._names, self.state.arrays())}}
+        placeholders = {"tokens": leading(self._tokens_ph, key),
+                        **{n: leading(a, key) for n, a in zip(self._names, self.state.arrays())}}
 
         def step(tokens, **hc):
             state = _StateView(self.config, [hc[f"h{k}"] for k in range(L)],
@@ -505,9 +505,9 @@ class GraphedLSTM(_Graphed):
         _check.device_array("tokens", tokens, dtype=np.int32, shape=(self.max_batch,))
         _check.positive("batch", batch, at_most=self.max_batch)
         key = shapes.key_for(batch, self._graphs.keys)
-        inputs = {"tokens": tokens[:key],
-                  **{n: a[:key] for n, a in zip(self._names, self.state.arrays())}}
-        return self._graphs.graph(batch).replay(**inputs)[:batch]
+        inputs = {"tokens": leading(tokens, key),   # (views made once: see `leading`)
+                  **{n: leading(a, key) for n, a in zip(self._names, self.state.arrays())}}
+        return leading(self._graphs.graph(batch).replay(**inputs), batch)
 
     def _step_graphs(self) -> list:
         return list(self._graphs.graphs.values())
@@ -538,10 +538,11 @@ def lstm_greedy(step, tokens, prompt, max_new_tokens: int, *, vocab: int) -> np.
     tokens.copy_to_device(padded)
     out = [prompt]
     top = cuda.device_array((max(max_new_tokens, 1), B, 1), np.float32)   # each step's best logit
+    rows = leading(tokens, B)
     for t in range(max_new_tokens):
         logits = step(tokens)  # (B, V)
-        sampling.topk(logits, 1, top[t], tokens[:B].reshape(B, 1))        # the argmax
-        out.append(tokens[:B].copy_to_host()[:, None])
+        sampling.topk(logits, 1, top[t], reshaped(rows, (B, 1)))        # the argmax
+        out.append(rows.copy_to_host()[:, None])
     if max_new_tokens and not np.isfinite(top.copy_to_host()[:max_new_tokens]).all():
         raise FloatingPointError("lstm_greedy: some step's logits had no finite value (NaN or "
                                  "infinite weights or state); the tokens would be garbage")
