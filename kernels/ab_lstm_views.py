@@ -9,7 +9,7 @@ each also missing every per-object cache after it.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.ab_lstm_views 2>&1 | tee $OUT/ab_lstm_views.txt
 
-On the simulator (toy size) it checks the script; timings mean nothing there."""
+AB_TOY=1 checks the script on the simulator (timings meaningless there)."""
 import statistics
 import sys
 import time
@@ -21,8 +21,7 @@ from proto.models import graphed
 from proto.models.graphed import GraphedLSTM
 from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict
 from kernels import sampling
-
-TOY = backend.SIMULATOR
+from kernels._ab_step import TOY, _report
 
 
 def sliced(arr, n):
@@ -63,11 +62,7 @@ def main() -> int:
     finally:
         use(remembered)
         g.close()
-    base = statistics.median(samples["views"])
-    for name, s in samples.items():
-        m = statistics.median(s)
-        print(f"LSTM shrinking loop {name:6s} {m:.4f} ms a token (min {min(s):.4f}, "
-              f"max {max(s):.4f}, n={len(s)}) / views {m / base:.4f}")
+    _report("LSTM shrinking loop", samples, 6, ".4f", ".4f", "ms a token")
     equal = np.array_equal(tokens["views"], tokens["slices"])
     print("tokens equal:", equal)
     return 0 if equal else 1
