@@ -17,14 +17,13 @@ median of ROUNDS rounds (each a median of 20 replays) with min and max, per shap
 
 AB_TOY=1 checks the script on the simulator (timings meaningless there).
 """
-import statistics
 import sys
 
 import numpy as np
 
 from experiments import kernel_speed as ks
 from kernels import gemm
-from kernels._ab_step import TOY, patched
+from kernels._ab_step import TOY, _report, patched
 from proto import graph, timing
 
 ROUNDS, REPS = (1, dict(warmup=0, reps=1)) if TOY else (7, dict(warmup=3, reps=20))
@@ -34,7 +33,7 @@ SHAPES = ks.DECODE_GEMMS + ("gemm_decode_nn",)
 
 def main() -> int:
     size = ks.SIZES["toy" if TOY else "full"]
-    graphs = {}   # (shape, variant) -> (replay, close, copies, first output)
+    graphs = {}   # (shape, variant) -> (graph, copies in it, copy 0's first output)
     for variant, values in VARIANTS.items():
         # the same seed for both: the same weights, x and old outputs
         cases = [c for c in ks._cases(size, None) if c.name in SHAPES]
@@ -54,12 +53,8 @@ def main() -> int:
             samples[key].append(timing.bench(g.replay, flush=True, **REPS).median_ms
                                 * 1e3 / copies)
     for shape in SHAPES:
-        base = statistics.median(samples[shape, "rows_exact"])
-        for variant in VARIANTS:
-            s = samples[shape, variant]
-            m = statistics.median(s)
-            print(f"{shape:22s} {variant:10s} {m:7.3f} us (min {min(s):.3f}, max {max(s):.3f}, "
-                  f"n={len(s)}) / rows_exact {m / base:.4f}")
+        _report(f"{shape:22s}", {v: samples[shape, v] for v in VARIANTS}, 10, "7.3f", ".3f",
+                "us")
     print(f"outputs bit-identical across variants: {same}")
     for g, _, _ in graphs.values():
         g.close()

@@ -692,8 +692,9 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
     SPAN_MAX allows. Column tiles beyond `grid_cap` blocks (default: one wave of resident
     blocks) are looped over by the blocks (persistent), so op(a) is staged once per block."""
     target = target_blocks
-    if target is None:  # the whole-K kernels split only where K exceeds SPAN_MAX
-        target = 1 if dk is NN_COLS or dk is NN_WIDE_K else TARGET_BLOCKS
+    if target is None:  # the whole-K kernels split only where K exceeds SPAN_MAX (by
+        # geometry, not identity: their rows_variant twins are other objects)
+        target = 1 if dk.config in (NN_COLS.config, NN_WIDE_K.config) else TARGET_BLOCKS
     n_tiles = -(-n_cols // dk.tile)
     splits, span = _split_k(dk, k_len, -(-target // (n_tiles * batch)))
     return _column_blocks(dk, n_tiles, splits * batch, grid_cap), splits, span

@@ -221,13 +221,26 @@ def test_tiled_plan_covers_k_in_whole_slices_within_the_grid(m, n, k, batch, tar
 
 
 @given(n=st.integers(1, 60000), k=st.integers(1, 5000), batch=st.integers(1, 4),
-       kernel=st.sampled_from(list(DECODE)), target=st.sampled_from([None, 1, 1 << 20]))
-def test_decode_plan_covers_k_in_spans_that_fit(n, k, batch, kernel, target):
-    dk = DECODE[kernel]
+       kernel=st.sampled_from(list(DECODE)), target=st.sampled_from([None, 1, 1 << 20]),
+       rows=st.integers(1, G.DECODE_MAX_M))
+def test_decode_plan_covers_k_in_spans_that_fit(n, k, batch, kernel, target, rows):
+    dk = G.rows_variant(DECODE[kernel], rows)   # (the rows x multiplies change no geometry)
     blocks, splits, span = G.decode_plan(dk, batch, n, k, target)
     assert 1 <= blocks <= -(-n // dk.tile)
     assert span <= G.SPAN_MAX and (splits - 1) * span < k <= splits * span
     assert span % min(dk.k_step, G.SPAN_MAX) == 0 or splits == 1
+    if kernel in ("columns", "wide") and target is None:   # whole K: one launch, no reduction
+        assert splits == -(-k // G.SPAN_MAX)
+    assert (blocks, splits, span) == G.decode_plan(DECODE[kernel], batch, n, k, target)
+
+
+@pytest.mark.parametrize("kernel", ["columns", "wide"])
+@pytest.mark.parametrize("rows", range(1, G.DECODE_MAX_M + 1))
+def test_whole_k_kernels_never_split_k_that_fits_whatever_their_rows(kernel, rows):
+    """One column tile of K = SPAN_MAX rows: the grid is far below any block target, and
+    still the whole-K kernels take K in one launch, compiled for any rows of x."""
+    dk = G.rows_variant(DECODE[kernel], rows)
+    assert G.decode_plan(dk, 1, dk.tile, G.SPAN_MAX)[1:] == (1, G.SPAN_MAX)
 
 
 @pytest.mark.gpu
