@@ -1,11 +1,13 @@
 """Host costs of the LSTM's graphed decode loop on the GPU (is its time per token host-bound?).
 Prints per-call host time of Numba slicing and of our per-object caches, then the shrinking
 loop of graph_memory (64 steps, batch 64..1): wall time with a sync at the end, against the
-host time spent issuing it (no sync inside).
+host time spent issuing it (no sync inside), and a profile of the host time by function.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.host_costs 2>&1 | tee $OUT/host_costs.txt
 
 On the simulator it runs at toy size (its timings are the simulator's, not a GPU host's)."""
+import cProfile
+import pstats
 import time
 
 import numpy as np
@@ -68,6 +70,10 @@ def main() -> None:
         print(f"shrinking loop: {wall / B * 1e3:.4f} ms a token wall, "
               f"{issued / B * 1e3:.4f} issued "
               f"(step {parts[0] / B * 1e6:.1f} us, argmax {parts[1] / B * 1e6:.1f} us a token)")
+    profile = cProfile.Profile()   # where the host time of three loops goes, by function
+    profile.runcall(lambda: [shrinking() for _ in range(3)])
+    backend.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     g.close()
 
 
