@@ -51,7 +51,7 @@ def main() -> None:
             t0 = time.perf_counter()
             logits = g.step(g.tokens, b)
             t1 = time.perf_counter()
-            sampling.argmax(logits, g.tokens[:b])
+            sampling.argmax(logits, backend.leading(g.tokens, b))   # (as graph_memory's loop)
             t2 = time.perf_counter()
             if parts is not None:
                 parts[0] += t1 - t0
