@@ -1,7 +1,8 @@
 """A/B on the H200, one process: the LSTM's graphed shrinking loop (graph_memory's: batch
 64..1, the argmax writing into the token buffer) with `backend.leading`'s remembered views
 against a new slice at every call (the code before `leading`). The same graphs; 7
-interleaved rounds of 5 loops each; milliseconds a token.
+interleaved rounds of 5 loops each, every loop from the same state and prompt (untimed reset);
+milliseconds a token; the tokens of the last loops compared.
 
 Why: graph_memory times our LSTM at about 4x PtGraph's time per token, and each step made
 seven new device-array views on the host (the step's inputs and output, the argmax's rows),
