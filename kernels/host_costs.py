@@ -60,7 +60,7 @@ def main() -> None:
     for _ in range(3):
         shrinking()
     backend.synchronize()
-    for rep in range(5):
+    for _ in range(5):
         parts = [0.0, 0.0]
         t0 = time.perf_counter()
         shrinking(parts)
