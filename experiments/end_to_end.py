@@ -482,10 +482,16 @@ FAMILIES = [("gemm_decode_nt", "head GEMM"), ("gemm_splitk_reduce", "split-K red
             ("reset_passes", "loop control"), ("scope", "loop control")]
 
 
+def kernel_function(name: str) -> str:
+    """A profiled kernel's own function name: its mangled or templated name without the
+    namespaces, the specialisation and the argument list."""
+    return name.split("[")[0].split("(")[0].split("::")[-1]
+
+
 def kernel_family(name: str) -> str:
     """The family of a profiled kernel, by its function's own name (not its module's:
     kernels::attention:: also holds the reorder kernels)."""
-    function = name.split("[")[0].split("(")[0].split("::")[-1]
+    function = kernel_function(name)
     return next((family for key, family in FAMILIES if key in function), "other")
 
 
