@@ -44,8 +44,11 @@ included); for ours, `record_s`, `plan_s` and `build_s` split the host time of t
 lowering and instantiating: `Graph.capture_s`).
 
 Time per token: whole generations (1019 tokens), the median of `reps` after a warm-up one,
-spread (p10, p90) in the CSV; tokens compared with ours_unplanned's. Toy size: a tiny model on
-the simulator (no PyTorch, no memory figures, timings meaningless).
+spread (p10, p90) in the CSV; tokens compared with ours_unplanned's. The LSTM's: one loop
+through every batch size (64 steps, 64 rows down to 1, an argmax after each), per step.
+PyTorch computes in float32 as our kernels do: TF32 off for matmuls and for cuDNN, whose LSTM
+would take TF32 tensor cores by default (`torch_tf32` in the CSV reads PyTorch's flags). Toy
+size: a tiny model on the simulator (no PyTorch, no memory figures, timings meaningless).
 
     python -m experiments graph_memory
 """
@@ -174,8 +177,16 @@ def _ptgraph_gpt2(method, config, state_dict, beam, max_len, cfg):
         dec.capture(length)
         meter.sample(n)
     capture_s = time.perf_counter() - t0
-    info = {"graphs": len(dec.graphs), "lengths_captured": len(dec.graphs)}
+    info = {"graphs": len(dec.graphs), "lengths_captured": len(dec.graphs),
+            "torch_tf32": _torch_tf32()}
     return dec, meter, capture_s, info, lambda prompt, new: dec.beam_search(prompt, max_new_tokens=new)
+
+
+def _torch_tf32() -> bool:
+    """Whether PyTorch may round float32 products to TF32, read from its flags when its graphs
+    were captured (a CSV column: not assumed)."""
+    torch = _torch()
+    return bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
 
 
 def _torch_bytes(*tensors) -> int:
@@ -257,6 +268,9 @@ class _TorchLSTMGraphs:
     weights; the state lives in static (L, max_batch, H) tensors, rows [:b] updated in place."""
 
     def __init__(self, config, state_dict, max_batch: int, pool: str):
+        # cuDNN's LSTM takes TF32 tensor cores by default (torch.backends.cudnn.allow_tf32):
+        # float32 must mean float32 beside our kernels, as in every other comparison
+        common.no_tf32()
         torch = _torch()
         self.torch = torch
         dev = "cuda"
@@ -343,7 +357,7 @@ def run_lstm(cfg, rows, curve) -> dict:
                 m.capture(b)
                 meter.sample(n)
             capture_s = time.perf_counter() - t0
-            info = {"graphs": len(m.graphs)}
+            info = {"graphs": len(m.graphs), "torch_tf32": _torch_tf32()}
             run = lambda: m.shrinking(prompt)  # noqa: E731
         t = timing.bench_host(run, warmup=cfg["warmup"], reps=cfg["reps"])
         memory = meter.total
@@ -425,6 +439,8 @@ def run(size: str = "toy") -> None:
         "arena_over_peak_live": ratio(plan.get("arena_bytes"), plan.get("peak_live_bytes")),
         "lstm_ptgraph_over_ours_memory": ratio(mem.get(("lstm", "ptgraph_shared_pool")),
                                                mem.get(("lstm", "ours_planned_shared"))),
+        "lstm_ours_planned_over_ptgraph_time_per_step": ratio(
+            ms.get(("lstm", "ours_planned")), ms.get(("lstm", "ptgraph_shared_pool"))),
         "all_tokens_equal": all(r["same_tokens"] in (True, None) for r in rows),
         "grape_reported_memory_ratio": GRAPE_REPORTED,
     }

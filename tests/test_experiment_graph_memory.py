@@ -33,3 +33,33 @@ def test_graph_memory_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert summary["ptgraph_over_ours_memory"] is None    # no PyTorch, no memory on the simulator
     assert 1.0 <= summary["arena_over_peak_live"] <= 1.10
     assert graph_memory.plot().exists()
+
+
+@pytest.mark.skipif(backend.SIMULATOR, reason="PtGraph runs PyTorch's cuDNN LSTM on the GPU")
+def test_ptgraph_lstm_computes_float32_like_ours(monkeypatch):
+    """PtGraph's LSTM graph gives the NumPy reference's logits to float32 accuracy: cuDNN's
+    default TF32 (about 1e-3 off) would make its time a comparison of another precision."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    from proto.models import reference
+    from proto.models.lstm import LSTMConfig, random_state_dict
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)   # PyTorch's defaults
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    config, batch = LSTMConfig(2, 256, 512, 300), 16
+    weights = random_state_dict(config, seed=3)
+    tokens = np.random.default_rng(4).integers(0, config.vocab_size, batch)
+    graphs = graph_memory._TorchLSTMGraphs(config, weights, batch, "shared")
+    try:
+        assert graph_memory._torch_tf32() is False
+        graphs.capture(batch)
+        graphs.h.zero_()            # capture's warm-up stepped the state: one step from zeros
+        graphs.c.zero_()
+        graphs.tokens.copy_(torch.from_numpy(tokens).cuda())
+        graphs.graphs[batch].replay()
+        got = graphs.logits[:batch].cpu().numpy()
+    finally:
+        graphs.close()
+    want, _ = reference.lstm_logits(config, weights, tokens[:, None])
+    want = want[:, 0]
+    # float32 sums of 512 terms: ~1e-6 of the logits' scale; TF32 gates: ~1e-3
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-5 * np.abs(want).max())
