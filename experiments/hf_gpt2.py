@@ -30,6 +30,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import traceback
 
 import numpy as np
 import torch
@@ -162,6 +163,7 @@ def _serve(spec: dict) -> None:
             reply = {"ready": True} if request.get("ready") else \
                 {"tokens": search.generate(request["prompt"], request["new"]).tolist()}
         except Exception as exc:   # noqa: BLE001  the parent raises it, with its message
+            traceback.print_exc()    # the whole story on stderr, which the run's log keeps
             reply = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
