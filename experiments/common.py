@@ -164,6 +164,13 @@ def no_tf32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def torch_tf32() -> bool:
+    """Whether PyTorch may round float32 products to TF32 now, read from its flags: the CSV
+    column `torch_tf32`, never assumed (cuDNN's TF32 default once slipped in)."""
+    import torch
+    return bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+
+
 def torch_cuda_graph(fn, pool=None):
     """Capture `fn()` (PyTorch ops) as a torch.cuda.CUDAGraph; returns (graph, fn's result).
     `pool`: a graph_pool_handle() to share with other graphs (None: the graph's own pool).

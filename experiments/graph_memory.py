@@ -178,15 +178,8 @@ def _ptgraph_gpt2(method, config, state_dict, beam, max_len, cfg):
         meter.sample(n)
     capture_s = time.perf_counter() - t0
     info = {"graphs": len(dec.graphs), "lengths_captured": len(dec.graphs),
-            "torch_tf32": _torch_tf32()}
+            "torch_tf32": common.torch_tf32()}
     return dec, meter, capture_s, info, lambda prompt, new: dec.beam_search(prompt, max_new_tokens=new)
-
-
-def _torch_tf32() -> bool:
-    """Whether PyTorch may round float32 products to TF32, read from its flags when its graphs
-    were captured (a CSV column: not assumed)."""
-    torch = _torch()
-    return bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
 
 
 def _torch_bytes(*tensors) -> int:
@@ -357,7 +350,7 @@ def run_lstm(cfg, rows, curve) -> dict:
                 m.capture(b)
                 meter.sample(n)
             capture_s = time.perf_counter() - t0
-            info = {"graphs": len(m.graphs), "torch_tf32": _torch_tf32()}
+            info = {"graphs": len(m.graphs), "torch_tf32": common.torch_tf32()}
             run = lambda: m.shrinking(prompt)  # noqa: E731
         t = timing.bench_host(run, warmup=cfg["warmup"], reps=cfg["reps"])
         memory = meter.total

@@ -693,10 +693,7 @@ def run(size: str = "toy") -> None:
                          "TFLOPs": round(TFLOPs, 4),
                          "fraction_of_bound": fraction if fraction == "" else round(fraction, 4),
                          "max_abs_diff_vs_torch": diff if impl == "ours" else "",
-                         # read from torch, not assumed: cuDNN's TF32 default once slipped in
-                         "torch_tf32": (torch.backends.cuda.matmul.allow_tf32
-                                        or torch.backends.cudnn.allow_tf32)
-                         if impl == "torch" else "",
+                         "torch_tf32": common.torch_tf32() if impl == "torch" else "",
                          "copy_GBps": round(copy_GBps, 1),
                          "fp32_peak_TFLOPs": round(peak, 2) if peak else "",
                          "fp32_spec_TFLOPs": round(spec, 2) if spec else "",

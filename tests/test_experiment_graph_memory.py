@@ -1,10 +1,13 @@
 """The graph_memory experiment at toy size: every method of ours runs, gives the same tokens,
 and the CSV, summary and figure carry what the README quotes. Results go to a temporary
 folder."""
+import numpy as np
 import pytest
 
 from experiments import common, graph_memory
 from proto import backend
+from proto.models import reference
+from proto.models.lstm import LSTMConfig, random_state_dict
 
 
 @pytest.mark.skipif(not backend.SIMULATOR, reason="the toy size is the simulator's")
@@ -40,9 +43,6 @@ def test_ptgraph_lstm_computes_float32_like_ours(monkeypatch):
     """PtGraph's LSTM graph gives the NumPy reference's logits to float32 accuracy: cuDNN's
     default TF32 (about 1e-3 off) would make its time a comparison of another precision."""
     torch = pytest.importorskip("torch")
-    import numpy as np
-    from proto.models import reference
-    from proto.models.lstm import LSTMConfig, random_state_dict
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)   # PyTorch's defaults
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     config, batch = LSTMConfig(2, 256, 512, 300), 16
@@ -50,7 +50,7 @@ def test_ptgraph_lstm_computes_float32_like_ours(monkeypatch):
     tokens = np.random.default_rng(4).integers(0, config.vocab_size, batch)
     graphs = graph_memory._TorchLSTMGraphs(config, weights, batch, "shared")
     try:
-        assert graph_memory._torch_tf32() is False
+        assert common.torch_tf32() is False
         graphs.capture(batch)
         graphs.h.zero_()            # capture's warm-up stepped the state: one step from zeros
         graphs.c.zero_()
