@@ -25,6 +25,24 @@ def test_lstm_cell_matches_reference(B, H, gate_scale, in_place, seed, scale):
     assert np.isfinite(h_out.copy_to_host()).all()
 
 
+@given(S=st.integers(1, 5), n_bias=st.integers(0, 2), B=st.integers(1, 4),
+       H=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_lstm_cell_sums_partials_and_biases(S, n_bias, B, H, seed, scale):
+    """The gates as S partial products (the gate GEMMs' K splits) and the biases apart: the
+    cell of their sum."""
+    rng = np.random.default_rng(seed)
+    H *= scale
+    part, c_prev = rand(rng, S, B, 4 * H), rand(rng, B, H)
+    biases = [rand(rng, 4 * H) for _ in range(n_bias)]
+    h_out, c_out = cuda.device_array((B, H), np.float32), cuda.device_array((B, H), np.float32)
+    lstm.lstm_cell(dev(part), dev(c_prev), h_out, c_out, biases=[dev(b) for b in biases])
+    gates = part.astype(np.float64).sum(axis=0) + sum(b.astype(np.float64) for b in biases)
+    want_h, want_c = lstm.lstm_cell_ref(gates, c_prev)
+    # S + 2 float32 additions before the transcendental ops
+    assert_close(c_out, want_c, "reduction")
+    assert_close(h_out, want_h, "reduction")
+
+
 def test_gate_order_is_pytorchs():
     """One gate block at a time saturated: i, f, g, o in PyTorch's order."""
     B, H, big = 1, 3, 50.0
@@ -69,3 +87,10 @@ def test_rejects_bad_input_before_launch():
         lstm.lstm_cell(gates, c, c, c)
     with pytest.raises(ValueError, match="output 'h_out' .* overlaps argument 'gates'"):
         lstm.lstm_cell(gates, c, gates.reshape(B * 4 * H)[:B * H].reshape(B, H), c)
+    with pytest.raises(ValueError, match=r"gates: expected shape \('\*', 2, 12\)"):
+        lstm.lstm_cell(dev(np.zeros((3, B + 1, 4 * H), np.float32)), c, h_out, c)
+    with pytest.raises(ValueError, match="biases: at most 2, got 3"):
+        lstm.lstm_cell(gates, c, h_out, c, biases=[dev(np.zeros(4 * H, np.float32))] * 3)
+    with pytest.raises(ValueError, match=r"biases\[1\]: expected shape \(12,\)"):
+        lstm.lstm_cell(gates, c, h_out, c, biases=[dev(np.zeros(4 * H, np.float32)),
+                                                  dev(np.zeros(4 * H + 1, np.float32))])
