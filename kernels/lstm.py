@@ -21,10 +21,12 @@ from proto.backend import cuda, jit, launch, reshaped
 
 THREADS = 256
 HALF = np.float32(0.5)
+_u = np.uint32
 ZERO = np.float32(0.0)
 # Partials a thread loads per gate before adding any (all its loads in flight at once: one
 # memory round trip per chunk, not one per partial); the simulator pays per loop pass.
 CHUNK = 2 if backend.SIMULATOR else 8
+_VALS = 4 * CHUNK   # (a local array's size must be a module constant)
 MAX_BIASES = 2
 
 
@@ -51,28 +53,28 @@ def _sigmoid(z):
 def lstm_cell_kernel(gates, bias_a, bias_b, n_bias, c_prev, h_out, c_out):
     """gates (S, B, 4H): the gates are ((gates[0] + ... + gates[S-1]) + bias_a) + bias_b
     (the biases as n_bias says), summed in that order; then the cell. Each chunk's loads are issued before any is added."""
-    vals = cuda.local.array(4 * CHUNK, np.float32)
+    vals = cuda.local.array(_VALS, np.float32)
     gate = cuda.local.array(4, np.float32)
     S, B, H = gates.shape[0], c_prev.shape[0], c_prev.shape[1]
     for e in range(cuda.grid(1), B * H, cuda.gridsize(1)):
-        b = e // H
-        j = e - b * H
+        # unsigned indices: no negative-index wraparound test on each of the loads
+        b, j = _u(e // H), _u(e % H)
         for q in range(4):
             gate[q] = ZERO
         for s0 in range(0, S, CHUNK):
             for q in range(4):
                 for u in range(CHUNK):
                     if s0 + u < S:
-                        vals[q * CHUNK + u] = gates[s0 + u, b, q * H + j]
+                        vals[q * CHUNK + u] = gates[_u(s0 + u), b, _u(q * H) + j]
             for q in range(4):
                 for u in range(CHUNK):
                     if s0 + u < S:
                         gate[q] += vals[q * CHUNK + u]
         for q in range(4):
             if n_bias > 0:
-                gate[q] += bias_a[q * H + j]
+                gate[q] += bias_a[_u(q * H) + j]
             if n_bias > 1:
-                gate[q] += bias_b[q * H + j]
+                gate[q] += bias_b[_u(q * H) + j]
         i = _sigmoid(gate[0])
         f = _sigmoid(gate[1])
         g = math.tanh(gate[2])
