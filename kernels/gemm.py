@@ -13,9 +13,16 @@ Two kernel families, chosen by `gemm` from the shapes:
   elements each, checked): a step whose tile lies inside the bounds, as nearly every step of
   a large product does, loads at constant steps with no per-element test (PTX: one add a
   load, where each load recomputed its 64-bit address behind two tests).
-  Where the 64 x 64 tiles alone make fewer blocks than two per SM (skinny products: an LSTM
-  step's 9..64 rows), K is split as in the decode path and the partial tiles are summed in
-  order (`tiled_plan`).
+  Where the tiles alone make fewer blocks than two per SM (skinny products: an LSTM step's
+  9..64 rows), K is split as in the decode path and the partial tiles are summed in order
+  (`tiled_plan`, in whole K steps of the launched tile).
+  Skinny tiles (`SKINNY`: 16 x 256 for M <= 16, 32 x 128 for M <= 32; the same 256 threads
+  and 4 x 4 register tile, the same 4096 outputs a block): a 64-row tile computes, stages
+  and splits 64 rows whatever M is, so a 9..16-row LSTM step wastes 3/4 of its
+  multiply-adds and of its staging of op(a). They replace TILE only (`tiled_tile`; where
+  WIDE_TILE fills the SMs, the product is none of the LSTM's that the A/B measures), and
+  only while the switch `SKINNY_TILES` is on: off by default until kernels.ab_lstm_tiles
+  measures them on the GPU.
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
   3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
   pure weight streaming, so the one goal is to keep every SM's share of the weight in
@@ -76,7 +83,10 @@ if not backend.SIMULATOR:
     # tiled: 64 x 64 outputs a block (256 threads, 4 x 4 each), K slices of 16; 128 x 128
     # (8 x 8 each, K slices of 8) where those alone make two blocks an SM
     TILE, WIDE_TILE = Tiles(64, 64, 16, 4, 4), Tiles(128, 128, 8, 8, 8)
-    TILED_MIN_SPAN = 8 * TILE.bk  # tiled: K rows a split takes at least
+    # skinny: 16 x 256 and 32 x 128 (256 threads, 4 x 4 each) for M <= 16 and M <= 32
+    # (SKINNY_TILES)
+    SKINNY = (Tiles(16, 256, 16, 4, 4), Tiles(32, 128, 16, 4, 4))
+    MIN_SPAN_STEPS = 8   # tiled: K steps a split takes at least (tiled_min_span)
     SPAN_MAX = 768           # decode: most K rows one block covers (op(a) staged in shared)
     # Decode geometries, measured on the H200 (kernels/NOTES_decode.md). [K, N]: (warps, row
     # groups per warp, columns per lane, rows per lane per batch, blocks per SM the registers
@@ -94,7 +104,10 @@ else:
     # Each simulated thread is a Python thread (~0.1 ms each): the same code with smaller
     # blocks keeps tests fast, and a small K span makes tiny shapes take the split path.
     TILE, WIDE_TILE = Tiles(8, 8, 8, 2, 2), Tiles(16, 16, 8, 4, 4)
-    TILED_MIN_SPAN = 2 * TILE.bk
+    # The GPU's thresholds (16 and 32 rows), so 9..32-row products reach them past the
+    # decode path; a K step other than TILE's, so a plan made with TILE's shows; 32 threads.
+    SKINNY = (Tiles(16, 32, 16, 4, 4), Tiles(32, 16, 16, 4, 4))
+    MIN_SPAN_STEPS = 2
     SPAN_MAX = 64
     NN_SPLIT = (2, 2, 2, 2)
     NN_COLUMNS = (2, 4, 1, 2)
@@ -105,7 +118,11 @@ else:
     RED_CHUNK = 2
     LN_COLS = 2
     LN_THREADS = 64
-BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the tile K splits are planned for (tiled_plan)
+BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the default tile's shape (tiled_plan takes a tile)
+TILED_MIN_SPAN = MIN_SPAN_STEPS * TILE.bk   # (tiled_min_span(TILE))
+# Switch (a list, so an A/B flips it at run time): 9..32-row products take a SKINNY tile
+# instead of TILE. Off until kernels.ab_lstm_tiles wins on the GPU: the default flips only then.
+SKINNY_TILES = [False]
 _XS = M8 * SPAN_MAX
 _LN_VALS = LN_COLS * RED_CHUNK
 _LN_GB = 2 * LN_COLS   # the layer norm's gamma, beta
@@ -337,7 +354,8 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
 
 # One kernel per layout of a and b and tile shape: (trans_a, trans_b, tile) -> kernel
 TILED_KERNELS = {(ta, tb, t): _make_tiled(ta, tb, t)
-                 for t in (TILE, WIDE_TILE) for ta in (False, True) for tb in (False, True)}
+                 for t in (TILE, WIDE_TILE, *SKINNY) for ta in (False, True)
+                 for tb in (False, True)}
 
 
 class Decode(NamedTuple):
@@ -800,26 +818,39 @@ def partials(a, b, part, *, stream=0) -> None:
             np.int32(span)), stream)
 
 
-def tiled_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
+def tiled_min_span(t: Tiles) -> int:
+    """K rows a split of tile `t` takes at least, so that its partial tile is worth writing:
+    MIN_SPAN_STEPS of its K steps."""
+    return MIN_SPAN_STEPS * t.bk
+
+
+def tiled_plan(t: Tiles, batch: int, m_rows: int, n_cols: int, k_len: int,
                target_blocks: int | None = None) -> tuple[int, int]:
-    """(K splits, span) for the tiled kernel. Its 64 x 64 tiles give few blocks for skinny
-    products (an LSTM step: 9..64 rows against 4096 columns is 64 blocks for 132 SMs), so K is
-    split until the grid has about `target_blocks` (two resident blocks per SM), each split
-    at least TILED_MIN_SPAN rows of K so that its partial tile is worth writing."""
+    """(K splits, span) for the tiled kernel of tile `t`. Its tiles give few blocks for
+    skinny products (an LSTM step: 9..64 rows against 4096 columns is 64 blocks of 64 x 64
+    for 132 SMs), so K is split until the grid has about `target_blocks` (two resident
+    blocks per SM), in whole K steps of t, each split at least tiled_min_span(t) rows."""
     target = 2 * _check.sm_count() if target_blocks is None else target_blocks
-    tiles = -(-n_cols // BN) * -(-m_rows // BM) * batch
-    splits = min(-(-target // tiles), k_len // TILED_MIN_SPAN, 65535 // batch)
+    tiles = -(-n_cols // t.bn) * -(-m_rows // t.bm) * batch
+    splits = min(-(-target // tiles), k_len // tiled_min_span(t), 65535 // batch)
     if splits < 2:
-        return 1, -(-k_len // BK) * BK
-    span = -(-(-(-k_len // splits)) // BK) * BK    # whole K slices per split
+        return 1, -(-k_len // t.bk) * t.bk
+    span = -(-(-(-k_len // splits)) // t.bk) * t.bk    # whole K steps per split
     return -(-k_len // span), span
 
 
 def tiled_tile(batch: int, m_rows: int, n_cols: int) -> Tiles:
     """WIDE_TILE (8 x 8 outputs a thread: twice the multiply-adds per shared load and per
-    staged element) where its tiles alone make two blocks an SM, else TILE."""
+    staged element) where its tiles alone make two blocks an SM; else, with SKINNY_TILES on,
+    the first SKINNY tile of at least m_rows rows; else TILE."""
     wide = -(-m_rows // WIDE_TILE.bm) * -(-n_cols // WIDE_TILE.bn) * batch
-    return WIDE_TILE if wide >= 2 * _check.sm_count() else TILE
+    if wide >= 2 * _check.sm_count():
+        return WIDE_TILE
+    if SKINNY_TILES[0]:
+        for t in SKINNY:
+            if m_rows <= t.bm:
+                return t
+    return TILE
 
 
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
@@ -835,7 +866,7 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     if t == WIDE_TILE:
         splits, span = 1, -(-k_len // t.bk) * t.bk
     else:
-        splits, span = tiled_plan(batch, m_rows, n_cols, k_len, target_blocks)
+        splits, span = tiled_plan(t, batch, m_rows, n_cols, k_len, target_blocks)
     direct = splits == 1
     part = _partials(out, splits, direct)
     grid = (-(-n_cols // t.bn), -(-m_rows // t.bm), batch * splits)

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from kernels import _check, gemm as G
 from kernels.layernorm import layernorm_ref
@@ -207,17 +207,201 @@ def test_the_tiled_kernel_with_k_split_matches_reference(m, n, k, batch, flags, 
     np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
 
 
-@given(m=st.integers(9, 5000), n=st.integers(1, 60000), k=st.integers(1, 20000),
-       batch=st.integers(1, 70000), target=st.sampled_from([None, 1, 1 << 20]))
-def test_tiled_plan_covers_k_in_whole_slices_within_the_grid(m, n, k, batch, target):
-    splits, span = G.tiled_plan(batch, m, n, k, target)
-    assert (splits - 1) * span < k <= splits * span and span % G.BK == 0
+@pytest.fixture
+def skinny_tiles():
+    """gemm.SKINNY_TILES switched on for one test, then back as it was."""
+    was = G.SKINNY_TILES[0]
+    G.SKINNY_TILES[0] = True
+    try:
+        yield
+    finally:
+        G.SKINNY_TILES[0] = was
+
+
+@pytest.fixture
+def tiled_launches(monkeypatch):
+    """(kernel, grid, threads, args) of every launch gemm makes, in order; the launches run."""
+    seen = []
+    real = G.launch
+
+    def spy(kernel, grid, threads, args, *rest, **kw):
+        seen.append((kernel, grid, threads, args))
+        return real(kernel, grid, threads, args, *rest, **kw)
+    monkeypatch.setattr(G, "launch", spy)
+    return seen
+
+
+def _most_columns(m, batch):
+    """The most columns a product of m rows (batch of them) has while WIDE_TILE's tiles make
+    fewer than two blocks an SM (its rule restated): wider ones take WIDE_TILE, switch or not."""
+    rows = -(-m // G.WIDE_TILE.bm) * batch
+    return (2 * _check.sm_count() - 1) // rows * G.WIDE_TILE.bn
+
+
+def _widths(m, batch):
+    """A few widths of m-row products that WIDE_TILE does not take (none where it takes all,
+    as the simulator's two SMs do past 16 rows in batches of 2)."""
+    most = _most_columns(m, batch)
+    return sorted(n for n in {1, G.SKINNY[0].bn + 1, most} if 1 <= n <= most)
+
+
+def _skinny_want(m):
+    """The tile a non-wide product of m > 8 rows takes with the switch on: 16 x 256 up to 16
+    rows, 32 x 128 up to 32 (the simulator's stand-ins have the same rows), TILE above."""
+    return G.SKINNY[0] if m <= 16 else G.SKINNY[1] if m <= 32 else G.TILE
+
+
+def test_skinny_tiles_are_the_specified_shapes():
+    """16 and 32 rows (the thresholds); on the GPU TILE's 256 threads and 4 x 4 a thread,
+    16 x 256 and 32 x 128; every one compiled for all four layouts."""
+    assert [t.bm for t in G.SKINNY] == [16, 32]
+    if not backend.SIMULATOR:
+        assert G.SKINNY == (G.Tiles(16, 256, 16, 4, 4), G.Tiles(32, 128, 16, 4, 4))
+        assert all(t.threads == G.TILE.threads == 256 for t in G.SKINNY)
+    for t in G.SKINNY:
+        assert all((ta, tb, t) in G.TILED_KERNELS for ta in (False, True) for tb in (False, True))
+
+
+def test_skinny_tiles_are_off_by_default():
+    """Off until kernels.ab_lstm_tiles wins on the GPU (then the default and this test flip)."""
+    assert G.SKINNY_TILES == [False]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_switch_chooses_skinny_tiles_up_to_32_rows(skinny_tiles, batch):
+    """Switch on: 9..16 rows take the 16-row tile, 17..32 the 32-row one, 33 and more TILE,
+    at every width below WIDE_TILE's; WIDE_TILE keeps its products."""
+    for m in range(G.DECODE_MAX_M + 1, 2 * G.TILE.bm + 40):
+        for n in _widths(m, batch):
+            assert G.tiled_tile(batch, m, n) == _skinny_want(m), (m, n)
+    side = math.ceil(math.sqrt(2 * _check.sm_count()))   # (as the wide tile's test)
+    m = min(32, side * G.WIDE_TILE.bm - 5)
+    assert G.tiled_tile(1, m, _most_columns(m, 1) + 1) == G.WIDE_TILE
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_with_the_switch_off_every_product_takes_tile_as_before(batch, tiled_launches):
+    """Switch off (its default): products of 9 rows and more below WIDE_TILE's widths take
+    TILE, as before skinny tiles, and the launch is TILE's kernel with TILE's plan."""
+    assert not G.SKINNY_TILES[0]
+    for m in range(G.DECODE_MAX_M + 1, 2 * G.TILE.bm + 40):
+        for n in _widths(m, batch):
+            assert G.tiled_tile(batch, m, n) == G.TILE, (m, n)
+    m, n, k = 12, 7, 100
+    rng = np.random.default_rng(8)
+    a, b, _ = _operands(rng, (batch,), m, n, k, False, True)
+    out = dev(np.full((batch, m, n), np.nan, np.float32))
+    G.gemm(dev(a), dev(b), out, trans_b=True)
+    np.testing.assert_allclose(out.copy_to_host(), G.gemm_ref(a, b, trans_b=True), **_tol(k))
+    kernel, grid, _, args = tiled_launches[0]
+    assert kernel is G.TILED_KERNELS[(False, True, G.TILE)]
+    assert (grid[2] // batch, int(args[9])) == G.tiled_plan(G.TILE, batch, m, n, k)
+
+
+def _run_skinny(rng, launches, batch, m, n, k, trans_a, trans_b, act, has_bias, accumulate):
+    """gemm on one product with the switch on (the caller's fixture); checks the result
+    against the reference, and that the launch was the skinny tile's kernel with a plan in
+    whole K steps of that tile. Returns the K splits launched."""
+    t = _skinny_want(m)
+    assert t != G.TILE and n <= _most_columns(m, batch or 1)   # (the case is a skinny one)
+    lead = () if batch is None else (batch,)
+    a, b, old = _operands(rng, lead, m, n, k, trans_a, trans_b)
+    bias = rand(rng, n) if has_bias else None
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    launches.clear()
+    G.gemm(dev(a), dev(b), out, bias=None if bias is None else dev(bias), act=act,
+           trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+    np.testing.assert_allclose(
+        out.copy_to_host(),
+        G.gemm_ref(a, b, bias, act, trans_a, trans_b, old=old if accumulate else None),
+        **_tol(k))
+    kernel, grid, threads, args = launches[0]
+    assert kernel is G.TILED_KERNELS[(trans_a, trans_b, t)] and threads == t.threads
+    assert grid[:2] == (-(-n // t.bn), 1)   # one row tile: m <= t.bm
+    splits, span = grid[2] // (batch or 1), int(args[9])
+    assert span % t.bk == 0 and (splits - 1) * span < k <= splits * span
+    assert len(launches) == (1 if splits == 1 else 2)   # the split partials' reduction
+    return splits
+
+
+@pytest.mark.parametrize("trans_a,trans_b", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("which", [0, 1])
+def test_skinny_tiles_match_reference_in_every_layout(trans_a, trans_b, which, scale,
+                                                      skinny_tiles, tiled_launches):
+    """Each skinny tile in each layout of a and b, at the bottom and top of its rows, K split
+    (epilogue in the reduction) and whole (in the kernel), partial column tiles."""
+    t = G.SKINNY[which]
+    rng = np.random.default_rng(20 + 4 * which + 2 * trans_a + trans_b)
+    low, high = (G.DECODE_MAX_M + 1, 16) if which == 0 else (17, 32)
+    n = min(t.bn + 3, _most_columns(high, 1) - 3)
+    k_split, k_whole = 100 * scale, 20   # 20: fewer rows than a split takes (GPU and sim)
+    assert _run_skinny(rng, tiled_launches, None, low, n, k_split, trans_a, trans_b,
+                       "gelu", True, True) > 1
+    assert _run_skinny(rng, tiled_launches, None, high, n, k_whole, trans_a, trans_b,
+                       "relu", True, False) == 1
+
+
+@given(m=st.integers(9, 32), batch=st.sampled_from([None, 1, 2]), k=st.integers(1, 150),
+       flags=st.sampled_from(FLAGS), data=st.data(), seed=st.integers(0, 2**16))
+def test_skinny_tiles_match_reference_on_irregular_shapes(m, batch, k, flags, data, seed,
+                                                          scale, skinny_tiles,
+                                                          tiled_launches):
+    """9..32-row products of any width below WIDE_TILE's, batched or not, K split or not."""
+    assume(_most_columns(m, batch or 1) >= 1)   # (not every product WIDE_TILE's)
+    n = data.draw(st.integers(1, min(_most_columns(m, batch or 1), 60 * scale)), "n")
+    _run_skinny(np.random.default_rng(seed), tiled_launches, batch, m, n, k * scale, *flags)
+
+
+TILES = {"tile": G.TILE, "wide": G.WIDE_TILE, "skinny16": G.SKINNY[0], "skinny32": G.SKINNY[1]}
+_MIN_STEPS = 2 if backend.SIMULATOR else 8   # K steps a split takes at least
+# plan shapes: any, or an LSTM step's (9..64 rows, a few thousand columns: the split ones)
+_PLAN_M = st.one_of(st.integers(9, 64), st.integers(9, 5000))
+_PLAN_N = st.one_of(st.integers(1, 12000), st.integers(1, 60000))
+_PLAN_BATCH = st.one_of(st.integers(1, 4), st.integers(1, 70000))
+
+
+@pytest.mark.parametrize("tile", list(TILES))
+@settings(max_examples=60)   # (host arithmetic only)
+@given(m=_PLAN_M, n=_PLAN_N, k=st.integers(1, 20000), batch=_PLAN_BATCH,
+       target=st.sampled_from([None, 1, 1 << 20]))
+def test_tiled_plan_covers_k_in_whole_slices_within_the_grid(tile, m, n, k, batch, target):
+    """The plan of the tile launched: spans of whole K steps of that tile (the simulator's
+    skinny tiles step 16 rows, TILE 8), covering K exactly, split only while that tile's grid
+    is short of its target, every split but the last at least 8 of its steps (2 on the
+    simulator; the last takes what is left of K)."""
+    t = TILES[tile]
+    splits, span = G.tiled_plan(t, batch, m, n, k, target)
+    assert (splits - 1) * span < k <= splits * span and span % t.bk == 0
     assert batch * splits <= max(batch, 65535)   # the grid's z dimension
-    tiles = -(-n // G.BN) * -(-m // G.BM) * batch
+    tiles = -(-n // t.bn) * -(-m // t.bm) * batch
     if splits > 1:   # split only while the grid is short of its target, in long spans
-        assert tiles < (target or 2 * _check.sm_count()) and span >= G.TILED_MIN_SPAN
+        assert tiles < (target or 2 * _check.sm_count()) and span >= _MIN_STEPS * t.bk
     else:
         assert span >= k
+
+
+@pytest.mark.parametrize("tile", list(TILES))
+@settings(max_examples=60)   # (host arithmetic only)
+@given(m=_PLAN_M, n=_PLAN_N, k=st.integers(1, 20000), batch=_PLAN_BATCH,
+       target=st.sampled_from([None, 1, 1 << 20]))
+def test_tiled_plan_is_the_plan_before_skinny_tiles_in_the_tiles_geometry(tile, m, n, k,
+                                                                          batch, target):
+    """Every tile's plan is the one from before the plan took a tile (which used TILE's
+    BM, BN, BK and TILED_MIN_SPAN = 8 K steps, 2 on the simulator), in that tile's geometry:
+    TILE's is unchanged, so nothing changes with SKINNY_TILES off; as many splits as the
+    target asks for, no more than K has minimum spans."""
+    t = TILES[tile]
+    want_target = 2 * _check.sm_count() if target is None else target
+    tiles = -(-n // t.bn) * -(-m // t.bm) * batch
+    splits = min(-(-want_target // tiles), k // (_MIN_STEPS * t.bk), 65535 // batch)
+    if splits < 2:
+        want = (1, -(-k // t.bk) * t.bk)
+    else:
+        span = -(-(-(-k // splits)) // t.bk) * t.bk
+        want = (-(-k // span), span)
+    assert G.tiled_plan(t, batch, m, n, k, target) == want
+    assert G.tiled_min_span(t) == _MIN_STEPS * t.bk
+    assert G.TILED_MIN_SPAN == _MIN_STEPS * G.TILE.bk and (G.BM, G.BN, G.BK) == G.TILE[:3]
 
 
 @given(n=st.integers(1, 60000), k=st.integers(1, 5000), batch=st.integers(1, 4),
