@@ -1,0 +1,258 @@
+"""A/B on the GPU, one process: gemm's skinny tiles (`gemm.SKINNY_TILES` on: 16 x 256 for
+M <= 16, 32 x 128 for M <= 32) against TILE (64 x 64) for every 9..32-row product.
+
+Why: the LSTM's graphed step spends most of its time in the tiled GEMM (on the H100 153 us
+of a 218 us step), and its steps have 9..64 rows (the shrinking loop's batch 64..1; M <= 8
+takes the decode kernels). A 64-row tile computes and stages 64 rows whatever M is: a
+9..16-row step wastes 3/4 of its multiply-adds. The skinny tiles keep the 256 threads, the
+4 x 4 register tile and the 4096 outputs a block, and split K in their own K steps.
+
+What it times, variants interleaved (7 rounds after a warm-up round, the order alternating):
+1. the LSTM's graphed shrinking loop (as kernels.ab_lstm_views: LSTMConfig(2, 512, 1024,
+   10000), batch 64..1, GraphedLSTM alias/exact, the argmax writing into the token buffer),
+   milliseconds a token, each loop from the same state and prompt. Graphs keep the kernels
+   chosen when they recorded, so each variant has its own GraphedLSTM, recorded with the
+   switch in its position (both built before any timing);
+2. the tiled GEMM alone on the LSTM's shapes (x @ W_ih0.T, h @ W_hh.T accumulating, the head
+   h @ W_dec.T; each + bias) at M = 9, 16, 24, 32: a CUDA graph per variant of one GEMM on
+   each of enough rotating copies of the weight and output to overflow L2, median of 20
+   replays, per GEMM;
+3. correctness: one step's logits at batch 32, 24, 16 and 9 from the same state and prompt
+   under both variants (max abs difference relative to the logits' largest magnitude), and
+   the tokens of a whole loop, every step's. First of all, each variant's graphs at those
+   batches must launch the tiles its switches choose (else the run stops: it would time the
+   same kernels twice).
+
+Decision rule (fixed before any run): flip `SKINNY_TILES`'s default to on only if
+- the loop's median with skinny tiles is below every sample of TILE's,
+- no GEMM at M = 16 or M = 32 is more than 2% slower (median over median <= 1.02),
+- the logits agree within 1e-4 relative and the tokens are equal.
+The last line says so: "VERDICT: merge ..." or "VERDICT: keep off ..." with the reasons.
+
+    PYTHONUNBUFFERED=1 python3 -m kernels.ab_lstm_tiles 2>&1 | tee $OUT/ab_lstm_tiles.txt
+
+AB_TOY=1 checks the script on the simulator (tiny sizes; timings meaningless there).
+"""
+import contextlib
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from kernels import gemm, sampling
+from kernels._ab_step import TOY, _report, describe
+from proto import backend, graph, timing
+from proto.backend import cuda
+from proto.models.graphed import GraphedLSTM
+from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict
+
+# name -> the switches (one-element lists) and the values a variant sets; the first is the
+# base of the ratios and of the decision rule
+VARIANTS = {"tile": (), "skinny": ((gemm.SKINNY_TILES, True),)}
+GEMM_ROWS = (9, 16) if TOY else (9, 16, 24, 32)
+GATED_ROWS = (16, 32)     # the GEMM rows the decision rule weighs
+LOGIT_BATCHES = (10, 9) if TOY else (32, 24, 16, 9)
+LOGIT_TOL, GEMM_SLOWER = 1e-4, 1.02
+
+
+@contextlib.contextmanager
+def switched(settings):
+    """The variant's switches set (while its graphs record or its GEMMs run), then restored."""
+    was = [(switch, switch[0]) for switch, _ in settings]
+    for switch, value in settings:
+        switch[0] = value
+    try:
+        yield
+    finally:
+        for switch, value in was:
+            switch[0] = value
+
+
+def _l2_copies(nbytes: int) -> int:
+    """Copies of `nbytes` of operands that overflow L2 three times (the weights stream from
+    memory, as in the LSTM's step, whose weights are about 100 MB)."""
+    if TOY or backend.SIMULATOR:
+        return 1
+    return max(1, min(64, -(-3 * cuda.get_current_device().L2_CACHE_SIZE // nbytes)))
+
+
+def gemm_shapes(cfg: LSTMConfig):
+    """(name, K, N, accumulate) of the LSTM step's GEMMs (trans_b, + bias): proto.models.lstm."""
+    E, H, V = cfg.n_embd, cfg.n_hidden, cfg.vocab_size
+    return [("x@W_ih0.T", E, 4 * H, False), ("h@W_hh.T", H, 4 * H, True),
+            ("head", H, V, False)]
+
+
+def gemm_graphs(cfg: LSTMConfig, rng) -> dict:
+    """(shape name, M, variant) -> (graph, GEMMs in it): each variant's graph recorded with
+    its switches on, over the same operands."""
+    graphs = {}
+    for name, K, N, accumulate in gemm_shapes(cfg):
+        w_host = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
+        copies = _l2_copies(4 * (w_host.size + 2 * max(GEMM_ROWS) * N))
+        ws = [cuda.to_device(w_host) for _ in range(copies)]
+        bias = cuda.to_device(rng.standard_normal(N).astype(np.float32))
+        for m in GEMM_ROWS:
+            x = cuda.to_device(rng.standard_normal((m, K)).astype(np.float32))
+            outs = [cuda.to_device(np.zeros((m, N), np.float32)) for _ in range(copies)]
+            fns = [lambda w=w, out=out, x=x: gemm.gemm(x, w, out, bias=bias, trans_b=True,
+                                                       accumulate=accumulate)
+                   for w, out in zip(ws, outs)]
+            for variant, settings in VARIANTS.items():
+                with switched(settings):
+                    t = gemm.tiled_tile(1, m, N)
+                    splits, span = gemm.tiled_plan(t, 1, m, N, K)
+                    print(f"{name:10s} M={m:2d} K={K} N={N} {variant:7s}: {tuple(t)}, "
+                          f"{splits} K splits of {span}, {copies} copies", flush=True)
+                    for fn in fns:
+                        fn()
+                    g = graph.capture(lambda fns=fns, **_: [fn() for fn in fns], {},
+                                      binding="alias", warmup=0)
+                graphs[name, m, variant] = (g, copies)
+    return graphs
+
+
+def recorded_tiles(g: GraphedLSTM, batch: int) -> set:
+    """The tiles of the tiled GEMMs that `batch`'s graph launches: what it recorded (read from
+    GraphedLSTM's own graphs, `_graphs`: it has no public accessor)."""
+    tile_of = {id(k): key[2] for key, k in gemm.TILED_KERNELS.items()}
+    nodes = g._graphs.graph(batch).description.nodes
+    return {tile_of[id(n.kernel)] for n in nodes if id(getattr(n, "kernel", None)) in tile_of}
+
+
+def main() -> int:
+    cfg = LSTMConfig(1, 8, 8, 11) if TOY else LSTMConfig(2, 512, 1024, 10000)
+    B, ROUNDS, REPS = (10, 1, 1) if TOY else (64, 7, 5)
+    # the loop's batches B..LAST (the toy's two tiled steps only: on the simulator a decode
+    # step takes seconds)
+    LAST = B - 1 if TOY else 1
+    steps = B - LAST + 1
+    BENCH = dict(warmup=0, reps=1) if TOY else dict(warmup=3, reps=20)
+    names = list(VARIANTS)
+    if not TOY:
+        for t in (gemm.TILE, *gemm.SKINNY):
+            describe(f"tiled {t.bm} x {t.bn} (trans_b)", gemm.TILED_KERNELS[(False, True, t)])
+    model = LSTMLM(cfg, random_state_dict(cfg, seed=0), max_batch=B)
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, B).astype(np.int32)
+    lstms = {}
+    for name, settings in VARIANTS.items():   # recorded with the variant's switches
+        t0 = time.perf_counter()
+        with switched(settings):
+            g = GraphedLSTM(model, max_batch=B, binding="alias", strategy="exact")
+            g.build_all()
+        lstms[name] = g
+        print(f"built {name}'s graphs (batch {B}..1) in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    for b in LOGIT_BATCHES:   # each variant's graphs launch the tiles its switches choose
+        for name, settings in VARIANTS.items():
+            with switched(settings):
+                want = {gemm.tiled_tile(1, b, n) for n in (4 * cfg.n_hidden, cfg.vocab_size)}
+            got = recorded_tiles(lstms[name], b)
+            print(f"batch {b:2d} {name:7s} graph's tiles: {sorted(map(tuple, got))}", flush=True)
+            if got != want:
+                raise RuntimeError(f"{name}'s batch {b} graph recorded {got}, not {want}")
+    zeros = {n: [np.zeros(a.shape, np.float32) for a in g.state.arrays()]
+             for n, g in lstms.items()}
+
+    def start(n):   # every loop from the same state and prompt (each loop advances the state)
+        g = lstms[n]
+        g.tokens.copy_to_device(prompt)
+        for a, z in zip(g.state.arrays(), zeros[n]):
+            a.copy_to_device(z)
+        backend.synchronize()
+
+    def loop(n, record=None):
+        g = lstms[n]
+        for b in range(B, LAST - 1, -1):
+            sampling.argmax(g.step(g.tokens, b), backend.leading(g.tokens, b))
+            if record is not None:
+                record.append(g.tokens.copy_to_host()[:b])
+        backend.synchronize()
+
+    graphs = {}
+    try:
+        # correctness first: every step's tokens of a loop, and one step's logits
+        tokens = {}
+        for n in names:
+            start(n)
+            tokens[n] = []
+            loop(n, tokens[n])
+        tokens_equal = all(len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+                           for a, b in ((tokens[names[0]], tokens[n]) for n in names[1:]))
+        worst = 0.0
+        for b in LOGIT_BATCHES:
+            logits = {}
+            for n in names:
+                start(n)
+                logits[n] = lstms[n].step(lstms[n].tokens, b).copy_to_host()
+            base = logits[names[0]]
+            scale = float(np.abs(base).max()) or 1.0
+            for n in names[1:]:
+                rel = float(np.abs(logits[n] - base).max()) / scale
+                worst = max(worst, rel)
+                print(f"logits at batch {b:2d}: {n} against {names[0]}: max |diff| / max "
+                      f"|logit| = {rel:.2e}", flush=True)
+        logits_agree = worst <= LOGIT_TOL
+
+        graphs = gemm_graphs(cfg, np.random.default_rng(3))
+        loop_ms = {n: [] for n in names}
+        gemm_us = {key: [] for key in graphs}
+        for r in range(ROUNDS + 1):   # round 0 warms up
+            order = names if r % 2 == 0 else names[::-1]
+            for n in order:
+                ts = []
+                for _ in range(REPS):
+                    start(n)
+                    t0 = time.perf_counter()
+                    loop(n)
+                    ts.append((time.perf_counter() - t0) / steps * 1e3)
+                if r:
+                    loop_ms[n].append(statistics.median(ts))
+            for key in sorted(graphs, key=lambda k: (k[0], k[1], order.index(k[2]))):
+                g, copies = graphs[key]
+                us = timing.bench(g.replay, **BENCH).median_us / copies
+                if r:
+                    gemm_us[key].append(us)
+    finally:
+        for g in [*lstms.values(), *(g for g, _ in graphs.values())]:
+            g.close()
+
+    width = max(len(n) for n in names)
+    _report("LSTM shrinking loop", loop_ms, width, ".4f", ".4f", "ms a token")
+    slower = []
+    for name, _, _, _ in gemm_shapes(cfg):
+        for m in GEMM_ROWS:
+            samples = {n: gemm_us[name, m, n] for n in names}
+            _report(f"GEMM {name:10s} M={m:2d}", samples, width, "8.2f", ".2f", "us")
+            for n in names[1:]:
+                ratio = np.median(samples[n]) / np.median(samples[names[0]])
+                if m in GATED_ROWS and ratio > GEMM_SLOWER:
+                    slower.append(f"{name} M={m} {ratio:.3f}x")
+    print(f"tokens equal: {tokens_equal}; logits within {LOGIT_TOL:g}: {logits_agree} "
+          f"(worst {worst:.2e})", flush=True)
+
+    new, old = names[1], names[0]
+    reasons = []
+    if not np.median(loop_ms[new]) < min(loop_ms[old]):
+        reasons.append(f"the loop's {new} median {np.median(loop_ms[new]):.4f} ms is not below "
+                       f"every {old} sample (min {min(loop_ms[old]):.4f})")
+    if slower:
+        reasons.append(f"GEMMs more than {GEMM_SLOWER - 1:.0%} slower: {', '.join(slower)}")
+    if not logits_agree:
+        reasons.append(f"logits differ by {worst:.2e} > {LOGIT_TOL:g}")
+    if not tokens_equal:
+        reasons.append("tokens differ")
+    toy = " (AB_TOY: timings meaningless)" if TOY else ""
+    if reasons:
+        print(f"VERDICT: keep off (SKINNY_TILES stays False): {'; '.join(reasons)}{toy}")
+    else:
+        print(f"VERDICT: merge (flip SKINNY_TILES to True): the loop {np.median(loop_ms[new]):.4f}"
+              f" against {np.median(loop_ms[old]):.4f} ms a token, no GEMM at M = "
+              f"{' or '.join(map(str, GATED_ROWS))} over {GEMM_SLOWER - 1:.0%} slower, logits "
+              f"and tokens agree{toy}")
+    return 0 if tokens_equal and logits_agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
