@@ -743,6 +743,14 @@ def _partials(out, splits: int, direct: bool):
     return backend.empty(shape, np.float32, "gemm.partials")
 
 
+def _kept(part, splits: int):
+    """A caller's partials buffer for a launch of `splits` K splits (the kernels index it by
+    its own split count, so the two must agree)."""
+    if part.shape[1] != splits:
+        raise ValueError(f"part: {part.shape[1]} splits, but the launch makes {splits}")
+    return part
+
+
 def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
     """out = epilogue(sum of the partials in split order): gemm_splitk_reduce_kernel."""
     blocks, threads = _check.grid_stride_launch(out.size)
@@ -751,20 +759,22 @@ def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
 
 
 def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stream,
-           ln_out=None, target_blocks=None, grid_cap=None) -> None:
+           ln_out=None, target_blocks=None, grid_cap=None, keep=None) -> None:
     """Launch decode kernel `dk` and, when it splits K (or `ln_out` = (gamma, beta, eps, y)
     asks for the row-wise layer norm), the reduction, on validated 3-D arguments (`bias`
-    a device array, a placeholder when has_bias is 0; y 3-D like out)."""
+    a device array, a placeholder when has_bias is 0; y 3-D like out). With `keep` (batch,
+    splits, M, N), the partials are written there and left for the caller: no reduction,
+    out untouched."""
     batch, m_rows, n_cols = out.shape
     dk = rows_variant(dk, m_rows)
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
-    direct = splits == 1 and ln_out is None
-    part = _partials(out, splits, direct)
+    direct = splits == 1 and ln_out is None and keep is None
+    part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
     launch(dk.kernel, (blocks, splits, batch), dk.threads,
            (a, b, out, bias, part, has_bias, act, accumulate, trans_a, int(direct),
             np.int32(span)), stream)
-    if direct:
+    if direct or keep is not None:
         return
     if ln_out is None:
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
@@ -818,6 +828,46 @@ def partials(a, b, part, *, stream=0) -> None:
             np.int32(span)), stream)
 
 
+def split_count(m_rows: int, n_cols: int, k_len: int, *, trans_b: bool = False) -> int:
+    """The K splits that `gemm` launches for a 2-D product op(a) (m_rows, k_len) @ op(b)
+    (k_len, n_cols), and so the partials `split_products` writes (at least 1)."""
+    if m_rows <= DECODE_MAX_M:
+        dk = rows_variant(pick_decode(trans_b, 1, n_cols), m_rows)
+        return decode_plan(dk, 1, n_cols, k_len)[1]
+    return tiled_launch_plan(1, m_rows, n_cols, k_len)[1]
+
+
+def split_products(a, b, part, *, trans_b=False, stream=0) -> None:
+    """part[s] = the product of K split s, op(a) @ op(b) over that split's rows of K: the
+    launch `gemm` makes, with no epilogue and no reduction, for a consumer that sums the
+    splits in order (and adds the bias) as it loads them. kernels.lstm's cell sums both gate
+    GEMMs' partials so, where each GEMM would end in a reduction launch.
+
+    a (M, K), op(b) (K, N): b (K, N), or (N, K) with trans_b; part (S, M, N) device float32,
+    S = split_count(M, N, K, trans_b=trans_b). part may overlap neither a nor b."""
+    _check.device_array("a", a, ndim=2)
+    m_rows, k_len = a.shape
+    trans_b = _check.flag("trans_b", trans_b)
+    _check.device_array("b", b, shape=(None, k_len) if trans_b else (k_len, None))
+    n_cols = b.shape[0] if trans_b else b.shape[1]
+    _check.device_array("part", part, shape=(None, m_rows, n_cols))
+    splits = split_count(m_rows, n_cols, k_len, trans_b=trans_b)
+    if part.shape[0] != splits:
+        raise ValueError(f"part: expected {splits} splits (split_count({m_rows}, {n_cols}, "
+                         f"{k_len}, trans_b={trans_b})), got {part.shape[0]}")
+    a3, b3 = backend.reshaped(a, (1, *a.shape)), backend.reshaped(b, (1, *b.shape))
+    part4 = backend.reshaped(part, (1, *part.shape))
+    # out: never written (the partials are kept), but its shape gives M and N, and a declared
+    # output may overlap no other argument
+    out3 = backend.empty((1, m_rows, n_cols), np.float32, "gemm.split_products.out")
+    unused = backend.reshaped(b, (b.size,))   # the bias placeholder, never read
+    if m_rows <= DECODE_MAX_M:
+        decode(pick_decode(trans_b, 1, n_cols), a3, b3, out3, unused, 0, 0, 0, 0, stream,
+               keep=part4)
+    else:
+        tiled(a3, b3, out3, unused, 0, 0, 0, 0, int(trans_b), stream, keep=part4)
+
+
 def tiled_min_span(t: Tiles) -> int:
     """K rows a split of tile `t` takes at least, so that its partial tile is worth writing:
     MIN_SPAN_STEPS of its K steps."""
@@ -853,28 +903,35 @@ def tiled_tile(batch: int, m_rows: int, n_cols: int) -> Tiles:
     return TILE
 
 
+def tiled_launch_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
+                      target_blocks: int | None = None) -> tuple[Tiles, int, int]:
+    """(tile, K splits, span) that `tiled` launches: WIDE_TILE whole, any other as
+    `tiled_plan` splits it."""
+    t = tiled_tile(batch, m_rows, n_cols)
+    if t == WIDE_TILE:
+        return t, 1, -(-k_len // t.bk) * t.bk
+    return (t, *tiled_plan(t, batch, m_rows, n_cols, k_len, target_blocks))
+
+
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
-          target_blocks=None) -> None:
-    """The tiled kernel on validated 3-D arguments, K split where `tiled_plan` says, the
-    partials then summed in split order (deterministic) by gemm_splitk_reduce_kernel."""
+          target_blocks=None, keep=None) -> None:
+    """The tiled kernel on validated 3-D arguments, K split where `tiled_launch_plan` says,
+    the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernel;
+    with `keep` (batch, splits, M, N) written there and left for the caller instead."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
     for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
         if x.size >= 2**32:
             raise ValueError(f"{name}: {x.size} elements exceed the tiled GEMM's 2**32")
-    t = tiled_tile(batch, m_rows, n_cols)
-    if t == WIDE_TILE:
-        splits, span = 1, -(-k_len // t.bk) * t.bk
-    else:
-        splits, span = tiled_plan(t, batch, m_rows, n_cols, k_len, target_blocks)
-    direct = splits == 1
-    part = _partials(out, splits, direct)
+    t, splits, span = tiled_launch_plan(batch, m_rows, n_cols, k_len, target_blocks)
+    direct = splits == 1 and keep is None
+    part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
     grid = (-(-n_cols // t.bn), -(-m_rows // t.bm), batch * splits)
     launch(TILED_KERNELS[(bool(trans_a), bool(trans_b), t)], grid, t.threads,
            (backend.reshaped(a, (a.size,)), backend.reshaped(b, (b.size,)), out, bias,
             has_bias, act, accumulate, part, int(direct), np.int32(span), np.int32(k_len)),
            stream)
-    if not direct:
+    if not direct and keep is None:
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
 
 

@@ -588,6 +588,65 @@ def test_partial_splits_is_a_count_partials_takes(n, k):
     assert G.partial_splits(n, k) in _valid_splits(k)
 
 
+@settings(max_examples=12)
+@given(m=st.integers(1, 20), n=st.integers(1, 40), k=st.integers(1, 150), trans_b=st.booleans(),
+       skinny=st.booleans(), seed=st.integers(0, 2**16))
+def test_split_products_sum_to_the_product(m, n, k, trans_b, skinny, seed):
+    """The partials of the launch gemm makes (decode kernels up to DECODE_MAX_M rows, the
+    tiled kernel of either tile above): split_count of them, every one written, their sum in
+    order the product."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G, "SKINNY_TILES", [skinny])
+        rng = np.random.default_rng(seed)
+        a, b = rand(rng, m, k), rand(rng, *((n, k) if trans_b else (k, n)))
+        splits = G.split_count(m, n, k, trans_b=trans_b)
+        part = dev(np.full((splits, m, n), np.nan, np.float32))
+        G.split_products(dev(a), dev(b), part, trans_b=trans_b)
+    got = part.copy_to_host()
+    assert not np.isnan(got).any()
+    want = a.astype(np.float64) @ (b.T if trans_b else b)
+    np.testing.assert_allclose(got.astype(np.float64).sum(axis=0), want, **_tol(k))
+
+
+@pytest.mark.parametrize("m", [3, G.DECODE_MAX_M + 4])
+def test_split_products_split_k_as_gemm_does(m, monkeypatch):
+    """A K long enough is split on both paths (so the sum above sums several partials), as
+    many ways as gemm's own launch: its scratch holds split_count partials."""
+    monkeypatch.setattr(G, "SKINNY_TILES", [True])   # (the simulator's 1-SM grid target
+    k, n = 8 * max(G.SPAN_MAX, G.TILED_MIN_SPAN), 16  # splits only a product of one tile)
+    splits = G.split_count(m, n, k, trans_b=True)
+    assert splits > 1
+    rng = np.random.default_rng(1)
+    a, b, out = dev(rand(rng, m, k)), dev(rand(rng, n, k)), dev(np.zeros((m, n), np.float32))
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(backend, "_recorder", recorder)
+    G.gemm(a, b, out, trans_b=True)
+    scratch = [x for launch in recorder.launches for x in launch[3]
+               if getattr(x, "ndim", 0) == 4 and tuple(x.shape[-2:]) == (m, n)]
+    assert scratch and all(x.shape[1] == splits for x in scratch)
+
+
+def test_split_products_refuse_bad_input_before_launch(monkeypatch):
+    """A split count other than split_count's, a part of the wrong shape, a K mismatch or a
+    trans_b that is no bool: an error naming the argument, nothing launched."""
+    rng = np.random.default_rng(0)
+    m, n, k = 3, 5, 8 * G.SPAN_MAX
+    a, b = dev(rand(rng, m, k)), dev(rand(rng, n, k))
+    s = G.split_count(m, n, k, trans_b=True)
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(backend, "_recorder", recorder)
+    zeros = lambda *shape: dev(np.zeros(shape, np.float32))  # noqa: E731
+    with pytest.raises(ValueError, match=rf"part: expected {s} splits .* got {s + 1}"):
+        G.split_products(a, b, zeros(s + 1, m, n), trans_b=True)
+    with pytest.raises(ValueError, match=r"part: expected shape \('\*', 3, 5\)"):
+        G.split_products(a, b, zeros(s, m, n + 1), trans_b=True)
+    with pytest.raises(ValueError, match="b: expected shape"):
+        G.split_products(a, dev(rand(rng, n, k + 1)), zeros(s, m, n), trans_b=True)
+    with pytest.raises(ValueError, match="trans_b: expected True or False"):
+        G.split_products(a, b, zeros(s, m, n), trans_b="yes")
+    assert recorder.launches == []
+
+
 def test_partials_refuse_bad_input_before_launch(monkeypatch):
     """A split count that does not cover K evenly, a part of the wrong shape, too many rows
     for the decode kernel, or mismatched K: ValueError naming the argument, nothing launched."""
