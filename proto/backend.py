@@ -402,7 +402,7 @@ def address(arr) -> int:
 
 
 _extents = PerObject()
-_views = PerObject()   # reshaped's and leading's views, by shape or ("rows", n)
+_views = PerObject()   # reshaped's and rows' views, by shape or ("rows", lo, hi)
 
 
 def extent(arr) -> tuple[int, int]:
@@ -421,7 +421,12 @@ def leading(arr, n: int):
     """arr[:n], the same view object for the same array and n: a dynamic-shape step slices
     its buffers to the served rows at every replay, and a new view each time costs the
     slicing and misses every per-object cache after it (its extent, its launch parameters)."""
-    return _views.get(arr, ("rows", n), lambda: arr[:n])
+    return rows(arr, 0, n)
+
+
+def rows(arr, lo: int, hi: int):
+    """arr[lo:hi], the same view object for the same array and bounds (see `leading`)."""
+    return _views.get(arr, ("rows", lo, hi), lambda: arr[lo:hi])
 
 
 def _extent(arr) -> tuple[int, int]:

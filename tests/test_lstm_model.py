@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from proto.models import reference
+from kernels import gemm
+from proto.models import lstm as lstm_model, reference
 from proto.models.lstm import LSTMConfig, LSTMLM, LSTMState, load_state_dict, random_state_dict
 from tests.helpers import dev
 
@@ -16,8 +17,19 @@ LOGIT_TOL = dict(atol=2e-4, rtol=2e-4)
 @settings(max_examples=3)  # ~3 s per simulated example
 @given(n_layer=st.integers(1, 2), n_embd=st.integers(3, 12), n_hidden=st.integers(3, 12),
        vocab=st.integers(11, 40), batch=st.integers(1, 3), steps=st.integers(1, 3),
-       seed=st.integers(0, 2**16))
-def test_steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, seed):
+       sum_in_cell=st.booleans(), seed=st.integers(0, 2**16))
+def test_steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, sum_in_cell,
+                               seed):
+    """Either way of summing the gate GEMMs: each GEMM's reduction, or the cell summing
+    both GEMMs' K-split partials (lstm.SUM_IN_CELL)."""
+    lstm_model.SUM_IN_CELL[0] = sum_in_cell
+    try:
+        _steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, seed)
+    finally:
+        lstm_model.SUM_IN_CELL[0] = False
+
+
+def _steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, seed):
     config = LSTMConfig(n_layer, n_embd, n_hidden, vocab)
     sd = random_state_dict(config, seed)
     seq = np.random.default_rng(seed).integers(0, vocab, (batch, steps))
@@ -30,6 +42,17 @@ def test_steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, s
     for k in range(n_layer):
         np.testing.assert_allclose(state.h[k].copy_to_host(), h[k], **STATE_TOL)
         np.testing.assert_allclose(state.c[k].copy_to_host(), c[k], **STATE_TOL)
+
+
+@pytest.mark.parametrize("sum_in_cell", [False, True])
+def test_a_batch_past_the_decode_rows_matches_reference(sum_in_cell, monkeypatch):
+    """Batch 10: the gate GEMMs take the tiled kernel (past gemm.DECODE_MAX_M rows); with
+    the skinny tiles, the first layer's input GEMM is one tile, so the simulator's plan splits
+    its K (256: 2 splits on the GPU and here), and the cell sums partials of more than one split."""
+    monkeypatch.setattr(gemm, "SKINNY_TILES", [True])
+    assert gemm.split_count(10, 4 * 8, 256, trans_b=True) > 1
+    monkeypatch.setattr(lstm_model, "SUM_IN_CELL", [sum_in_cell])
+    _steps_match_reference(2, 256, 8, 17, 10, 2, seed=3)
 
 
 def test_reference_continues_from_a_state():

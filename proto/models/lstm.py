@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check, embedding, gemm, lstm
-from proto.backend import cuda, empty, reshaped
+from proto.backend import cuda, empty, reshaped, rows
 from proto.models import checked_params, zeros
 
 
@@ -70,6 +70,14 @@ def random_state_dict(config: LSTMConfig, seed: int = 0) -> dict[str, np.ndarray
     return out
 
 
+# The gate GEMMs write their K-split partial products and the cell sums them with both biases
+# (kernels.lstm), instead of each GEMM summing its own splits in a reduction launch (4 of the
+# step's 15 launches a token at 2 layers). Off until `kernels.ab_lstm_tiles` measures it on a
+# GPU; a one-element list so that the A/B can switch it at run time (graphs capture the
+# launches of the setting they were recorded with).
+SUM_IN_CELL = [False]
+
+
 class LSTMState:
     """Hidden and cell state of every layer: `h[k]`, `c[k]` device float32 (B, n_hidden)."""
 
@@ -111,12 +119,23 @@ class LSTMLM:
         embedding.embed(reshaped(tokens, (B, 1)), self.embedding, reshaped(x, (B, 1, E)),
                         stream=stream)   # (views made once: the same objects every step)
         for k, (w_ih, b_ih, w_hh, b_hh) in enumerate(self.layers):
-            # gates = x @ W_ih.T + b_ih + h @ W_hh.T + b_hh, the second gemm accumulating
-            gates = empty((B, 4 * H), np.float32, f"l{k}.gates", owner=self)
-            gemm.gemm(x, w_ih, gates, bias=b_ih, trans_b=True, stream=stream)
-            gemm.gemm(state.h[k], w_hh, gates, bias=b_hh, trans_b=True, accumulate=True,
-                      stream=stream)
-            lstm.lstm_cell(gates, state.c[k], state.h[k], state.c[k], stream=stream)
+            # gates = x @ W_ih.T + b_ih + h @ W_hh.T + b_hh
+            if SUM_IN_CELL[0]:   # both products' K splits, summed by the cell with the biases
+                s_x = gemm.split_count(B, 4 * H, x.shape[1], trans_b=True)
+                s_h = gemm.split_count(B, 4 * H, H, trans_b=True)
+                part = empty((s_x + s_h, B, 4 * H), np.float32, f"l{k}.gate_partials",
+                             owner=self)
+                gemm.split_products(x, w_ih, rows(part, 0, s_x), trans_b=True, stream=stream)
+                gemm.split_products(state.h[k], w_hh, rows(part, s_x, s_x + s_h),
+                                    trans_b=True, stream=stream)
+                lstm.lstm_cell(part, state.c[k], state.h[k], state.c[k], biases=(b_ih, b_hh),
+                               stream=stream)
+            else:   # the second gemm accumulating, each gemm reducing its own splits
+                gates = empty((B, 4 * H), np.float32, f"l{k}.gates", owner=self)
+                gemm.gemm(x, w_ih, gates, bias=b_ih, trans_b=True, stream=stream)
+                gemm.gemm(state.h[k], w_hh, gates, bias=b_hh, trans_b=True, accumulate=True,
+                          stream=stream)
+                lstm.lstm_cell(gates, state.c[k], state.h[k], state.c[k], stream=stream)
             x = state.h[k]  # (B, H): the next layer's input
         logits = empty((B, V), np.float32, "logits", owner=self)
         gemm.gemm(x, self.decoder_w, logits, bias=self.decoder_b, trans_b=True, stream=stream)
