@@ -1,11 +1,17 @@
-"""A/B on the GPU, one process: gemm's skinny tiles (`gemm.SKINNY_TILES` on: 16 x 256 for
-M <= 16, 32 x 128 for M <= 32) against TILE (64 x 64) for every 9..32-row product.
+"""A/B on the GPU, one process, of two switches of the LSTM's step, each off by default:
+- gemm's skinny tiles (`gemm.SKINNY_TILES` on: 16 x 256 for M <= 16, 32 x 128 for M <= 32)
+  against TILE (64 x 64) for every 9..32-row product;
+- the cell summing the gate GEMMs' K-split partials (`proto.models.lstm.SUM_IN_CELL` on:
+  `gemm.split_products`, then `lstm.lstm_cell` with both biases) against each gate GEMM
+  reducing its own splits (a reduction launch each, 4 of the step's 15 launches).
+Four variants: tile, skinny, cell, both.
 
 Why: the LSTM's graphed step spends most of its time in the tiled GEMM (on the H100 153 us
 of a 218 us step), and its steps have 9..64 rows (the shrinking loop's batch 64..1; M <= 8
 takes the decode kernels). A 64-row tile computes and stages 64 rows whatever M is: a
 9..16-row step wastes 3/4 of its multiply-adds. The skinny tiles keep the 256 threads, the
-4 x 4 register tile and the 4096 outputs a block, and split K in their own K steps.
+4 x 4 register tile and the 4096 outputs a block, and split K in their own K steps. The
+split-K reductions took 33 us of that step in 5 launches; the cell can absorb 4.
 
 What it times, variants interleaved (7 rounds after a warm-up round, the order alternating):
 1. the LSTM's graphed shrinking loop (as kernels.ab_lstm_views: LSTMConfig(2, 512, 1024,
@@ -16,18 +22,22 @@ What it times, variants interleaved (7 rounds after a warm-up round, the order a
 2. the tiled GEMM alone on the LSTM's shapes (x @ W_ih0.T, h @ W_hh.T accumulating, the head
    h @ W_dec.T; each + bias) at M = 9, 16, 24, 32: a CUDA graph per variant of one GEMM on
    each of enough rotating copies of the weight and output to overflow L2, median of 20
-   replays, per GEMM;
+   replays, per GEMM (tile and skinny only: the cell's switch does not change gemm);
 3. correctness: one step's logits at batch 32, 24, 16 and 9 from the same state and prompt
-   under both variants (max abs difference relative to the logits' largest magnitude), and
+   under every variant (max abs difference relative to the logits' largest magnitude), and
    the tokens of a whole loop, every step's. First of all, each variant's graphs at those
    batches must launch the tiles its switches choose (else the run stops: it would time the
    same kernels twice).
 
-Decision rule (fixed before any run): flip `SKINNY_TILES`'s default to on only if
-- the loop's median with skinny tiles is below every sample of TILE's,
-- no GEMM at M = 16 or M = 32 is more than 2% slower (median over median <= 1.02),
-- the logits agree within 1e-4 relative and the tokens are equal.
-The last line says so: "VERDICT: merge ..." or "VERDICT: keep off ..." with the reasons.
+Decision rules (fixed before any run), each switch on its own:
+- flip `SKINNY_TILES`'s default to on only if the loop's median with skinny tiles is below
+  every sample of TILE's, no GEMM at M = 16 or M = 32 is more than 2% slower (median over
+  median <= 1.02), and the logits agree within 1e-4 relative and the tokens are equal;
+- flip `SUM_IN_CELL`'s default to on only if the loop's median of `cell` is below every
+  sample of `tile` and the median of `both` below every sample of `skinny` (so it wins
+  whichever tiles are chosen), with the logits and tokens of both as above.
+The last lines say so, a line a switch: "VERDICT: ... merge ..." or "VERDICT: ... keep off
+..." with the reasons.
 
     PYTHONUNBUFFERED=1 python3 -m kernels.ab_lstm_tiles 2>&1 | tee $OUT/ab_lstm_tiles.txt
 
@@ -45,11 +55,14 @@ from kernels._ab_step import TOY, _report, describe
 from proto import backend, graph, timing
 from proto.backend import cuda
 from proto.models.graphed import GraphedLSTM
+from proto.models import lstm as lstm_model
 from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict
 
 # name -> the switches (one-element lists) and the values a variant sets; the first is the
 # base of the ratios and of the decision rule
-VARIANTS = {"tile": (), "skinny": ((gemm.SKINNY_TILES, True),)}
+SKINNY, CELL = (gemm.SKINNY_TILES, True), (lstm_model.SUM_IN_CELL, True)
+VARIANTS = {"tile": (), "skinny": (SKINNY,), "cell": (CELL,), "both": (SKINNY, CELL)}
+GEMM_VARIANTS = ("tile", "skinny")   # the variants whose gemm() differs
 GEMM_ROWS = (9, 16) if TOY else (9, 16, 24, 32)
 GATED_ROWS = (16, 32)     # the GEMM rows the decision rule weighs
 LOGIT_BATCHES = (10, 9) if TOY else (32, 24, 16, 9)
@@ -99,8 +112,8 @@ def gemm_graphs(cfg: LSTMConfig, rng) -> dict:
             fns = [lambda w=w, out=out, x=x: gemm.gemm(x, w, out, bias=bias, trans_b=True,
                                                        accumulate=accumulate)
                    for w, out in zip(ws, outs)]
-            for variant, settings in VARIANTS.items():
-                with switched(settings):
+            for variant in GEMM_VARIANTS:
+                with switched(VARIANTS[variant]):
                     t = gemm.tiled_tile(1, m, N)
                     splits, span = gemm.tiled_plan(t, 1, m, N, K)
                     print(f"{name:10s} M={m:2d} K={K} N={N} {variant:7s}: {tuple(t)}, "
@@ -178,9 +191,9 @@ def main() -> int:
             start(n)
             tokens[n] = []
             loop(n, tokens[n])
-        tokens_equal = all(len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
-                           for a, b in ((tokens[names[0]], tokens[n]) for n in names[1:]))
-        worst = 0.0
+        same_tokens = {n: len(tokens[names[0]]) == len(tokens[n]) and all(
+            np.array_equal(x, y) for x, y in zip(tokens[names[0]], tokens[n])) for n in names}
+        worst = dict.fromkeys(names, 0.0)
         for b in LOGIT_BATCHES:
             logits = {}
             for n in names:
@@ -190,10 +203,9 @@ def main() -> int:
             scale = float(np.abs(base).max()) or 1.0
             for n in names[1:]:
                 rel = float(np.abs(logits[n] - base).max()) / scale
-                worst = max(worst, rel)
+                worst[n] = max(worst[n], rel)
                 print(f"logits at batch {b:2d}: {n} against {names[0]}: max |diff| / max "
                       f"|logit| = {rel:.2e}", flush=True)
-        logits_agree = worst <= LOGIT_TOL
 
         graphs = gemm_graphs(cfg, np.random.default_rng(3))
         loop_ms = {n: [] for n in names}
@@ -223,35 +235,42 @@ def main() -> int:
     slower = []
     for name, _, _, _ in gemm_shapes(cfg):
         for m in GEMM_ROWS:
-            samples = {n: gemm_us[name, m, n] for n in names}
+            samples = {n: gemm_us[name, m, n] for n in GEMM_VARIANTS}
             _report(f"GEMM {name:10s} M={m:2d}", samples, width, "8.2f", ".2f", "us")
-            for n in names[1:]:
-                ratio = np.median(samples[n]) / np.median(samples[names[0]])
+            for n in GEMM_VARIANTS[1:]:
+                ratio = np.median(samples[n]) / np.median(samples[GEMM_VARIANTS[0]])
                 if m in GATED_ROWS and ratio > GEMM_SLOWER:
                     slower.append(f"{name} M={m} {ratio:.3f}x")
-    print(f"tokens equal: {tokens_equal}; logits within {LOGIT_TOL:g}: {logits_agree} "
-          f"(worst {worst:.2e})", flush=True)
-
-    new, old = names[1], names[0]
-    reasons = []
-    if not np.median(loop_ms[new]) < min(loop_ms[old]):
-        reasons.append(f"the loop's {new} median {np.median(loop_ms[new]):.4f} ms is not below "
-                       f"every {old} sample (min {min(loop_ms[old]):.4f})")
-    if slower:
-        reasons.append(f"GEMMs more than {GEMM_SLOWER - 1:.0%} slower: {', '.join(slower)}")
-    if not logits_agree:
-        reasons.append(f"logits differ by {worst:.2e} > {LOGIT_TOL:g}")
-    if not tokens_equal:
-        reasons.append("tokens differ")
+    agree = {n: same_tokens[n] and worst[n] <= LOGIT_TOL for n in names}
+    for n in names[1:]:
+        print(f"{n} against {names[0]}: tokens equal: {same_tokens[n]}; logits within "
+              f"{LOGIT_TOL:g}: {worst[n] <= LOGIT_TOL} (worst {worst[n]:.2e})", flush=True)
     toy = " (AB_TOY: timings meaningless)" if TOY else ""
-    if reasons:
-        print(f"VERDICT: keep off (SKINNY_TILES stays False): {'; '.join(reasons)}{toy}")
-    else:
-        print(f"VERDICT: merge (flip SKINNY_TILES to True): the loop {np.median(loop_ms[new]):.4f}"
-              f" against {np.median(loop_ms[old]):.4f} ms a token, no GEMM at M = "
-              f"{' or '.join(map(str, GATED_ROWS))} over {GEMM_SLOWER - 1:.0%} slower, logits "
-              f"and tokens agree{toy}")
-    return 0 if tokens_equal and logits_agree else 1
+
+    def faster(new, old) -> list[str]:   # the loop's rule: new's median under every old sample
+        if np.median(loop_ms[new]) < min(loop_ms[old]):
+            return []
+        return [f"the loop's {new} median {np.median(loop_ms[new]):.4f} ms is not below every "
+                f"{old} sample (min {min(loop_ms[old]):.4f})"]
+
+    def same(*variants) -> list[str]:
+        return [f"{n}'s logits or tokens differ from tile's (worst {worst[n]:.2e}, tokens "
+                f"equal {same_tokens[n]})" for n in variants if not agree[n]]
+
+    rules = {  # switch -> the reasons to keep it off (none: flip it on)
+        "SKINNY_TILES": faster("skinny", "tile") + (
+            [f"GEMMs more than {GEMM_SLOWER - 1:.0%} slower: {', '.join(slower)}"]
+            if slower else []) + same("skinny"),
+        "SUM_IN_CELL": faster("cell", "tile") + faster("both", "skinny") + same("cell", "both"),
+    }
+    medians = ", ".join(f"{n} {np.median(loop_ms[n]):.4f}" for n in names)
+    for switch, reasons in rules.items():
+        if reasons:
+            print(f"VERDICT {switch}: keep off: {'; '.join(reasons)}{toy}")
+        else:
+            print(f"VERDICT {switch}: merge (flip it to True): ms a token {medians}; logits and "
+                  f"tokens agree{toy}")
+    return 0 if all(agree.values()) else 1
 
 
 if __name__ == "__main__":
