@@ -114,8 +114,7 @@ def gemm_graphs(cfg: LSTMConfig, rng) -> dict:
                    for w, out in zip(ws, outs)]
             for variant in GEMM_VARIANTS:
                 with switched(VARIANTS[variant]):
-                    t = gemm.tiled_tile(1, m, N)
-                    splits, span = gemm.tiled_plan(t, 1, m, N, K)
+                    t, splits, span = gemm.tiled_launch_plan(1, m, N, K)
                     print(f"{name:10s} M={m:2d} K={K} N={N} {variant:7s}: {tuple(t)}, "
                           f"{splits} K splits of {span}, {copies} copies", flush=True)
                     for fn in fns:

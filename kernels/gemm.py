@@ -747,7 +747,8 @@ def _kept(part, splits: int):
     """A caller's partials buffer for a launch of `splits` K splits (the kernels index it by
     its own split count, so the two must agree)."""
     if part.shape[1] != splits:
-        raise ValueError(f"part: {part.shape[1]} splits, but the launch makes {splits}")
+        raise ValueError(f"part: expected {splits} splits (the K splits of gemm's launch, "
+                         f"split_count), got {part.shape[1]}")
     return part
 
 
@@ -850,11 +851,7 @@ def split_products(a, b, part, *, trans_b=False, stream=0) -> None:
     trans_b = _check.flag("trans_b", trans_b)
     _check.device_array("b", b, shape=(None, k_len) if trans_b else (k_len, None))
     n_cols = b.shape[0] if trans_b else b.shape[1]
-    _check.device_array("part", part, shape=(None, m_rows, n_cols))
-    splits = split_count(m_rows, n_cols, k_len, trans_b=trans_b)
-    if part.shape[0] != splits:
-        raise ValueError(f"part: expected {splits} splits (split_count({m_rows}, {n_cols}, "
-                         f"{k_len}, trans_b={trans_b})), got {part.shape[0]}")
+    _check.device_array("part", part, shape=(None, m_rows, n_cols))   # (its splits: _kept)
     a3, b3 = backend.reshaped(a, (1, *a.shape)), backend.reshaped(b, (1, *b.shape))
     part4 = backend.reshaped(part, (1, *part.shape))
     # out: never written (the partials are kept), but its shape gives M and N, and a declared

@@ -52,7 +52,8 @@ def _sigmoid(z):
      writes=("h_out", "c_out"), in_place=(("c_out", "c_prev"),))
 def lstm_cell_kernel(gates, bias_a, bias_b, n_bias, c_prev, h_out, c_out):
     """gates (S, B, 4H): the gates are ((gates[0] + ... + gates[S-1]) + bias_a) + bias_b
-    (the biases as n_bias says), summed in that order; then the cell. Each chunk's loads are issued before any is added."""
+    (the biases as n_bias says), summed in that order; then the cell. Each chunk's loads
+    are issued before any is added."""
     vals = cuda.local.array(_VALS, np.float32)
     gate = cuda.local.array(4, np.float32)
     S, B, H = gates.shape[0], c_prev.shape[0], c_prev.shape[1]

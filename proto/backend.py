@@ -421,7 +421,7 @@ def leading(arr, n: int):
     """arr[:n], the same view object for the same array and n: a dynamic-shape step slices
     its buffers to the served rows at every replay, and a new view each time costs the
     slicing and misses every per-object cache after it (its extent, its launch parameters)."""
-    return rows(arr, 0, n)
+    return _views.get(arr, ("rows", 0, n), lambda: arr[:n])   # (rows', inlined: per replay)
 
 
 def rows(arr, lo: int, hi: int):

@@ -609,11 +609,11 @@ def test_split_products_sum_to_the_product(m, n, k, trans_b, skinny, seed):
 
 
 @pytest.mark.parametrize("m", [3, G.DECODE_MAX_M + 4])
-def test_split_products_split_k_as_gemm_does(m, monkeypatch):
+def test_split_products_split_k_as_gemm_does(m, monkeypatch, skinny_tiles):
     """A K long enough is split on both paths (so the sum above sums several partials), as
-    many ways as gemm's own launch: its scratch holds split_count partials."""
-    monkeypatch.setattr(G, "SKINNY_TILES", [True])   # (the simulator's 1-SM grid target
-    k, n = 8 * max(G.SPAN_MAX, G.TILED_MIN_SPAN), 16  # splits only a product of one tile)
+    many ways as gemm's own launch: its scratch holds split_count partials. (Skinny tiles:
+    the simulator's grid target splits only a product of one tile.)"""
+    k, n = 8 * max(G.SPAN_MAX, G.TILED_MIN_SPAN), 16
     splits = G.split_count(m, n, k, trans_b=True)
     assert splits > 1
     rng = np.random.default_rng(1)
