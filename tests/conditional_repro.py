@@ -65,13 +65,13 @@ def run_case(case: str, replays: int) -> int:
         launch(add_kernel, 1, 1, (loop.total, np.float32(0.0)))
 
     bodies = {
-        "while": lambda: graph.while_loop(loop.flag, count),
+        "while": lambda: graph.while_loop(loop.flag, count, max_passes=8),
         "if": lambda: graph.if_then(loop.go, lambda: launch(add_kernel, 1, 1,
                                                             (loop.total, np.float32(1000.0)))),
         "nested": lambda: graph.while_loop(loop.flag, lambda: (graph.if_then(loop.go, add_nothing),
-                                                               count())),
-        "while_wide": lambda: graph.while_loop(loop.flag, lambda: (wide(), count())),
-        "while_temp": lambda: graph.while_loop(loop.flag, lambda: (temp(), count())),
+                                                               count()), max_passes=8),
+        "while_wide": lambda: graph.while_loop(loop.flag, lambda: (wide(), count()), max_passes=8),
+        "while_temp": lambda: graph.while_loop(loop.flag, lambda: (temp(), count()), max_passes=8),
     }
     g = graph.capture(bodies[case], {}, warmup=0)
     wrong = 0

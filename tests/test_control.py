@@ -30,6 +30,9 @@ def add_kernel(x, v):
         x[0] += v
 
 
+MAX_TRIPS = 64   # the countdown loops' bound: more than any test counts down from
+
+
 def _i32(v):
     return dev(np.array([v], np.int32))
 
@@ -45,7 +48,8 @@ class Loop:
     def step(self):
         launch(add_kernel, 1, 1, (self.total, np.float32(0.5)))
         graph.while_loop(self.flag, lambda: launch(countdown_kernel, 1, 1,
-                                                     (self.counter, self.total, self.flag)))
+                                                     (self.counter, self.total, self.flag)),
+                         max_passes=MAX_TRIPS)
         graph.if_then(self.go, lambda: launch(add_kernel, 1, 1, (self.total, np.float32(1000.0))))
 
     def set(self, n, go):
@@ -67,7 +71,7 @@ def test_eager_loop_runs_on_the_host():
     loop.set(4, go=True)
     loop.step()
     assert loop.result() == want(4, True)
-    assert graph.while_loop(loop.flag, lambda: None) == 0   # flag is 0 now: no pass
+    assert graph.while_loop(loop.flag, lambda: None, max_passes=1) == 0   # flag 0: no pass
 
 
 def test_recording_makes_conditional_nodes_with_bodies():
@@ -98,12 +102,12 @@ def test_one_graph_replays_every_trip_count(n, go):
 
 def test_bad_flags_and_empty_bodies_are_refused():
     with pytest.raises(ValueError, match=r"flag: expected a 1-element int32 .* float32 \(1,\)"):
-        graph.while_loop(dev(np.zeros(1, np.float32)), lambda: None)
+        graph.while_loop(dev(np.zeros(1, np.float32)), lambda: None, max_passes=1)
     with pytest.raises(TypeError, match="flag: expected a 1-element int32 device array"):
         graph.if_then(np.zeros(1, np.int32), lambda: None)
     flag = _i32(1)
     with graph.record(), pytest.raises(ValueError, match="while_loop: the body launched no kernels"):
-        graph.while_loop(flag, lambda: None)
+        graph.while_loop(flag, lambda: None, max_passes=1)
 
 
 def test_patch_binding_refuses_conditional_graphs():
@@ -273,7 +277,7 @@ def test_block_wide_kernels_inside_a_nested_if_in_a_while_match_their_references
                                         sampling.topk(y, k, values, indices)))
         launch(countdown_kernel, 1, 1, (loop.counter, loop.total, loop.flag))
 
-    g_ = graph.capture(lambda: graph.while_loop(loop.flag, body), {})
+    g_ = graph.capture(lambda: graph.while_loop(loop.flag, body, max_passes=MAX_TRIPS), {})
     loop.set(3, True)
     g_.replay()
     want_y = layernorm.layernorm_ref(x, g, b)

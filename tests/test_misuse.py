@@ -1,5 +1,6 @@
 """Misuse a new user would try: each gets a clear early error that names what is wrong,
 never a silently wrong answer or an exception from deep inside NumPy, Numba or the driver."""
+import functools
 import math
 import re
 
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 
 from kernels import _check
+from proto import graph
+from proto.backend import cuda, jit, launch
 from proto.models import checked_params, vgg
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
 from proto.tape import TensorSpec
@@ -198,7 +201,7 @@ def test_flags_and_callables_are_checked_before_anything_runs():
         with pytest.raises(ValueError, match=f"{name}: expected True or False"):
             gemm.gemm(a, b, out, **{name: value})
     clear = dev(np.zeros(1, np.int32))
-    for loop in (graph.while_loop, graph.if_then):
+    for loop in (functools.partial(graph.while_loop, max_passes=2), graph.if_then):
         with pytest.raises(TypeError, match="body: expected a function of no arguments, got int"):
             loop(clear, 3)
     with pytest.raises(TypeError, match="fn: expected the function to capture, got int"):
@@ -245,3 +248,38 @@ def test_a_remembered_argument_check_still_refuses_other_requirements():
             _check.device_array("x", x, shape=(3, 2))
         with pytest.raises(TypeError, match="x: expected dtype int32"):
             _check.device_array("x", x, dtype=np.int32)
+
+
+@jit("void(float32[::1], float32[::1])", writes=("out",))
+def _double(x, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = 2 * x[i]
+
+
+def test_capture_and_replay_name_the_argument_they_refuse():
+    """Misuse a student would try: each error names the argument, before anything runs."""
+    from proto.graph import plan as planner
+    from proto.graph.predicate import MAX_UNROLL
+    x = cuda.to_device(np.ones(4, np.float32))
+
+    out = cuda.to_device(np.zeros(4, np.float32))
+
+    def fn(x, **_):
+        launch(_double, 1, 4, (x, out))
+        return out
+    with pytest.raises(TypeError, match=r"inputs: 'n': expected a device array .* got int"):
+        graph.capture(fn, {"x": x, "n": 3})
+    with pytest.raises(TypeError, match="tape: expected a proto.graph.Tape"):
+        graph.capture(fn, {"x": x}, tape="tape")
+    for bad in (0, MAX_UNROLL + 1, 2.5):
+        with pytest.raises(ValueError, match="unroll: expected (a positive integer|at most 1024)"):
+            graph.capture(fn, {"x": x}, unroll=bad)
+    with pytest.raises(ValueError, match="align: expected a positive number of bytes"):
+        planner.place([planner.Block("a", 0, 1, 8)], align=0)
+    with graph.capture(fn, {"x": x}, warmup=0, binding="copy") as g:
+        for live in ({"x": (0, 2.5)}, {"x": (0, True)}, {"x": 2}, [("x", (0, 2))]):
+            with pytest.raises(TypeError, match=r"live"):
+                g.replay(x=x, live=live)
+    with pytest.raises(TypeError, match="max_passes"):
+        graph.while_loop(cuda.to_device(np.zeros(1, np.int32)), lambda: None)   # no bound

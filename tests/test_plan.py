@@ -222,7 +222,7 @@ def test_a_buffer_used_in_a_loop_lives_through_the_whole_loop():
             launch(scale_kernel, 1, 32, (a, b, np.float32(2)))
             c = empty(8, np.float32, "c")
             launch(scale_kernel, 1, 32, (b, c, np.float32(3)))
-        graph.while_loop(flag, body)
+        graph.while_loop(flag, body, max_passes=4)
         d = empty(8, np.float32, "d")
         launch(scale_kernel, 1, 32, (x, d, np.float32(4)))
         return d

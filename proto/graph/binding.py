@@ -122,13 +122,17 @@ def check_inputs(expected: dict, given: dict, where: str = "replay") -> None:
 
 def check_live(placeholders: dict, live: dict, where: str = "replay") -> None:
     """`live` names inputs, each with (axis, n) inside that input's shape; before any copy."""
+    if not isinstance(live, dict):
+        raise TypeError(f"{where}: live: expected a dict of input name -> (axis, length), got "
+                        f"{type(live).__name__}")
     for name, spec in live.items():
         if name not in placeholders:
             raise ValueError(f"{where}: live: {name!r} is not an input (inputs: {sorted(placeholders)})")
-        try:
-            axis, n = (int(v) for v in spec)
-        except (TypeError, ValueError):
-            raise TypeError(f"{where}: live[{name!r}]: expected (axis, length), got {spec!r}") from None
+        if not (isinstance(spec, (tuple, list)) and len(spec) == 2 and all(
+                isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in spec)):
+            raise TypeError(f"{where}: live[{name!r}]: expected (axis, length), two integers, "
+                            f"got {spec!r}")
+        axis, n = (int(v) for v in spec)
         prefix_rows(placeholders[name], axis, n)
 
 

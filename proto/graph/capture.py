@@ -55,7 +55,7 @@ from proto.graph import plan as planner
 from proto.graph.binding import (MODES, Binder, ReplayStats, check_disjoint, check_inputs,
                                  check_live, input_slots)
 from proto.graph.ir import Description, races
-from proto.graph.predicate import PredicatedExecutor
+from proto.graph.predicate import MAX_UNROLL, PredicatedExecutor
 from proto.graph.record import record, recording
 from proto.graph.walk import WalkExecutor
 
@@ -193,15 +193,22 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
         raise ValueError(f"executor: expected one of {list(EXECUTORS)}, got {executor!r}")
     if control not in CONTROLS:
         raise ValueError(f"control: expected one of {CONTROLS}, got {control!r}")
-    unroll = _check.positive("unroll", unroll)
+    unroll = _check.positive("unroll", unroll, at_most=MAX_UNROLL)
     if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
         raise ValueError(f"warmup: expected a non-negative integer, got {warmup!r}")
+    if tape is not None and not isinstance(tape, planner.Tape):
+        raise TypeError(f"tape: expected a proto.graph.Tape (or None), got {type(tape).__name__}")
     if tape is not None and not planned:
         raise ValueError("tape: a tape places temporaries; it needs planned=True")
     if not isinstance(inputs, dict):
         raise TypeError(f"inputs: expected a dict of name -> device array, got {type(inputs).__name__}")
     if "live" in inputs:
         raise ValueError("inputs: 'live' names replay's live-prefix argument; rename that input")
+    for name, x in inputs.items():
+        if not backend.is_device_array(x):
+            kind = "a host NumPy array" if isinstance(x, np.ndarray) else type(x).__name__
+            raise TypeError(f"inputs: {name!r}: expected a device array (the graph's "
+                            f"placeholder), got {kind}")
     check_inputs(inputs, inputs, where="placeholders")
     check_disjoint(inputs)
     placeholders = dict(inputs)

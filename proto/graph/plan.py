@@ -56,15 +56,22 @@ def _meets(a: Block, b: Block) -> bool:
     return a.first <= b.last and b.first <= a.last
 
 
+def footprint(nbytes: int, align: int = ALIGN) -> int:
+    """The bytes a block holds in the arena: its size aligned up, and at least one aligned
+    unit, so that a zero-size temporary still has an address of its own (a kernel given it
+    may still compare it with its other arguments)."""
+    return align_up(max(nbytes, 1), align)
+
+
 def _fit(blocks: list[Block], align: int, best: bool, fixed) -> tuple[dict, int]:
     """Place blocks in the given order, each in a hole clear of the placed blocks it meets in
     time: the lowest such hole (first fit) or the tightest one (best fit)."""
     offsets: dict = {}
     placed: list[tuple[Block, int]] = list(fixed)
-    arena = max((off + align_up(b.nbytes, align) for b, off in fixed), default=0)
+    arena = max((off + footprint(b.nbytes, align) for b, off in fixed), default=0)
     for blk in blocks:
-        size = align_up(blk.nbytes, align)
-        busy = sorted((off, off + align_up(other.nbytes, align)) for other, off in placed
+        size = footprint(blk.nbytes, align)
+        busy = sorted((off, off + footprint(other.nbytes, align)) for other, off in placed
                       if _meets(other, blk))
         holes, cursor = [], 0
         for start, end in busy:
@@ -98,6 +105,8 @@ def place(blocks: list[Block], align: int = ALIGN, fixed=()) -> tuple[dict, int]
     Greedy placement in a few orders, each by first fit and by best fit; the smallest arena
     wins (ties: the first order tried, so the result is deterministic). Not optimal (the
     problem is NP-hard) but tight on layer-ordered programs."""
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align: expected a positive number of bytes, got {align!r}")
     fixed = list(fixed)
     results = [_fit(sorted(blocks, key=order), align, best, fixed)
                for order in ORDERS.values() for best in (False, True)]
@@ -126,7 +135,8 @@ class _BufferIndex:
 def lifetimes(description: Description, outputs=()) -> dict[int, tuple[int, int]]:
     """Buffer index -> (first, last) step that touches it. Steps number the nodes in order,
     a conditional's body nodes in place; every use inside a WHILE body covers the loop's
-    whole range; a buffer holding one of `outputs` lives to the end. A description that is
+    whole range; a conditional node reads its flag at its body's first step; a buffer holding
+    one of `outputs` lives to the end. A description that is
     not a chain (several streams) keeps every buffer live throughout: node order is not
     time order there."""
     buffers = description.buffers
@@ -146,6 +156,11 @@ def lifetimes(description: Description, outputs=()) -> dict[int, tuple[int, int]
         for node in nodes:
             if isinstance(node, Conditional):
                 begin = step
+                # The node reads its flag before its body's first node runs: a use there, or
+                # a buffer placed later could overwrite the flag before it is read
+                flag = owner(node.args[0])
+                if flag is not None:
+                    use(flag, begin, begin)
                 step = walk(node.body.nodes, step)
                 if node.loop:   # a loop comes back: everything it touches spans all of it
                     for a, _ in node.accesses():
@@ -184,13 +199,13 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         """What private buffers would take: the sum of every buffer's aligned size."""
-        return sum(align_up(b.nbytes) for b in self.blocks)
+        return sum(footprint(b.nbytes) for b in self.blocks)
 
     @property
     def peak_live_bytes(self) -> int:
         """The most bytes alive at one step: no arena can be smaller."""
         steps = {s for b in self.blocks for s in (b.first, b.last)}
-        return max((sum(align_up(b.nbytes) for b in self.blocks if b.first <= s <= b.last)
+        return max((sum(footprint(b.nbytes) for b in self.blocks if b.first <= s <= b.last)
                     for s in steps), default=0)
 
     def summary(self) -> str:
@@ -199,19 +214,24 @@ class Plan:
 
 
 def validate(plan: Plan) -> None:
-    """Raise PlanError unless every block is aligned, inside the arena, and clear of every
-    block alive at the same time."""
+    """Raise PlanError unless every block has a lifetime (first <= last) and a size, is
+    aligned, inside the arena, and clear of every block alive at the same time."""
     placed = []
     for blk in plan.blocks:
+        if not 0 <= blk.first <= blk.last:
+            raise PlanError(f"buffer {blk.key}: lifetime steps {blk.first}-{blk.last} are not "
+                            "a span (expected 0 <= first <= last)")
+        if blk.nbytes < 0:
+            raise PlanError(f"buffer {blk.key}: negative size {blk.nbytes}")
         off = plan.offsets.get(blk.key)
         if off is None:
             raise PlanError(f"buffer {blk.key}: no offset")
-        if off < 0 or off % ALIGN or off + blk.nbytes > plan.arena_bytes:
+        if off < 0 or off % ALIGN or off + max(blk.nbytes, 1) > plan.arena_bytes:
             raise PlanError(f"buffer {blk.key} at [{off}, {off + blk.nbytes}) is misaligned or "
                             f"outside the arena of {plan.arena_bytes} bytes")
         for other, other_off in placed:
-            if _meets(blk, other) and off < other_off + max(other.nbytes, 1) \
-                    and other_off < off + max(blk.nbytes, 1):
+            if _meets(blk, other) and off < other_off + footprint(other.nbytes) \
+                    and other_off < off + footprint(blk.nbytes):
                 raise PlanError(f"buffers {blk.key} and {other.key} are alive at once (steps "
                                 f"{blk.first}-{blk.last}, {other.first}-{other.last}) and overlap "
                                 f"at offsets {off} and {other_off}")
@@ -249,7 +269,15 @@ def arena_view(arena, offset: int, like):
 def apply(description: Description, plan_: Plan, arena, outputs):
     """(the description on the arena, the outputs on the arena): every array inside a buffer
     becomes the same view at the buffer's offset in the arena. The buffers keep their keys
-    and sizes; their arrays become their place in the arena."""
+    and sizes; their arrays become their place in the arena. The plan is validated first:
+    a plan that breaks an invariant never reaches a graph."""
+    validate(plan_)
+    missing = [b.key for b in description.buffers if b.key not in plan_.offsets]
+    if missing:
+        raise PlanError(f"apply: the plan has no offset for buffers {missing[:5]}")
+    if arena is None or arena.nbytes < plan_.arena_bytes:
+        raise PlanError(f"apply: the arena holds {0 if arena is None else arena.nbytes} bytes, "
+                        f"the plan needs {plan_.arena_bytes}")
     index = _BufferIndex(description.buffers)
     offsets = [plan_.offsets[b.key] for b in description.buffers]
 

@@ -12,7 +12,8 @@ description the conditional executor reads:
                          starts, as a conditional node reads its flag), then the body's
                          kernels run predicated on s'; a device copy becomes a predicated
                          copy kernel (a memcpy node cannot test a flag).
-  WHILE f at top level   the body is unrolled K times (`unroll`); each pass starts with a
+  WHILE f at top level   the body is unrolled K = min(`unroll`, max_passes) times (a pass
+                         past the bound never does work); each pass starts with a
                          kernel that snapshots s_pass = f AND (passes < max_passes) and counts
                          the pass, and the pass's kernels run predicated on s_pass, so a pass
                          that starts with f set completes even when the body clears f midway.
@@ -40,6 +41,7 @@ from proto.graph.ir import Conditional, Copy, Description, KernelLaunch
 from proto.graph.record import LoopBoundError
 
 THREADS = 256
+MAX_UNROLL = 1024   # passes of a loop body in one graph: each pass is a copy of every node
 
 
 @jit("void(int32[::1], int32[::1], int32[::1])", writes=("scope",))
@@ -175,7 +177,7 @@ def lower(description: Description, unroll: int):
     """The description as a list of plain Descriptions (straight stretches) and Loops (top
     level WHILEs), every conditional replaced by predicated kernels; and the inner WHILE nodes
     whose bounds must be checked after a launch."""
-    unroll = _check.positive("unroll", unroll)
+    unroll = _check.positive("unroll", unroll, at_most=MAX_UNROLL)
     if not description.is_chain:
         raise ValueError("predication lowers single-stream descriptions (a chain); this one "
                          "was recorded on several streams")
@@ -187,8 +189,9 @@ def lower(description: Description, unroll: int):
                 parts.append(Description(straight))
                 straight = []
             reset = Description([_one(reset_passes_kernel, (node.passes,))])
+            unrolled = min(low.unroll, node.max_passes)
             parts.append(Loop(node.args[0], node.passes, node.max_passes, reset,
-                              Description(low.passes(node, low.one, low.unroll))))
+                              Description(low.passes(node, low.one, unrolled))))
         else:
             straight += low.nodes([node], low.one)
     if straight:

@@ -39,8 +39,7 @@ from proto import backend
 from proto.backend import Layout, align_up, cuda, is_device_array, kernel_name, view_at
 from proto.graph.ir import Buffer, Conditional, Copy, Description, KernelLaunch
 
-DEFAULT_MAX_PASSES = 1 << 20   # a WHILE loop's bound on its passes unless the caller gives one
-_CHUNK = 64 << 20              # provisional memory for a planned recording's temporaries
+_CHUNK = 64 << 20              # provisional addresses for a planned recording's temporaries
 
 
 def _dim3(dim) -> tuple:
@@ -97,15 +96,17 @@ class Recorder:
         return view_at(base, offset, Layout(shape, dtype))
 
     def _memory(self, nbytes: int):
-        """(device array, byte offset) of fresh memory for a temporary. Private: its own
-        allocation, the graph's for good if it is not planned. Otherwise carved from 64 MiB
-        chunks: the planner (proto.graph.plan) moves every temporary into an arena and the
-        chunks go (one allocation for many temporaries keeps recording cheap)."""
+        """(device array, byte offset) of an address for a temporary. Private: its own
+        allocation, the graph's for good if it is not planned. Otherwise provisional
+        addresses that no memory backs (proto.backend.provisional_memory): the planner
+        (proto.graph.plan) moves every temporary into an arena before anything runs, so a
+        planned recording allocates nothing."""
         if self.private:
             return cuda.device_array(nbytes, np.uint8), 0
         size = align_up(nbytes)
         if self._chunk is None or self._used + size > self._chunk.size:
-            self._chunk, self._used = cuda.device_array(max(_CHUNK, size), np.uint8), 0
+            self._chunk = backend.provisional_memory(max(_CHUNK, size, 2 * self._used))
+            self._used = 0   # (a new range: earlier temporaries keep theirs in the old one)
         offset, self._used = self._used, self._used + size
         return self._chunk, offset
 
@@ -281,9 +282,10 @@ def _record_body(body: Callable[[], None], what: str) -> Description:
     return inner.description()
 
 
-def while_loop(flag, body: Callable[[], None], *, max_passes: int = DEFAULT_MAX_PASSES) -> int:
+def while_loop(flag, body: Callable[[], None], *, max_passes: int) -> int:
     """Run `body()` while flag[0] != 0 (tested before every pass); `body` must update the
-    flag. At most `max_passes` passes: a flag still set after them raises LoopBoundError
+    flag. At most `max_passes` passes, a bound the caller must give and can reason about
+    (a generation's token budget): a flag still set after them raises LoopBoundError
     (eagerly at once; from a graph, after the replay that hit it). Eagerly returns the
     number of passes; recording returns 0 and runs nothing."""
     check_flag(flag)
