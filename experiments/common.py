@@ -71,6 +71,7 @@ def provenance() -> dict:
         "numba_cuda": _version("numba-cuda"),
         "cuda_core": _version("cuda-core"),
         "torch": _version("torch"),
+        "transformers": _version("transformers"),
         "git_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }

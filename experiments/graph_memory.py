@@ -3,8 +3,7 @@
 Serving every length of a generation with graphs means one graph per length, and every graph
 can hold memory twice: the buffers its kernels read and write (a private memory pool per
 graph in PyTorch by default) and the driver's executable (every node's parameters and
-launch descriptors), whichever of the two the driver actually takes from the GPU. Grape
-reports up to 36.43x less GPU memory than PyTorch CUDA graphs.
+launch descriptors). Grape reports up to 36.43x less GPU memory than PyTorch CUDA graphs.
 
 Workloads:
   GPT-2 small (12 layers, d=768, vocab 50257, random float32 weights), beam search with beam
@@ -16,8 +15,7 @@ Methods (GPT-2; the LSTM's are the same with batch sizes for lengths):
                        prefix (the length a Python int baked into each graph), each graph its
                        own memory pool (PyTorch's default) (experiments/torch_gpt2.py)
   ptgraph_shared_pool  the same, every graph in one pool (graph_pool_handle, as vLLM and
-                       torch.compile); the logits go to one static buffer, so no graph holds an
-                       output of its own
+                       torch.compile); the logits go to one static buffer
   ours_unplanned       our per-length graphs (alias binding: one per length and KV-cache set),
                        every temporary in private memory
   ours_planned         the same, temporaries placed by the memory planner in one arena that
@@ -26,62 +24,76 @@ Methods (GPT-2; the LSTM's are the same with batch sizes for lengths):
                        update when a graph of another length is launched
   ours_device          the length read on the device: one graph per cache set for every length
 
-Memory is what building a method's graphs takes from the GPU: free device memory (cuMemGetInfo)
-before and after, once every freed buffer is really freed, plus the static tensors PtGraph's
-graphs are bound to (the tokens they read and the logits they write, made before its meter
-starts; ours read the caller's tokens by alias and write the logits in the arena, which the
-drop counts); weights, the KV cache and the LSTM state are the model's and count on neither
-side. The driver reserves memory in 2 MiB
-chunks, so a method whose graphs take little (ours_planned_shared, ours_device) reads 0, 2 or 4
-MiB; for those the figure is also computed from parts (the arena, plus K executables at the
-driver bytes per node measured over ours_planned's 2038 graphs), and the headline takes the
-larger of the two. Where PyTorch runs out of memory before the last length, the measured
-curve is fitted and extrapolated (drawn dashed, flagged in the summary).
+How memory is read. Each method runs in a process of its own (experiments.isolate): the
+driver keeps what freed graphs held and reuses it silently, so a method measured after
+another in one process reads too little. In that process, free device memory (cuMemGetInfo,
+after Numba's queued frees are flushed and PyTorch's cache emptied) is read
 
-Capture time: `capture_s`, the wall time of building a method's graphs (the meter's samples
-included); for ours, `record_s`, `plan_s` and `build_s` split the host time of the captures
-(recording the launches, placing the temporaries and moving the description onto the arena,
-lowering and instantiating: `Graph.capture_s`).
+  init      before anything of the method exists;
+  state     after the model state (weights, KV caches, static inputs and outputs, our second
+            KV set for alias binding) and one eager decode step (the same warm-up on both
+            sides: kernels loaded, eager scratch and library handles made);
+  captured  after every graph is built (samples on the way make the curve);
+  uploaded  after every graph has been launched once (a generation launches each anyway).
+
+The headline is graph memory, state -> uploaded: what the graphs hold (executables,
+definitions, pools or arena, per-graph device arrays). State is a column of its own, and the
+whole footprint (init -> uploaded) beside it. Graph memory is split into its parts: the
+buffers (PyTorch: the pool's growth, torch.cuda.memory_reserved; ours: Numba's live device
+allocations made while building, the arena among them) and the driver's part, the rest. The
+driver's part is checked against a microbenchmark of its own (`driver_probe`: N graphs of K
+trivial kernel nodes, uploaded, in a fresh process; bytes a node and a graph fitted by least
+squares): `memory_breakdown_complete` says whether ours' buffers plus the driver bytes its
+instantiated executables should take come within 4 MiB of its measured graph memory.
+
+A method whose graphs would leave less than RESERVE free stops building there; its memory is
+extrapolated from the measured curve (dashed, flagged), and its time is not measured.
 
 Time per token: whole generations (1019 tokens), the median of `reps` after a warm-up one,
-spread (p10, p90) in the CSV; tokens compared with ours_unplanned's. The LSTM's: one loop
+spread (p10, p90) in the CSV; tokens compared with ours_planned's. The LSTM's: one loop
 through every batch size (64 steps, 64 rows down to 1, an argmax after each), per step.
-PyTorch computes in float32 as our kernels do: TF32 off for matmuls and for cuDNN, whose LSTM
-would take TF32 tensor cores by default (`torch_tf32` in the CSV reads PyTorch's flags). Toy
-size: a tiny model on the simulator (no PyTorch, no memory figures, timings meaningless).
+PyTorch computes in float32 as our kernels do: TF32 off for matmuls and cuDNN. Toy size: a
+tiny model on the simulator (no PyTorch, no memory figures, timings meaningless).
 
     python -m experiments graph_memory
 """
 from __future__ import annotations
 
+import concurrent.futures
 import gc
+import os
+import sys
 import time
 
 import numpy as np
 
-from experiments import common
+from experiments import common, isolate
 from proto import backend, timing
 from proto.backend import cuda
-from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-from proto.models.graphed import GraphedGPT2, GraphedLSTM
-from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict as lstm_weights
 
 NAME = "graph_memory"
 GRAPE_REPORTED = 36.43   # Grape's headline: up to this much less GPU memory than PtGraph
 FLOOR_MIB = 1e-2         # where the figure's log axis draws a measured 0
+BREAKDOWN_SLACK_MIB = 4  # parts must sum to the measured graph memory within this
 METHODS = ["ptgraph_private", "ptgraph_shared_pool", "ours_unplanned", "ours_planned",
            "ours_planned_shared", "ours_device"]
+HEADLINE = ("ptgraph_shared_pool", "ours_planned_shared")
 SIZES = {
-    "toy": dict(gpt2=GPT2Config(1, 8, 2, 13, 5), beam=2, prompt_len=2,
-                lstm=LSTMConfig(1, 4, 4, 11), max_batch=2, reps=1, warmup=0, executables=1,
-                samples=2),
-    "full": dict(gpt2=GPT2Config(12, 768, 12, 50257, 1024), beam=5, prompt_len=5,
-                 lstm=LSTMConfig(2, 512, 1024, 10000), max_batch=64, reps=5, warmup=1,
-                 executables=2, samples=8),
+    "toy": dict(gpt2=dict(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=5), beam=2,
+                prompt_len=2, lstm=dict(n_layer=1, n_embd=4, n_hidden=4, vocab_size=11),
+                max_batch=2, reps=1, warmup=0, executables=1, samples=2,
+                probe=[(2, 1), (2, 2)]),
+    "full": dict(gpt2=dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+                           n_positions=1024), beam=5, prompt_len=5,
+                 lstm=dict(n_layer=2, n_embd=512, n_hidden=1024, vocab_size=10000),
+                 max_batch=64, reps=5, warmup=1, executables=2, samples=8,
+                 # (graphs, kernel nodes each): 2 MiB steps stay under 5% of every reading
+                 probe=[(2048, 1), (2048, 8), (512, 64), (256, 256)]),
 }
-RESERVE = 8 << 30   # PyTorch stops capturing with this much device memory left
+RESERVE = 8 << 30   # a method stops building graphs with this much device memory left
 COLORS = {"ptgraph_private": "C3", "ptgraph_shared_pool": "C1", "ours_unplanned": "C7",
           "ours_planned": "C0", "ours_planned_shared": "C2", "ours_device": "C4"}
+MIB = 2**20
 
 
 def _torch():
@@ -94,66 +106,209 @@ def _torch():
     return torch if torch.cuda.is_available() else None
 
 
-def settled_free() -> int | None:
-    """Free device bytes once every dropped buffer is really freed (Numba queues frees and
-    flushes them in batches; PyTorch caches them); None on the simulator."""
-    if backend.SIMULATOR:
-        return None
-    gc.collect()
-    backend.synchronize()
-    torch = _torch()
-    if torch is not None:   # blocks PyTorch caches but no graph holds go back to the driver
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    ctx = cuda.current_context()
-    ctx.memory_manager.deallocations.clear()
-    return ctx.get_memory_info()[0]
+# ------------------------------------------------------------------------- the meter
+class Meter:
+    """Readings of free device memory in this process, by name, once every dropped buffer is
+    really freed (Numba queues frees and flushes them in batches; PyTorch caches them).
+    Also Numba's live device bytes and PyTorch's reserved bytes, to split what a drop is
+    made of. On the simulator every reading is None."""
+
+    def __init__(self):
+        self.free: dict[str, int] = {}
+        self.numba: dict[str, int] = {}
+        self.torch: dict[str, int] = {}
+
+    def read(self, name: str) -> int | None:
+        if backend.SIMULATOR:
+            return None
+        gc.collect()
+        backend.synchronize()
+        torch = sys.modules.get("torch")   # (a process of ours never starts PyTorch's CUDA)
+        if torch is not None and torch.cuda.is_initialized():
+            # blocks PyTorch caches but no graph holds go back to the driver
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            self.torch[name] = torch.cuda.memory_reserved()
+        ctx = cuda.current_context()
+        manager = ctx.memory_manager
+        manager.deallocations.clear()
+        self.numba[name] = sum(m.size for m in manager.allocations.values())
+        self.free[name] = free = ctx.get_memory_info()[0]
+        return free
+
+    def drop(self, start: str, end: str) -> int | None:
+        """Bytes taken between two readings. A reading that went up means something this
+        process freed came back between them: the measurement would be wrong, so it raises."""
+        if start not in self.free or end not in self.free:
+            return None
+        taken = self.free[start] - self.free[end]
+        if taken < -2 * MIB:   # (one 2 MiB chunk of jitter is the driver's granularity)
+            raise RuntimeError(f"free memory rose by {-taken / MIB:.1f} MiB from {start!r} to "
+                               f"{end!r}: memory freed in between was counted; every method "
+                               "must run in its own process with nothing freed while metered")
+        return taken
 
 
-class _Meter:
-    """Free-memory drop since `start`, sampled at chosen numbers of shapes served, plus
-    `static_bytes`: the static input and output tensors a method allocated for its graphs
-    before the meter started (PtGraph's graphs read and write fixed addresses; ours bind the
-    caller's tokens by alias and write their outputs in the arena, which the drop counts)."""
-
-    def __init__(self, total: int, samples: int, static_bytes: int = 0):
-        self.static_bytes = static_bytes
-        self.start = settled_free()
-        self.points: list[tuple[int, int]] = []
-        self.at = set(np.unique(np.geomspace(1, total, samples).astype(int)).tolist()) | {total}
-
-    def sample(self, served: int) -> None:
-        if self.start is not None and served in self.at:
-            self.points.append((served, self.start - settled_free() + self.static_bytes))
-
-    @property
-    def total(self) -> int | None:
-        return self.points[-1][1] if self.points else None
+def _mib(b) -> float | None:
+    return None if b is None else round(b / MIB, 3)
 
 
-# ------------------------------------------------------------------------- GPT-2
-def _ours_gpt2(method, model, beam, max_len, cfg):
+# ------------------------------------------------------------------------- the children
+def measure(model: str, method: str, size: str) -> dict:
+    """One method on one workload, in this (fresh) process: the readings, the curve, the
+    timings and the tokens (experiments.isolate runs it)."""
+    cfg = SIZES[size]
+    meter = Meter()
+    meter.read("init")
+    run = {("gpt2", True): _pt_gpt2, ("gpt2", False): _ours_gpt2,
+           ("lstm", True): _pt_lstm, ("lstm", False): _ours_lstm}[(model, method.startswith("pt"))]
+    return run(method, cfg, meter)
+
+
+class _Stop(Exception):
+    """Building stopped: the next graph would leave less than RESERVE free."""
+
+
+def _curve(meter: Meter, total: int, samples: int):
+    """A callback for build_all(after_each=...): free-memory samples at log-spaced counts
+    of shapes served (drop since "state"), and the stop at RESERVE."""
+    at = set(np.unique(np.geomspace(1, total, samples).astype(int)).tolist()) | {total}
+    points = []
+
+    def after_each(served: int) -> None:
+        if backend.SIMULATOR:
+            return
+        if served in at:
+            meter.read(f"served {served}")
+            points.append((served, meter.drop("state", f"served {served}")))
+        if cuda.current_context().get_memory_info()[0] < RESERVE:
+            points.append((served, None))
+            raise _Stop
+    return after_each, points
+
+
+def _result(meter: Meter, points, served: int, built: int, info: dict, buffers, t, tokens,
+            per: int) -> dict:
+    graph = meter.drop("state", "uploaded")
+    row = {"shapes_served": served, "shapes_built": built,
+           "graph_mib": _mib(graph), "graph_after_capture_mib": _mib(meter.drop("state", "captured")),
+           "state_mib": _mib(meter.drop("init", "state")),
+           "footprint_mib": _mib(meter.drop("init", "uploaded")),
+           "buffers_mib": _mib(buffers),
+           "driver_mib": None if graph is None or buffers is None else _mib(graph - buffers),
+           **info, **_per_token(t, per)}
+    curve = [(n, b) for n, b in points if b is not None]
+    if built < served and len(curve) >= 2:   # stopped at RESERVE: the line through the samples
+        served_at, used = zip(*curve)
+        slope, icept = np.polyfit(served_at, used, 1)
+        row["graph_mib"], row["extrapolated"] = _mib(slope * served + icept), True
+    else:
+        row["extrapolated"] = False
+    return {"row": row, "curve": [(n, _mib(b)) for n, b in curve],
+            "tokens": None if tokens is None else np.asarray(tokens).tolist()}
+
+
+def _gpt2_setup(cfg):
+    from proto.models.gpt2 import GPT2Config, random_state_dict
+    config = GPT2Config(**cfg["gpt2"])
+    prompt = np.random.default_rng(1).integers(0, config.vocab_size, cfg["prompt_len"])
+    return config, random_state_dict(config, seed=0), prompt, config.n_positions - cfg["prompt_len"] + 1
+
+
+def _ours_gpt2(method, cfg, meter) -> dict:
+    from proto.models.gpt2 import GPT2
+    from proto.models.graphed import GraphedGPT2
+    config, state_dict, prompt, new = _gpt2_setup(cfg)
+    beam, max_len = cfg["beam"], config.n_positions
     kw = {"ours_unplanned": dict(strategy="exact", planned=False),
           "ours_planned": dict(strategy="exact"),
           "ours_planned_shared": dict(strategy="exact", shared_executables=cfg["executables"]),
           "ours_device": dict(strategy="device")}[method]
+    model = GPT2(config, state_dict, max_batch=beam, max_tokens=cfg["prompt_len"])
     g = GraphedGPT2(model, batch=beam, max_len=max_len, binding="alias", **kw)
-    meter = _Meter(len(g.keys), cfg["samples"])
+    # the warm-up: one eager decode step at the last position on the first cache set
+    g.reset()
+    g.inputs.pos.copy_to_device(np.array([max_len - 1], np.int32))
+    model.step(g.inputs.tokens, g.inputs.pos, g.caches[0])
+    meter.read("state")
+    after_each, points = _curve(meter, len(g.keys), cfg["samples"])
     t0 = time.perf_counter()
-    g.build_all(after_each=None if kw["strategy"] == "device" else meter.sample)
+    try:
+        g.build_all(after_each=None if kw["strategy"] == "device" else after_each)
+    except _Stop:
+        pass
     capture_s = time.perf_counter() - t0
-    for position in range(max_len - cfg["executables"], max_len):
-        g.replayer(position)()       # a shared pool instantiates its K executables on first use
-    meter.sample(len(g.keys))
-    info = {"graphs": g.num_graphs + g.num_reorder_graphs, "nodes": g.num_nodes,
-            "arena_bytes": g.arena_bytes, "private_bytes": g.private_bytes,
-            "executables": (g.shared.instantiations if g.shared is not None
-                            else g.num_graphs + g.num_reorder_graphs),
-            "update_us_per_switch": None, **_phases(g)}
+    meter.read("captured")
+    g.launch_all()
+    meter.read("uploaded")
+    # lengths whose graphs exist (every length, once all are built: the device strategy's
+    # one graph serves them all)
+    keys_built = {k for d in g._graphs for k in d.graphs}
+    built = max_len if len(keys_built) == len(g.keys) else len(keys_built)
+    arrays = None if backend.SIMULATOR else meter.numba["uploaded"] - meter.numba["state"]
+    # executables the driver holds: the pool's (step graphs) or one a graph, and the reorders'
+    step_nodes = g.num_nodes // max(g.num_graphs, 1)
+    reorder_nodes = sum(len(r.description) for r in g._other_graphs())
+    step_exes = g.shared.instantiations if g.shared is not None else g.num_graphs
+    info = {"graphs": g.num_graphs + g.num_reorder_graphs, "nodes": g.num_nodes + reorder_nodes,
+            "executables": step_exes + g.num_reorder_graphs,
+            "executable_nodes": step_exes * step_nodes + reorder_nodes,
+            "arena_mib": _mib(g.arena_bytes), "private_mib": _mib(g.private_bytes),
+            "second_kv_mib": _mib(sum(a.nbytes for a in g.caches[1].arrays())),
+            "capture_s": round(capture_s, 3), **_phases(g)}
     if g.tape is not None and g.tape.plans:
         plan = g.tape.plans[0]
-        info.update(peak_live_bytes=plan.peak_live_bytes, buffer_bytes=plan.total_bytes)
-    return g, meter, capture_s, info, lambda prompt, new: g.beam_search(prompt, max_new_tokens=new)
+        info.update(peak_live_mib=_mib(plan.peak_live_bytes), buffer_total_mib=_mib(plan.total_bytes))
+    t, tokens = None, None
+    if built == max_len:
+        if g.shared is not None:
+            g.shared.updates = 0
+            g.shared.update_s = 0.0
+        out = []
+        t = timing.bench_host(lambda: out.append(g.beam_search(prompt, max_new_tokens=new)),
+                              warmup=cfg["warmup"], reps=cfg["reps"])
+        tokens = out[-1].tokens
+        if g.shared is not None:
+            info["update_us_per_switch"] = round(g.shared.update_us_per_switch, 2)
+    g.close()
+    return _result(meter, points, max_len, built, info, arrays, t, tokens, new)
+
+
+def _pt_gpt2(method, cfg, meter) -> dict:
+    from experiments.torch_gpt2 import PerLengthDecoder
+    torch = _torch()
+    config, state_dict, prompt, new = _gpt2_setup(cfg)
+    beam, T0, max_len = cfg["beam"], cfg["prompt_len"], config.n_positions
+    dec = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len,
+                           pool="private" if method == "ptgraph_private" else "shared")
+    dec.model.decode_at(dec._tokens, max_len, dec._static_logits)   # the warm-up
+    meter.read("state")
+    lengths = list(range(T0, max_len + 1))
+    after_each, points = _curve(meter, len(lengths), cfg["samples"])
+    t0 = time.perf_counter()
+    try:
+        for n, length in enumerate(lengths, 1):   # ascending: the order a generation replays
+            dec.capture(length)
+            after_each(n)
+    except _Stop:
+        pass
+    capture_s = time.perf_counter() - t0
+    meter.read("captured")
+    for graph in dec.graphs.values():
+        graph.replay()
+    torch.cuda.synchronize()
+    meter.read("uploaded")
+    pool = meter.torch["uploaded"] - meter.torch["state"]
+    info = {"graphs": len(dec.graphs), "capture_s": round(capture_s, 3),
+            "pool_mib": _mib(pool), "torch_tf32": common.torch_tf32()}
+    t, tokens = None, None
+    if method != "ptgraph_private" and len(dec.graphs) == len(lengths):
+        out = []
+        t = timing.bench_host(lambda: out.append(dec.beam_search(prompt, max_new_tokens=new)),
+                              warmup=cfg["warmup"], reps=cfg["reps"])
+        tokens = out[-1].tokens
+    dec.close()
+    return _result(meter, points, len(lengths), len(dec.graphs), info, pool, t, tokens, new)
 
 
 def _phases(g) -> dict:
@@ -163,96 +318,12 @@ def _phases(g) -> dict:
             if phase != "warmup"}
 
 
-def _ptgraph_gpt2(method, config, state_dict, beam, max_len, cfg):
-    from experiments.torch_gpt2 import PerLengthDecoder
-    torch = _torch()
-    dec = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len,
-                           pool="private" if method == "ptgraph_private" else "shared")
-    lengths = range(cfg["prompt_len"], max_len + 1)
-    meter = _Meter(len(lengths), cfg["samples"], _torch_bytes(dec._tokens, dec._static_logits))
-    t0 = time.perf_counter()
-    for n, length in enumerate(lengths, 1):   # ascending: the order a generation replays
-        if torch.cuda.mem_get_info()[0] < RESERVE:
-            break
-        dec.capture(length)
-        meter.sample(n)
-    capture_s = time.perf_counter() - t0
-    info = {"graphs": len(dec.graphs), "lengths_captured": len(dec.graphs),
-            "torch_tf32": common.torch_tf32()}
-    return dec, meter, capture_s, info, lambda prompt, new: dec.beam_search(prompt, max_new_tokens=new)
-
-
-def _torch_bytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _extrapolate(points, total: int) -> tuple[float, bool]:
-    """Memory at `total` shapes: measured if the last point is there, else a line fitted to
-    the measured points (extrapolated: True)."""
-    served, used = zip(*points)
-    if served[-1] >= total:
-        return float(used[-1]), False
-    slope, icept = np.polyfit(served, used, 1)
-    return float(slope * total + icept), True
-
-
 def _per_token(t: timing.Timing | None, tokens: int) -> dict:
     """A run's CSV columns per token: median, p10, p90 (None where it was not timed)."""
     return {"ms_per_token": None if t is None else round(t.median_ms / tokens, 4),
             "ms_per_token_p10": None if t is None else round(t.p10_ms / tokens, 4),
             "ms_per_token_p90": None if t is None else round(t.p90_ms / tokens, 4),
             "reps": None if t is None else t.reps}
-
-
-def _time(generate, prompt, new, cfg) -> timing.Timing:
-    out = []
-    t = timing.bench_host(lambda: out.append(generate(prompt, new)), warmup=cfg["warmup"],
-                          reps=cfg["reps"])
-    return t, out[-1]
-
-
-def run_gpt2(cfg, rows, curve) -> dict:
-    config, beam, T0 = cfg["gpt2"], cfg["beam"], cfg["prompt_len"]
-    max_len = config.n_positions
-    new = max_len - T0 + 1                # the last token generated is never fed back
-    state_dict = random_state_dict(config, seed=0)
-    model = GPT2(config, state_dict, max_batch=beam, max_tokens=T0)
-    prompt = np.random.default_rng(1).integers(0, config.vocab_size, T0)
-    methods = METHODS if _torch() is not None else [m for m in METHODS if m.startswith("ours")]
-    results, tokens = {}, {}
-    for method in common.progress(methods, desc=f"{NAME} gpt2"):
-        if method.startswith("ours"):
-            m, meter, capture_s, info, gen = _ours_gpt2(method, model, beam, max_len, cfg)
-        else:
-            m, meter, capture_s, info, gen = _ptgraph_gpt2(method, config, state_dict, beam,
-                                                           max_len, cfg)
-        served = len(range(T0, max_len + 1))
-        memory, extrapolated = (None, False) if not meter.points else \
-            _extrapolate(meter.points, served if method.startswith("pt") else meter.points[-1][0])
-        timed = method != "ptgraph_private" and info["graphs"] > 0 and \
-            info.get("lengths_captured", served) >= served
-        t, got = _time(gen, prompt, new, cfg) if timed else (None, None)
-        if got is not None:
-            tokens[method] = got.tokens
-        if method == "ours_planned_shared" and getattr(m, "shared", None) is not None:
-            info["update_us_per_switch"] = round(m.shared.update_us_per_switch, 2)
-            info["executables"] = m.shared.instantiations
-        results[method] = dict(memory=memory, info=info)
-        rows.append({"model": "gpt2", "n_layer": config.n_layer, "n_embd": config.n_embd,
-                     "beam": beam, "prompt_len": T0, "shapes_served": served, "method": method,
-                     "memory_mib": None if memory is None else round(memory / 2**20, 3),
-                     "extrapolated": extrapolated, "capture_s": round(capture_s, 3),
-                     **_per_token(t, new), "same_tokens": None, **info})
-        common.report(NAME, rows[-1])
-        curve += [{"model": "gpt2", "method": method, "shapes_served": n,
-                   "memory_mib": round(b / 2**20, 3)} for n, b in meter.points]
-        m.close()
-        del m, gen
-    want = tokens.get("ours_unplanned")
-    for r in rows:
-        if r["model"] == "gpt2" and r["method"] in tokens and want is not None:
-            r["same_tokens"] = bool(np.array_equal(tokens[r["method"]], want))
-    return results
 
 
 # ------------------------------------------------------------------------- LSTM
@@ -310,176 +381,265 @@ class _TorchLSTMGraphs:
         self.graphs = {}
 
 
-def _ours_lstm_shrinking(g, prompt) -> None:
+def _lstm_setup(cfg):
+    from proto.models.lstm import LSTMConfig, random_state_dict
+    config = LSTMConfig(**cfg["lstm"])
+    prompt = np.random.default_rng(2).integers(0, config.vocab_size, cfg["max_batch"])
+    return config, random_state_dict(config, seed=0), prompt
+
+
+def _ours_lstm(method, cfg, meter) -> dict:
     from kernels import sampling
-    g.tokens.copy_to_device(prompt.astype(np.int32))
-    for b in range(len(prompt), 0, -1):
-        sampling.argmax(g.step(g.tokens, b), backend.leading(g.tokens, b))
-
-
-def run_lstm(cfg, rows, curve) -> dict:
-    config, B = cfg["lstm"], cfg["max_batch"]
-    state_dict = lstm_weights(config, seed=0)
+    from proto.models.graphed import GraphedLSTM
+    from proto.models.lstm import LSTMLM
+    config, state_dict, prompt = _lstm_setup(cfg)
+    B = cfg["max_batch"]
     model = LSTMLM(config, state_dict, max_batch=B)
-    prompt = np.random.default_rng(2).integers(0, config.vocab_size, B)
-    methods = [m for m in METHODS if m != "ours_device"]
-    if _torch() is None:
-        methods = [m for m in methods if m.startswith("ours")]
-    results = {}
-    for method in common.progress(methods, desc=f"{NAME} lstm"):
-        ptgraph = method.startswith("ptgraph")
-        if ptgraph:   # its weights and state first, outside the meter
-            m = _TorchLSTMGraphs(config, state_dict, B, "private" if method == "ptgraph_private"
-                                 else "shared")
-        meter = _Meter(B, cfg["samples"], _torch_bytes(m.tokens, m.logits) if ptgraph else 0)
-        t0 = time.perf_counter()
-        if method.startswith("ours"):
-            m = GraphedLSTM(model, max_batch=B, binding="alias", strategy="exact",
-                            planned=method != "ours_unplanned",
-                            shared_executables=cfg["executables"] if method.endswith("shared") else None)
-            m.build_all(after_each=meter.sample)
-            capture_s = time.perf_counter() - t0
-            for b in range(B - cfg["executables"] + 1, B + 1):
-                m.step(m.tokens, b)                  # a shared pool instantiates on first use
-            meter.sample(B)
-            info = {"graphs": m.num_graphs, "nodes": m.num_nodes, "arena_bytes": m.arena_bytes,
-                    "private_bytes": m.private_bytes, **_phases(m)}
-            run = lambda: _ours_lstm_shrinking(m, prompt)  # noqa: E731
-        else:
-            for n, b in enumerate(range(B, 0, -1), 1):
-                m.capture(b)
-                meter.sample(n)
-            capture_s = time.perf_counter() - t0
-            info = {"graphs": len(m.graphs), "torch_tf32": common.torch_tf32()}
-            run = lambda: m.shrinking(prompt)  # noqa: E731
-        t = timing.bench_host(run, warmup=cfg["warmup"], reps=cfg["reps"])
-        memory = meter.total
-        results[method] = dict(memory=memory, info=info)
-        rows.append({"model": "lstm", "n_layer": config.n_layer, "n_embd": config.n_embd,
-                     "beam": None, "prompt_len": None, "shapes_served": B, "method": method,
-                     "memory_mib": None if memory is None else round(memory / 2**20, 3),
-                     "extrapolated": False, "capture_s": round(capture_s, 3),
-                     **_per_token(t, B),
-                     "same_tokens": None, **info})
-        common.report(NAME, rows[-1])
-        curve += [{"model": "lstm", "method": method, "shapes_served": n,
-                   "memory_mib": round(b / 2**20, 3)} for n, b in meter.points]
-        m.close()
-    return results
+    m = GraphedLSTM(model, max_batch=B, binding="alias", strategy="exact",
+                    planned=method != "ours_unplanned",
+                    shared_executables=cfg["executables"] if method.endswith("shared") else None)
+    model.step(m.tokens, m.state)   # the warm-up (eager, the whole batch)
+    meter.read("state")
+    after_each, points = _curve(meter, B, cfg["samples"])
+    t0 = time.perf_counter()
+    m.build_all(after_each=after_each)
+    capture_s = time.perf_counter() - t0
+    meter.read("captured")
+    m.launch_all()
+    meter.read("uploaded")
+    arrays = None if backend.SIMULATOR else meter.numba["uploaded"] - meter.numba["state"]
+    exes = m.shared.instantiations if m.shared is not None else m.num_graphs
+    info = {"graphs": m.num_graphs, "nodes": m.num_nodes, "executables": exes,
+            "executable_nodes": exes * (m.num_nodes // max(m.num_graphs, 1)),
+            "arena_mib": _mib(m.arena_bytes), "private_mib": _mib(m.private_bytes),
+            "capture_s": round(capture_s, 3), **_phases(m)}
+
+    def shrinking():
+        m.tokens.copy_to_device(prompt.astype(np.int32))
+        for b in range(B, 0, -1):
+            sampling.argmax(m.step(m.tokens, b), backend.leading(m.tokens, b))
+    t = timing.bench_host(shrinking, warmup=cfg["warmup"], reps=cfg["reps"])
+    m.close()
+    return _result(meter, points, B, B, info, arrays, t, None, B)
+
+
+def _pt_lstm(method, cfg, meter) -> dict:
+    config, state_dict, prompt = _lstm_setup(cfg)
+    B = cfg["max_batch"]
+    m = _TorchLSTMGraphs(config, state_dict, B, "private" if method == "ptgraph_private" else "shared")
+    m._step(B)   # the warm-up
+    meter.read("state")
+    after_each, points = _curve(meter, B, cfg["samples"])
+    t0 = time.perf_counter()
+    for n, b in enumerate(range(B, 0, -1), 1):
+        m.capture(b)
+        after_each(n)
+    capture_s = time.perf_counter() - t0
+    meter.read("captured")
+    for g in m.graphs.values():
+        g.replay()
+    meter.read("uploaded")
+    pool = meter.torch["uploaded"] - meter.torch["state"]
+    info = {"graphs": len(m.graphs), "capture_s": round(capture_s, 3), "pool_mib": _mib(pool),
+            "torch_tf32": common.torch_tf32()}
+    t = timing.bench_host(lambda: m.shrinking(prompt), warmup=cfg["warmup"], reps=cfg["reps"])
+    m.close()
+    return _result(meter, points, B, B, info, pool, t, None, B)
+
+
+# ------------------------------------------------------------------------- driver bytes
+def driver_probe(graphs: int, nodes: int) -> dict:
+    """N graphs of K kernel nodes of a trivial kernel, each its own executable, uploaded
+    (launched once): the drop in free memory, in this (fresh) process."""
+    from proto.backend import jit
+    from proto.graph import capture
+
+    @jit("void(float32[::1])", writes=("x",))
+    def bump(x):
+        i = cuda.grid(1)
+        if i < x.size:
+            x[i] += 1.0
+
+    def fn(x):
+        for _ in range(nodes):
+            backend.launch(bump, 1, 32, (x,))
+    x = cuda.to_device(np.zeros(32, np.float32))
+    meter = Meter()
+    with capture(fn, {"x": x}, binding="alias", warmup=1, planned=False) as warm:   # kernels loaded, as before
+        warm.replay(x=x)
+    meter.read("state")
+    # (unplanned: no temporaries, so no arena of their own either)
+    built = [capture(fn, {"x": x}, binding="alias", warmup=0, planned=False)
+             for _ in range(graphs)]
+    for g in built:
+        g.replay(x=x)
+    meter.read("uploaded")
+    taken = meter.drop("state", "uploaded")
+    for g in built:
+        g.close()
+    return {"graphs": graphs, "nodes_per_graph": nodes, "graph_nodes": graphs * nodes,
+            "taken_mib": _mib(taken)}
+
+
+def fit_driver_bytes(probes: list[dict]) -> tuple[float, float] | None:
+    """(bytes a graph, bytes a node) fitted by least squares to the probes' readings."""
+    measured = [p for p in probes if p["taken_mib"] is not None]
+    if len(measured) < 2:
+        return None
+    a = np.array([[p["graphs"], p["graph_nodes"]] for p in measured], float)
+    b = np.array([p["taken_mib"] * MIB for p in measured])
+    (per_graph, per_node), *_ = np.linalg.lstsq(a, b, rcond=None)
+    return float(per_graph), float(per_node)
 
 
 # ------------------------------------------------------------------------- run, summary, plot
-def _ours_attributed(gpt2: dict, executables: int) -> int | None:
-    """ours_planned_shared from parts: its arena, plus K step executables and the reorder
-    graphs at the driver bytes per node that ours_planned's many executables measured."""
-    planned, shared = gpt2.get("ours_planned"), gpt2.get("ours_planned_shared")
-    if not planned or planned["memory"] is None or not shared:
-        return None
-    p = planned["info"]
-    # The free-memory drop can read below the arena (2 MiB steps): never a negative share
-    per_node = max(planned["memory"] - p["arena_bytes"], 0) / p["nodes"]
-    s = shared["info"]
-    step_nodes = s["nodes"] / max(s["graphs"] - 2, 1)          # two of the graphs reorder
-    return int(s["arena_bytes"] + per_node * executables * step_nodes
-               + per_node * (s["nodes"] - step_nodes * (s["graphs"] - 2)))
-
-
 def run(size: str = "toy") -> None:
     cfg = SIZES[size]
-    rows, curve = [], []
+    has_torch = _torch() is not None
+    probes = [isolate.run(f"{__name__}:driver_probe", {"graphs": n, "nodes": k})
+              for n, k in common.progress(cfg["probe"], desc=f"{NAME} driver probe")]
+    common.write_csv(f"{NAME}_driver", probes)
+    fit = fit_driver_bytes(probes)
+    rows, curve, tokens = [], [], {}
+    jobs = [(model, m) for model in ("lstm", "gpt2") for m in METHODS
+            if (has_torch or m.startswith("ours")) and not (model == "lstm" and m == "ours_device")]
+    spec = [{"model": model, "method": method, "size": size} for model, method in jobs]
+    if backend.SIMULATOR:   # nothing to meter: the children may run side by side
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+            outs = pool.map(lambda s: isolate.run(f"{__name__}:measure", s), spec)
+    else:                   # one at a time: each reads the GPU's free memory
+        outs = (isolate.run(f"{__name__}:measure", s) for s in spec)
+    for (model, method), out in common.progress(zip(jobs, outs), desc=NAME, total=len(jobs)):
+        row = {"model": model, "method": method, **out["row"]}
+        if fit is not None and row.get("executable_nodes") is not None:
+            row["driver_fit_mib"] = _mib(fit[0] * row["executables"]
+                                         + fit[1] * row["executable_nodes"])
+        rows.append(row)
+        curve += [{"model": model, "method": method, "shapes_served": n, "graph_mib": b}
+                  for n, b in out["curve"]]
+        if out["tokens"] is not None:
+            tokens[(model, method)] = out["tokens"]
+        common.report(NAME, row)
+        _save(rows, curve)
+    want = tokens.get(("gpt2", "ours_planned"))
+    for r in rows:
+        got = tokens.get((r["model"], r["method"]))
+        r["same_tokens"] = None if got is None or want is None else got == want
+    _save(rows, curve)
+    common.write_summary(NAME, summarize(rows, fit))
 
-    def save():   # after each workload: a failure later leaves what was measured
-        columns = list(dict.fromkeys(k for r in rows for k in r))
-        common.write_csv(NAME, [{k: r.get(k) for k in columns} for r in rows])
-        common.write_csv(f"{NAME}_curve", curve or [{"model": None, "method": None,
-                                                     "shapes_served": None, "memory_mib": None}])
 
-    run_lstm(cfg, rows, curve)      # the short one first
-    save()
-    gpt2 = run_gpt2(cfg, rows, curve)
-    save()
+def _save(rows, curve) -> None:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    common.write_csv(NAME, [{k: r.get(k) for k in columns} for r in rows])
+    common.write_csv(f"{NAME}_curve", curve or [{"model": None, "method": None,
+                                                 "shapes_served": None, "graph_mib": None}])
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b <= 0 else round(a / b, 3)
+
+
+def summarize(rows: list[dict], fit) -> dict:
     by = {(r["model"], r["method"]): r for r in rows}
-    mem = {k: r["memory_mib"] for k, r in by.items()}
-    ms = {k: r["ms_per_token"] for k, r in by.items()}
-    attributed = _ours_attributed(gpt2, cfg["executables"])
-    ours = mem.get(("gpt2", "ours_planned_shared"))
-    ours_headline = None if ours is None else max(ours, (attributed or 0) / 2**20)
 
-    def ratio(a, b):
-        return None if a is None or b is None or b == 0 else round(a / b, 3)
-
-    plan = by[("gpt2", "ours_planned")]
-    summary = {
-        "model": f"GPT-2 {cfg['gpt2'].n_layer}L d={cfg['gpt2'].n_embd}, beam {cfg['beam']}, "
-                 f"prompt {cfg['prompt_len']}, lengths {cfg['prompt_len']}..{cfg['gpt2'].n_positions}",
-        "ptgraph_over_ours_memory": ratio(mem.get(("gpt2", "ptgraph_shared_pool")), ours_headline),
-        "ptgraph_private_over_ours_memory": ratio(mem.get(("gpt2", "ptgraph_private")), ours_headline),
-        "ptgraph_memory_extrapolated": bool(by.get(("gpt2", "ptgraph_shared_pool"), {}).get("extrapolated")),
-        "ours_memory_mib": ours_headline,
-        "ours_memory_measured_mib": ours,
-        "ours_memory_from_parts_mib": None if attributed is None else round(attributed / 2**20, 3),
-        "ptgraph_shared_pool_memory_mib": mem.get(("gpt2", "ptgraph_shared_pool")),
-        "ptgraph_private_memory_mib": mem.get(("gpt2", "ptgraph_private")),
-        "ours_unplanned_memory_mib": mem.get(("gpt2", "ours_unplanned")),
-        "ours_planned_memory_mib": mem.get(("gpt2", "ours_planned")),
-        "ours_device_memory_mib": mem.get(("gpt2", "ours_device")),
-        "planned_over_unplanned_time_per_token": ratio(ms.get(("gpt2", "ours_planned_shared")),
-                                                       ms.get(("gpt2", "ours_unplanned"))),
-        "ptgraph_ms_per_token": ms.get(("gpt2", "ptgraph_shared_pool")),
-        "ours_unplanned_ms_per_token": ms.get(("gpt2", "ours_unplanned")),
-        "ours_planned_shared_ms_per_token": ms.get(("gpt2", "ours_planned_shared")),
-        "update_us_per_switch": by[("gpt2", "ours_planned_shared")].get("update_us_per_switch"),
-        "arena_over_peak_live": ratio(plan.get("arena_bytes"), plan.get("peak_live_bytes")),
-        "lstm_ptgraph_over_ours_memory": ratio(mem.get(("lstm", "ptgraph_shared_pool")),
-                                               mem.get(("lstm", "ours_planned_shared"))),
-        "lstm_ours_planned_over_ptgraph_time_per_step": ratio(
-            ms.get(("lstm", "ours_planned")), ms.get(("lstm", "ptgraph_shared_pool"))),
-        "all_tokens_equal": all(r["same_tokens"] in (True, None) for r in rows),
+    def get(model, method, key):
+        return by.get((model, method), {}).get(key)
+    pt, ours = (by.get(("gpt2", m), {}) for m in HEADLINE)
+    parts = None
+    if ours.get("buffers_mib") is not None and ours.get("driver_fit_mib") is not None:
+        parts = ours["buffers_mib"] + ours["driver_fit_mib"]
+    planned = by.get(("gpt2", "ours_planned"), {})
+    return {
+        "model": "GPT-2 small, beam 5, prompt 5, every length to 1024 (full size)",
+        "ptgraph_over_ours_memory": _ratio(pt.get("graph_mib"), ours.get("graph_mib")),
+        "ptgraph_over_ours_device_memory": _ratio(pt.get("graph_mib"),
+                                                  get("gpt2", "ours_device", "graph_mib")),
+        "ptgraph_private_over_ours_memory": _ratio(get("gpt2", "ptgraph_private", "graph_mib"),
+                                                   ours.get("graph_mib")),
+        "ptgraph_graph_mib": pt.get("graph_mib"),
+        "ours_graph_mib": ours.get("graph_mib"),
+        "ours_device_graph_mib": get("gpt2", "ours_device", "graph_mib"),
+        "ours_planned_graph_mib": planned.get("graph_mib"),
+        "ours_unplanned_graph_mib": get("gpt2", "ours_unplanned", "graph_mib"),
+        "ptgraph_private_graph_mib": get("gpt2", "ptgraph_private", "graph_mib"),
+        "ptgraph_driver_mib": pt.get("driver_mib"),
+        "ours_driver_mib": ours.get("driver_mib"),
+        "ours_buffers_mib": ours.get("buffers_mib"),
+        "ours_driver_fit_mib": ours.get("driver_fit_mib"),
+        "memory_breakdown_complete": None if parts is None or ours.get("graph_mib") is None
+        else abs(parts - ours["graph_mib"]) <= BREAKDOWN_SLACK_MIB,
+        "driver_bytes_per_node": None if fit is None else round(fit[1], 1),
+        "driver_bytes_per_graph": None if fit is None else round(fit[0], 1),
+        "ours_second_kv_mib": ours.get("second_kv_mib"),
+        "ours_total_footprint_mib": ours.get("footprint_mib"),
+        "ptgraph_total_footprint_mib": pt.get("footprint_mib"),
+        "ptgraph_memory_extrapolated": pt.get("extrapolated"),
+        "planned_over_unplanned_time_per_token": _ratio(
+            ours.get("ms_per_token"), get("gpt2", "ours_unplanned", "ms_per_token")),
+        "ptgraph_ms_per_token": pt.get("ms_per_token"),
+        "ours_ms_per_token": ours.get("ms_per_token"),
+        "update_us_per_switch": ours.get("update_us_per_switch"),
+        "arena_over_peak_live": _ratio(planned.get("arena_mib"), planned.get("peak_live_mib")),
+        "lstm_ptgraph_over_ours_memory": _ratio(get("lstm", "ptgraph_shared_pool", "graph_mib"),
+                                                get("lstm", "ours_planned_shared", "graph_mib")),
+        "lstm_ours_planned_over_ptgraph_time_per_step": _ratio(
+            get("lstm", "ours_planned", "ms_per_token"),
+            get("lstm", "ptgraph_shared_pool", "ms_per_token")),
+        "all_tokens_equal": all(r.get("same_tokens") in (True, None) for r in rows),
         "grape_reported_memory_ratio": GRAPE_REPORTED,
     }
-    common.write_summary(NAME, summary)
 
 
 def plot(device: str | None = None):
     rows = common.read_csv(NAME, device)
     curve = [r for r in common.read_csv(f"{NAME}_curve", device) if r["method"]]
-    summary = common.read_summary(NAME, device)
-    fig, axes = common.new_figure(rows, 2, 2, figsize=(12, 10),
-                                  gridspec_kw={"width_ratios": [1.6, 1]})
+    fig, axes = common.new_figure(rows, 2, 2, figsize=(13, 10),
+                                  gridspec_kw={"width_ratios": [1.5, 1]})
+
+    def num(v):
+        return None if v in ("", "None", None) else float(v)
     for i, model in enumerate(("gpt2", "lstm")):
         ax, bars = axes[i]
         mine = [r for r in rows if r["model"] == model]
         for r in mine:
-            pts = [(int(c["shapes_served"]), float(c["memory_mib"])) for c in curve
+            pts = [(int(c["shapes_served"]), num(c["graph_mib"])) for c in curve
                    if c["model"] == model and c["method"] == r["method"]]
+            pts = [(n, b) for n, b in pts if b is not None]
             if not pts:
                 continue
             xs, ys = zip(*pts)
             ax.plot(xs, [max(y, FLOOR_MIB) for y in ys], marker="o", ms=3,
                     color=COLORS[r["method"]], label=r["method"].replace("_", " "))
             if r["extrapolated"] == "True":
-                ax.plot([xs[-1], int(r["shapes_served"])], [ys[-1], float(r["memory_mib"])],
+                ax.plot([xs[-1], int(r["shapes_served"])], [ys[-1], num(r["graph_mib"])],
                         ls="--", color=COLORS[r["method"]], label="  (extrapolated)")
-        # free memory moves in 2 MiB steps: a method that took less reads 0, drawn at the floor
         ax.axhline(2, ls=":", lw=1, color="0.5",
-                   label=f"2 MiB step of the measurement (0 read is drawn at {FLOOR_MIB})")
-        if model == "gpt2" and summary.get("ours_memory_from_parts_mib"):
-            ax.plot([int(mine[0]["shapes_served"])], [summary["ours_memory_from_parts_mib"]],
-                    marker="*", ms=11, ls="", color=COLORS["ours_planned_shared"],
-                    label="ours planned shared, from parts (arena + K executables)")
+                   label=f"2 MiB: the driver's step (a 0 read is drawn at {FLOOR_MIB})")
         ax.set_yscale("log")
         ax.set_xlabel("lengths served" if model == "gpt2" else "batch sizes served")
-        ax.set_ylabel("GPU memory held by the graphs (MiB, log)")
-        ax.set_title(f"{model.upper()}: memory against shapes served")
-        if ax.get_legend_handles_labels()[0]:   # below the axes: the curves fill them
+        ax.set_ylabel("GPU memory the graphs hold (MiB, log)")
+        ax.set_title(f"{model.upper()}: graph memory against shapes served (each method in "
+                     "its own process)", fontsize=9)
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
-        timed = [r for r in mine if r["ms_per_token"] not in ("", "None")]
-        names = [r["method"].replace("_", "\n", 1) for r in timed]
-        vals = [float(r["ms_per_token"]) for r in timed]
-        errs = [[v - float(r["ms_per_token_p10"]) for v, r in zip(vals, timed)],
-                [float(r["ms_per_token_p90"]) - v for v, r in zip(vals, timed)]]
-        bars.bar(range(len(vals)), vals, yerr=errs, color=[COLORS[r["method"]] for r in timed])
-        bars.set_xticks(range(len(vals)), names, fontsize=7)
-        bars.set_ylabel("ms per token (median, p10-p90)")
-        bars.set_title("time per token of whole generations")
+        # the parts at every shape served: buffers (pool, arena, private) and the driver's
+        done = [r for r in mine if num(r["graph_mib"]) is not None]
+        names = [r["method"].replace("_", "\n", 1) for r in done]
+        buf = [max(num(r["buffers_mib"]) or 0.0, FLOOR_MIB) for r in done]
+        drv = [max(num(r["driver_mib"]) or 0.0, FLOOR_MIB) for r in done]
+        x = np.arange(len(done))
+        bars.bar(x, buf, color=[COLORS[r["method"]] for r in done], label="buffers")
+        bars.bar(x, drv, bottom=buf, color=[COLORS[r["method"]] for r in done], alpha=0.4,
+                 hatch="//", label="driver (executables, ...)")
+        for j, r in enumerate(done):
+            t = num(r["ms_per_token"])
+            if t is not None:
+                bars.text(j, buf[j] + drv[j], f"{t:.3g} ms", ha="center", va="bottom", fontsize=7)
+        bars.set_yscale("log")
+        bars.set_xticks(x, names, fontsize=7)
+        bars.set_ylabel("MiB at every shape (log); label: ms per token")
+        bars.set_title("graph memory by part", fontsize=9)
+        if done:
+            bars.legend(fontsize=7)
     return common.save_figure(fig, NAME, device)

@@ -319,6 +319,45 @@ def persistent_zeros(size: int, dtype):
     return arr
 
 
+class _Reservation:
+    """A reserved range of device virtual addresses with no memory behind it; released when
+    the last array over it goes."""
+
+    def __init__(self, nbytes: int):
+        from cuda.bindings import driver
+        err, self.ptr = driver.cuMemAddressReserve(nbytes, 0, 0, 0)
+        if int(err):
+            raise RuntimeError(f"cuMemAddressReserve({nbytes}): {err!r}")
+        self.nbytes = nbytes
+
+    def __del__(self):
+        from cuda.bindings import driver
+        driver.cuMemAddressFree(self.ptr, self.nbytes)
+
+
+_provisional = None   # the largest reservation made so far, as a byte array over it
+_PROVISIONAL_GRANULE = 2 << 20   # (reservations are made in whole 2 MiB pages)
+
+
+def provisional_memory(nbytes: int):
+    """A byte array of at least `nbytes` device addresses for temporaries that a recording
+    only names, never touches, before the memory planner moves them into an arena. On a GPU
+    no memory backs it (a reserved virtual address range, cuMemAddressReserve), so recording
+    a graph takes no device memory: allocating and freeing a provisional buffer per graph
+    cost the driver memory that never came back. One range serves every recording (a new,
+    larger one when a recording needs more). On the simulator: host memory."""
+    global _provisional
+    if SIMULATOR:
+        return cuda.device_array(max(nbytes, 1), np.uint8)
+    if _provisional is None or _provisional.size < nbytes:
+        size = align_up(max(nbytes, 1), _PROVISIONAL_GRANULE)
+        owner = _Reservation(size)
+        _provisional = cuda.from_cuda_array_interface(
+            {"shape": (size,), "typestr": "|u1", "data": (int(owner.ptr), False),
+             "version": 3}, owner=owner, sync=False)
+    return _provisional
+
+
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 

@@ -29,7 +29,8 @@ import time
 from tests.sanitize import pytest_summary
 
 TESTS = pathlib.Path(__file__).resolve().parent
-ALONE = ("tests/test_graph_gpu.py", "tests/test_graphed_models_gpu.py", "tests/test_soak.py")
+ALONE = ("tests/test_graph_gpu.py", "tests/test_graphed_models_gpu.py", "tests/test_soak.py",
+         "tests/test_experiment_graph_memory.py")
 SLOW = ("tests/test_experiment_end_to_end.py",)   # minutes each: a shard of its own
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra", "--durations=10"]
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)\b")

@@ -135,7 +135,6 @@ def test_close_destroys_the_graph_and_frees_its_buffers():
     g, (recorded_view,) = _capture_with_views(big, warmup=0)
     gc.collect()
     assert recorded_view() is not None  # the recorded buffer lives on in the description
-    assert g.memory_bytes >= 0
     alive = free_bytes()
     executable = g._executable
     g.close()
@@ -167,7 +166,6 @@ def test_shapes_on_cuda_graphs(strategy, binding):
             _, got = w.step(d, x)
             assert_close(got, softmax_ref(x.astype(np.float64)), "softmax")
         assert d.num_graphs == {"exact": 5, "bucket": 10, "device": 1}[strategy]
-        assert d.memory_bytes >= 0
 
 
 def test_graphs_of_one_topology_share_an_executable_retargeted_by_update():

@@ -165,3 +165,31 @@ def test_hugging_face_child_process_returns_what_the_search_gives_and_reports_it
             child.generate(prompt, 4)
     finally:
         child.close()
+
+
+def test_ptgraph_per_length_graphs_give_the_float64_reference_logits():
+    """PerLengthDecoder, the PtGraph baseline of the memory figure: a prefill, then decode
+    steps each replaying the graph of its length (the live prefix baked in), against the
+    float64 reference over the whole sequence; with a shared pool and with private ones."""
+    from experiments.torch_gpt2 import PerLengthDecoder
+    from proto.models.gpt2 import random_state_dict
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=97, n_positions=16)
+    state_dict = random_state_dict(config, seed=7)
+    B, T0, steps = 3, 4, 5
+    seq = np.random.default_rng(8).integers(0, config.vocab_size, (B, T0 + steps)).astype(np.int32)
+    want = reference.gpt2_logits(config, state_dict, seq)           # (B, T, V) float64
+    for pool in ("shared", "private"):
+        dec = PerLengthDecoder(config, state_dict, batch=B, max_len=T0 + steps, pool=pool)
+        try:
+            for length in range(T0 + 1, T0 + steps + 1):
+                dec.capture(length)
+            pos = dev(np.zeros(1, np.int32))
+            dec.step(dev(seq[:, :T0]), pos, dec.caches[0])            # the prefill, eager
+            for t in range(T0, T0 + steps):
+                pos.copy_to_device(np.array([t], np.int32))
+                got = dec.step(dev(seq[:, t:t + 1]), pos, dec.caches[0]).copy_to_host()
+                np.testing.assert_allclose(got[:, 0], want[:, t], **LOGIT_TOL,
+                                           err_msg=f"{pool} pool, position {t}")
+            assert len(dec.graphs) == steps
+        finally:
+            dec.close()

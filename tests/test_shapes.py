@@ -161,7 +161,5 @@ def test_eager_building_captures_largest_first_and_close_releases():
     graphs = list(d.graphs.values())
     if default_executor() == "walk":
         assert d.memory_bytes is None  # nothing instantiated, nothing to measure
-    else:
-        assert d.memory_bytes >= 0
     d.close()
     assert d.num_graphs == 0 and all(g.closed for g in graphs)

@@ -58,7 +58,7 @@ import functools
 import numpy as np
 
 from kernels import _check, sampling
-from proto import shapes
+from proto import backend, shapes
 from proto.backend import cuda, leading, reshaped
 from proto.graph import (MODES, ReplayStats, SharedExecutables, Tape, capture, copy,
                          default_executor)
@@ -130,6 +130,19 @@ class _Graphed:
     def private_bytes(self) -> int:
         """Temporaries in private memory, summed over graphs (0 with the planner)."""
         return sum(g.private_bytes for g in self._step_graphs())
+
+    def launch_all(self) -> int:
+        """Replay every graph built so far once, each on its own placeholders, and wait: what
+        a generation does to them anyway, so that whatever the driver allocates at a first
+        launch (an upload, a shared executable's update) is allocated now. The placeholders'
+        contents are whatever they hold (a position of -1 makes the decode kernels write
+        nothing). Returns how many graphs ran."""
+        self._require_open("launch_all")
+        graphs = self._step_graphs() + self._other_graphs()
+        for g in graphs:
+            g.replay(**g.placeholders)
+        backend.synchronize()
+        return len(graphs)
 
     @property
     def capture_seconds(self) -> dict[str, float]:
@@ -211,7 +224,7 @@ class GraphedGPT2(_Graphed):
         self._cache_names = [f"{kv}{i}" for kv in "kv" for i in range(self.config.n_layer)]
         self._sets: dict[int, tuple[KVCache, KVCache]] = {}  # capacity -> (set 0, set 1)
         self._reorders: dict[tuple[int, int], object] = {}  # (capacity, src set) -> Graph
-        self._positions: dict[int, object] = {}  # exact: the constant position of each graph
+        self._positions = None     # exact: every position, each graph reading its own
         self.caches = (_SearchCache(self, 0), _SearchCache(self, 1))
         self.repad_bytes = 0
         self._position = 0         # host mirror of the next position (picks exact/bucket graphs)
@@ -322,10 +335,12 @@ class GraphedGPT2(_Graphed):
         capacity = self._capacity_for(key)
         cache = self._set(capacity)[set_index]
         placeholders = self._inputs(self._tokens_ph, self._pos_ph, cache)
-        if self.strategy == "exact":   # this graph's own position, a constant only it reads
-            baked = self._positions.get(key)
-            if baked is None:          # (one per length, shared by both cache sets' graphs)
-                baked = self._positions[key] = cuda.to_device(np.array([key - 1], np.int32))
+        if self.strategy == "exact":   # this graph's own position, a constant only it reads:
+            # element key-1 of one array of every position (one allocation for all lengths:
+            # an allocation per graph costs the driver far more than its 4 bytes)
+            if self._positions is None:
+                self._positions = cuda.to_device(np.arange(self.max_len, dtype=np.int32))
+            baked = backend.rows(self._positions, key - 1, key)
         L, B = self.config.n_layer, self.batch
 
         def step(tokens, pos=None, **kv):
@@ -432,7 +447,7 @@ class GraphedGPT2(_Graphed):
         for g in self._reorders.values():
             g.close()
         self._close_memory()
-        self._sets, self._reorders, self._positions = {}, {}, {}
+        self._sets, self._reorders, self._positions = {}, {}, None
         for cache in self.caches:
             cache.k, cache.v = [], []
 

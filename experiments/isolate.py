@@ -1,0 +1,70 @@
+"""One measurement, one process: run a function in a fresh Python process, get its result.
+
+Free device memory is the only honest meter of what a method's graphs hold, and it is only
+honest in a process of that method alone: the CUDA driver keeps what freed graphs and
+buffers held and hands it to the next taker without the free count moving, so a method
+measured after another in the same process can read near zero. So each method of a memory
+experiment runs as
+
+    result = isolate.run("experiments.graph_memory:measure", {"model": "gpt2", ...})
+
+which starts ``python -m experiments.isolate TARGET SPEC OUT`` (the checkout on its path),
+calls ``TARGET(**spec)`` there, and reads back what it returned (JSON). The child's stderr
+(progress, tracebacks) passes through; a child that fails, dies or outlives `timeout`
+raises ChildFailed naming the target.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import traceback
+
+from experiments import common
+
+
+class ChildFailed(RuntimeError):
+    """The child process raised, died, or gave no answer in time."""
+
+
+def run(target: str, spec: dict, *, timeout: float = 3600, env: dict | None = None) -> dict:
+    """`target` ("package.module:function") called with `spec` in a fresh process; returns
+    its result (a JSON-able dict)."""
+    module, _, function = target.partition(":")
+    if not module or not function:
+        raise ValueError(f"target: expected 'module:function', got {target!r}")
+    with tempfile.TemporaryDirectory() as folder:
+        spec_path, out_path = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        try:
+            status = subprocess.run([sys.executable, "-m", "experiments.isolate", target,
+                                     str(spec_path), str(out_path)], cwd=common.REPO,
+                                    timeout=timeout, env=env or common.child_env()).returncode
+        except subprocess.TimeoutExpired:
+            raise ChildFailed(f"{target}({spec}): no answer in {timeout:.0f} s; stopped") from None
+        if status != 0 or not out_path.exists():
+            raise ChildFailed(f"{target}({spec}): the child process failed (exit status "
+                              f"{status}); its traceback is above")
+        return json.loads(out_path.read_text())
+
+
+def _main(argv: list[str]) -> int:
+    target, spec_path, out_path = argv
+    module, _, function = target.partition(":")
+    fn = getattr(importlib.import_module(module), function)
+    try:
+        result = fn(**json.loads(pathlib.Path(spec_path).read_text()))
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    pathlib.Path(out_path).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        sys.exit("usage: python -m experiments.isolate MODULE:FUNCTION SPEC.json OUT.json")
+    sys.exit(_main(sys.argv[1:]))
