@@ -329,10 +329,10 @@ class _Reservation:
         if int(err):
             raise RuntimeError(f"cuMemAddressReserve({nbytes}): {err!r}")
         self.nbytes = nbytes
+        self._release = driver.cuMemAddressFree   # (held: no import at interpreter exit)
 
     def __del__(self):
-        from cuda.bindings import driver
-        driver.cuMemAddressFree(self.ptr, self.nbytes)
+        self._release(self.ptr, self.nbytes)
 
 
 _provisional = None   # the largest reservation made so far, as a byte array over it
