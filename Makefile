@@ -26,6 +26,8 @@ test: $(STAMP)
 # Compile every kernel for a real GPU (sm_90) even where none is present.
 compile-check: $(STAMP)
 	PROTO_BACKEND=ptx PROTO_QUIET=1 $(PY) -m kernels.compile_check
+	PROTO_BACKEND=ptx PROTO_QUIET=1 $(PY) -m proto.graph.compile_check
+	PROTO_BACKEND=ptx PROTO_QUIET=1 $(PY) -m dev.compile_check
 
 figures: $(STAMP)
 	$(PY) -m experiments $(EXPERIMENT_ARGS)

@@ -6,7 +6,7 @@ It pays only when the combine is small: the last block works alone, after every 
 block, behind a threadfence and an atomic. For beam search's candidates (`kernels.sampling`)
 that is a few hundred values; for GPT-2's split-K GEMM with its layer norm and for split
 attention it measured slower on the H200 than a second launch whose blocks share the work
-(kernels/NOTES_decode.md), so those keep their second launch.
+(dev/notes/decode.md), so those keep their second launch.
 
 Why it is correct: every block makes its writes visible device-wide (threadfence) before it
 counts in with an atomic add; the block that sees the count reach the total is therefore

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (Hopper): a kernel of a graph may start while the kernel
 before it still runs, so its launch, its blocks' start-up and its loads of constant data
 (weights) overlap its predecessor's tail. A decode step is a chain of ~100 short kernels whose
-fixed cost, not their bytes, sets its time (kernels/NOTES_decode.md); this hides part of it.
+fixed cost, not their bytes, sets its time (dev/notes/decode.md); this hides part of it.
 
 A kernel opts in with `proto.backend.jit(..., early_launch=True)` and keeps one rule: before
 `wait()` it reads only data no kernel of the graph writes (weights, shapes) and writes

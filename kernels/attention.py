@@ -341,7 +341,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
 # write, the split's end) and end (the warps' merge) line for line. Moved into two shared
 # device functions (_open_split, _close_split), the same registers by ptxas, the plain
 # kernel took 18.4 us at position 512 instead of 14.7 and the row-table one 18.8 instead of
-# 17.5 (H200, kernels.bench_decode's case, one process), so each kernel keeps its own copy.
+# 17.5 (H200, dev.bench.bench_decode's case, one process), so each kernel keeps its own copy.
 def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                           min_blocks: int = 0) -> Variant:
     """The row-table attention kernel (`make_attention(..., use_rows=True)`'s job) with a
@@ -746,18 +746,18 @@ SMALL = make_attention(*SMALL_CONFIG)
 # The plain step's kernel with a split's K and V copied by cp.async before the early-launch
 # wait: two batches of positions, a whole split at GPT-2 small's plan (64 positions, 32 KB).
 SMALL_PRELOAD = make_attention(*SMALL_CONFIG, preload=2 * SMALL.unit)
-PRELOAD = [True]   # (switched off by kernels.ab_attention_cp for its A/B: 9 us a step less with it)
+PRELOAD = [True]   # (switched off by dev.ab.ab_attention_cp for its A/B: 9 us a step less with it)
 # The plain step's kernel where a split fits in shared memory whole (GPT-2's decode: 64
 # positions of head dim 64; 35 KB a block).
 # (capacity, warps, width, blocks an SM the registers must allow: 40 registers. The
 # row-table twin reading each copy's row from the table in global memory took 60 and spilled
 # at 5 an SM; with the split's rows staged in shared memory first, 40 and no spill at 6. On
-# the H200 at 6 an SM the WHILE token took 0.5516 ms against 0.5543 at 4: kernels.ab_attention_rows)
+# the H200 at 6 an SM the WHILE token took 0.5516 ms against 0.5543 at 4: dev.ab.ab_attention_rows)
 SMALL_TILE = make_attention_tile(*((64, 8, 64, 6) if not backend.SIMULATOR else (8, 1, 32)))
 SMALL_TILE_ROWS = make_attention_tile(   # (the WHILE graph's)
     *((64, 8, 64, 6) if not backend.SIMULATOR else (8, 1, 32)), use_rows=True)
-TILE = [True]      # (switched off by kernels.ab_attention_tile for its A/B)
-SUM_PARTIALS = [True]   # (switched off by kernels.ab_qkv_partials for its A/B)
+TILE = [True]      # (switched off by dev.ab.ab_attention_tile for its A/B)
+SUM_PARTIALS = [True]   # (switched off by dev.ab.ab_qkv_partials for its A/B)
 LARGE = make_attention(*LARGE_CONFIG)
 # The row-table variant of head dims up to 64 (GPT-2's; the WHILE graph's beam search) is
 # `make_attention_groups`: 16 lanes x 4 dims, 2 positions a group a batch, so a lane has as

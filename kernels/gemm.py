@@ -21,7 +21,7 @@ Two kernel families, chosen by `gemm` from the shapes:
   and splits 64 rows whatever M is, so a 9..16-row LSTM step wastes 3/4 of its
   multiply-adds and of its staging of op(a). They replace TILE only (`tiled_tile`; where
   WIDE_TILE fills the SMs, the product is none of the LSTM's that the A/B measures), and
-  only while the switch `SKINNY_TILES` is on: off by default until kernels.ab_lstm_tiles
+  only while the switch `SKINNY_TILES` is on: off by default until dev.ab.ab_lstm_tiles
   measures them on the GPU.
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
   3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
@@ -30,7 +30,7 @@ Two kernel families, chosen by `gemm` from the shapes:
   op(a), staged in shared memory. `make_decode_nn` builds the [K, N] kernels (lanes along N,
   warps along K, a block sum through shared memory), `make_decode_nt` the trans_b one
   (lanes along K, a warp per few output columns, sums by warp shuffles); `pick_decode`
-  chooses among the geometries measured best on the H200 (kernels/NOTES_decode.md). Grid:
+  chooses among the geometries measured best on the H200 (dev/notes/decode.md). Grid:
   (column tiles, K splits, batch). 768 columns are only 12 tiles of 64, far too few blocks
   for 132 SMs, so K is split too: each block writes its partial sums to scratch and
   `gemm_splitk_reduce_kernel` adds them in split order (deterministic, no atomics) and
@@ -88,7 +88,7 @@ if not backend.SIMULATOR:
     SKINNY = (Tiles(16, 256, 16, 4, 4), Tiles(32, 128, 16, 4, 4))
     MIN_SPAN_STEPS = 8   # tiled: K steps a split takes at least (tiled_min_span)
     SPAN_MAX = 768           # decode: most K rows one block covers (op(a) staged in shared)
-    # Decode geometries, measured on the H200 (kernels/NOTES_decode.md). [K, N]: (warps, row
+    # Decode geometries, measured on the H200 (dev/notes/decode.md). [K, N]: (warps, row
     # groups per warp, columns per lane, rows per lane per batch, blocks per SM the registers
     # must allow); trans_b: (warps, columns per warp, K loads per lane per batch, blocks/SM).
     NN_SPLIT = (8, 1, 2, 8, 3)    # 64-column tiles, K split: N below ~2048 (768: 12 tiles)
@@ -96,7 +96,7 @@ if not backend.SIMULATOR:
     NN_WIDE = (8, 1, 4, 4, 3)     # 128-column tiles, persistent: wider N (50257)
     NT_CONFIG = (8, 2, 8, 3)
     TARGET_BLOCKS = 2 * 132  # K splits until the grid has about this many blocks
-    PARTIALS_TARGET = TARGET_BLOCKS   # ... for `partials` (switched by kernels.ab_qkv_partials)
+    PARTIALS_TARGET = TARGET_BLOCKS   # ... for `partials` (switched by dev.ab.ab_qkv_partials)
     RED_CHUNK = 16           # partials a reduce thread loads before adding any
     LN_COLS = 4              # columns per thread of the fused layer norm
     LN_THREADS = 512         # ... and threads at most: N <= LN_COLS * LN_THREADS
@@ -121,7 +121,7 @@ else:
 BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the default tile's shape (tiled_plan takes a tile)
 TILED_MIN_SPAN = MIN_SPAN_STEPS * TILE.bk   # (tiled_min_span(TILE))
 # Switch (a list, so an A/B flips it at run time): 9..32-row products take a SKINNY tile
-# instead of TILE. Off until kernels.ab_lstm_tiles wins on the GPU: the default flips only then.
+# instead of TILE. Off until dev.ab.ab_lstm_tiles wins on the GPU: the default flips only then.
 SKINNY_TILES = [False]
 _XS = M8 * SPAN_MAX
 _LN_VALS = LN_COLS * RED_CHUNK
@@ -688,7 +688,7 @@ if not backend.SIMULATOR:   # GPT-2's beam of 5 (qkv's partials, attention proje
 
 # ---------------------------------------------------------------------------- launcher
 def pick_decode(trans_b: bool, batch: int, n_cols: int) -> Decode:
-    """The decode kernel for a shape (H200 measurements, NOTES_decode.md): trans_b has one;
+    """The decode kernel for a shape (H200 measurements, dev/notes/decode.md): trans_b has one;
     [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
     per SM (no split, so no reduction launch: GPT-2's 2304 and 3072 columns), 128-column
     persistent tiles when N is wide enough for two per SM, else 64-column tiles with K

@@ -2,7 +2,7 @@
 
 GPT-2's decode step runs its MLP as a chain of kernels, and at these sizes each kernel is a
 phase that every block of the GPU must finish before the next starts: a few microseconds
-whatever its bytes (kernels/NOTES_decode.md). Through kernels.gemm the MLP takes three (fc
+whatever its bytes (dev/notes/decode.md). Through kernels.gemm the MLP takes three (fc
 with GELU; the projection's split-K partials; their reduction). Here the two products are
 one kernel:
 
@@ -27,7 +27,7 @@ the three of kernels.gemm (results/h200/profiles/bench_mlp_6b28e61.txt).
           it (`sum_ln_kernel`, kernels._lastblock), instead of a layernorm launch after the
           sum (4.6 us a layer in GPT-2 small's step on the H200: the ln_2 A/B,
           results/h200/profiles/ab_ln_out_step_863f0b2.txt). Timed against that launch by
-          `python3 -m kernels.ab_mlp_ln_step`.
+          `python3 -m dev.ab.ab_mlp_ln_step`.
 
 Registers hold D / 8 weights a thread at C = 16 (96 at D = 768, 128 registers, 2 blocks an
 SM, the whole grid resident at once), so the fused kernel takes widths up to MAX_WIDTH; other
@@ -35,7 +35,7 @@ shapes (and more than 8 rows) run kernels.gemm's fc and projection instead (`fus
 
 The partials are H / C x M x D floats, 2.95 MB at GPT-2 small's beam of 5: the largest
 temporary of the step, so the planned arena's peak (where kernels.gemm's split-K held 0.25
-MB). Two ways to halve them were timed in the step on the H200 (kernels.ab_mlp_step, 539 us
+MB). Two ways to halve them were timed in the step on the H200 (dev.ab.ab_mlp_step, 539 us
 at C = 16, 586 through kernels.gemm): C = 32 (214 registers, one block an SM) 606 us; and
 blocks of two teams of 256 threads, each doing a C = 16 block's work and the second adding
 its partial to the first's in shared memory (116 registers, one block of 512 an SM) 560 us,
@@ -63,7 +63,7 @@ if not backend.SIMULATOR:
     C = 16           # hidden columns a fused block owns
     # Blocks an SM the registers must allow (launch bounds), by C: the grid is one wave.
     # C = 32 halves the partials (1.47 MB at GPT-2 small) at 214 registers, 96 blocks, and
-    # makes the step 12% slower (kernels.ab_mlp_step).
+    # makes the step 12% slower (dev.ab.ab_mlp_step).
     BLOCKS_PER_SM = {16: 2, 32: 1}
     MAX_WIDTH = 768  # D: the weights a thread holds in registers grow as D * C / 128
 else:   # each simulated thread is a Python thread: small blocks, the same code

@@ -4,7 +4,7 @@
 
 How many blocks of a kernel an SM holds at once is set by its registers a thread, its
 shared memory and its threads a block, and several decode experiments won or lost on exactly
-that (kernels/NOTES_decode.md: a preload that took attention from 64 to 114 registers halved
+that (dev/notes/decode.md: a preload that took attention from 64 to 114 registers halved
 its blocks an SM). This compiles every kernel of `kernels` for sm_90 as the GPU does (its
 launch bounds included), runs the CUDA toolkit's `ptxas -v` on the PTX and prints, per
 kernel: registers a thread, spill stores and loads, static shared memory, and the blocks an

@@ -263,7 +263,7 @@ def test_skinny_tiles_are_the_specified_shapes():
 
 
 def test_skinny_tiles_are_off_by_default():
-    """Off until kernels.ab_lstm_tiles wins on the GPU (then the default and this test flip)."""
+    """Off until dev.ab.ab_lstm_tiles wins on the GPU (then the default and this test flip)."""
     assert G.SKINNY_TILES == [False]
 
 

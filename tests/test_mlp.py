@@ -49,7 +49,7 @@ def test_fused_matches_float64(m, d, parts, seed):
 
 
 def test_twice_the_columns_a_block(monkeypatch):
-    """C is a compile-time parameter of the fused kernel (kernels.ab_mlp_step times C and
+    """C is a compile-time parameter of the fused kernel (dev.ab.ab_mlp_step times C and
     2C): twice the hidden columns a block, half the partials, the same answer."""
     monkeypatch.setattr(K, "C", 2 * K.C)
     m, d, h = 5, W, 2 * K.C * K.SUM_GROUPS

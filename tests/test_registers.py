@@ -1,6 +1,6 @@
 """kernels.registers' arithmetic: what ptxas -v says, and how many blocks an SM that allows.
 The expected occupancies are the H200's, as ncu reported them for our kernels
-(kernels/NOTES_decode.md), not recomputed from the formula under test."""
+(dev/notes/decode.md), not recomputed from the formula under test."""
 import pytest
 
 from kernels import registers as R

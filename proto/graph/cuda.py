@@ -513,7 +513,8 @@ def condition_kernels() -> dict:
 
 def compile_check(cc=(9, 0)) -> list[str]:
     """Compile the condition kernels and their CUDA C for compute capability `cc` with no
-    GPU (kernels.compile_check); returns one line per failure."""
+    GPU (`PROTO_BACKEND=ptx python -m proto.graph.compile_check`, beside kernels.compile_check);
+    returns one line per failure."""
     from cuda.bindings import nvrtc
     failures = []
     _declare_set_conditional()
@@ -543,3 +544,4 @@ def _condition_launch(which: str, flag, passes, max_passes: int, handle: int) ->
             "continue": (flag, passes, np.int32(max_passes), handle)}[which]
     cukernel, flat, _ = flatten_args(condition_kernels()[which], args)
     return (LaunchConfig(grid=1, block=1), cukernel, *flat)
+

@@ -72,7 +72,7 @@ def random_state_dict(config: LSTMConfig, seed: int = 0) -> dict[str, np.ndarray
 
 # The gate GEMMs write their K-split partial products and the cell sums them with both biases
 # (kernels.lstm), instead of each GEMM summing its own splits in a reduction launch (4 of the
-# step's 15 launches a token at 2 layers). Off until `kernels.ab_lstm_tiles` measures it on a
+# step's 15 launches a token at 2 layers). Off until `dev.ab.ab_lstm_tiles` measures it on a
 # GPU; a one-element list so that the A/B can switch it at run time (graphs capture the
 # launches of the setting they were recorded with).
 SUM_IN_CELL = [False]

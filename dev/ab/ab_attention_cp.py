@@ -1,14 +1,15 @@
 """A/B on the H200, one process: attention with a split's K and V copied into shared memory by
 cp.async before the early-launch wait (`attention.SMALL_PRELOAD`) against the plain kernel,
-in GPT-2 small's graphed step (kernels._ab_step: positions 100, 512 and 1000, rounds
+in GPT-2 small's graphed step (dev.ab._ab_step: positions 100, 512 and 1000, rounds
 interleaved, then a beam search under each, whose tokens must be equal). AB_TOY=1 checks the
 script on the simulator.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.ab_attention_cp 2>&1 | tee $OUT/ab_attention_cp.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_attention_cp 2>&1 | tee $OUT/ab_attention_cp.txt
 """
 import sys
 
-from kernels import _ab_step, attention
+from dev.ab import _ab_step
+from kernels import attention
 
 
 def main() -> int:

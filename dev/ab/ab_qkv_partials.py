@@ -2,7 +2,7 @@
 tile adds (with the bias) as it loads q, k and v (`kernels.gemm.partials`,
 `attention.takes_partials`), against the whole-K projection that writes qkv itself
 (`gemm.NN_COLS`: 16-column tiles, 144 blocks, no reduction launch), in GPT-2 small's graphed
-step and WHILE graph (kernels._ab_step: the step at positions 100, 512 and 1000, a whole
+step and WHILE graph (dev.ab._ab_step: the step at positions 100, 512 and 1000, a whole
 generation per token, rounds interleaved, the tokens of each compared). The first run
 (d9543fc) also took 12 splits of 64 rows (432 blocks): 500.8 us at 512 against the plan's 6
 of 128 rows (216 blocks), 495.1, and 0.5567 against 0.5491 ms a WHILE token. The tile then
@@ -15,15 +15,16 @@ a split needs its partials summed: a reduction launch lost that gain before; her
 tile's blocks sum them as they load what they load anyway, one memory round trip.
 AB_TOY=1 checks the script on the simulator.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.ab_qkv_partials 2>&1 | tee $OUT/ab_qkv_partials.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_qkv_partials 2>&1 | tee $OUT/ab_qkv_partials.txt
 """
 import contextlib
 import sys
 
 import numpy as np
 
-from kernels import _ab_step, attention, gemm
-from kernels._ab_step import describe, patched
+from dev.ab import _ab_step
+from kernels import attention, gemm
+from dev.ab._ab_step import describe, patched
 from proto.backend import cuda
 
 _u = np.uint32

@@ -6,7 +6,7 @@ Prints each kernel function's own time and launches a token (copies left out), b
 and what the wall time adds to the kernels' (gaps between them, and host time the GPU
 waits for).
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.profile_lstm 2>&1 | tee $OUT/profile_lstm.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.profile.profile_lstm 2>&1 | tee $OUT/profile_lstm.txt
 
 GPU and PyTorch only (it exits with status 2 without them)."""
 import os

@@ -1,10 +1,10 @@
 """One line per kernel family (name and grid) from `ncu`'s text report: launches, mean
 duration and the speed-of-light, launch and occupancy figures that say why a kernel is slow.
 
-    python -m kernels.ncu_table results/h200/profiles/ncu_decode_step_6394d39.txt.gz
+    python -m dev.profile.ncu_table results/h200/profiles/ncu_decode_step_6394d39.txt.gz
 
 The report is ncu's default text output with the SpeedOfLight, LaunchStats and Occupancy
-sections (the command that made it is in `kernels.profile_launches`). ncu serialises the
+sections (the command that made it is in `dev.profile.profile_launches`). ncu serialises the
 kernels, flushes the caches between them and locks the clocks at base, so its durations are
 longer than the same kernels' in a replayed graph; compare families with each other."""
 import gzip

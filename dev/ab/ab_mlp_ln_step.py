@@ -3,7 +3,7 @@ last) computed by the MLP's sum launch, in each row's last block (`kernels.mlp`'
 `sum_ln_kernel`), and the first ln_1 by the embedding (`embed`'s ln_out, as at 572e02c),
 against the plain sum and the embedding each followed by a layernorm launch (the step as it
 was at 863f0b2: 99 nodes against 86), in GPT-2 small's graphed step and its WHILE graph
-(kernels._ab_step: the step at positions 100, 512 and 1000 and a whole generation per token,
+(dev.ab._ab_step: the step at positions 100, 512 and 1000 and a whole generation per token,
 rounds interleaved, the tokens of each compared). Measured at d7842d3, when the harness
 timed position 203 alone: 515.8 us against 528.7 (ab_mlp_ln_step_d7842d3.txt); what it
 gains at the other positions is this script's next run. Why it may pay: a layernorm launch
@@ -11,14 +11,15 @@ cost 4.6 us a layer in the step (ln_2's A/B, results/h200/profiles/ab_ln_out_ste
 at 203 too), while the last
 block's tail is a threadfence, an atomic and one row read back from L2. Why it may not: the
 tail runs after every other block of its row, and every last-block fusion tried before lost
-(kernels/NOTES_decode.md). AB_TOY=1 checks the script on the simulator.
+(dev/notes/decode.md). AB_TOY=1 checks the script on the simulator.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.ab_mlp_ln_step 2>&1 | tee $OUT/ab_mlp_ln_step.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_mlp_ln_step 2>&1 | tee $OUT/ab_mlp_ln_step.txt
 """
 import contextlib
 import sys
 
-from kernels import _ab_step, embedding, layernorm, mlp
+from dev.ab import _ab_step
+from kernels import embedding, layernorm, mlp
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The persistent GEMM chain of kernels.bench_persistent (one launch per layer or per step, grid
+"""The persistent GEMM chain of dev.bench.bench_persistent (one launch per layer or per step, grid
 barriers between its phases) against a float64 NumPy chain, and against itself launched one
 phase at a time: the same sums in the same order, so the bits must match."""
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kernels import _check
-from kernels import bench_persistent as P
+from dev.bench import bench_persistent as P
 
 D_TEST = 2 * P.SPAN   # the smallest width whose four GEMMs all split K
 

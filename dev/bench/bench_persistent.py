@@ -1,11 +1,11 @@
 """Does one launch per layer pay? GPT-2 small's four decode GEMMs as phases of one persistent
 kernel with grid barriers, against the same phases launched one by one, on the GPU.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.bench_persistent 2>&1 | tee $OUT/persistent.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.bench.bench_persistent 2>&1 | tee $OUT/persistent.txt
 
 A decode step is a chain of short kernels whose fixed cost (launch, graph node, prologue, a
 memory round trip or two before the first byte arrives) is most of their time
-(kernels/NOTES_decode.md): the per-layer GEMMs move 2.4-9.5 MB each in 5-9 us. A persistent
+(dev/notes/decode.md): the per-layer GEMMs move 2.4-9.5 MB each in 5-9 us. A persistent
 kernel keeps its blocks resident and replaces each launch by a grid barrier (every block
 counts in on a device counter and waits until all have). Whether a barrier costs less than a
 launch, and whether the GEMMs stream faster when each is a phase of one launch, is measured
@@ -310,7 +310,7 @@ def check(chain: Chain, per_launch: int, grid: int, ahead: bool = True) -> float
 
 
 def main() -> None:
-    from kernels import bench_decode as bd
+    from dev.bench import bench_decode as bd
     from kernels import gemm as G
     import torch
     bd.torch = torch

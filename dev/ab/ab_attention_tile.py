@@ -4,7 +4,7 @@ early-launch wait, then scores, softmax and P.V by the block) against the preloa
 kernel it replaced (`attention.SMALL_PRELOAD`: the same copies, then a warp per batch of
 positions with its lanes along the head dim), and the tile with splits twice as long (8 of
 128 positions, 70 KB of shared memory a block), in GPT-2 small's graphed step and WHILE
-graph (kernels._ab_step: the step at positions 100, 512 and 1000, a whole generation per
+graph (dev.ab._ab_step: the step at positions 100, 512 and 1000, a whole generation per
 token, rounds interleaved, the tokens of each compared).
 
 Why the tile: ncu at position 512 found the lanes-along-the-head-dim kernel issue-bound,
@@ -15,12 +15,13 @@ them (the old kernel's 8 x 128 lost to each warp's serial batches), with half th
 and half the partials for the combine to read; 3 blocks an SM instead of 6. AB_TOY=1
 checks the script on the simulator.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.ab_attention_tile 2>&1 | tee $OUT/ab_attention_tile.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_attention_tile 2>&1 | tee $OUT/ab_attention_tile.txt
 """
 import sys
 
-from kernels import _ab_step, attention
-from kernels._ab_step import describe, patched
+from dev.ab import _ab_step
+from kernels import attention
+from dev.ab._ab_step import describe, patched
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ Each variant's graph is recorded under its rows choice (the library reads it at 
 over kernel_speed's rotating copies, then the variants replay in interleaved rounds; the
 median of ROUNDS rounds (each a median of 20 replays) with min and max, per shape.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.ab_gemm_rows 2>&1 | tee $OUT/ab_gemm_rows.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_gemm_rows 2>&1 | tee $OUT/ab_gemm_rows.txt
 
 AB_TOY=1 checks the script on the simulator (timings meaningless there).
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from experiments import kernel_speed as ks
 from kernels import gemm
-from kernels._ab_step import TOY, _report, patched
+from dev.ab._ab_step import TOY, _report, patched
 from proto import graph, timing
 
 ROUNDS, REPS = (1, dict(warmup=0, reps=1)) if TOY else (7, dict(warmup=3, reps=20))

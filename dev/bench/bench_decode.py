@@ -1,7 +1,7 @@
 """GPT-2 decode-step kernels on the GPU: check every variant, then time them against the
-memory-bandwidth floor (kernels/NOTES_decode.md records the runs).
+memory-bandwidth floor (dev/notes/decode.md records the runs).
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.bench_decode [--quick] 2>&1 | tee $OUT/bench.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.bench.bench_decode [--quick] 2>&1 | tee $OUT/bench.txt
 
 Shapes: M = 5 rows (beam 5) against GPT-2 small's decode GEMMs (768x2304 qkv, 768x768 attention
 projection, 768x3072 fc, 3072x768 MLP projection with their epilogues, the tied 768x50257 head

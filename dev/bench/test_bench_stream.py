@@ -1,4 +1,4 @@
-"""kernels.bench_stream's kernels against NumPy: the cp.async copy (kernels._cpasync) puts each
+"""dev.bench.bench_stream's kernels against NumPy: the cp.async copy (kernels._cpasync) puts each
 16-byte piece of the weight tile where the product reads it, and both products (weights
 from shared memory, weights from registers) are the float64 product summed over the splits."""
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from proto.backend import cuda
-from kernels import bench_stream as S
+from dev.bench import bench_stream as S
 
 
 def data(seed, K, N):

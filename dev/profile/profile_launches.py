@@ -1,7 +1,7 @@
 """Two launches of each kernel the speed issues are about, at their real sizes, for a profiler.
 
     ncu --section SpeedOfLight --section Occupancy --section LaunchStats \\
-        --section MemoryWorkloadAnalysis --section WarpStateStats python -m kernels.profile_launches
+        --section MemoryWorkloadAnalysis --section WarpStateStats python -m dev.profile.profile_launches
 
 VGG's conv3 layer at 224x224 input (N 16, 256 -> 256 channels, 56x56, 3x3, pad 1): forward
 with bias and ReLU, backward-data, backward-weight with its split reduction; the prefill GEMM
@@ -13,14 +13,14 @@ picks it out); GPT-2 small's decode attention at position 512 (5 beams x 12 head
 Winograd's forward at the conv3 shape (kernels.winograd: its transforms and GEMMs). The first launch of each compiles, so profile the second (`--launch-skip`)
 or read both. Results: results/h200/profiles/.
 
-    python -m kernels.profile_launches decode_gemm   # only the two decode GEMMs, twice
-    python -m kernels.profile_launches decode_layer  # GPT-2 small's layer as the model
+    python -m dev.profile.profile_launches decode_gemm   # only the two decode GEMMs, twice
+    python -m dev.profile.profile_launches decode_layer  # GPT-2 small's layer as the model
                                                      # runs it but attention: qkv, the
                                                      # fused MLP and its sum: twice
-    python -m kernels.profile_launches decode_step   # GPT-2 small's whole step at 512, as
+    python -m dev.profile.profile_launches decode_step   # GPT-2 small's whole step at 512, as
                                                      # the model runs it, the second pass
                                                      # alone (ncu --profile-from-start off)
-    python -m kernels.profile_launches winograd      # only Winograd's three convolutions at
+    python -m dev.profile.profile_launches winograd      # only Winograd's three convolutions at
                                                      # conv4 (N 64, 512 -> 512, 28x28), twice
 
 The families alone let a profiler take every launch of one (`--launch-skip` the first pass)

@@ -8,7 +8,7 @@ Why: graph_memory times our LSTM at about 4x PtGraph's time per token, and each 
 seven new device-array views on the host (the step's inputs and output, the argmax's rows),
 each also missing every per-object cache after it.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.ab_lstm_views 2>&1 | tee $OUT/ab_lstm_views.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_lstm_views 2>&1 | tee $OUT/ab_lstm_views.txt
 
 AB_TOY=1 checks the script on the simulator (timings meaningless there)."""
 import statistics
@@ -22,7 +22,7 @@ from proto.models import graphed
 from proto.models.graphed import GraphedLSTM
 from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict
 from kernels import sampling
-from kernels._ab_step import TOY, _report
+from dev.ab._ab_step import TOY, _report
 
 
 def sliced(arr, n):

@@ -1,6 +1,6 @@
 """A/B on the H200, one process: how many splits decode attention cuts the cache into
 (`attention.TARGET_BLOCKS`, the grid it aims for; `attention._plan` turns it into S splits
-of `span` positions), in GPT-2 small's graphed step and its WHILE graph (kernels._ab_step:
+of `span` positions), in GPT-2 small's graphed step and its WHILE graph (dev.ab._ab_step:
 the step at positions 100, 512 and 1000 and a whole generation per token, rounds
 interleaved, the tokens of each compared).
 
@@ -14,11 +14,12 @@ shorter ones (S = 32 of 32) halve each block's serial work. Why it may not: a lo
 is more batches in a row for each warp, and the cp.async preload covers its first 64
 positions only. AB_TOY=1 checks the script on the simulator.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.ab_attention_split 2>&1 | tee $OUT/ab_attention_split.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_attention_split 2>&1 | tee $OUT/ab_attention_split.txt
 """
 import sys
 
-from kernels import _ab_step, attention
+from dev.ab import _ab_step
+from kernels import attention
 
 # Grids to aim for, as fractions of today's; each becomes a plan of its own (deduplicated).
 FRACTIONS = (1.0, 15 / 32, 21 / 32, 15 / 8)

@@ -1,10 +1,10 @@
 """How close can one kernel come to the bandwidth floor on a decode GEMM's weight? GPU only.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.bench_stream 2>&1 | tee $OUT/stream.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.bench.bench_stream 2>&1 | tee $OUT/stream.txt
 
 GPT-2 small's per-layer decode GEMMs read 2.4-9.5 MB of weight each with M = 5 rows, and the
 library's kernels take 5-9 us for what the copy bandwidth moves in 0.6-2.3 us
-(kernels/NOTES_decode.md). Whether that gap is the GEMM's own work or the cost of reading a
+(dev/notes/decode.md). Whether that gap is the GEMM's own work or the cost of reading a
 few megabytes in one launch at all is measured here, on the same grid of weight tiles
 (BN columns x KS rows a block, 256 threads, tiles of whole 16-byte rows):
 
@@ -173,7 +173,7 @@ def product(BN, KS, mode, x_host, w_host) -> np.ndarray:
 
 
 def main() -> None:
-    from kernels import bench_decode as bd
+    from dev.bench import bench_decode as bd
     from kernels import gemm as G
     import torch
     bd.torch = torch

@@ -1,4 +1,4 @@
-"""The harness of the step A/Bs (kernels.ab_attention_cp, kernels.ab_mlp_step), on the H200 in
+"""The harness of the step A/Bs (dev.ab.ab_attention_cp, dev.ab.ab_mlp_step), on the H200 in
 one process: one GPT-2 small model (12 layers, beam 5), a graphed step per variant (alias
 binding, the length read on the device) recorded while the variant's switch is on, a beam
 search under each, whose tokens must equal the first's, each one's planned arena (the memory

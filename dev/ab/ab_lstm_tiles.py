@@ -14,7 +14,7 @@ takes the decode kernels). A 64-row tile computes and stages 64 rows whatever M 
 split-K reductions took 33 us of that step in 5 launches; the cell can absorb 4.
 
 What it times, variants interleaved (7 rounds after a warm-up round, the order alternating):
-1. the LSTM's graphed shrinking loop (as kernels.ab_lstm_views: LSTMConfig(2, 512, 1024,
+1. the LSTM's graphed shrinking loop (as dev.ab.ab_lstm_views: LSTMConfig(2, 512, 1024,
    10000), batch 64..1, GraphedLSTM alias/exact, the argmax writing into the token buffer),
    milliseconds a token, each loop from the same state and prompt. Graphs keep the kernels
    chosen when they recorded, so each variant has its own GraphedLSTM, recorded with the
@@ -39,7 +39,7 @@ Decision rules (fixed before any run), each switch on its own:
 The last lines say so, a line a switch: "VERDICT: ... merge ..." or "VERDICT: ... keep off
 ..." with the reasons.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.ab_lstm_tiles 2>&1 | tee $OUT/ab_lstm_tiles.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_lstm_tiles 2>&1 | tee $OUT/ab_lstm_tiles.txt
 
 AB_TOY=1 checks the script on the simulator (tiny sizes; timings meaningless there).
 """
@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 from kernels import gemm, sampling
-from kernels._ab_step import TOY, _report, describe
+from dev.ab._ab_step import TOY, _report, describe
 from proto import backend, graph, timing
 from proto.backend import cuda
 from proto.models.graphed import GraphedLSTM

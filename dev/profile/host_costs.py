@@ -3,7 +3,7 @@ Prints per-call host time of Numba slicing and of our per-object caches, then th
 loop of graph_memory (64 steps, batch 64..1): wall time with a sync at the end, against the
 host time spent issuing it (no sync inside), and a profile of the host time by function.
 
-    PYTHONUNBUFFERED=1 python3 -m kernels.host_costs 2>&1 | tee $OUT/host_costs.txt
+    PYTHONUNBUFFERED=1 python3 -m dev.profile.host_costs 2>&1 | tee $OUT/host_costs.txt
 
 On the simulator it runs at toy size (its timings are the simulator's, not a GPU host's)."""
 import cProfile
