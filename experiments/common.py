@@ -193,7 +193,9 @@ def torch_cuda_graph(fn, pool=None):
 def progress(iterable, desc: str, total: int | None = None):
     """A progress bar on stderr (tqdm) for long runs."""
     from tqdm import tqdm
-    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+    # (a log that is not a terminal gets no bars: each redraw would be a line of it)
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,
+                disable=not sys.stderr.isatty())
 
 
 def report(name: str, row: dict) -> None:

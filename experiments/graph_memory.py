@@ -599,11 +599,14 @@ def plot(device: str | None = None):
 
     def num(v):
         return None if v in ("", "None", None) else float(v)
+
+    def graph(r):   # (results from before the clean-process method called it memory_mib)
+        return num(r.get("graph_mib", r.get("memory_mib")))
     for i, model in enumerate(("gpt2", "lstm")):
         ax, bars = axes[i]
         mine = [r for r in rows if r["model"] == model]
         for r in mine:
-            pts = [(int(c["shapes_served"]), num(c["graph_mib"])) for c in curve
+            pts = [(int(c["shapes_served"]), graph(c)) for c in curve
                    if c["model"] == model and c["method"] == r["method"]]
             pts = [(n, b) for n, b in pts if b is not None]
             if not pts:
@@ -612,7 +615,7 @@ def plot(device: str | None = None):
             ax.plot(xs, [max(y, FLOOR_MIB) for y in ys], marker="o", ms=3,
                     color=COLORS[r["method"]], label=r["method"].replace("_", " "))
             if r["extrapolated"] == "True":
-                ax.plot([xs[-1], int(r["shapes_served"])], [ys[-1], num(r["graph_mib"])],
+                ax.plot([xs[-1], int(r["shapes_served"])], [ys[-1], graph(r)],
                         ls="--", color=COLORS[r["method"]], label="  (extrapolated)")
         ax.axhline(2, ls=":", lw=1, color="0.5",
                    label=f"2 MiB: the driver's step (a 0 read is drawn at {FLOOR_MIB})")
@@ -624,10 +627,10 @@ def plot(device: str | None = None):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
         # the parts at every shape served: buffers (pool, arena, private) and the driver's
-        done = [r for r in mine if num(r["graph_mib"]) is not None]
+        done = [r for r in mine if graph(r) is not None]
         names = [r["method"].replace("_", "\n", 1) for r in done]
-        buf = [max(num(r["buffers_mib"]) or 0.0, FLOOR_MIB) for r in done]
-        drv = [max(num(r["driver_mib"]) or 0.0, FLOOR_MIB) for r in done]
+        buf = [max(num(r.get("buffers_mib")) or graph(r), FLOOR_MIB) for r in done]
+        drv = [max(num(r.get("driver_mib")) or 0.0, FLOOR_MIB) for r in done]
         x = np.arange(len(done))
         bars.bar(x, buf, color=[COLORS[r["method"]] for r in done], label="buffers")
         bars.bar(x, drv, bottom=buf, color=[COLORS[r["method"]] for r in done], alpha=0.4,

@@ -688,10 +688,11 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
         r = tid // _u(per_pos)
         c = tid % _u(per_pos)
         s = ZERO
-        for j in range(width // per_pos):
-            d = c + _u(j * per_pos)
-            if d < _u(hd):
-                s += qs[d] * ks[r * _u(stride) + d]
+        if r < n:   # (rows past the split's positions hold nothing written: never read them)
+            for j in range(width // per_pos):
+                d = c + _u(j * per_pos)
+                if d < _u(hd):
+                    s += qs[d] * ks[r * _u(stride) + d]
         off = 1
         while off < per_pos:
             s += shfl_xor(s, off)
