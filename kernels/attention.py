@@ -26,7 +26,7 @@ Where a split fits in shared memory whole (GPT-2's decode: 64 positions of head 
 step 1 is `make_attention_tile`'s kernel instead: the split's K and V copied there before
 the early-launch wait, then scores, softmax and P.V by the block as a small matrix product
 (on the H200 12.8 us a launch at position 512 against 17.4, and 7% off GPT-2 small's step;
-`attention.TILE` switches it off for A/Bs). The paragraphs below describe the kernels that
+`attention(..., tile=False)` keeps the plain kernels). The paragraphs below describe the kernels that
 serve the other shapes (prefill, longer splits, head dims past 64 or not a multiple of 4).
 
 With `rows` (beam search without moving the cache, `reorder_rows`), step 1 is a variant
@@ -747,7 +747,8 @@ SMALL = make_attention(*SMALL_CONFIG)
 # The plain step's kernel with a split's K and V copied by cp.async before the early-launch
 # wait: two batches of positions, a whole split at GPT-2 small's plan (64 positions, 32 KB).
 SMALL_PRELOAD = make_attention(*SMALL_CONFIG, preload=2 * SMALL.unit)
-PRELOAD = [True]   # (switched off by dev.ab.ab_attention_cp for its A/B: 9 us a step less with it)
+# (SMALL_PRELOAD won its A/B, dev.ab.ab_attention_cp: 9 us a step less; `attention`'s
+# preload=False picks SMALL wherever it would be used, for the test that compares the two)
 # The plain step's kernel where a split fits in shared memory whole (GPT-2's decode: 64
 # positions of head dim 64; 35 KB a block).
 # (capacity, warps, width, blocks an SM the registers must allow: 40 registers. The
@@ -757,8 +758,9 @@ PRELOAD = [True]   # (switched off by dev.ab.ab_attention_cp for its A/B: 9 us a
 SMALL_TILE = make_attention_tile(*((64, 8, 64, 6) if not backend.SIMULATOR else (8, 1, 32)))
 SMALL_TILE_ROWS = make_attention_tile(   # (the WHILE graph's)
     *((64, 8, 64, 6) if not backend.SIMULATOR else (8, 1, 32)), use_rows=True)
-TILE = [True]      # (switched off by dev.ab.ab_attention_tile for its A/B)
-SUM_PARTIALS = [True]   # (switched off by dev.ab.ab_qkv_partials for its A/B)
+# (the tile won its A/B, dev.ab.ab_attention_tile, and so did its summing qkv's partials,
+# dev.ab.ab_qkv_partials: both are the only path; `attention`'s tile=False keeps the plain
+# kernels, for the tests that compare them)
 LARGE = make_attention(*LARGE_CONFIG)
 # The row-table variant of head dims up to 64 (GPT-2's; the WHILE graph's beam search) is
 # `make_attention_groups`: 16 lanes x 4 dims, 2 positions a group a batch, so a lane has as
@@ -863,17 +865,18 @@ def _plan(B: int, H: int, T: int, Tmax: int, hd: int, variant: Variant | None = 
     return v, -(-Tmax // span), span
 
 
-def _choose(B: int, H: int, T: int, k_cache, v_cache, rows) -> tuple[Variant, int, int]:
+def _choose(B: int, H: int, T: int, k_cache, v_cache, rows, tile: bool = True,
+            preload: bool = True) -> tuple[Variant, int, int]:
     """(kernel variant, splits, span) `attention` launches for validated arguments."""
     Tmax, hd = k_cache.shape[2], k_cache.shape[3]
     # (the row-table kernel is planned by its own batch of positions)
     variant, splits, span = _plan(B, H, T, Tmax, hd, kernel_for(hd, rows is not None))
     aligned = (hd % 4 == 0 and backend.address(k_cache) % 16 == 0
                and backend.address(v_cache) % 16 == 0)   # (cp.async copies 16 bytes)
-    if (TILE[0] and aligned and hd <= SMALL_TILE.max_hd and span <= SMALL_TILE.unit
+    if (tile and aligned and hd <= SMALL_TILE.max_hd and span <= SMALL_TILE.unit
             and variant in (SMALL, _WITH_ROWS[SMALL.config])):
         variant = SMALL_TILE_ROWS if rows is not None else SMALL_TILE   # the same plan
-    elif variant is SMALL and PRELOAD[0] and aligned:
+    elif variant is SMALL and preload and aligned:
         variant = SMALL_PRELOAD   # the same plan: its unit is SMALL's
     return variant, splits, span
 
@@ -884,20 +887,21 @@ def _is_tile(variant: Variant) -> bool:
 
 def _sums(variant: Variant, parts: int) -> bool:
     """Whether `variant` takes qkv as `parts` partial sums and a bias: the tile does."""
-    return SUM_PARTIALS[0] and 1 <= parts <= MAX_PARTS and _is_tile(variant)
+    return 1 <= parts <= MAX_PARTS and _is_tile(variant)
 
 
-def takes_partials(k_cache, v_cache, T: int, rows=None, parts: int = 1) -> bool:
+def takes_partials(k_cache, v_cache, T: int, rows=None, parts: int = 1,
+                   tile: bool = True) -> bool:
     """Whether `attention` over these caches, T new tokens and `rows` takes qkv as `parts`
     partial sums of its projection and a bias (the tile kernel does, for splits of up to 64
     positions of head dims up to 64: GPT-2's decode); the caller then skips the projection's
-    reduction (`kernels.gemm.partials`). `SUM_PARTIALS` switches it off for A/Bs."""
+    reduction (`kernels.gemm.partials`)."""
     B, H = k_cache.shape[0], k_cache.shape[1]
-    return _sums(_choose(B, H, T, k_cache, v_cache, rows)[0], parts)
+    return _sums(_choose(B, H, T, k_cache, v_cache, rows, tile)[0], parts)
 
 
 def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=None,
-              stream=0) -> None:
+              stream=0, tile: bool = True, preload: bool = True) -> None:
     """Causal attention of this step's T queries over the cache, after appending its k, v.
 
     qkv (B, T, 3C): fused q | k | v, head h at [h*hd:(h+1)*hd] of each; k_cache, v_cache
@@ -914,6 +918,9 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=No
     qkv (P, B, T, 3C) with qkv_bias (3C,): P partial sums of the projection
     (`kernels.gemm.partials`); q | k | v is their sum in order plus the bias, which the
     kernel adds as it loads them. Only where `takes_partials` says so (else ValueError).
+
+    tile, preload: the variants that won their A/Bs, on by default; False keeps the kernels
+    they replace (the tests compare the two bit for bit).
     """
     _check.device_array("qkv", qkv)
     if qkv.ndim not in (3, 4) or (qkv.ndim == 4) != (qkv_bias is not None):
@@ -942,7 +949,7 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=No
         rows_arg = backend.empty((1, 1), np.int32, "attention.no_rows")
     else:
         rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
-    variant, splits, span = _choose(B, n_head, T, k_cache, v_cache, rows)
+    variant, splits, span = _choose(B, n_head, T, k_cache, v_cache, rows, tile, preload)
     if qkv_bias is not None:
         _check.device_array("qkv_bias", qkv_bias, shape=(C3,))
         if not _sums(variant, parts):

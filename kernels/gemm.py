@@ -21,8 +21,8 @@ Two kernel families, chosen by `gemm` from the shapes:
   and splits 64 rows whatever M is, so a 9..16-row LSTM step wastes 3/4 of its
   multiply-adds and of its staging of op(a). They replace TILE only (`tiled_tile`; where
   WIDE_TILE fills the SMs, the product is none of the LSTM's that the A/B measures), and
-  only while the switch `SKINNY_TILES` is on: off by default until dev.ab.ab_lstm_tiles
-  measures them on the GPU.
+  only where the caller asks (`gemm(..., skinny=True)`): off by default until
+  dev.ab.ab_lstm_tiles measures them on the GPU.
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
   3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
   pure weight streaming, so the one goal is to keep every SM's share of the weight in
@@ -84,7 +84,7 @@ if not backend.SIMULATOR:
     # (8 x 8 each, K slices of 8) where those alone make two blocks an SM
     TILE, WIDE_TILE = Tiles(64, 64, 16, 4, 4), Tiles(128, 128, 8, 8, 8)
     # skinny: 16 x 256 and 32 x 128 (256 threads, 4 x 4 each) for M <= 16 and M <= 32
-    # (SKINNY_TILES)
+    # (skinny=True)
     SKINNY = (Tiles(16, 256, 16, 4, 4), Tiles(32, 128, 16, 4, 4))
     MIN_SPAN_STEPS = 8   # tiled: K steps a split takes at least (tiled_min_span)
     SPAN_MAX = 768           # decode: most K rows one block covers (op(a) staged in shared)
@@ -120,9 +120,6 @@ else:
     LN_THREADS = 64
 BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the default tile's shape (tiled_plan takes a tile)
 TILED_MIN_SPAN = MIN_SPAN_STEPS * TILE.bk   # (tiled_min_span(TILE))
-# Switch (a list, so an A/B flips it at run time): 9..32-row products take a SKINNY tile
-# instead of TILE. Off until dev.ab.ab_lstm_tiles wins on the GPU: the default flips only then.
-SKINNY_TILES = [False]
 _XS = M8 * SPAN_MAX
 _LN_VALS = LN_COLS * RED_CHUNK
 _LN_GB = 2 * LN_COLS   # the layer norm's gamma, beta
@@ -829,23 +826,25 @@ def partials(a, b, part, *, stream=0) -> None:
             np.int32(span)), stream)
 
 
-def split_count(m_rows: int, n_cols: int, k_len: int, *, trans_b: bool = False) -> int:
+def split_count(m_rows: int, n_cols: int, k_len: int, *, trans_b: bool = False,
+                skinny: bool = False) -> int:
     """The K splits that `gemm` launches for a 2-D product op(a) (m_rows, k_len) @ op(b)
     (k_len, n_cols), and so the partials `split_products` writes (at least 1)."""
     if m_rows <= DECODE_MAX_M:
         dk = rows_variant(pick_decode(trans_b, 1, n_cols), m_rows)
         return decode_plan(dk, 1, n_cols, k_len)[1]
-    return tiled_launch_plan(1, m_rows, n_cols, k_len)[1]
+    return tiled_launch_plan(1, m_rows, n_cols, k_len, skinny=skinny)[1]
 
 
-def split_products(a, b, part, *, trans_b=False, stream=0) -> None:
+def split_products(a, b, part, *, trans_b=False, stream=0, skinny=False) -> None:
     """part[s] = the product of K split s, op(a) @ op(b) over that split's rows of K: the
     launch `gemm` makes, with no epilogue and no reduction, for a consumer that sums the
     splits in order (and adds the bias) as it loads them. kernels.lstm's cell sums both gate
     GEMMs' partials so, where each GEMM would end in a reduction launch.
 
     a (M, K), op(b) (K, N): b (K, N), or (N, K) with trans_b; part (S, M, N) device float32,
-    S = split_count(M, N, K, trans_b=trans_b). part may overlap neither a nor b."""
+    S = split_count(M, N, K, trans_b=trans_b, skinny=skinny). part may overlap neither a
+    nor b. skinny: as `gemm`'s."""
     _check.device_array("a", a, ndim=2)
     m_rows, k_len = a.shape
     trans_b = _check.flag("trans_b", trans_b)
@@ -862,7 +861,8 @@ def split_products(a, b, part, *, trans_b=False, stream=0) -> None:
         decode(pick_decode(trans_b, 1, n_cols), a3, b3, out3, unused, 0, 0, 0, 0, stream,
                keep=part4)
     else:
-        tiled(a3, b3, out3, unused, 0, 0, 0, 0, int(trans_b), stream, keep=part4)
+        tiled(a3, b3, out3, unused, 0, 0, 0, 0, int(trans_b), stream, keep=part4,
+              skinny=skinny)
 
 
 def tiled_min_span(t: Tiles) -> int:
@@ -886,14 +886,14 @@ def tiled_plan(t: Tiles, batch: int, m_rows: int, n_cols: int, k_len: int,
     return -(-k_len // span), span
 
 
-def tiled_tile(batch: int, m_rows: int, n_cols: int) -> Tiles:
+def tiled_tile(batch: int, m_rows: int, n_cols: int, skinny: bool = False) -> Tiles:
     """WIDE_TILE (8 x 8 outputs a thread: twice the multiply-adds per shared load and per
-    staged element) where its tiles alone make two blocks an SM; else, with SKINNY_TILES on,
-    the first SKINNY tile of at least m_rows rows; else TILE."""
+    staged element) where its tiles alone make two blocks an SM; else, with `skinny`, the
+    first SKINNY tile of at least m_rows rows; else TILE."""
     wide = -(-m_rows // WIDE_TILE.bm) * -(-n_cols // WIDE_TILE.bn) * batch
     if wide >= 2 * _check.sm_count():
         return WIDE_TILE
-    if SKINNY_TILES[0]:
+    if skinny:
         for t in SKINNY:
             if m_rows <= t.bm:
                 return t
@@ -901,17 +901,18 @@ def tiled_tile(batch: int, m_rows: int, n_cols: int) -> Tiles:
 
 
 def tiled_launch_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
-                      target_blocks: int | None = None) -> tuple[Tiles, int, int]:
+                      target_blocks: int | None = None, skinny: bool = False
+                      ) -> tuple[Tiles, int, int]:
     """(tile, K splits, span) that `tiled` launches: WIDE_TILE whole, any other as
     `tiled_plan` splits it."""
-    t = tiled_tile(batch, m_rows, n_cols)
+    t = tiled_tile(batch, m_rows, n_cols, skinny)
     if t == WIDE_TILE:
         return t, 1, -(-k_len // t.bk) * t.bk
     return (t, *tiled_plan(t, batch, m_rows, n_cols, k_len, target_blocks))
 
 
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
-          target_blocks=None, keep=None) -> None:
+          target_blocks=None, keep=None, skinny=False) -> None:
     """The tiled kernel on validated 3-D arguments, K split where `tiled_launch_plan` says,
     the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernel;
     with `keep` (batch, splits, M, N) written there and left for the caller instead."""
@@ -920,7 +921,7 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
         if x.size >= 2**32:
             raise ValueError(f"{name}: {x.size} elements exceed the tiled GEMM's 2**32")
-    t, splits, span = tiled_launch_plan(batch, m_rows, n_cols, k_len, target_blocks)
+    t, splits, span = tiled_launch_plan(batch, m_rows, n_cols, k_len, target_blocks, skinny)
     direct = splits == 1 and keep is None
     part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
     grid = (-(-n_cols // t.bn), -(-m_rows // t.bm), batch * splits)
@@ -933,7 +934,7 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
 
 
 def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumulate=False,
-         ln_out=None, stream=0):
+         ln_out=None, stream=0, skinny=False):
     """out = act(op(a) @ op(b) + bias), with out's old value added first when `accumulate`.
 
     2-D: op(a) (M, K), op(b) (K, N), out (M, N), bias (N,). 3-D: a leading batch dim on
@@ -944,6 +945,9 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     gamma and beta of shape (N,), y shaped like out and overlapping nothing. Fused into the
     split-K reduction for M <= 8 and N <= LN_COLS * LN_THREADS; otherwise `layernorm` runs
     after.
+
+    skinny: 9..32-row products on the tiled path take a SKINNY tile instead of TILE (off by
+    default until its A/B, dev.ab.ab_lstm_tiles, runs on a GPU).
     """
     _check.device_array("a", a)
     _check.device_array("b", b)
@@ -991,7 +995,8 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
         if ln_out is None or fused is not None:
             return
     else:
-        tiled(a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b)), stream)
+        tiled(a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b)), stream,
+              skinny=_check.flag("skinny", skinny))
     if ln_out is not None:  # not fused: normalize the rows of out afterwards
         from kernels import layernorm
         rows = batch * m_rows

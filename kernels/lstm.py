@@ -7,7 +7,7 @@
 One grid-stride launch over (B, H): each thread reads its four gates and c, writes c' and h'.
 The gates may also arrive as the K-split partial products of the two gate GEMMs, (S, B, 4H),
 with the biases apart (`biases`): the cell sums them in order as it loads them, so the GEMMs
-need no reduction launch of their own (proto.models.lstm's `SUM_IN_CELL`).
+need no reduction launch of their own (proto.models.lstm.LSTMLM's `sum_in_cell`).
 """
 from __future__ import annotations
 

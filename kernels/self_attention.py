@@ -23,17 +23,18 @@ from proto import backend
 
 
 def self_attention(x, w, bias, k_cache, v_cache, pos, out, *, n_head, rows=None,
-                   stream=0) -> None:
+                   stream=0, tile: bool = True) -> None:
     """out (B, T, C) = attention(x (B, T, C) @ w (C, 3C) + bias (3C,)) over the caches
-    (B, H, Tmax, hd), whose positions pos..pos+T-1 get this step's k and v; pos, rows and
-    the guard as `attention.attention`."""
+    (B, H, Tmax, hd), whose positions pos..pos+T-1 get this step's k and v; pos, rows, the
+    guard and `tile` as `attention.attention`."""
     _check.device_array("x", x, ndim=3)
     B, T, C = x.shape
     _check.device_array("w", w, shape=(C, 3 * C))
     N = B * T
     x2 = backend.reshaped(x, (N, C))
     parts = gemm.partial_splits(3 * C, C)
-    if N <= gemm.DECODE_MAX_M and attention.takes_partials(k_cache, v_cache, T, rows, parts):
+    if N <= gemm.DECODE_MAX_M and attention.takes_partials(k_cache, v_cache, T, rows, parts,
+                                                                 tile=tile):
         qkv = backend.empty((parts, B, T, 3 * C), np.float32, "self_attention.qkv_partials")
         gemm.partials(x2, w, backend.reshaped(qkv, (parts, N, 3 * C)), stream=stream)
         qkv_bias = bias
@@ -42,4 +43,4 @@ def self_attention(x, w, bias, k_cache, v_cache, pos, out, *, n_head, rows=None,
         gemm.gemm(x2, w, backend.reshaped(qkv, (N, 3 * C)), bias=bias, stream=stream)
         qkv_bias = None
     attention.attention(qkv, k_cache, v_cache, pos, out, n_head=n_head, rows=rows,
-                        qkv_bias=qkv_bias, stream=stream)
+                        qkv_bias=qkv_bias, stream=stream, tile=tile)

@@ -11,13 +11,10 @@ from tests.helpers import dev, rand
 
 
 def _run(qkv, kc, vc, pos, H, preload):
-    attention.PRELOAD[0], attention.TILE[0] = preload, False   # (the tile: its own tests)
-    try:
-        dk, dv = dev(kc), dev(vc)
-        out = dev(np.full((qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3), np.nan, np.float32))
-        attention.attention(dev(qkv), dk, dv, dev(np.array([pos], np.int32)), out, n_head=H)
-    finally:
-        attention.PRELOAD[0], attention.TILE[0] = True, True
+    dk, dv = dev(kc), dev(vc)
+    out = dev(np.full((qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3), np.nan, np.float32))
+    attention.attention(dev(qkv), dk, dv, dev(np.array([pos], np.int32)), out, n_head=H,
+                        preload=preload, tile=False)   # (the tile: its own tests)
     return out.copy_to_host(), dk.copy_to_host(), dv.copy_to_host()
 
 

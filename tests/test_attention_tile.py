@@ -115,11 +115,11 @@ def test_switched_off_or_too_long_a_split_takes_the_other_kernels(attention_laun
     assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
     attention_launches.clear()
     monkeypatch.setattr(attention, "TARGET_BLOCKS", 10 ** 6)   # short splits: each fits
-    monkeypatch.setattr(attention, "TILE", [False])
     Tmax = 8
     assert _fits(B, H, 1, Tmax, hd, False)
     kc, vc = rand(rng, B, H, Tmax, hd), rand(rng, B, H, Tmax, hd)
-    attention.attention(dev(qkv), dev(kc), dev(vc), dev(np.array([3], np.int32)), out, n_head=H)
+    attention.attention(dev(qkv), dev(kc), dev(vc), dev(np.array([3], np.int32)), out, n_head=H,
+                        tile=False)
     assert attention_launches[0] is attention.SMALL_PRELOAD.kernel
 
 
@@ -140,10 +140,9 @@ def test_partials_are_refused_where_the_tile_does_not_serve(monkeypatch):
     for given_qkv, given_bias in ((split, None), (qkv, bias), (too_many, bias)):
         with pytest.raises(ValueError, match="qkv"):
             attention.attention(given_qkv, kc, vc, pos, out, n_head=H, qkv_bias=given_bias)
-    monkeypatch.setattr(attention, "TILE", [False])
-    assert not attention.takes_partials(kc, vc, 1, parts=2)
+    assert not attention.takes_partials(kc, vc, 1, parts=2, tile=False)
     with pytest.raises(ValueError, match="qkv"):
-        attention.attention(split, kc, vc, pos, out, n_head=H, qkv_bias=bias)
+        attention.attention(split, kc, vc, pos, out, n_head=H, qkv_bias=bias, tile=False)
     assert launched == []
 
 

@@ -43,7 +43,7 @@ def _check_gemm(rng, batch, m, n, k, trans_a, trans_b, act, has_bias, accumulate
     bias = rand(rng, n) if has_bias else None
     out = dev(old if accumulate else np.full_like(old, np.nan))
     G.gemm(dev(a), dev(b), out, bias=None if bias is None else dev(bias), act=act,
-           trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+           trans_a=trans_a, trans_b=trans_b, accumulate=accumulate, skinny=True)
     np.testing.assert_allclose(
         out.copy_to_host(),
         G.gemm_ref(a, b, bias, act, trans_a, trans_b, old=old if accumulate else None),
@@ -208,17 +208,6 @@ def test_the_tiled_kernel_with_k_split_matches_reference(m, n, k, batch, flags, 
 
 
 @pytest.fixture
-def skinny_tiles():
-    """gemm.SKINNY_TILES switched on for one test, then back as it was."""
-    was = G.SKINNY_TILES[0]
-    G.SKINNY_TILES[0] = True
-    try:
-        yield
-    finally:
-        G.SKINNY_TILES[0] = was
-
-
-@pytest.fixture
 def tiled_launches(monkeypatch):
     """(kernel, grid, threads, args) of every launch gemm makes, in order; the launches run."""
     seen = []
@@ -263,27 +252,32 @@ def test_skinny_tiles_are_the_specified_shapes():
 
 
 def test_skinny_tiles_are_off_by_default():
-    """Off until dev.ab.ab_lstm_tiles wins on the GPU (then the default and this test flip)."""
-    assert G.SKINNY_TILES == [False]
+    """Off until dev.ab.ab_lstm_tiles wins on the GPU (then the defaults and this test flip):
+    every function that takes the choice defaults to TILE."""
+    import inspect
+    from proto.models.lstm import LSTMLM
+    for fn, name in ((G.gemm, "skinny"), (G.tiled_tile, "skinny"), (G.split_count, "skinny"),
+                     (G.split_products, "skinny"), (LSTMLM, "skinny_tiles")):
+        assert inspect.signature(fn).parameters[name].default is False, fn
+    assert G.tiled_tile(1, 12, 7) == G.TILE != G.tiled_tile(1, 12, 7, skinny=True)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_the_switch_chooses_skinny_tiles_up_to_32_rows(skinny_tiles, batch):
+def test_the_switch_chooses_skinny_tiles_up_to_32_rows(batch):
     """Switch on: 9..16 rows take the 16-row tile, 17..32 the 32-row one, 33 and more TILE,
     at every width below WIDE_TILE's; WIDE_TILE keeps its products."""
     for m in range(G.DECODE_MAX_M + 1, 2 * G.TILE.bm + 40):
         for n in _widths(m, batch):
-            assert G.tiled_tile(batch, m, n) == _skinny_want(m), (m, n)
+            assert G.tiled_tile(batch, m, n, skinny=True) == _skinny_want(m), (m, n)
     side = math.ceil(math.sqrt(2 * _check.sm_count()))   # (as the wide tile's test)
     m = min(32, side * G.WIDE_TILE.bm - 5)
-    assert G.tiled_tile(1, m, _most_columns(m, 1) + 1) == G.WIDE_TILE
+    assert G.tiled_tile(1, m, _most_columns(m, 1) + 1, skinny=True) == G.WIDE_TILE
 
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_with_the_switch_off_every_product_takes_tile_as_before(batch, tiled_launches):
     """Switch off (its default): products of 9 rows and more below WIDE_TILE's widths take
     TILE, as before skinny tiles, and the launch is TILE's kernel with TILE's plan."""
-    assert not G.SKINNY_TILES[0]
     for m in range(G.DECODE_MAX_M + 1, 2 * G.TILE.bm + 40):
         for n in _widths(m, batch):
             assert G.tiled_tile(batch, m, n) == G.TILE, (m, n)
@@ -299,7 +293,7 @@ def test_with_the_switch_off_every_product_takes_tile_as_before(batch, tiled_lau
 
 
 def _run_skinny(rng, launches, batch, m, n, k, trans_a, trans_b, act, has_bias, accumulate):
-    """gemm on one product with the switch on (the caller's fixture); checks the result
+    """gemm on one product with skinny tiles asked for; checks the result
     against the reference, and that the launch was the skinny tile's kernel with a plan in
     whole K steps of that tile. Returns the K splits launched."""
     t = _skinny_want(m)
@@ -310,7 +304,7 @@ def _run_skinny(rng, launches, batch, m, n, k, trans_a, trans_b, act, has_bias, 
     out = dev(old if accumulate else np.full_like(old, np.nan))
     launches.clear()
     G.gemm(dev(a), dev(b), out, bias=None if bias is None else dev(bias), act=act,
-           trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+           trans_a=trans_a, trans_b=trans_b, accumulate=accumulate, skinny=True)
     np.testing.assert_allclose(
         out.copy_to_host(),
         G.gemm_ref(a, b, bias, act, trans_a, trans_b, old=old if accumulate else None),
@@ -327,7 +321,7 @@ def _run_skinny(rng, launches, batch, m, n, k, trans_a, trans_b, act, has_bias, 
 @pytest.mark.parametrize("trans_a,trans_b", list(itertools.product([False, True], repeat=2)))
 @pytest.mark.parametrize("which", [0, 1])
 def test_skinny_tiles_match_reference_in_every_layout(trans_a, trans_b, which, scale,
-                                                      skinny_tiles, tiled_launches):
+                                                      tiled_launches):
     """Each skinny tile in each layout of a and b, at the bottom and top of its rows, K split
     (epilogue in the reduction) and whole (in the kernel), partial column tiles."""
     t = G.SKINNY[which]
@@ -344,8 +338,7 @@ def test_skinny_tiles_match_reference_in_every_layout(trans_a, trans_b, which, s
 @given(m=st.integers(9, 32), batch=st.sampled_from([None, 1, 2]), k=st.integers(1, 150),
        flags=st.sampled_from(FLAGS), data=st.data(), seed=st.integers(0, 2**16))
 def test_skinny_tiles_match_reference_on_irregular_shapes(m, batch, k, flags, data, seed,
-                                                          scale, skinny_tiles,
-                                                          tiled_launches):
+                                                          scale, tiled_launches):
     """9..32-row products of any width below WIDE_TILE's, batched or not, K split or not."""
     assume(_most_columns(m, batch or 1) >= 1)   # (not every product WIDE_TILE's)
     n = data.draw(st.integers(1, min(_most_columns(m, batch or 1), 60 * scale)), "n")
@@ -388,7 +381,7 @@ def test_tiled_plan_is_the_plan_before_skinny_tiles_in_the_tiles_geometry(tile, 
                                                                           batch, target):
     """Every tile's plan is the one from before the plan took a tile (which used TILE's
     BM, BN, BK and TILED_MIN_SPAN = 8 K steps, 2 on the simulator), in that tile's geometry:
-    TILE's is unchanged, so nothing changes with SKINNY_TILES off; as many splits as the
+    TILE's is unchanged, so nothing changes without skinny tiles; as many splits as the
     target asks for, no more than K has minimum spans."""
     t = TILES[tile]
     want_target = 2 * _check.sm_count() if target is None else target
@@ -595,13 +588,11 @@ def test_split_products_sum_to_the_product(m, n, k, trans_b, skinny, seed):
     """The partials of the launch gemm makes (decode kernels up to DECODE_MAX_M rows, the
     tiled kernel of either tile above): split_count of them, every one written, their sum in
     order the product."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(G, "SKINNY_TILES", [skinny])
-        rng = np.random.default_rng(seed)
-        a, b = rand(rng, m, k), rand(rng, *((n, k) if trans_b else (k, n)))
-        splits = G.split_count(m, n, k, trans_b=trans_b)
-        part = dev(np.full((splits, m, n), np.nan, np.float32))
-        G.split_products(dev(a), dev(b), part, trans_b=trans_b)
+    rng = np.random.default_rng(seed)
+    a, b = rand(rng, m, k), rand(rng, *((n, k) if trans_b else (k, n)))
+    splits = G.split_count(m, n, k, trans_b=trans_b, skinny=skinny)
+    part = dev(np.full((splits, m, n), np.nan, np.float32))
+    G.split_products(dev(a), dev(b), part, trans_b=trans_b, skinny=skinny)
     got = part.copy_to_host()
     assert not np.isnan(got).any()
     want = a.astype(np.float64) @ (b.T if trans_b else b)
@@ -609,18 +600,18 @@ def test_split_products_sum_to_the_product(m, n, k, trans_b, skinny, seed):
 
 
 @pytest.mark.parametrize("m", [3, G.DECODE_MAX_M + 4])
-def test_split_products_split_k_as_gemm_does(m, monkeypatch, skinny_tiles):
+def test_split_products_split_k_as_gemm_does(m, monkeypatch):
     """A K long enough is split on both paths (so the sum above sums several partials), as
     many ways as gemm's own launch: its scratch holds split_count partials. (Skinny tiles:
     the simulator's grid target splits only a product of one tile.)"""
     k, n = 8 * max(G.SPAN_MAX, G.TILED_MIN_SPAN), 16
-    splits = G.split_count(m, n, k, trans_b=True)
+    splits = G.split_count(m, n, k, trans_b=True, skinny=True)
     assert splits > 1
     rng = np.random.default_rng(1)
     a, b, out = dev(rand(rng, m, k)), dev(rand(rng, n, k)), dev(np.zeros((m, n), np.float32))
     recorder = _LaunchRecorder()
     monkeypatch.setattr(backend, "_recorder", recorder)
-    G.gemm(a, b, out, trans_b=True)
+    G.gemm(a, b, out, trans_b=True, skinny=True)
     scratch = [x for launch in recorder.launches for x in launch[3]
                if getattr(x, "ndim", 0) == 4 and tuple(x.shape[-2:]) == (m, n)]
     assert scratch and all(x.shape[1] == splits for x in scratch)

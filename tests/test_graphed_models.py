@@ -310,21 +310,12 @@ def test_graphed_lstm_matches_eager_for_every_binding_and_strategy(n_layer, n_hi
         g.close()
 
 
-@pytest.fixture
-def sum_in_cell():
-    """The LSTM's gate GEMMs summed by the cell (lstm.SUM_IN_CELL) for one test."""
-    from proto.models import lstm as lstm_model
-    lstm_model.SUM_IN_CELL[0] = True
-    yield
-    lstm_model.SUM_IN_CELL[0] = False
-
-
-def test_graphed_lstm_with_the_sum_in_the_cell_matches_eager(sum_in_cell):
+def test_graphed_lstm_with_the_sum_in_the_cell_matches_eager():
     """The gate partials are temporaries of the step (two views of one planned buffer): the
     graphs give eager's tokens, a batch below the graph's rows included."""
     from proto.models.lstm import random_state_dict as lstm_weights
     config = LSTMConfig(2, 3, 4, 13)
-    model = LSTMLM(config, lstm_weights(config, 5), max_batch=3)
+    model = LSTMLM(config, lstm_weights(config, 5), max_batch=3, sum_in_cell=True)
     prompt = np.random.default_rng(5).integers(0, 13, (2, 2))
     state = LSTMState(config, 2)
     want = lstm_greedy(lambda t: model.step(t, state), dev(np.zeros(2, np.int32)), prompt, 2,

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kernels import gemm
-from proto.models import lstm as lstm_model, reference
+from proto.models import reference
 from proto.models.lstm import LSTMConfig, LSTMLM, LSTMState, load_state_dict, random_state_dict
 from tests.helpers import dev
 
@@ -21,20 +21,17 @@ LOGIT_TOL = dict(atol=2e-4, rtol=2e-4)
 def test_steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, sum_in_cell,
                                seed):
     """Either way of summing the gate GEMMs: each GEMM's reduction, or the cell summing
-    both GEMMs' K-split partials (lstm.SUM_IN_CELL)."""
-    lstm_model.SUM_IN_CELL[0] = sum_in_cell
-    try:
-        _steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, seed)
-    finally:
-        lstm_model.SUM_IN_CELL[0] = False
+    both GEMMs' K-split partials (LSTMLM's sum_in_cell)."""
+    _steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, seed,
+                           sum_in_cell=sum_in_cell)
 
 
-def _steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, seed):
+def _steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, seed, **variants):
     config = LSTMConfig(n_layer, n_embd, n_hidden, vocab)
     sd = random_state_dict(config, seed)
     seq = np.random.default_rng(seed).integers(0, vocab, (batch, steps))
     want, (h, c) = reference.lstm_logits(config, sd, seq)
-    model = LSTMLM(config, sd, max_batch=batch + 1)  # a batch below the maximum
+    model = LSTMLM(config, sd, max_batch=batch + 1, **variants)  # a batch below the maximum
     state = LSTMState(config, batch)
     for t in range(steps):
         logits = model.step(dev(seq[:, t].astype(np.int32)), state)
@@ -45,14 +42,13 @@ def _steps_match_reference(n_layer, n_embd, n_hidden, vocab, batch, steps, seed)
 
 
 @pytest.mark.parametrize("sum_in_cell", [False, True])
-def test_a_batch_past_the_decode_rows_matches_reference(sum_in_cell, monkeypatch):
+def test_a_batch_past_the_decode_rows_matches_reference(sum_in_cell):
     """Batch 10: the gate GEMMs take the tiled kernel (past gemm.DECODE_MAX_M rows); with
     the skinny tiles, the first layer's input GEMM is one tile, so the simulator's plan splits
     its K (256: 2 splits on the GPU and here), and the cell sums partials of more than one split."""
-    monkeypatch.setattr(gemm, "SKINNY_TILES", [True])
-    assert gemm.split_count(10, 4 * 8, 256, trans_b=True) > 1
-    monkeypatch.setattr(lstm_model, "SUM_IN_CELL", [sum_in_cell])
-    _steps_match_reference(2, 256, 8, 17, 10, 2, seed=3)
+    assert gemm.split_count(10, 4 * 8, 256, trans_b=True, skinny=True) > 1
+    _steps_match_reference(2, 256, 8, 17, 10, 2, seed=3, sum_in_cell=sum_in_cell,
+                           skinny_tiles=True)
 
 
 def test_reference_continues_from_a_state():

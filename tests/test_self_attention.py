@@ -14,7 +14,6 @@ from tests.helpers import assert_close, dev, rand
 @given(B=st.integers(1, 3), T=st.sampled_from([1, 1, 3]), H=st.integers(1, 2),   # B*T = 9: gemm
        sums=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_matches_projection_then_attention(B, T, H, sums, seed, monkeypatch):
-    monkeypatch.setattr(attention, "SUM_PARTIALS", [sums])
     given_qkv = []
     real = attention.attention
     monkeypatch.setattr(attention, "attention",
@@ -30,13 +29,13 @@ def test_matches_projection_then_attention(B, T, H, sums, seed, monkeypatch):
     dk, dv = dev(kc), dev(vc)
     out = dev(np.full((B, T, C), np.nan, np.float32))
     self_attention.self_attention(dev(x), dev(w), dev(b), dk, dv, dev(np.array([pos], np.int32)),
-                                  out, n_head=H)
+                                  out, n_head=H, tile=sums)
     assert_close(out, want, "gemm")
     assert_close(dk, want_k, "gemm")
     assert_close(dv, want_v, "gemm")
     # partials (P, B, T, 3C) exactly where switched on and the tile serves a decode step
     decode = B * T <= gemm.DECODE_MAX_M and attention.takes_partials(
-        dk, dv, T, parts=gemm.partial_splits(3 * C, C))
+        dk, dv, T, parts=gemm.partial_splits(3 * C, C), tile=sums)
     assert given_qkv == [4 if decode else 3]
     assert decode or not sums or B * T > gemm.DECODE_MAX_M   # (every split here fits the tile)
 

@@ -6,6 +6,9 @@ script on the simulator.
 
     PYTHONUNBUFFERED=1 python3 -m dev.ab.ab_attention_cp 2>&1 | tee $OUT/ab_attention_cp.txt
 """
+# A record: this A/B's winner became the only path, and the module-level switch it flipped is
+# gone (attention(..., tile=False, preload=False) keeps the kernels it replaced, for tests).
+# To run it again, check out the commit it ran at (its results file names it).
 import sys
 
 from dev.ab import _ab_step

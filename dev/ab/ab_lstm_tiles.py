@@ -1,7 +1,7 @@
 """A/B on the GPU, one process, of two switches of the LSTM's step, each off by default:
-- gemm's skinny tiles (`gemm.SKINNY_TILES` on: 16 x 256 for M <= 16, 32 x 128 for M <= 32)
+- gemm's skinny tiles (LSTMLM(skinny_tiles=True): 16 x 256 for M <= 16, 32 x 128 for M <= 32)
   against TILE (64 x 64) for every 9..32-row product;
-- the cell summing the gate GEMMs' K-split partials (`proto.models.lstm.SUM_IN_CELL` on:
+- the cell summing the gate GEMMs' K-split partials (LSTMLM(sum_in_cell=True):
   `gemm.split_products`, then `lstm.lstm_cell` with both biases) against each gate GEMM
   reducing its own splits (a reduction launch each, 4 of the step's 15 launches).
 Four variants: tile, skinny, cell, both.
@@ -43,7 +43,6 @@ The last lines say so, a line a switch: "VERDICT: ... merge ..." or "VERDICT: ..
 
 AB_TOY=1 checks the script on the simulator (tiny sizes; timings meaningless there).
 """
-import contextlib
 import statistics
 import sys
 import time
@@ -55,13 +54,12 @@ from dev.ab._ab_step import TOY, _report, describe
 from proto import backend, graph, timing
 from proto.backend import cuda
 from proto.models.graphed import GraphedLSTM
-from proto.models import lstm as lstm_model
 from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict
 
-# name -> the switches (one-element lists) and the values a variant sets; the first is the
-# base of the ratios and of the decision rule
-SKINNY, CELL = (gemm.SKINNY_TILES, True), (lstm_model.SUM_IN_CELL, True)
-VARIANTS = {"tile": (), "skinny": (SKINNY,), "cell": (CELL,), "both": (SKINNY, CELL)}
+# name -> the LSTMLM arguments a variant sets; the first is the base of the ratios and of the
+# decision rule
+SKINNY, CELL = {"skinny_tiles": True}, {"sum_in_cell": True}
+VARIANTS = {"tile": {}, "skinny": SKINNY, "cell": CELL, "both": {**SKINNY, **CELL}}
 GEMM_VARIANTS = ("tile", "skinny")   # the variants whose gemm() differs
 GEMM_ROWS = (9, 16) if TOY else (9, 16, 24, 32)
 GATED_ROWS = (16, 32)     # the GEMM rows the decision rule weighs
@@ -69,17 +67,8 @@ LOGIT_BATCHES = (10, 9) if TOY else (32, 24, 16, 9)
 LOGIT_TOL, GEMM_SLOWER = 1e-4, 1.02
 
 
-@contextlib.contextmanager
-def switched(settings):
-    """The variant's switches set (while its graphs record or its GEMMs run), then restored."""
-    was = [(switch, switch[0]) for switch, _ in settings]
-    for switch, value in settings:
-        switch[0] = value
-    try:
-        yield
-    finally:
-        for switch, value in was:
-            switch[0] = value
+def skinny(variant: str) -> bool:
+    return VARIANTS[variant].get("skinny_tiles", False)
 
 
 def _l2_copies(nbytes: int) -> int:
@@ -109,18 +98,17 @@ def gemm_graphs(cfg: LSTMConfig, rng) -> dict:
         for m in GEMM_ROWS:
             x = cuda.to_device(rng.standard_normal((m, K)).astype(np.float32))
             outs = [cuda.to_device(np.zeros((m, N), np.float32)) for _ in range(copies)]
-            fns = [lambda w=w, out=out, x=x: gemm.gemm(x, w, out, bias=bias, trans_b=True,
-                                                       accumulate=accumulate)
-                   for w, out in zip(ws, outs)]
             for variant in GEMM_VARIANTS:
-                with switched(VARIANTS[variant]):
-                    t, splits, span = gemm.tiled_launch_plan(1, m, N, K)
-                    print(f"{name:10s} M={m:2d} K={K} N={N} {variant:7s}: {tuple(t)}, "
-                          f"{splits} K splits of {span}, {copies} copies", flush=True)
-                    for fn in fns:
-                        fn()
-                    g = graph.capture(lambda fns=fns, **_: [fn() for fn in fns], {},
-                                      binding="alias", warmup=0)
+                fns = [lambda w=w, out=out, x=x, s=skinny(variant): gemm.gemm(
+                    x, w, out, bias=bias, trans_b=True, accumulate=accumulate, skinny=s)
+                    for w, out in zip(ws, outs)]
+                t, splits, span = gemm.tiled_launch_plan(1, m, N, K, skinny=skinny(variant))
+                print(f"{name:10s} M={m:2d} K={K} N={N} {variant:7s}: {tuple(t)}, "
+                      f"{splits} K splits of {span}, {copies} copies", flush=True)
+                for fn in fns:
+                    fn()
+                g = graph.capture(lambda fns=fns, **_: [fn() for fn in fns], {},
+                                  binding="alias", warmup=0)
                 graphs[name, m, variant] = (g, copies)
     return graphs
 
@@ -145,21 +133,21 @@ def main() -> int:
     if not TOY:
         for t in (gemm.TILE, *gemm.SKINNY):
             describe(f"tiled {t.bm} x {t.bn} (trans_b)", gemm.TILED_KERNELS[(False, True, t)])
-    model = LSTMLM(cfg, random_state_dict(cfg, seed=0), max_batch=B)
+    weights = random_state_dict(cfg, seed=0)
     prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, B).astype(np.int32)
     lstms = {}
-    for name, settings in VARIANTS.items():   # recorded with the variant's switches
+    for name, settings in VARIANTS.items():   # each variant a model of its own arguments
         t0 = time.perf_counter()
-        with switched(settings):
-            g = GraphedLSTM(model, max_batch=B, binding="alias", strategy="exact")
-            g.build_all()
+        model = LSTMLM(cfg, weights, max_batch=B, **settings)
+        g = GraphedLSTM(model, max_batch=B, binding="alias", strategy="exact")
+        g.build_all()
         lstms[name] = g
         print(f"built {name}'s graphs (batch {B}..1) in {time.perf_counter() - t0:.1f} s",
               flush=True)
     for b in LOGIT_BATCHES:   # each variant's graphs launch the tiles its switches choose
-        for name, settings in VARIANTS.items():
-            with switched(settings):
-                want = {gemm.tiled_tile(1, b, n) for n in (4 * cfg.n_hidden, cfg.vocab_size)}
+        for name in VARIANTS:
+            want = {gemm.tiled_tile(1, b, n, skinny(name))
+                    for n in (4 * cfg.n_hidden, cfg.vocab_size)}
             got = recorded_tiles(lstms[name], b)
             print(f"batch {b:2d} {name:7s} graph's tiles: {sorted(map(tuple, got))}", flush=True)
             if got != want:

@@ -70,12 +70,6 @@ def random_state_dict(config: LSTMConfig, seed: int = 0) -> dict[str, np.ndarray
     return out
 
 
-# The gate GEMMs write their K-split partial products and the cell sums them with both biases
-# (kernels.lstm), instead of each GEMM summing its own splits in a reduction launch (4 of the
-# step's 15 launches a token at 2 layers). Off until `dev.ab.ab_lstm_tiles` measures it on a
-# GPU; a one-element list so that the A/B can switch it at run time (graphs capture the
-# launches of the setting they were recorded with).
-SUM_IN_CELL = [False]
 
 
 class LSTMState:
@@ -92,10 +86,22 @@ class LSTMState:
 
 
 class LSTMLM:
+    """The LSTM LM's step. Two variants, off until their A/B (dev.ab.ab_lstm_tiles) runs on
+    a GPU, read only here:
+
+    sum_in_cell   the gate GEMMs write their K-split partial products and the cell sums them
+                  with both biases (kernels.lstm), instead of each GEMM summing its own splits
+                  in a reduction launch (4 of the step's 15 launches a token at 2 layers);
+    skinny_tiles  the tiled GEMMs of 9..32 rows take kernels.gemm's skinny tiles.
+    """
+
     def __init__(self, config: LSTMConfig, state_dict, *, max_batch: int,
-                 allow_nonfinite: bool = False):
+                 allow_nonfinite: bool = False, sum_in_cell: bool = False,
+                 skinny_tiles: bool = False):
         params = load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite)
         self.config = config
+        self.sum_in_cell = _check.flag("sum_in_cell", sum_in_cell)
+        self.skinny = _check.flag("skinny_tiles", skinny_tiles)
         self.max_batch = _check.positive("max_batch", max_batch)
         w = {k: cuda.to_device(v) for k, v in params.items()}
         self.embedding = w["embedding.weight"]
@@ -120,23 +126,26 @@ class LSTMLM:
                         stream=stream)   # (views made once: the same objects every step)
         for k, (w_ih, b_ih, w_hh, b_hh) in enumerate(self.layers):
             # gates = x @ W_ih.T + b_ih + h @ W_hh.T + b_hh
-            if SUM_IN_CELL[0]:   # both products' K splits, summed by the cell with the biases
-                s_x = gemm.split_count(B, 4 * H, x.shape[1], trans_b=True)
-                s_h = gemm.split_count(B, 4 * H, H, trans_b=True)
+            if self.sum_in_cell:   # both products' K splits, summed by the cell, biases too
+                s_x = gemm.split_count(B, 4 * H, x.shape[1], trans_b=True, skinny=self.skinny)
+                s_h = gemm.split_count(B, 4 * H, H, trans_b=True, skinny=self.skinny)
                 part = empty((s_x + s_h, B, 4 * H), np.float32, f"l{k}.gate_partials",
                              owner=self)
-                gemm.split_products(x, w_ih, rows(part, 0, s_x), trans_b=True, stream=stream)
+                gemm.split_products(x, w_ih, rows(part, 0, s_x), trans_b=True, stream=stream,
+                                    skinny=self.skinny)
                 gemm.split_products(state.h[k], w_hh, rows(part, s_x, s_x + s_h),
-                                    trans_b=True, stream=stream)
+                                    trans_b=True, stream=stream, skinny=self.skinny)
                 lstm.lstm_cell(part, state.c[k], state.h[k], state.c[k], biases=(b_ih, b_hh),
                                stream=stream)
             else:   # the second gemm accumulating, each gemm reducing its own splits
                 gates = empty((B, 4 * H), np.float32, f"l{k}.gates", owner=self)
-                gemm.gemm(x, w_ih, gates, bias=b_ih, trans_b=True, stream=stream)
+                gemm.gemm(x, w_ih, gates, bias=b_ih, trans_b=True, stream=stream,
+                          skinny=self.skinny)
                 gemm.gemm(state.h[k], w_hh, gates, bias=b_hh, trans_b=True, accumulate=True,
-                          stream=stream)
+                          stream=stream, skinny=self.skinny)
                 lstm.lstm_cell(gates, state.c[k], state.h[k], state.c[k], stream=stream)
             x = state.h[k]  # (B, H): the next layer's input
         logits = empty((B, V), np.float32, "logits", owner=self)
-        gemm.gemm(x, self.decoder_w, logits, bias=self.decoder_b, trans_b=True, stream=stream)
+        gemm.gemm(x, self.decoder_w, logits, bias=self.decoder_b, trans_b=True, stream=stream,
+                  skinny=self.skinny)
         return logits
