@@ -61,7 +61,7 @@ def test_prefill_then_decode_matches_reference(config, batch, prompt_len, decode
 def test_decode_sums_qkvs_partials_in_attention(most, monkeypatch):
     """Decode on the tile kernel: qkv's projection writes its K-split partials and attention
     sums them with the bias (the planned count, and the most the tile takes); the logits
-    equal the reference's, and with the switch off (a whole qkv) too."""
+    equal the reference's. (The whole-qkv path: tests/test_self_attention.py, tile=False.)"""
     from kernels import attention, gemm
     # (K must span two batches of the split kernel's loads: 8 rows simulated, 64 on a GPU)
     C, H = (32, 2) if backend.SIMULATOR else (128, 4)   # (head dims of 16 and 32: the tile's)
@@ -79,15 +79,13 @@ def test_decode_sums_qkvs_partials_in_attention(most, monkeypatch):
     real = attention.attention
     monkeypatch.setattr(attention, "attention",
                         lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
-    for sums in (True, False):
-        monkeypatch.setattr(attention, "SUM_PARTIALS", [sums])
-        model = GPT2(config, sd, max_batch=2, max_tokens=2)
-        cache = KVCache(config, 2, 4)
-        model.step(tokens_dev(seq[:, :2]), pos_dev(0), cache)
-        seen.clear()
-        logits = model.step(tokens_dev(seq[:, 2:]), pos_dev(2), cache)
-        np.testing.assert_allclose(logits.copy_to_host()[:, 0], want[:, 2], **LOGIT_TOL)
-        assert seen == [(parts, 2, 1, 3 * C) if sums else (2, 1, 3 * C)]
+    model = GPT2(config, sd, max_batch=2, max_tokens=2)
+    cache = KVCache(config, 2, 4)
+    model.step(tokens_dev(seq[:, :2]), pos_dev(0), cache)
+    seen.clear()
+    logits = model.step(tokens_dev(seq[:, 2:]), pos_dev(2), cache)
+    np.testing.assert_allclose(logits.copy_to_host()[:, 0], want[:, 2], **LOGIT_TOL)
+    assert seen == [(parts, 2, 1, 3 * C)]
     assert not most or parts > 1
 
 

@@ -14,22 +14,9 @@ from proto.backend import cuda, empty, jit, launch
 from proto.graph import plan as planner
 from proto.graph.plan import Block, Plan, PlanError
 from tests.helpers import dev
+from tests.test_plan import add_kernel, scale_kernel
 
 N = 4   # elements of every temporary: one thread each
-
-
-@jit("void(float32[::1], float32[::1], float32)", writes=("out",))
-def scale_kernel(x, out, a):
-    i = cuda.grid(1)
-    if i < out.size:
-        out[i] = a * x[i]
-
-
-@jit("void(float32[::1], float32[::1], float32[::1])", writes=("out",))
-def add_kernel(x, y, out):
-    i = cuda.grid(1)
-    if i < out.size:
-        out[i] = x[i] + y[i]
 
 
 @jit("void(float32[::1], float32[::1])", writes=("acc",))
