@@ -1,5 +1,6 @@
 # Two commands from a fresh clone (see README):
-#   make test      create .venv, install, run every test (simulator without a GPU) + PTX compile check
+#   make test      create .venv, install, run the tests but the slow ones (simulator without a GPU)
+#                  + PTX compile check; make test-all runs every test (CI does)
 #   make figures   create .venv if missing, run every experiment, write results/ and figures/
 # On a machine whose python3 already has the packages (the GPU machine): make test VENV=
 PYTHON ?= python3
@@ -11,7 +12,7 @@ STAMP := $(if $(VENV),$(VENV)/.installed,)
 # GPU one process: tests that read the device's free memory must not share it.
 PYTEST_ARGS ?= $(if $(and $(VENV),$(filter sim,$(PROTO_BACKEND))),-n 2,)
 
-.PHONY: test figures compile-check gpu-lane sanitize clean
+.PHONY: test test-all figures compile-check gpu-lane sanitize clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow"
+	@$(MAKE) --no-print-directory compile-check PY=$(PY)
+
+test-all: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory compile-check PY=$(PY)
 

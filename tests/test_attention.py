@@ -228,6 +228,7 @@ def test_gather_batch_moves_stacked_caches_alike(lead, B, n, bad_index, seed):
 
 @given(B=st.integers(1, 4), T=st.integers(1, 2), pos=st.integers(0, 20), bad=st.booleans(),
        hd=st.sampled_from([8, 21]), seed=st.integers(0, 2**16))
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_rows_read_each_position_from_its_row(B, T, pos, bad, hd, seed):
     """With a table of rows (beam search's KVCache.pair), position p < pos of sequence b is
     read from cache row rows[b, p]: the result is the float64 reference over a cache whose

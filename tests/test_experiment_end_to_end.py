@@ -4,10 +4,12 @@ README quotes. Results go to a temporary folder (a GPU test run never overwrites
 The decode step alone is timed (and on a GPU profiled) in a child process: this one must never
 start torch.profiler, whose CUPTI beside Numba's context aborted the interpreter at exit."""
 import numpy as np
+import pytest
 
 from experiments import common, end_to_end, step_profile
 
 
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     def no_profiling_here(replay, n=20):
         raise AssertionError("torch.profiler ran in the test process, not in the child")

@@ -78,6 +78,7 @@ def test_the_summary_divides_graph_memory_and_checks_the_breakdown():
 
 
 @pytest.mark.skipif(not backend.SIMULATOR, reason="the toy size is the simulator's")
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_graph_memory_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "ROOT", tmp_path)
     graph_memory.run("toy")

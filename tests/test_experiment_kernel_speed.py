@@ -1,9 +1,12 @@
 """The kernel_speed experiment at toy size: it runs every kernel (ours, plus PyTorch where
 present), writes its CSV, summary and figure, and the summary carries the headline keys.
 Results go to a temporary folder, so a GPU test run never overwrites full-size results."""
+import pytest
+
 from experiments import common, kernel_speed
 
 
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "ROOT", tmp_path)
     kernel_speed.run("toy")

@@ -8,6 +8,7 @@ from proto import backend
 
 
 @pytest.mark.skipif(not backend.SIMULATOR, reason="the toy size is the simulator's")
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_search_loop_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "ROOT", tmp_path)
     search_loop.run("toy")

@@ -83,6 +83,7 @@ def test_greedy_matches_reference(config, batch, prompt_len, new, eos_rank, time
 @given(config=gpt2_configs(), beam=st.integers(1, 5), prompt_len=st.integers(1, 3),
        new=st.integers(1, 3), eos_rank=st.sampled_from([None, 0, 1, 2]),
        seed=st.integers(0, 2**16))
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_beam_search_matches_reference(config, beam, prompt_len, new, eos_rank, seed):
     prompt, logits_fn, step, model = _search_setup(config, seed, (prompt_len,))
     eos = _eos_of_rank(logits_fn, prompt, eos_rank)

@@ -41,6 +41,7 @@ def pos_dev(p: int):
                                                    # sum normalizes for ln_1 and then ln_f
 @given(config=gpt2_configs(heads=(1, 2)), batch=st.integers(1, 2), prompt_len=st.integers(1, 3),
        decode=st.integers(1, 2), seed=st.integers(0, 2**16))
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_prefill_then_decode_matches_reference(config, batch, prompt_len, decode, seed):
     """Prefill logits at every position, then each decode step's logits, equal the reference
     forward of the whole prefix: prefill + decode steps = one long prefill."""

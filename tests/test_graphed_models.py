@@ -161,6 +161,7 @@ def check_greedy(model, prompt, new: int, executor=None, combos=COMBOS, build_al
 @settings(max_examples=1)
 @given(config=small_configs(), beam=st.integers(2, 3), prompt_len=st.integers(1, 3),
        new=st.integers(3, 4), seed=st.integers(0, 2**16))
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_every_binding_and_strategy_gives_the_eager_beam_search(config, beam, prompt_len, new,
                                                                  seed):
     model = HistoryDecoder(config, max_batch=beam, max_tokens=prompt_len)

@@ -231,6 +231,7 @@ def _run_beam_topk(logits: np.ndarray, scores: np.ndarray, k: int):
 
 @given(beams=st.integers(1, 5), spans=st.integers(2, 3), k=st.integers(1, 8),
        levels=st.sampled_from([3, 50, None]), seed=st.integers(0, 2**16))
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_beam_topk_is_log_softmax_plus_scores_then_topk(beams, spans, k, levels, seed):
     """One beam-search step's candidates in two launches give exactly what log_softmax,
     adding each beam's score and topk over the beams x vocab row give (the float32 values

@@ -52,6 +52,7 @@ def test_greedy_advance_sees_a_live_sequence_past_the_first_threads(last_token, 
 
 @given(config=small_configs(), batch=st.integers(1, 3), prompt_len=st.integers(1, 3),
        new=st.integers(1, 4), seed=st.integers(0, 2**16), use_eos=st.booleans())
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_one_graph_generates_what_the_host_loop_does(config, batch, prompt_len, new, seed, use_eos):
     model = HistoryDecoder(config, batch, config.n_positions)
     rng = np.random.default_rng(seed)
@@ -67,6 +68,7 @@ def test_one_graph_generates_what_the_host_loop_does(config, batch, prompt_len, 
             assert got.times.steps == want.times.steps
 
 
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_real_gpt2_in_one_graph_matches_eager_greedy():
     config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=8)
     model = GPT2(config, random_state_dict(config, seed=3), max_batch=2, max_tokens=8)
@@ -133,6 +135,7 @@ def test_beam_advance_matches_reference(beam, vocab, t, limit, eos, best, seed, 
 
 @given(config=small_configs(), beam=st.integers(1, 3), prompt_len=st.integers(1, 3),
        new=st.integers(1, 4), seed=st.integers(0, 2**16), eos_pick=st.integers(-1, 2))
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_one_graph_beam_search_is_the_host_search(config, beam, prompt_len, new, seed, eos_pick):
     model = HistoryDecoder(config, beam, config.n_positions)
     rng = np.random.default_rng(seed)
@@ -149,6 +152,7 @@ def test_one_graph_beam_search_is_the_host_search(config, beam, prompt_len, new,
             assert got.score == want.score and got.times.steps == want.times.steps
 
 
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_real_gpt2_beam_search_in_one_graph_matches_eager():
     config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=8)
     model = GPT2(config, random_state_dict(config, seed=4), max_batch=3, max_tokens=8)
@@ -164,6 +168,7 @@ def test_real_gpt2_beam_search_in_one_graph_matches_eager():
 
 
 @pytest.mark.parametrize("control,unroll", [("predicated", 1), ("predicated", 3), ("host", 16)])
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_every_control_generates_what_the_host_search_does(control, unroll):
     """WHILE node, predicated unroll (a K that divides the passes and one that does not) and
     the host loop: tokens, steps and beam scores equal the eager searches'."""

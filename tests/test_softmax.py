@@ -108,6 +108,7 @@ def test_a_nan_in_the_row_makes_the_row_nan_as_in_numpy():
 
 @given(rows=st.integers(1, 5), cols=st.integers(513, 1500), seed=st.integers(0, 2**16),
        poison=st.sampled_from(["none", "-inf", "nan", "all -inf"]))
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_long_rows_split_over_blocks_match_reference_and_repeat_bit_for_bit(rows, cols, seed,
                                                                             poison, scale):
     """Rows as long as a vocabulary (the beam search's 5 x 50257) are scanned by several

@@ -218,6 +218,7 @@ def test_tape_lifetimes_are_explicit():
 @pytest.mark.parametrize("convolution, front_splits",
                          [("direct", 1), ("winograd", 1),
                           ("direct" if backend.SIMULATOR else "winograd", 2)])
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_tape_step_matches_numpy_reference(convolution, front_splits):
     """The whole step on the device, op by op, each op seeing only what it declares (Winograd's
     workspaces too: written whole, never read by another op); with the first block in two

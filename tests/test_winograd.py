@@ -38,6 +38,7 @@ def _workspace(c):
 
 
 @given(data=st.data())
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_forward_matches_the_direct_reference_in_chunks_of_any_size(data, scale):
     c = data.draw(cases(scale))
     rng = np.random.default_rng(c["seed"])
@@ -60,6 +61,7 @@ def _bwd_data_case(c):
 
 
 @given(data=st.data())
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_backward_data_matches_the_direct_reference(data, scale):
     c = data.draw(cases(scale))
     _, x_shape, w, dy = _bwd_data_case(c)
@@ -69,6 +71,7 @@ def test_backward_data_matches_the_direct_reference(data, scale):
 
 
 @given(data=st.data())
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_backward_data_through_a_relu_goes_over_its_output(data, scale):
     c = data.draw(cases(scale))
     rng, x_shape, w, dy = _bwd_data_case(c)
@@ -139,6 +142,7 @@ def test_bad_input_is_refused_before_any_launch():
 
 
 @given(data=st.data())
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_backward_weight_matches_the_direct_reference_summed_over_chunks(data, scale):
     c = data.draw(cases(scale))
     rng = np.random.default_rng(c["seed"])
