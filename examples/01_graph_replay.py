@@ -8,8 +8,9 @@ it as a graph hands the driver the whole list in one call.
 """
 import numpy as np
 
-from proto import backend, graph, timing
-from proto.backend import cuda, jit, launch
+from proto.device import backend, timing
+from proto import graph
+from proto.device.backend import cuda, jit, launch
 
 
 @jit("void(float32[::1], float32)", writes=("x",))

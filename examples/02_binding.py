@@ -10,7 +10,7 @@ producer write straight into the placeholder, so binding moves nothing and patch
 import numpy as np
 
 from proto import graph
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 
 
 @jit("void(float32[::1], float32[::1], float32[::1])", writes=("out",))

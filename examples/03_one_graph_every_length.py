@@ -10,7 +10,7 @@ log2(L) with padding (`bucket`), or one when the kernels read the length from de
 import numpy as np
 
 from proto import graph, shapes
-from proto.backend import cuda, empty, jit, launch
+from proto.device.backend import cuda, empty, jit, launch
 
 
 @jit("void(float32[:, ::1], int32[::1], float32[:, ::1])", writes=("out",))

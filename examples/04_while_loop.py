@@ -10,7 +10,7 @@ has a bound on its passes.
 import numpy as np
 
 from proto import graph
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 
 
 @jit("void(int32[::1], float32[::1], int32[::1])", writes=("counter", "total", "flag"))

@@ -1,6 +1,6 @@
 """6. The memory planner: a graph's temporaries in one arena, and one arena for many graphs.
 
-A recorded function takes its temporaries from `proto.backend.empty`; recording makes each a
+A recorded function takes its temporaries from `proto.device.backend.empty`; recording makes each a
 buffer of the graph's description, live from the first node that touches it to the last.
 Buffers whose lifetimes do not meet can share bytes, so the planner places them in one arena
 (`capture(..., planned=True)`, the default). Three numbers say how well: the sum of the
@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from proto import graph
-from proto.backend import cuda, empty, jit, launch
+from proto.device.backend import cuda, empty, jit, launch
 from proto.graph import plan as planner
 
 

@@ -12,7 +12,7 @@ import importlib
 import sys
 import time
 
-from proto import backend
+from proto.device import backend
 
 EXPERIMENTS = ["launch_overhead", "kernel_speed", "end_to_end", "search_loop", "graph_memory",
                "autovm"]

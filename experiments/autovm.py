@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 from experiments import common
-from proto import backend, timing
+from proto.device import backend, timing
 from proto.models import vgg
 from proto.vm import (BudgetError, Executor, Liveness, Link, ManagedExecutor, PagingExecutor,
                       estimate_seconds, measure_link, plan, plan_for_pages)

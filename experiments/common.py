@@ -18,7 +18,7 @@ import platform
 import subprocess
 import sys
 
-from proto import backend
+from proto.device import backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REPO = ROOT   # the checkout (ROOT is where results go; tests point it elsewhere)

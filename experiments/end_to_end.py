@@ -50,7 +50,7 @@ import numpy as np
 
 from experiments import common
 from experiments.step_profile import step_spec, step_timings
-from proto import backend, timing
+from proto.device import backend, timing
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
 from proto.models.graphed import GraphedGPT2

@@ -68,8 +68,8 @@ import time
 import numpy as np
 
 from experiments import common, isolate
-from proto import backend, timing
-from proto.backend import cuda
+from proto.device import backend, timing
+from proto.device.backend import cuda
 
 NAME = "graph_memory"
 GRAPE_REPORTED = 36.43   # Grape's headline: up to this much less GPU memory than PtGraph
@@ -451,7 +451,7 @@ def _pt_lstm(method, cfg, meter) -> dict:
 def driver_probe(graphs: int, nodes: int) -> dict:
     """N graphs of K kernel nodes of a trivial kernel, each its own executable, uploaded
     (launched once): the drop in free memory, in this (fresh) process."""
-    from proto.backend import jit
+    from proto.device.backend import jit
     from proto.graph import capture
 
     @jit("void(float32[::1])", writes=("x",))

@@ -1,7 +1,7 @@
 """Kernel speed: every kernel at GPT-2-sized shapes against a measured bound and PyTorch.
 
 For each kernel (ours, and the same op in PyTorch when torch and a GPU are present), timed
-with proto.timing.bench, L2 flushed before each run so data comes from HBM as in a model
+with proto.device.timing.bench, L2 flushed before each run so data comes from HBM as in a model
 step where other layers' weights evicted it:
   median_us  the op replayed inside a graph (proto.graph; torch.cuda.CUDAGraph for PyTorch),
              as a model step runs it: the kernel's own time plus the graph's per-node gaps.
@@ -59,8 +59,9 @@ import numpy as np
 
 from experiments import common
 from kernels import elementwise, embedding, gemm, layernorm, mlp, softmax
-from proto import backend, graph, timing
-from proto.backend import cuda
+from proto.device import backend, timing
+from proto import graph
+from proto.device.backend import cuda
 
 NAME = "kernel_speed"
 HEADLINE = "gemm_decode_nt"

@@ -2,8 +2,8 @@
 
 N copies of a tiny kernel (one block; each adds 1 to a small array, so the GPU work is nearly
 nothing and the time is the launch path) are run for N = 1 .. 1000:
-  numba_eager   N eager launches through proto.backend.launch (the overlap check, then
-                proto.launcher: the kernel's flat parameters, remembered per array object,
+  numba_eager   N eager launches through proto.device.backend.launch (the overlap check, then
+                proto.device.launcher: the kernel's flat parameters, remembered per array object,
                 to cuda.core's launch; before it, Numba's own launch), timed end to end with
                 a final sync (bench_host);
   numba_graph   the same N launches recorded by proto.graph and replayed as one CUDA graph
@@ -22,8 +22,9 @@ from __future__ import annotations
 import numpy as np
 
 from experiments import common
-from proto import backend, graph, timing
-from proto.backend import cuda, jit, launch
+from proto.device import backend, timing
+from proto import graph
+from proto.device.backend import cuda, jit, launch
 
 NAME = "launch_overhead"
 COUNTS = {"toy": [1, 2, 5, 10, 20], "full": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]}

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments import common
-from proto import timing
+from proto.device import timing
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
 from proto.models.graphed import GraphedGPT2

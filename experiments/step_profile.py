@@ -39,7 +39,7 @@ import traceback
 import numpy as np
 
 from experiments import common
-from proto import timing
+from proto.device import timing
 from proto.graph.cuda import early_launch_off
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
 from proto.models.graphed import GraphedGPT2

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from experiments import common
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from proto.models import generate
 from proto.models.gpt2 import LN_EPS, GPT2Config, KVCache, load_state_dict
 

@@ -1,14 +1,14 @@
 """Numba CUDA kernels, one module per op family, each beside its NumPy reference (`*_ref`).
 
 Every public launcher validates its arguments (kernels._check) before launching through
-proto.backend.launch, so a graph recorder can capture it. The rules every launcher keeps:
+proto.device.backend.launch, so a graph recorder can capture it. The rules every launcher keeps:
 
 - **Bad arguments fail before any launch**, with an error that names the argument and shows
   expected against actual (wrong type, dtype, shape, layout, an empty array, a bool or a
   float where an integer goes; NumPy integer and float scalars are numbers like any other).
 - **An output never overlaps another argument.** Each kernel declares the parameters it
-  writes (`proto.backend.jit(writes=..., in_place=...)`) and every launch checks them
-  (`proto.backend.check_writes`); a launcher of several kernels checks all its outputs
+  writes (`proto.device.backend.jit(writes=..., in_place=...)`) and every launch checks them
+  (`proto.device.backend.check_writes`); a launcher of several kernels checks all its outputs
   against all its arguments before the first launch (`_check.separate`). The one exception
   is an exact in-place pair a launcher documents ("out may be x").
 - **Out-of-range values read on the device give NaN or a flag, never an out-of-bounds

@@ -10,8 +10,8 @@ import functools
 
 import numpy as np
 
-from proto.backend import extent, is_device_array
-from proto.memo import PerObject
+from proto.device.backend import extent, is_device_array
+from proto.device.memo import PerObject
 
 _passed = PerObject()   # (dtype, shape, ndim) an array object has passed device_array with
 
@@ -127,7 +127,7 @@ def same_shape(names_arrays) -> None:
 def resident_blocks(kernel, threads: int) -> int:
     """How many blocks of `kernel` (`threads` each) the whole device runs at once: one wave.
     2 on the simulator (one block at a time there; 2 still exercises grid strides)."""
-    from proto.backend import SIMULATOR
+    from proto.device.backend import SIMULATOR
     if SIMULATOR:
         return 2
     return next(iter(kernel.overloads.values())).max_cooperative_grid_blocks(threads)
@@ -136,7 +136,7 @@ def resident_blocks(kernel, threads: int) -> int:
 @functools.cache
 def sm_count() -> int:
     """The device's SMs (2 on the simulator)."""
-    from proto.backend import SIMULATOR, cuda
+    from proto.device.backend import SIMULATOR, cuda
     return 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
@@ -150,7 +150,7 @@ def grid_stride_launch(n: int, threads: int = 256) -> tuple[int, int]:
     """(blocks, threads) for a grid-stride loop over `n` items: enough blocks to cover `n` on
     a GPU (at most 1024). The simulator pays per thread, not per item, so there one block of
     32 threads walks everything."""
-    from proto.backend import SIMULATOR
+    from proto.device.backend import SIMULATOR
     if SIMULATOR:
         return 1, 32
     return max(1, min((n + threads - 1) // threads, 1024)), threads
@@ -159,7 +159,7 @@ def grid_stride_launch(n: int, threads: int = 256) -> tuple[int, int]:
 
 def separate(outputs: dict, others: dict) -> None:
     """Raise ValueError, naming both, if a named output overlaps another output or any array
-    in `others`. For launchers of several kernels: proto.backend.launch checks each launch's
+    in `others`. For launchers of several kernels: proto.device.backend.launch checks each launch's
     own arguments, but an output of one launch can clobber an input of an earlier one (or
     another output), and all of it must be refused before the first launch."""
     named = {**others, **outputs}

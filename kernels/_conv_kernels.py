@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
-from proto.backend import cuda, jit
+from proto.device.backend import cuda, jit
 
 # Hot-loop indices are unsigned (`_u`): Numba guards every signed index against Python's
 # negative indexing (extra instructions and an address register per access); unsigned

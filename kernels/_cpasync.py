@@ -18,7 +18,7 @@ The simulator copies at once (its threads run one Python statement at a time).
 """
 from __future__ import annotations
 
-from proto.backend import SIMULATOR
+from proto.device.backend import SIMULATOR
 
 if SIMULATOR:
     import numpy as np

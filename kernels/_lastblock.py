@@ -10,7 +10,7 @@ attention it measured slower on the H200 than a second launch whose blocks share
 
 Why it is correct: every block makes its writes visible device-wide (threadfence) before it
 counts in with an atomic add; the block that sees the count reach the total is therefore
-after every part in memory order, and it reads the parts through L2 (`proto.backend.ldcg`),
+after every part in memory order, and it reads the parts through L2 (`proto.device.backend.ldcg`),
 because its SM's L1 is not coherent with the other SMs' writes. The combining order is fixed
 by the data (split 0, 1, ...), never by which block came last: results are deterministic.
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 
 COUNTERS = 4096
 # Every counter array ever handed out (graphs keep their addresses). The first is made at

@@ -3,7 +3,7 @@ before it still runs, so its launch, its blocks' start-up and its loads of const
 (weights) overlap its predecessor's tail. A decode step is a chain of ~100 short kernels whose
 fixed cost, not their bytes, sets its time (dev/notes/decode.md); this hides part of it.
 
-A kernel opts in with `proto.backend.jit(..., early_launch=True)` and keeps one rule: before
+A kernel opts in with `proto.device.backend.jit(..., early_launch=True)` and keeps one rule: before
 `wait()` it reads only data no kernel of the graph writes (weights, shapes) and writes
 nothing. `wait()` (PTX griddepcontrol.wait) returns once the predecessor has completed and its
 writes are visible; without a programmatic predecessor (eager launches, the simulator) it
@@ -15,7 +15,7 @@ H200, GPT-2 small's graphed step took 585 us with it against 629 without).
 """
 from __future__ import annotations
 
-from proto.backend import SIMULATOR
+from proto.device.backend import SIMULATOR
 
 if SIMULATOR:   # the simulator runs one kernel at a time: there is nothing to wait for
     def wait():

@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-from proto.backend import SIMULATOR, cuda
+from proto.device.backend import SIMULATOR, cuda
 
 FULL_MASK = 0xFFFFFFFF
 MAX_THREADS = 1024  # threads per block, at most

@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 
 _u = np.uint32   # unsigned shared-memory indices: one base register plus immediate offsets
 # The staged tiles' alignment: the register tile reads 16-byte groups (the simulator takes none).

@@ -41,7 +41,7 @@ Guard: pos is only known on the device. A step that does not fit (pos < 0 or
 pos + T > Tmax) writes nothing to the caches and NaN to every output, so an overflow shows in
 the result instead of corrupting memory. T > Tmax is rejected on the host.
 
-The S > 1 partial results live in scratch from `proto.backend.empty`, read only by the
+The S > 1 partial results live in scratch from `proto.device.backend.empty`, read only by the
 combine launch of the same call.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ import numpy as np
 
 from kernels import _check, _cpasync, _pdl
 from kernels._reduce import shfl_xor, warp_allreduce
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 MAX_HD = 256  # largest head dim
 if not backend.SIMULATOR:

@@ -13,8 +13,8 @@ import pkgutil
 import re
 import sys
 
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 
 
 def float64_instructions(ptx: str) -> list[str]:

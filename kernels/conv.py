@@ -29,8 +29,8 @@ from kernels._conv_kernels import (RELU, RELU_MASK, RELU_NONE, make_conv_kernel,
                                    make_conv_taps_kernel, make_wgrad_kernel,
                                    make_wgrad_taps_kernel, sum_splits_kernel)
 from kernels._tile import Tiles
-from proto import backend
-from proto.backend import cuda, launch
+from proto.device import backend
+from proto.device.backend import cuda, launch
 
 
 # GPU tiles: 256 threads each (but one, below), wide (8x8 outputs a thread: 64 FMAs per 16
@@ -342,7 +342,7 @@ def _main(argv=None):
     (cuDNN, TF32 off) when it is installed:  python -m kernels.conv [batch] [image_size]"""
     import sys
 
-    from proto import timing
+    from proto.device import timing
     argv = sys.argv[1:] if argv is None else argv
     batch, size = (int(argv[0]) if argv else 32), (int(argv[1]) if len(argv) > 1 else 224)
     rng = np.random.default_rng(0)

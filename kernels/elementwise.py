@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from kernels import _check
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 
 THREADS = 256
 GELU_C = math.sqrt(2.0 / math.pi)

@@ -15,8 +15,8 @@ import numpy as np
 
 from kernels import _check
 from kernels._reduce import block_layernorm_row, load_ln_params
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 MAX_THREADS = 256 if not backend.SIMULATOR else 32
 LN_COLS = 8   # row values a thread holds for the fused layer norm: C <= LN_COLS * MAX_THREADS

@@ -71,8 +71,8 @@ from kernels import _check, _pdl
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 ACTS = {None: 0, "gelu": 1, "relu": 2}
 _ZERO = np.float32(0.0)

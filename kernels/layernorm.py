@@ -19,8 +19,8 @@ import numpy as np
 from kernels import _check
 from kernels._reduce import (WARP_ELEMS, block_allreduce, warp_allreduce, warp_elems, warp_grid,
                              warp_row)
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 MAX_THREADS = 256 if not backend.SIMULATOR else 32  # simulated threads cost ~1 ms each
 MIN_THREADS = 32 if not backend.SIMULATOR else 1    # a warp reads a row segment coalesced

@@ -11,8 +11,8 @@ import numpy as np
 
 from kernels import _check
 from kernels.gemm import gemm
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 
 # ---------------------------------------------------------------------------- references

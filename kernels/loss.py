@@ -19,7 +19,7 @@ import numpy as np
 
 from kernels import _check
 from kernels._reduce import block_reduce
-from proto.backend import SIMULATOR, cuda, jit, launch
+from proto.device.backend import SIMULATOR, cuda, jit, launch
 
 MAX_THREADS = 256
 MIN_THREADS = 4 if SIMULATOR else 32

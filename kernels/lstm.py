@@ -16,8 +16,8 @@ import math
 import numpy as np
 
 from kernels import _check
-from proto import backend
-from proto.backend import cuda, jit, launch, reshaped
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch, reshaped
 
 THREADS = 256
 HALF = np.float32(0.5)
@@ -93,7 +93,7 @@ def lstm_cell(gates, c_prev, h_out, c_out, *, biases=(), stream=0) -> None:
     (the K splits of the gate GEMMs), added in order, then each of `biases` (at most two
     (4H,) arrays, e.g. b_ih, b_hh) in order. c_prev, h_out, c_out (B, H). c_out may be
     c_prev (in place: each element is read and written by one thread); no other overlap of
-    an output with any argument is allowed (checked at launch, proto.backend.check_writes).
+    an output with any argument is allowed (checked at launch, proto.device.backend.check_writes).
     """
     _check.device_array("c_prev", c_prev, ndim=2)
     B, H = c_prev.shape

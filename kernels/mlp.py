@@ -52,8 +52,8 @@ from kernels import _check, _pdl, gemm
 from kernels._lastblock import count_in, launch_counters
 from kernels._reduce import block_layernorm_row, load_ln_params, shfl_xor
 from kernels.elementwise import gelu_f32
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 _u = np.uint32    # 32-bit index math (see kernels.gemm)
 _ZERO = np.float32(0.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 
 LANES = 8    # independent accumulators per thread
 ROUNDS = 16  # FMAs on each per loop pass

@@ -79,7 +79,7 @@ def _ptxas(ptx: str, cc: tuple) -> str:
 
 
 def main(argv=None, cc=(9, 0)) -> int:
-    from proto import backend
+    from proto.device import backend
     if not backend.PTX_ONLY:
         sys.exit("run with PROTO_BACKEND=ptx (compile only, no device needed)")
     if shutil.which("ptxas") is None:

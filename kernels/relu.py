@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 
 
 # ---------------------------------------------------------------------------- references

@@ -27,8 +27,8 @@ import numpy as np
 from kernels import _check, softmax
 from kernels._lastblock import count_in, launch_counters
 from kernels._reduce import FULL_MASK, converged_syncthreads
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 KMAX = 8                  # local arrays are sized by this; k is a runtime argument up to it
 MAX_THREADS = 256         # shared merge slots are sized for this many threads
@@ -608,7 +608,7 @@ def beam_advance(values, indices, vocab: int, scores, tokens, parents, hist_src,
 
 # ---------------------------------------------------------------------------- check, then time
 if __name__ == "__main__":
-    from proto.timing import bench
+    from proto.device.timing import bench
 
     rng = np.random.default_rng(0)
     for R, V, k in ((1, 5 * 50257, 5), (5, 50257, 1), (1, 5 * 50257, 8)):

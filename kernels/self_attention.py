@@ -11,7 +11,7 @@ kernel that needs none took 8 us to read the 7 MB weight. Otherwise (prefill, lo
 splits) `gemm.gemm` writes qkv and attention reads it. On the H200 the first way took 5% off
 GPT-2 small's step and off a whole generation (results/h200/profiles/ab_qkv_partials_*.txt).
 
-qkv (or its partials) is scratch of this call (`proto.backend.empty`): inside a recorded
+qkv (or its partials) is scratch of this call (`proto.device.backend.empty`): inside a recorded
 graph, a buffer of the description that the memory planner places.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check, attention, gemm
-from proto import backend
+from proto.device import backend
 
 
 def self_attention(x, w, bias, k_cache, v_cache, pos, out, *, n_head, rows=None,

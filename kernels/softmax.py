@@ -20,8 +20,8 @@ from kernels import _check
 from kernels._reduce import (WARP_ELEMS, block_allreduce, converged_syncthreads, warp_allreduce,
                              warp_elems, warp_grid, warp_row)
 from kernels.layernorm import ELEMS_PER_THREAD, block_threads
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 MAX_THREADS = 1024 if not backend.SIMULATOR else 32  # vocab-wide rows want the full block
 _NEG_INF = np.float32(-np.inf)

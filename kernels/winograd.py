@@ -50,8 +50,8 @@ from kernels import _check, gemm
 from kernels._conv_kernels import RELU, RELU_MASK, RELU_NONE
 from kernels._reduce import block_allreduce
 from kernels.conv import conv_out_size
-from proto import backend
-from proto.backend import cuda, jit, launch
+from proto.device import backend
+from proto.device.backend import cuda, jit, launch
 
 M = 4            # outputs a tile has on a side: F(4x4, 3x3)
 ALPHA = M + 2    # ... and input (and transformed) values on a side

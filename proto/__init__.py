@@ -1,1 +1,2 @@
-"""The runtime: backend choice, graphs, binding, shapes, memory, models."""
+"""The runtime (graphs, binding, shapes, memory, models, AutoVM) over the device layer
+(proto.device: backend choice, launches, the timer)."""

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kernels import _check
-from proto import backend
+from proto.device import backend
 
 STRATEGIES = ("exact", "bucket", "device")
 

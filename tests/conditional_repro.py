@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 from proto import graph
-from proto.backend import cuda, empty, jit, launch
+from proto.device.backend import cuda, empty, jit, launch
 from tests.test_control import Loop, add_kernel, countdown_kernel
 
 CASES = ("while", "if", "nested", "while_wide", "while_temp")

@@ -1,7 +1,7 @@
 """Test set-up: force the simulator unless a GPU run is asked for, hypothesis profiles,
 shapes scaled to the device, and the `gpu` marker.
 
-- `pytest`                      -> simulator unless a GPU is present (proto.backend decides)
+- `pytest`                      -> simulator unless a GPU is present (proto.device.backend decides)
 - `PROTO_BACKEND=sim pytest`    -> simulator even on a GPU machine
 - `HYPOTHESIS_PROFILE=dev`      -> more examples; `ci` (default) is small and derandomized
 """
@@ -13,7 +13,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
-from proto import backend  # noqa: F401  (chooses the backend before numba is imported)
+from proto.device import backend  # noqa: F401  (chooses the backend before numba is imported)
 
 settings.register_profile(
     "ci", max_examples=8, deadline=None, derandomize=True, print_blob=True,

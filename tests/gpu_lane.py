@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     files = test_files()
     phase1 = shards(files, args.shards)   # (refuses a bad --shards before anything runs)
-    from proto import backend
+    from proto.device import backend
     if backend.SIMULATOR:
         sys.exit("gpu_lane: needs a real CUDA device (on the simulator run `make test`)")
     from experiments.common import provenance, results_dir

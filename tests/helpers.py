@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.backend import cuda
+from proto.device.backend import cuda
 
 # float32 kernels against float64-accumulated NumPy references. Sums of K products carry
 # rounding ~ sqrt(K) * eps32 * |terms|; atol 1e-5 + rtol 1e-4 covers K up to a few thousand

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=900.0,
                     help="seconds for the whole run; files not started by then are not run")
     args = ap.parse_args(argv)
-    from proto import backend
+    from proto.device import backend
     if backend.SIMULATOR:
         sys.exit("sanitize: needs a real CUDA device (compute-sanitizer checks GPU code)")
     from experiments.common import provenance, results_dir

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph
-from proto.backend import address, device_copy, launch
+from proto.device.backend import address, device_copy, launch
 from proto.graph import binding, default_executor
 from proto.graph.binding import MODES, ReplayStats, Slot, input_slots
 from tests.helpers import dev, rand
@@ -186,7 +186,7 @@ def test_binder_rejects_unknown_mode():
 def test_driver_stream_takes_the_default_stream_and_both_kinds_of_numba_handle():
     import ctypes
     import types
-    from proto.backend import driver_stream
+    from proto.device.backend import driver_stream
     assert int(driver_stream(0)) == 0 and int(driver_stream(None)) == 0
     assert int(driver_stream(types.SimpleNamespace(handle=12345))) == 12345
     assert int(driver_stream(types.SimpleNamespace(handle=ctypes.c_void_p(678)))) == 678

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from proto import backend, graph
+from proto.device import backend
+from proto import graph
 from proto.graph.cuda import conditional_nodes_switched_off
 from proto.graph.ir import Conditional, KernelLaunch
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 from tests.helpers import dev
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import conv
-from proto.backend import cuda
+from proto.device.backend import cuda
 from tests.helpers import dev, rand, relu_output
 
 EPS32 = float(np.finfo(np.float32).eps)

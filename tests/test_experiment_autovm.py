@@ -4,7 +4,7 @@ Results go to a temporary folder, so a GPU test run never overwrites full-size r
 import pytest
 
 from experiments import autovm, common
-from proto import backend
+from proto.device import backend
 
 
 @pytest.mark.skipif(not backend.SIMULATOR, reason="the toy size is the simulator's")

@@ -82,7 +82,7 @@ def test_kernel_families_name_the_h200_profiles_kernels():
         "kernels::softmax::log_softmax_partials_kernel[abi:v1]": "beam top-k",
         "kernels::sampling::beam_choose_kernel[abi:v1]": "beam choice",
         "proto::graph::cuda::continue_loop[abi:v1]": "loop control",
-        # the WHILE profile's predicated twins (proto.backend.predicated) and scope kernels
+        # the WHILE profile's predicated twins (proto.device.backend.predicated) and scope kernels
         "kernels::sampling::predicated_beam_topk_kernel[abi:v2]": "beam top-k",
         "kernels::attention::predicated_attention_combine_kernel[abi:v3]": "attention combine",
         "proto::graph::predicate::pass_scope_kernel[abi:v4]": "loop control",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from experiments import common, graph_memory, isolate
-from proto import backend
+from proto.device import backend
 from proto.models import reference
 from proto.models.lstm import LSTMConfig, random_state_dict
 

@@ -4,7 +4,7 @@ summary and figure carry what the README quotes. Results go to a temporary folde
 import pytest
 
 from experiments import common, search_loop
-from proto import backend
+from proto.device import backend
 
 
 @pytest.mark.skipif(not backend.SIMULATOR, reason="the toy size is the simulator's")

@@ -13,8 +13,8 @@ from hypothesis import assume, given, settings, strategies as st
 
 from kernels import _check, gemm as G
 from kernels.layernorm import layernorm_ref
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from tests.helpers import assert_close, dev, rand, split_counts, split_span
 
 FLAGS = list(itertools.product([False, True], [False, True], [None, "gelu", "relu"],

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from proto.backend import cuda
+from proto.device.backend import cuda
 from proto.models import generate, reference
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
 from tests.test_gpt2 import gpt2_configs

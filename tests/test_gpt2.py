@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from proto.models import reference
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, load_state_dict, random_state_dict
 from tests.helpers import dev, split_counts

@@ -4,7 +4,7 @@ shard of its own, the rest balanced by size; pytest's last lines are summed."""
 import pytest
 from hypothesis import given, strategies as st
 
-from proto import backend
+from proto.device import backend
 from tests import gpu_lane as L
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 from proto.graph import default_executor
 from proto.graph.binding import MODES
 from proto.graph.ir import Copy, KernelLaunch

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph, shapes
-from proto.backend import cuda, launch
+from proto.device.backend import cuda, launch
 from proto.graph.binding import MODES, Slot
 from proto.graph.cuda import CudaExecutor, SharedExecutables
 from tests.helpers import assert_close, dev, rand
@@ -204,7 +204,7 @@ def test_a_planned_graph_shares_its_tape_and_equals_an_unplanned_one():
     """Temporaries from `empty` placed in one arena: the same name has one address in every
     graph of the tape, the arena is what the largest graph needs, and replays equal private
     buffers bit for bit."""
-    from proto.backend import empty
+    from proto.device.backend import empty
     from kernels import elementwise
 
     def fn(x, rows):

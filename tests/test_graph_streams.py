@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 from proto.graph import default_executor
 from tests.helpers import dev
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from proto import shapes
-from proto.backend import cuda, empty, jit, launch
+from proto.device.backend import cuda, empty, jit, launch
 from proto.graph.binding import MODES
 from proto.graph.walk import WalkExecutor
 from proto.models import generate

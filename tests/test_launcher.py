@@ -1,4 +1,4 @@
-"""proto.launcher on a real GPU: the flat parameters it builds are Numba's, a launch through it
+"""proto.device.launcher on a real GPU: the flat parameters it builds are Numba's, a launch through it
 computes what Numba's launch computes, a wrong argument is refused before anything runs, and
 it costs less host time than Numba's launch (the reason it exists).
 
@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from proto import launcher
-from proto.backend import cuda, jit
+from proto.device import launcher
+from proto.device.backend import cuda, jit
 
 pytestmark = pytest.mark.gpu
 

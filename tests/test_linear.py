@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import linear as fc
-from proto.backend import cuda
+from proto.device.backend import cuda
 from tests.helpers import dev, rand
 
 EPS32 = float(np.finfo(np.float32).eps)

@@ -9,7 +9,7 @@ import pytest
 
 from kernels import _check
 from proto import graph
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 from proto.models import checked_params, vgg
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
 from proto.tape import TensorSpec

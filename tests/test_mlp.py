@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import mlp as K
-from proto import backend
+from proto.device import backend
 from tests.helpers import dev, rand
 
 

@@ -19,8 +19,8 @@ from hypothesis import given, strategies as st
 
 from kernels import (attention, conv, elementwise, embedding, gemm, layernorm, linear,
                      loss, lstm, pool, relu, sampling, sgd, softmax)
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 
 I32, F32 = np.int32, np.float32
 

@@ -3,7 +3,7 @@ dead code), checked against NumPy float32 arithmetic."""
 import numpy as np
 
 from kernels import peak
-from proto.backend import cuda
+from proto.device.backend import cuda
 
 
 def test_the_fma_loop_does_the_flops_it_reports():

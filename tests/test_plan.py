@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph
-from proto.backend import address, cuda, empty, jit, launch
+from proto.device.backend import address, cuda, empty, jit, launch
 from proto.graph import plan as planner
 from proto.graph.plan import ALIGN, Block, Plan, PlanError, place, validate
 from tests.helpers import dev
@@ -278,14 +278,14 @@ def test_eager_empty_reuses_one_buffer_per_name_and_one_view_per_shape():
     assert grown.shape == (64, 64) and empty((4, 8), np.float32, "t", owner=a) is not first
     many = [empty((1, n), np.float32, "t", owner=a) for n in range(1, 40)]
     assert all(v.shape == (1, n) for v, n in zip(many, range(1, 40)))
-    from proto import backend
+    from proto.device import backend
     assert len(backend._eager_owned[a]["t"][1]) <= backend._VIEWS_PER_BUFFER   # views stay few
 
 
 def test_scratch_bytes_counts_the_launchers_own_buffers_and_nothing_owned():
     """`scratch_bytes` is what owner-less `empty` calls (kernel scratch) hold, grown buffers
     counted at their size; a model's (owned) temporaries are not scratch."""
-    from proto import backend
+    from proto.device import backend
     before = backend.scratch_bytes()
     empty((1000,), np.float32, "test.scratch_bytes")
     assert backend.scratch_bytes() == before + 4000

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph
-from proto.backend import cuda, empty, jit, launch
+from proto.device.backend import cuda, empty, jit, launch
 from proto.graph import plan as planner
 from proto.graph.plan import Block, Plan, PlanError
 from tests.helpers import dev

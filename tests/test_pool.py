@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import pool
-from proto.backend import cuda
+from proto.device.backend import cuda
 from tests.helpers import assert_close, dev, rand
 
 

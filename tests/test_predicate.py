@@ -1,4 +1,4 @@
-"""Predication (proto.backend.predicated, proto.graph.predicate): a predicated kernel whose
+"""Predication (proto.device.backend.predicated, proto.graph.predicate): a predicated kernel whose
 flag is false writes nothing; random nested IF/WHILE programs give the same result under
 conditional nodes, predication (several unrolls) and the host loop, and the same as a plain
 Python interpreter of the program (the reference, written independently here).
@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kernels import elementwise, layernorm, sampling, softmax
-from proto import backend, graph
-from proto.backend import cuda, jit, launch, predicated
+from proto.device import backend
+from proto import graph
+from proto.device.backend import cuda, jit, launch, predicated
 from tests.helpers import dev
 
 EXECUTORS = ["walk"] if backend.SIMULATOR else ["walk", "cuda"]
@@ -61,7 +62,7 @@ def test_a_predicated_kernel_whose_flag_is_false_writes_nothing(which):
 def test_predicated_twins_are_built_once_and_need_our_jit():
     twin = predicated(elementwise.add_kernel)
     assert predicated(elementwise.add_kernel) is twin and twin.predicate_of is elementwise.add_kernel
-    with pytest.raises(TypeError, match="was not made by proto.backend.jit"):
+    with pytest.raises(TypeError, match="was not made by proto.device.backend.jit"):
         predicated(cuda.jit("void(float32[::1])")(lambda x: None))
 
 

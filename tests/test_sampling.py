@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import sampling
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from tests.helpers import dev
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph, shapes
-from proto.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, launch
 from proto.graph import default_executor
 from proto.graph.binding import MODES
 from tests.helpers import assert_close, dev, rand

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from kernels import softmax as S
 from kernels._reduce import WARP_ELEMS
-from proto.backend import cuda
+from proto.device.backend import cuda
 from tests.helpers import assert_close, dev, rand
 
 

@@ -6,8 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from proto.models import vgg
 
 # The smallest VGG that still has every layer kind: 5 pools take 32x32 to 1x1. Its classifier

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from proto import backend, graph
+from proto.device import backend
+from proto import graph
 from proto.graph.ir import Copy
 from proto.tape import TensorSpec
 from proto.vm import BudgetError, Executor, Liveness, Link, PagingExecutor, PlanError, plan

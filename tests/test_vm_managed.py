@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from proto import backend
+from proto.device import backend
 from proto.models import vgg
 from proto.vm import (BudgetError, Executor, Link, Liveness, ManagedExecutor, PlanError,
                       estimate_seconds, plan, plan_for_pages, validate)
@@ -296,7 +296,7 @@ def test_cuda_cannot_capture_a_prefetch_into_a_graph():
     # The managed executor runs eagerly because of this; if a driver ever captures it, this
     # test says so (and capture() could be allowed).
     from cuda.bindings import driver
-    from proto.backend import cuda
+    from proto.device.backend import cuda
     from proto.vm.pool import managed_bytes
     from proto.vm.um import prefetch_managed
     arena = managed_bytes(2 << 20)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from proto import backend
+from proto.device import backend
 from proto.vm import BudgetError, Liveness, PagingExecutor, measure_link
 from proto.vm.paging import PageTable, page_runs
 from proto.vm.synthetic import cnn_tape

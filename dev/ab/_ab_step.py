@@ -23,7 +23,7 @@ from typing import Callable, ContextManager
 
 import numpy as np
 
-from proto import backend, timing
+from proto.device import backend, timing
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
 from proto.models.graphed import GraphedGPT2
 from proto.models.search_loop import BeamLoop

@@ -24,7 +24,8 @@ import numpy as np
 from experiments import kernel_speed as ks
 from kernels import gemm
 from dev.ab._ab_step import TOY, _report, patched
-from proto import graph, timing
+from proto.device import timing
+from proto import graph
 
 ROUNDS, REPS = (1, dict(warmup=0, reps=1)) if TOY else (7, dict(warmup=3, reps=20))
 VARIANTS = {"rows_exact": {}, "rows_8": {"rows_variant": lambda dk, m_rows: dk}}

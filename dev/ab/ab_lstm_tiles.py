@@ -51,8 +51,9 @@ import numpy as np
 
 from kernels import gemm, sampling
 from dev.ab._ab_step import TOY, _report, describe
-from proto import backend, graph, timing
-from proto.backend import cuda
+from proto.device import backend, timing
+from proto import graph
+from proto.device.backend import cuda
 from proto.models.graphed import GraphedLSTM
 from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict
 

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from proto import backend
+from proto.device import backend
 from proto.models import graphed
 from proto.models.graphed import GraphedLSTM
 from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict

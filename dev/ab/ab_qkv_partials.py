@@ -28,7 +28,7 @@ import numpy as np
 from dev.ab import _ab_step
 from kernels import attention, gemm
 from dev.ab._ab_step import describe, patched
-from proto.backend import cuda
+from proto.device.backend import cuda
 
 _u = np.uint32
 

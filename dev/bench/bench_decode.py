@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from proto import backend, timing
-from proto.backend import cuda, jit, launch
+from proto.device import backend, timing
+from proto.device.backend import cuda, jit, launch
 from kernels import _check
 from kernels import attention as A
 from kernels import gemm as G

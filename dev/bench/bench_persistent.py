@@ -48,8 +48,8 @@ import time
 
 import numpy as np
 
-from proto import backend, timing
-from proto.backend import cuda, jit, launch
+from proto.device import backend, timing
+from proto.device.backend import cuda, jit, launch
 from kernels import _check
 from kernels._lastblock import count_in
 from kernels.elementwise import gelu_f32, gelu_ref

@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
-from proto import backend, timing
-from proto.backend import cuda, jit
+from proto.device import backend, timing
+from proto.device.backend import cuda, jit
 from kernels import _cpasync
 from kernels._reduce import shfl_xor
 

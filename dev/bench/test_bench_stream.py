@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from proto.backend import cuda
+from proto.device.backend import cuda
 from dev.bench import bench_stream as S
 
 

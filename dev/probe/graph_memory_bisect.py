@@ -18,8 +18,8 @@ import sys
 
 import numpy as np
 
-from proto import backend
-from proto.backend import cuda, empty, reshaped
+from proto.device import backend
+from proto.device.backend import cuda, empty, reshaped
 from proto.graph import plan as planner
 from proto.graph.record import record
 

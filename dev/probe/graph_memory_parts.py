@@ -3,8 +3,8 @@ process (nothing is freed between stages, so reuse cannot hide a stage's cost).
 usage: python3 .scratch/s53/probe_parts.py N  (N lengths, largest first)"""
 import gc, sys, time, json
 import numpy as np
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 import proto.graph.capture as C
 from proto.graph import cuda as gcuda
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict, KVCache

@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from proto.models.graphed import GraphedLSTM
 from proto.models.lstm import LSTMConfig, LSTMLM, random_state_dict
 from kernels import sampling

@@ -31,7 +31,7 @@ import sys
 import numpy as np
 
 from kernels import attention, conv, gemm, mlp, sampling, winograd
-from proto.backend import cuda, synchronize
+from proto.device.backend import cuda, synchronize
 
 
 def _dev(rng, *shape, scale=1.0):

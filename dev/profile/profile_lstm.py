@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from proto import timing
+from proto.device import timing
 
 LOOPS = 5
 

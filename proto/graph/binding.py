@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from proto.backend import address, device_copy, extent, is_device_array, prefix_rows
+from proto.device.backend import address, device_copy, extent, is_device_array, prefix_rows
 
 MODES = ("copy", "patch", "alias")
 

@@ -17,7 +17,7 @@ torch.cuda.graphs do):
   WARM-UP  run `fn` eagerly `warmup` times (default 1), so that whatever it does only on its
            first call (load a table, fill a cache) happens outside the graph: a graph must
            never record a one-off first-call path. Kernels that allocate their scratch
-           through ``proto.backend.empty`` need no warm-up for it; pass ``warmup=0`` when
+           through ``proto.device.backend.empty`` need no warm-up for it; pass ``warmup=0`` when
            running `fn` once more would change state the caller cares about.
   RECORD   run `fn` on the placeholders (`inputs`) with every launch, copy and allocation
            recorded (proto.graph.record): nothing runs.
@@ -49,8 +49,8 @@ from typing import Callable
 import numpy as np
 
 from kernels import _check
-from proto import backend
-from proto.backend import extent
+from proto.device import backend
+from proto.device.backend import extent
 from proto.graph import plan as planner
 from proto.graph.binding import (MODES, Binder, ReplayStats, check_disjoint, check_inputs,
                                  check_live, input_slots)
@@ -170,7 +170,7 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
             shared=None, control: str = "conditional", unroll: int = 16) -> Graph:
     """Warm up `fn` on `inputs`, record it with `inputs` as placeholders, plan its
     temporaries, build the executable; see the module doc. `fn` takes the inputs as keyword
-    arguments and launches through proto.backend.launch / proto.graph.copy; what it returns
+    arguments and launches through proto.device.backend.launch / proto.graph.copy; what it returns
     becomes `outputs`.
 
     binding: one of proto.graph.binding.MODES. executor: "cuda" (default on a GPU) or "walk".

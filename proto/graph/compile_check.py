@@ -7,7 +7,7 @@ kernels.compile_check:
 import sys
 
 from kernels import compile_check
-from proto import backend
+from proto.device import backend
 from proto.graph import cuda
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ device flag the host reads after the replay (`finish`). A driver without conditi
 `HostDrivenExecutor` (CUDA graphs for the stretches between conditional nodes, the host
 reading each flag) is the third way, kept to compare.
 
-A kernel node holds the kernel's flat parameters (proto.launcher.flatten: Numba's flattening
+A kernel node holds the kernel's flat parameters (proto.device.launcher.flatten: Numba's flattening
 of each array into 5 + 2*ndim parameters) and where each array's ``data`` pointer sits in
 them: that position is the slot patch binding rewrites.
 """
@@ -43,13 +43,13 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check
-from proto import backend
-from proto.backend import address, cuda
+from proto.device import backend
+from proto.device.backend import address, cuda
 from proto.graph.ir import Conditional, Copy, Description, KernelLaunch
 from proto.graph.predicate import PredicatedExecutor, reset_passes_kernel
 from proto.graph.record import LoopBoundError
 from proto.graph.walk import run_conditional
-from proto.launcher import flatten as flatten_args
+from proto.device.launcher import flatten as flatten_args
 
 
 class _KernelParams(NamedTuple):

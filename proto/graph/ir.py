@@ -9,7 +9,7 @@ later pass reads: the race check below, the memory planner (proto.graph.plan), t
   deps     per node, the indices of the earlier nodes it waits for. Nodes with no path of
            dependencies between them may run at once (a copy engine moving data while the SMs
            compute); work recorded on one stream is a chain;
-  buffers  the temporaries the function allocated through `proto.backend.empty` while it was
+  buffers  the temporaries the function allocated through `proto.device.backend.empty` while it was
            recorded: each has a key that names it in every graph of its owner, a size, and
            the memory it occupies now (private memory until the planner places it).
 
@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from proto.backend import extent, is_device_array, kernel_name, written_args
+from proto.device.backend import extent, is_device_array, kernel_name, written_args
 
 
 # ------------------------------------------------------------------------- nodes
@@ -53,7 +53,7 @@ class KernelLaunch(Node):
         return kernel_name(self.kernel)
 
     def accesses(self) -> list[tuple[object, bool]]:
-        # A kernel that does not declare what it writes (proto.backend.jit's `writes`) is
+        # A kernel that does not declare what it writes (proto.device.backend.jit's `writes`) is
         # taken to write every array it is given.
         writes = written_args(self.kernel)
         return [(a, writes is None or i in writes) for i, a in self.array_args()]
@@ -115,7 +115,7 @@ def after_previous(j: int) -> tuple:
 # ------------------------------------------------------------------------- buffers
 @dataclasses.dataclass(eq=False)
 class Buffer:
-    """A temporary allocated while recording (proto.backend.empty). `key` is (owner tag,
+    """A temporary allocated while recording (proto.device.backend.empty). `key` is (owner tag,
     name, occurrence): the same key names the same logical tensor in every graph of one
     owner, which is what lets the memory tape give it one address everywhere. `array` is the
     flat byte array it occupies now."""

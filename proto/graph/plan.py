@@ -1,6 +1,6 @@
 """The memory planner: every temporary of a graph at an offset in one arena.
 
-A recorded function allocates its temporaries through ``proto.backend.empty``; recording
+A recorded function allocates its temporaries through ``proto.device.backend.empty``; recording
 turns each into a buffer of the description (proto.graph.ir.Buffer). A buffer is *live* from
 the first node that touches it to the last (to the end of the graph if the function returns
 it); two buffers whose lifetimes do not meet can share bytes. Planning is a pure function of
@@ -32,10 +32,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from proto import backend
-from proto.backend import ALIGN, address, align_up, cuda, extent, view_at
+from proto.device import backend
+from proto.device.backend import ALIGN, address, align_up, cuda, extent, view_at
 from proto.graph.ir import Conditional, Description
-from proto.memo import PerObject
+from proto.device.memo import PerObject
 
 
 class PlanError(AssertionError):

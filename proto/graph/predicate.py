@@ -2,7 +2,7 @@
 
 Conditional graph nodes (proto.graph.cuda) need a CUDA 12.4 driver. Grape had none and ran
 data-dependent control flow by predication instead: every kernel inside a scope takes a device
-predicate and returns at once when it is false (``proto.backend.predicated`` builds that twin
+predicate and returns at once when it is false (``proto.device.backend.predicated`` builds that twin
 of any kernel), so the graph launches everything and the data decides what does work.
 
 This module lowers a description's conditional nodes that way, as a pass over the same
@@ -36,7 +36,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check
-from proto.backend import address, cuda, is_device_array, jit, predicated
+from proto.device.backend import address, cuda, is_device_array, jit, predicated
 from proto.graph.ir import Conditional, Copy, Description, KernelLaunch
 from proto.graph.record import LoopBoundError
 

@@ -1,8 +1,8 @@
 """Recording: run a function with its launches, copies, events and allocations turned into a
 description (proto.graph.ir) instead of work.
 
-There is one stack of recordings. Inside ``record()`` every ``proto.backend.launch`` appends
-a kernel node, every `copy` a copy node, every ``proto.backend.empty`` a buffer of the
+There is one stack of recordings. Inside ``record()`` every ``proto.device.backend.launch`` appends
+a kernel node, every `copy` a copy node, every ``proto.device.backend.empty`` a buffer of the
 description, and `while_loop` / `if_then` a conditional node whose body is recorded into a
 description of its own. Nothing runs. Outside ``record()`` the same calls run eagerly, so a
 model's step is written once and is both the eager code and what a graph records.
@@ -35,8 +35,8 @@ from typing import Callable
 import numpy as np
 
 from kernels import _check
-from proto import backend
-from proto.backend import Layout, align_up, cuda, is_device_array, kernel_name, view_at
+from proto.device import backend
+from proto.device.backend import Layout, align_up, cuda, is_device_array, kernel_name, view_at
 from proto.graph.ir import Buffer, Conditional, Copy, Description, KernelLaunch
 
 _CHUNK = 64 << 20              # provisional addresses for a planned recording's temporaries
@@ -72,7 +72,7 @@ class Recorder:
         self._waits[key] = (len(self.nodes),)
         self.nodes.append(node)
 
-    # the hooks proto.backend calls
+    # the hooks proto.device.backend calls
     def record_launch(self, kernel, griddim, blockdim, args, sharedmem=0, stream=0) -> None:
         for i, a in enumerate(args):
             if isinstance(a, np.ndarray):
@@ -98,7 +98,7 @@ class Recorder:
     def _memory(self, nbytes: int):
         """(device array, byte offset) of an address for a temporary. Private: its own
         allocation, the graph's for good if it is not planned. Otherwise provisional
-        addresses that no memory backs (proto.backend.provisional_memory): the planner
+        addresses that no memory backs (proto.device.backend.provisional_memory): the planner
         (proto.graph.plan) moves every temporary into an arena before anything runs, so a
         planned recording allocates nothing."""
         if self.private:

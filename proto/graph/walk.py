@@ -8,7 +8,7 @@ itself.
 """
 from __future__ import annotations
 
-from proto.backend import device_copy, view_at
+from proto.device.backend import device_copy, view_at
 from proto.graph.ir import Conditional, Copy, Description, KernelLaunch
 from proto.graph.record import LoopBoundError, read_flag
 

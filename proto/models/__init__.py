@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.backend import cuda
+from proto.device.backend import cuda
 
 
 def checked_params(shapes: dict[str, tuple[int, ...]], state_dict, *, what: str,

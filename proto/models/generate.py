@@ -38,8 +38,8 @@ import time
 import numpy as np
 
 from kernels import _check, sampling
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from proto.models.gpt2 import KVCache
 
 MAX_BEAM = 8      # kernels.sampling.topk returns at most 8 candidates

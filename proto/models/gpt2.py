@@ -4,7 +4,7 @@
     cache = KVCache(config, batch=5, max_len=64)
     logits = model.step(tokens, pos, cache)          # (B, T, V), valid until the next step
 
-A step launches kernels and allocates its temporaries through ``proto.backend.empty`` under
+A step launches kernels and allocates its temporaries through ``proto.device.backend.empty`` under
 names unique within the step ("h3.att", "logits"): eagerly those are buffers kept per name,
 and while a graph records the step they become buffers the memory planner places (one arena
 shared by every graph of the model, the same address for a name in each). The step makes no
@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check, attention, embedding, gemm, layernorm, mlp, self_attention
-from proto.backend import cuda, empty, reshaped
+from proto.device.backend import cuda, empty, reshaped
 from proto.models import checked_params, zeros
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon

@@ -39,7 +39,7 @@ Shapes: the context length grows by one every step (proto.shapes):
   device  one graph for every length: the position lives in device memory and every kernel
           reads it there (kernels.attention, kernels.embedding). The capacity cache max_len.
 
-Memory: the step's temporaries (proto.backend.empty) are planned into one arena, a memory
+Memory: the step's temporaries (proto.device.backend.empty) are planned into one arena, a memory
 tape shared by every graph of this object (`planned=True`, the default): the arena is what
 the largest graph needs and a tensor has the same address in every graph. `planned=False`
 gives every graph private buffers instead (what graphs without a planner hold). Executables:
@@ -58,8 +58,9 @@ import functools
 import numpy as np
 
 from kernels import _check, sampling
-from proto import backend, shapes
-from proto.backend import cuda, leading, reshaped
+from proto.device import backend
+from proto import shapes
+from proto.device.backend import cuda, leading, reshaped
 from proto.graph import (MODES, ReplayStats, SharedExecutables, Tape, capture, copy,
                          default_executor)
 from proto.models import generate

@@ -5,7 +5,7 @@
     logits = model.step(tokens, state)               # (B, V), valid until the next step
 
 Like GPT2.step, a step launches kernels and takes its temporaries from
-``proto.backend.empty`` (named, so the memory planner can place them when a graph records
+``proto.device.backend.empty`` (named, so the memory planner can place them when a graph records
 the step). The state is updated in place, so the same step (and graph) runs again on its
 own output.
 
@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check, embedding, gemm, lstm
-from proto.backend import cuda, empty, reshaped, rows
+from proto.device.backend import cuda, empty, reshaped, rows
 from proto.models import checked_params, zeros
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check, sampling
-from proto.backend import cuda
+from proto.device.backend import cuda
 from proto.graph import capture, if_then, while_loop
 from proto.models import generate
 from proto.models.gpt2 import KVCache

@@ -18,7 +18,7 @@ Streams, events, host I/O and the replay's ordering are shared with the managed-
 (runner.py); this module is the pool-and-pinned-copies half.
 
 One graph per step. Every copy and event goes through proto.graph (`copy`, `record_event`,
-`wait_event`) and every kernel through proto.backend.launch, so `capture()` can record a whole
+`wait_event`) and every kernel through proto.device.backend.launch, so `capture()` can record a whole
 step, all three streams, into one graph description: the events become edges between the
 compute chain and the two copy chains, and the CUDA executor instantiates it as one CUDA
 graph whose copy branches overlap compute as the streams did. A step is then one graph
@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from proto import graph
-from proto.backend import cuda
+from proto.device.backend import cuda
 from proto.tape import Tape
 from proto.vm.actions import Action, Plan
 from proto.vm.pool import DevicePool

@@ -16,7 +16,7 @@ import bisect
 import functools
 from typing import NamedTuple
 
-from proto.backend import align_up
+from proto.device.backend import align_up
 from proto.tape import Tape
 
 

@@ -50,8 +50,9 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check
-from proto import backend, graph
-from proto.backend import align_up
+from proto.device import backend
+from proto import graph
+from proto.device.backend import align_up
 from proto.tape import Tape
 from proto.vm import schedule, um
 from proto.vm.actions import Action, Plan

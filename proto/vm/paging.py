@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from proto.tape import Tape
 from proto.vm import schedule
 from proto.vm.executor import Executor

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from kernels import _check
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 from proto.tape import TensorSpec
-from proto.backend import ALIGN, align_up
+from proto.device.backend import ALIGN, align_up
 from proto.vm.liveness import fmt_bytes
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto import backend, graph
-from proto.backend import cuda
+from proto.device import backend
+from proto import graph
+from proto.device.backend import cuda
 from proto.tape import Tape
 from proto.vm.actions import Action, Plan
 from proto.vm.check import validate

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.backend import cuda, driver_stream
+from proto.device.backend import cuda, driver_stream
 from proto.vm.liveness import BudgetError, fmt_bytes
 from proto.vm.pool import managed_bytes
 

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from proto import backend
-from proto.backend import cuda
+from proto.device import backend
+from proto.device.backend import cuda
 
 
 @dataclasses.dataclass(frozen=True)

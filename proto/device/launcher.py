@@ -8,13 +8,13 @@ two users:
 
 * graphs (proto.graph.cuda) keep a node's flat list and the position of each array's data
   pointer in it: that position is the slot patch binding rewrites;
-* eager launches (proto.backend.launch on a GPU). Numba's ``kernel[grid, block](*args)``
+* eager launches (proto.device.backend.launch on a GPU). Numba's ``kernel[grid, block](*args)``
   types every argument to pick an overload, looks up the current context twice and flattens
   every array again, at every launch: about 70 us of host time for a kernel of nine 3-D
   arrays on the H200, against 12 us for cuda.core's launch of parameters already flat. Our
-  kernels have one eager signature each (proto.backend.jit), an array object's address,
+  kernels have one eager signature each (proto.device.backend.jit), an array object's address,
   shape and strides never change, and an eager step passes the same array objects step after
-  step (proto.backend.empty), so the overload, the compiled function and each array's flat
+  step (proto.device.backend.empty), so the overload, the compiled function and each array's flat
   parameters are worked out once and remembered.
 
 The checks Numba's typing makes are kept: an array argument must have the signature's dtype
@@ -22,8 +22,8 @@ and number of dimensions, and be C-contiguous where the signature says so; a Typ
 the argument otherwise. An argument Numba would copy in from the host (a NumPy array where the
 signature has an array) is left to Numba's own launch.
 
-proto.backend imports this module once it has chosen the device (this one imports numba);
-it imports nothing of the runtime but proto.memo, so the launch path runs one way:
+proto.device.backend imports this module once it has chosen the device (this one imports numba);
+it imports nothing of the runtime but proto.device.memo, so the launch path runs one way:
 backend.launch -> launcher -> cuda.core.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 from numba.core import types
 from numba.cuda.cudadrv.devicearray import is_cuda_ndarray
 
-from proto.memo import PerObject
+from proto.device.memo import PerObject
 
 DATA_SLOT = 4   # in an array's flat parameters: meminfo, parent, nitems, itemsize, data, ...
 
@@ -54,7 +54,7 @@ class Kernel:
         name = dispatcher.py_func.__name__
         if len(overloads) != 1:
             raise TypeError(f"kernel {name}: expected exactly one eager signature "
-                            f"(proto.backend.jit), found {len(overloads)}")
+                            f"(proto.device.backend.jit), found {len(overloads)}")
         compiled = overloads[0]
         self.name, self.compiled = name, compiled
         self.cukernel = compiled._codelibrary.get_cufunc().kernel   # cuda.core Kernel

@@ -21,7 +21,7 @@ import weakref
 
 import numpy as np
 
-from proto.memo import PerObject
+from proto.device.memo import PerObject
 
 # numba-cuda 0.30.4 calls np.row_stack, which NumPy 2.5 removed; vstack is the same function.
 if not hasattr(np, "row_stack"):
@@ -58,13 +58,13 @@ SIMULATOR = NAME == "sim"
 PTX_ONLY = NAME == "ptx"  # real CUDA compiler, no device: kernels are checked, never launched
 if SIMULATOR:
     if "numba" in sys.modules and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        raise RuntimeError("numba was imported before proto.backend chose the simulator; "
-                           "import proto.backend first or set NUMBA_ENABLE_CUDASIM=1")
+        raise RuntimeError("numba was imported before proto.device.backend chose the simulator; "
+                           "import proto.device.backend first or set NUMBA_ENABLE_CUDASIM=1")
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 from numba import cuda  # noqa: E402  (must follow the environment set-up above)
 
-from proto import launcher  # noqa: E402  (imports numba too)
+from proto.device import launcher  # noqa: E402  (imports numba too)
 
 
 def _lock_simulated_shared_arrays() -> None:
@@ -188,7 +188,7 @@ def predicated(kernel):
         return twin
     source = getattr(kernel, "source", None)
     if source is None:
-        raise TypeError(f"predicated: {kernel_name(kernel)} was not made by proto.backend.jit")
+        raise TypeError(f"predicated: {kernel_name(kernel)} was not made by proto.device.backend.jit")
     pyfunc, signatures, options, writes, in_place = source
     if len(signatures) != 1:
         raise TypeError(f"predicated: {pyfunc.__name__} has {len(signatures)} signatures; "
