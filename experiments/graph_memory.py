@@ -628,6 +628,17 @@ def plot(device: str | None = None):
             ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
         # the parts at every shape served: buffers (pool, arena, private) and the driver's
         done = [r for r in mine if graph(r) is not None]
+        if not done:   # (no free-memory readings: the simulator) what was measured: time
+            ax.text(0.5, 0.5, "no free-memory readings on this device" if mine else
+                    "not run", ha="center", va="center", transform=ax.transAxes, color="0.4")
+            timed = [r for r in mine if num(r.get("ms_per_token")) is not None]
+            bars.bar(range(len(timed)), [num(r["ms_per_token"]) for r in timed],
+                     color=[COLORS[r["method"]] for r in timed])
+            bars.set_xticks(range(len(timed)), [r["method"].replace("_", "\n", 1)
+                                                for r in timed], fontsize=7)
+            bars.set_ylabel("ms per token")
+            bars.set_title("time per token (no memory readings here)", fontsize=9)
+            continue
         names = [r["method"].replace("_", "\n", 1) for r in done]
         buf = [max(num(r.get("buffers_mib")) or graph(r), FLOOR_MIB) for r in done]
         drv = [max(num(r.get("driver_mib")) or 0.0, FLOOR_MIB) for r in done]
