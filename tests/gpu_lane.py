@@ -37,8 +37,11 @@ _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)\b")
 
 
 def test_files() -> list[str]:
-    """Every tests/test_*.py, as paths relative to the repository root, sorted."""
-    return sorted(f"tests/{p.name}" for p in TESTS.glob("test_*.py"))
+    """Every tests/test_*.py and the lab's dev/**/test_*.py (its benchmarks' kernels), as
+    paths relative to the repository root, sorted."""
+    root = TESTS.parent
+    found = list(TESTS.glob("test_*.py")) + list((root / "dev").rglob("test_*.py"))
+    return sorted(str(p.relative_to(root)) for p in found)
 
 
 def shards(files: list[str], n: int, size=lambda f: (TESTS.parent / f).stat().st_size):
