@@ -60,7 +60,6 @@ tiny model on the simulator (no PyTorch, no memory figures, timings meaningless)
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import os
 import sys
 import time
@@ -121,20 +120,14 @@ class Meter:
     def read(self, name: str) -> int | None:
         if backend.SIMULATOR:
             return None
-        gc.collect()
-        backend.synchronize()
         torch = sys.modules.get("torch")   # (a process of ours never starts PyTorch's CUDA)
         if torch is not None and torch.cuda.is_initialized():
             # blocks PyTorch caches but no graph holds go back to the driver
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             self.torch[name] = torch.cuda.memory_reserved()
-        ctx = cuda.current_context()
-        manager = ctx.memory_manager
-        manager.deallocations.clear()
-        self.numba[name] = sum(m.size for m in manager.allocations.values())
-        self.free[name] = free = ctx.get_memory_info()[0]
-        return free
+        self.free[name], self.numba[name] = backend.settled_free_memory()
+        return self.free[name]
 
     def drop(self, start: str, end: str) -> int | None:
         """Bytes taken between two readings. A reading that went up means something this
@@ -187,6 +180,29 @@ def _curve(meter: Meter, total: int, samples: int):
     return after_each, points
 
 
+def _build_and_upload(meter: Meter, build, launch_all) -> float:
+    """`build()` (which may stop at RESERVE: `_curve`), the "captured" reading, every graph
+    launched once (`launch_all()`), the "uploaded" reading; returns build's seconds."""
+    t0 = time.perf_counter()
+    try:
+        build()
+    except _Stop:
+        pass
+    capture_s = time.perf_counter() - t0
+    meter.read("captured")
+    launch_all()
+    meter.read("uploaded")
+    return capture_s
+
+
+def _time(generate, cfg) -> tuple[timing.Timing, list]:
+    """Whole generations timed (`generate()` returns a search result); and the last one's
+    tokens."""
+    out = []
+    t = timing.bench_host(lambda: out.append(generate()), warmup=cfg["warmup"], reps=cfg["reps"])
+    return t, out[-1].tokens
+
+
 def _result(meter: Meter, points, served: int, built: int, info: dict, buffers, t, tokens,
             per: int) -> dict:
     graph = meter.drop("state", "uploaded")
@@ -232,15 +248,9 @@ def _ours_gpt2(method, cfg, meter) -> dict:
     model.step(g.inputs.tokens, g.inputs.pos, g.caches[0])
     meter.read("state")
     after_each, points = _curve(meter, len(g.keys), cfg["samples"])
-    t0 = time.perf_counter()
-    try:
-        g.build_all(after_each=None if kw["strategy"] == "device" else after_each)
-    except _Stop:
-        pass
-    capture_s = time.perf_counter() - t0
-    meter.read("captured")
-    g.launch_all()
-    meter.read("uploaded")
+    capture_s = _build_and_upload(
+        meter, lambda: g.build_all(after_each=None if kw["strategy"] == "device" else after_each),
+        g.launch_all)
     # lengths whose graphs exist (every length, once all are built: the device strategy's
     # one graph serves them all)
     keys_built = {k for d in g._graphs for k in d.graphs}
@@ -264,10 +274,7 @@ def _ours_gpt2(method, cfg, meter) -> dict:
         if g.shared is not None:
             g.shared.updates = 0
             g.shared.update_s = 0.0
-        out = []
-        t = timing.bench_host(lambda: out.append(g.beam_search(prompt, max_new_tokens=new)),
-                              warmup=cfg["warmup"], reps=cfg["reps"])
-        tokens = out[-1].tokens
+        t, tokens = _time(lambda: g.beam_search(prompt, max_new_tokens=new), cfg)
         if g.shared is not None:
             info["update_us_per_switch"] = round(g.shared.update_us_per_switch, 2)
     g.close()
@@ -276,7 +283,6 @@ def _ours_gpt2(method, cfg, meter) -> dict:
 
 def _pt_gpt2(method, cfg, meter) -> dict:
     from experiments.torch_gpt2 import PerLengthDecoder
-    torch = _torch()
     config, state_dict, prompt, new = _gpt2_setup(cfg)
     beam, T0, max_len = cfg["beam"], cfg["prompt_len"], config.n_positions
     dec = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len,
@@ -285,28 +291,18 @@ def _pt_gpt2(method, cfg, meter) -> dict:
     meter.read("state")
     lengths = list(range(T0, max_len + 1))
     after_each, points = _curve(meter, len(lengths), cfg["samples"])
-    t0 = time.perf_counter()
-    try:
+
+    def build():
         for n, length in enumerate(lengths, 1):   # ascending: the order a generation replays
             dec.capture(length)
             after_each(n)
-    except _Stop:
-        pass
-    capture_s = time.perf_counter() - t0
-    meter.read("captured")
-    for graph in dec.graphs.values():
-        graph.replay()
-    torch.cuda.synchronize()
-    meter.read("uploaded")
+    capture_s = _build_and_upload(meter, build, lambda: [g.replay() for g in dec.graphs.values()])
     pool = meter.torch["uploaded"] - meter.torch["state"]
     info = {"graphs": len(dec.graphs), "capture_s": round(capture_s, 3),
             "pool_mib": _mib(pool), "torch_tf32": common.torch_tf32()}
     t, tokens = None, None
     if method != "ptgraph_private" and len(dec.graphs) == len(lengths):
-        out = []
-        t = timing.bench_host(lambda: out.append(dec.beam_search(prompt, max_new_tokens=new)),
-                              warmup=cfg["warmup"], reps=cfg["reps"])
-        tokens = out[-1].tokens
+        t, tokens = _time(lambda: dec.beam_search(prompt, max_new_tokens=new), cfg)
     dec.close()
     return _result(meter, points, len(lengths), len(dec.graphs), info, pool, t, tokens, new)
 
@@ -401,12 +397,7 @@ def _ours_lstm(method, cfg, meter) -> dict:
     model.step(m.tokens, m.state)   # the warm-up (eager, the whole batch)
     meter.read("state")
     after_each, points = _curve(meter, B, cfg["samples"])
-    t0 = time.perf_counter()
-    m.build_all(after_each=after_each)
-    capture_s = time.perf_counter() - t0
-    meter.read("captured")
-    m.launch_all()
-    meter.read("uploaded")
+    capture_s = _build_and_upload(meter, lambda: m.build_all(after_each=after_each), m.launch_all)
     arrays = None if backend.SIMULATOR else meter.numba["uploaded"] - meter.numba["state"]
     exes = m.shared.instantiations if m.shared is not None else m.num_graphs
     info = {"graphs": m.num_graphs, "nodes": m.num_nodes, "executables": exes,
@@ -419,8 +410,9 @@ def _ours_lstm(method, cfg, meter) -> dict:
         for b in range(B, 0, -1):
             sampling.argmax(m.step(m.tokens, b), backend.leading(m.tokens, b))
     t = timing.bench_host(shrinking, warmup=cfg["warmup"], reps=cfg["reps"])
+    built = m.num_graphs
     m.close()
-    return _result(meter, points, B, B, info, arrays, t, None, B)
+    return _result(meter, points, B, built, info, arrays, t, None, B)
 
 
 def _pt_lstm(method, cfg, meter) -> dict:
@@ -430,21 +422,19 @@ def _pt_lstm(method, cfg, meter) -> dict:
     m._step(B)   # the warm-up
     meter.read("state")
     after_each, points = _curve(meter, B, cfg["samples"])
-    t0 = time.perf_counter()
-    for n, b in enumerate(range(B, 0, -1), 1):
-        m.capture(b)
-        after_each(n)
-    capture_s = time.perf_counter() - t0
-    meter.read("captured")
-    for g in m.graphs.values():
-        g.replay()
-    meter.read("uploaded")
+
+    def build():
+        for n, b in enumerate(range(B, 0, -1), 1):
+            m.capture(b)
+            after_each(n)
+    capture_s = _build_and_upload(meter, build, lambda: [g.replay() for g in m.graphs.values()])
     pool = meter.torch["uploaded"] - meter.torch["state"]
     info = {"graphs": len(m.graphs), "capture_s": round(capture_s, 3), "pool_mib": _mib(pool),
             "torch_tf32": common.torch_tf32()}
     t = timing.bench_host(lambda: m.shrinking(prompt), warmup=cfg["warmup"], reps=cfg["reps"])
+    built = len(m.graphs)
     m.close()
-    return _result(meter, points, B, B, info, pool, t, None, B)
+    return _result(meter, points, B, built, info, pool, t, None, B)
 
 
 # ------------------------------------------------------------------------- driver bytes

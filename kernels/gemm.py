@@ -958,7 +958,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     if act not in ACTS:
         raise ValueError(f"act: expected one of {list(ACTS)}, got {act!r}")
     trans_a, trans_b = _check.flag("trans_a", trans_a), _check.flag("trans_b", trans_b)
-    accumulate = _check.flag("accumulate", accumulate)
+    accumulate, skinny = _check.flag("accumulate", accumulate), _check.flag("skinny", skinny)
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     lead = a_shape[:-2]  # () or (B,)
     m_rows, k_len = a_shape[::-1][:2] if trans_a else a_shape[-2:]
@@ -996,7 +996,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
             return
     else:
         tiled(a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b)), stream,
-              skinny=_check.flag("skinny", skinny))
+              skinny=skinny)
     if ln_out is not None:  # not fused: normalize the rows of out afterwards
         from kernels import layernorm
         rows = batch * m_rows

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from proto import graph, shapes
+from proto.device import backend
 from proto.device.backend import cuda, launch
 from proto.graph.binding import MODES, Slot
 from proto.graph.cuda import CudaExecutor, SharedExecutables
@@ -22,13 +23,8 @@ pytestmark = pytest.mark.gpu
 
 
 def free_bytes() -> int:
-    """Device memory free once every dropped Numba buffer is really freed (Numba queues
-    cuMemFree calls in its memory manager and flushes them in batches)."""
-    gc.collect()
-    cuda.synchronize()
-    ctx = cuda.current_context()
-    ctx.memory_manager.deallocations.clear()
-    return ctx.get_memory_info()[0]
+    """Device memory free once every dropped Numba buffer is really freed."""
+    return backend.settled_free_memory()[0]
 
 
 @pytest.mark.parametrize("executor", ["cuda", "walk"])

@@ -12,7 +12,6 @@ attention projection (gemm with its layer norm); one layer's MLP; the logits' ge
 """
 from __future__ import annotations
 
-import gc
 import json
 import sys
 
@@ -25,12 +24,7 @@ from proto.graph.record import record
 
 
 def reading(label: str, start: int | None = None, **extra) -> int:
-    gc.collect()
-    backend.synchronize()
-    ctx = cuda.current_context()
-    ctx.memory_manager.deallocations.clear()
-    free = ctx.get_memory_info()[0]
-    live = sum(m.size for m in ctx.memory_manager.allocations.values())
+    free, live = backend.settled_free_memory()
     print(json.dumps({"stage": label, "free_mib": free / 2**20, "numba_live_mib": live / 2**20,
                       "drop_mib": None if start is None else (start - free) / 2**20, **extra}),
           flush=True)

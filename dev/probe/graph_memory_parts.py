@@ -1,7 +1,7 @@
 """Where ours' per-length graph memory goes: stages read one after another in ONE fresh
 process (nothing is freed between stages, so reuse cannot hide a stage's cost).
 usage: python3 .scratch/s53/probe_parts.py N  (N lengths, largest first)"""
-import gc, sys, time, json
+import sys, time, json
 import numpy as np
 from proto.device import backend
 from proto.device.backend import cuda
@@ -15,9 +15,7 @@ ctx = cuda.current_context()
 mm = ctx.memory_manager
 
 def read(label, **extra):
-    gc.collect(); backend.synchronize(); mm.deallocations.clear()
-    free = ctx.get_memory_info()[0]
-    live = sum(m.size for m in mm.allocations.values())
+    free, live = backend.settled_free_memory()
     row = dict(stage=label, free_mib=free / 2**20, numba_live_mib=live / 2**20,
                numba_allocs=len(mm.allocations), modules=len(getattr(ctx, "modules", {})), **extra)
     print(json.dumps(row), flush=True)

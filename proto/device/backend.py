@@ -422,6 +422,19 @@ def empty(shape, dtype, name: str, owner=None):
     return view
 
 
+def settled_free_memory() -> tuple[int, int]:
+    """(free device bytes, bytes Numba's live allocations hold), once every dropped buffer is
+    really freed: garbage collected, the GPU idle, and Numba's queued frees flushed (it frees
+    in batches). What a reading of memory taken must start from; GPU only."""
+    import gc
+    gc.collect()
+    synchronize()
+    ctx = cuda.current_context()
+    ctx.memory_manager.deallocations.clear()
+    live = sum(m.size for m in ctx.memory_manager.allocations.values())
+    return ctx.get_memory_info()[0], live
+
+
 def scratch_bytes() -> int:
     """Device bytes that launchers hold as their own scratch (`empty` without an owner,
     eagerly: split-K partials and the like), outside any caller's arena or pool. A memory

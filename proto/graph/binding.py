@@ -88,6 +88,11 @@ def input_slots(node_ranges, input_ranges: dict) -> list[Slot]:
 
 
 # ------------------------------------------------------------------------- checks before launch
+def what_it_is(x) -> str:
+    """How an error names a value that should have been a device array."""
+    return "a host NumPy array" if isinstance(x, np.ndarray) else type(x).__name__
+
+
 def _describe(arr) -> str:
     return f"{np.dtype(arr.dtype)} {tuple(arr.shape)}"
 
@@ -106,9 +111,8 @@ def check_inputs(expected: dict, given: dict, where: str = "replay") -> None:
         if got is want:  # the placeholder itself (alias binding's every replay): it matches
             continue
         if not is_device_array(got):
-            kind = "a host NumPy array" if isinstance(got, np.ndarray) else type(got).__name__
             raise TypeError(f"{where}: input {name!r}: expected a device array {_describe(want)}, "
-                            f"got {kind}")
+                            f"got {what_it_is(got)}")
         if np.dtype(got.dtype) != np.dtype(want.dtype):
             raise TypeError(f"{where}: input {name!r}: expected dtype {np.dtype(want.dtype)}, "
                             f"got {np.dtype(got.dtype)}")

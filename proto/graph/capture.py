@@ -53,7 +53,7 @@ from proto.device import backend
 from proto.device.backend import extent
 from proto.graph import plan as planner
 from proto.graph.binding import (MODES, Binder, ReplayStats, check_disjoint, check_inputs,
-                                 check_live, input_slots)
+                                 check_live, input_slots, what_it_is)
 from proto.graph.ir import Description, races
 from proto.graph.predicate import MAX_UNROLL, PredicatedExecutor
 from proto.graph.record import record, recording
@@ -206,9 +206,8 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
         raise ValueError("inputs: 'live' names replay's live-prefix argument; rename that input")
     for name, x in inputs.items():
         if not backend.is_device_array(x):
-            kind = "a host NumPy array" if isinstance(x, np.ndarray) else type(x).__name__
             raise TypeError(f"inputs: {name!r}: expected a device array (the graph's "
-                            f"placeholder), got {kind}")
+                            f"placeholder), got {what_it_is(x)}")
     check_inputs(inputs, inputs, where="placeholders")
     check_disjoint(inputs)
     placeholders = dict(inputs)

@@ -240,7 +240,8 @@ def validate(plan: Plan) -> None:
 
 def plan(description: Description, outputs=(), fixed: dict | None = None) -> Plan:
     """Plan the description's buffers; `fixed` maps tape keys to the offsets an earlier graph
-    gave them (the tape), which they keep."""
+    gave them (the tape), which they keep. (`apply`, the one way a plan reaches a graph,
+    validates it.)"""
     spans = lifetimes(description, outputs)
     blocks = tuple(Block(b.key, *spans[i], b.nbytes) for i, b in enumerate(description.buffers))
     fixed = fixed or {}
@@ -248,9 +249,7 @@ def plan(description: Description, outputs=(), fixed: dict | None = None) -> Pla
     free = [blk for blk in blocks if blk.key not in fixed]
     offsets, arena = place(free, fixed=pinned)
     offsets.update({blk.key: off for blk, off in pinned})
-    result = Plan(blocks, offsets, arena)
-    validate(result)
-    return result
+    return Plan(blocks, offsets, arena)
 
 
 # ------------------------------------------------------------------------- applying it
