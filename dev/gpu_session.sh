@@ -1,11 +1,14 @@
 #!/bin/bash
-# The next GPU session's runs, in the order they matter, in the background so that each
-# `run` call can poll (a call lasts at most 10 minutes; the session has 30 of device time):
+# A GPU session's runs, in the background so that each `run` call can poll (a call lasts at
+# most 10 minutes; the session has 30 of device time). Steps by name, in the order given:
 #
-#   run(carry=[], command="PROTO_GIT_COMMIT=<12 hex> setsid nohup bash dev/gpu_session.sh \
+#   run(command="PROTO_GIT_COMMIT=<12 hex> setsid nohup bash dev/gpu_session.sh probes \
 #       > /dev/null 2>&1 & sleep 2; bash dev/gpu_session.sh poll 540")
 #   run(command="bash dev/gpu_session.sh poll 540")          # again until "all done"
 #
+# Steps: probes (the kernel cache's test, then where recording GPT-2 takes memory),
+# graph_memory (the memory figure, each method in its own process), lane (the GPU tests),
+# sanitize (compute-sanitizer over the GPU tests).
 # Each step's log is in /tmp/gpu_session/<step>.txt; poll tars them with results/ and
 # figures/ into $OUT. Commit results only under the folder of the card that ran them.
 set -u
@@ -25,11 +28,14 @@ step() { local name=$1 secs=$2; shift 2
   echo "$(date -u +%T) end $name rc=$?" >> $L/steps.txt; }
 { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
   echo "commit ${PROTO_GIT_COMMIT:-unknown}"; } > $L/device.txt 2>&1
-# 1. which launcher's recording takes the unexplained memory (about 2 minutes)
-step bisect 300 python3 -m dev.probe.graph_memory_bisect 128
-# 2. the memory figure, each method in its own process (about 15 minutes: a child compiles
-#    the kernels, about a minute, before it measures)
-step graph_memory 1500 python3 -m experiments graph_memory --size full
-# 3. the GPU test lane at the same commit (about 10 minutes)
-step lane 900 python3 -m tests.gpu_lane
+for s in "$@"; do case $s in
+  probes)   # the first import compiles every kernel into the cache; the later ones load it
+    step kernel_cache 300 python3 -m pytest -q tests/test_kernel_cache_gpu.py
+    step parts 300 python3 dev/probe/graph_memory_parts.py 96
+    step bisect 300 python3 -m dev.probe.graph_memory_bisect 128 ;;
+  graph_memory) step graph_memory 1500 python3 -m experiments graph_memory --size full ;;
+  lane) step lane 900 python3 -m tests.gpu_lane ;;
+  sanitize) step sanitize 900 python3 -m tests.sanitize ;;
+  *) echo "unknown step $s" >> $L/steps.txt ;;
+esac; done
 echo "$(date -u +%T) all done" >> $L/steps.txt

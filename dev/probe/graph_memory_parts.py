@@ -1,6 +1,6 @@
 """Where ours' per-length graph memory goes: stages read one after another in ONE fresh
 process (nothing is freed between stages, so reuse cannot hide a stage's cost).
-usage: python3 .scratch/s53/probe_parts.py N  (N lengths, largest first)"""
+usage: PYTHONPATH=. python3 dev/probe/graph_memory_parts.py N  (N lengths, largest first)"""
 import sys, time, json
 import numpy as np
 from proto.device import backend
@@ -42,9 +42,12 @@ g = GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="exact")
 r3 = read("GraphedGPT2 (two KV sets)")
 t0 = time.perf_counter()
 keys = list(reversed(g.keys))[:N]
-for k in keys:
+checkpoints = {1, 2, max(1, N // 4), max(1, N // 2)}   # fixed cost or per graph: the slope
+for i, k in enumerate(keys, 1):
     for d in g._graphs:
         d.graph(k)
+    if i in checkpoints and i < N:
+        read(f"recorded+planned {i} lengths", graphs=2 * i)
 kept = [gr for d in g._graphs for gr in d.graphs.values()]
 nodes = sum(len(k.description.nodes) for k in kept)
 r4 = read("recorded+planned", graphs=len(kept), nodes=nodes, s=time.perf_counter() - t0,

@@ -129,6 +129,52 @@ LAUNCH_BOUNDS: dict[object, tuple] = {}
 _GPU_CODEGEN_OPTIONS = ("max_registers", "launch_bounds")
 
 
+def _code_version() -> str:
+    """A digest of every file a kernel's code can come from: the kernels themselves and the
+    device layer (intrinsics such as `ldcg`). Computed once per process."""
+    global _CODE_VERSION
+    if _CODE_VERSION is None:
+        import hashlib
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        digest = hashlib.sha256()
+        for folder in ("kernels", os.path.join("proto", "device")):
+            for name in sorted(os.listdir(os.path.join(root, folder))):
+                if name.endswith(".py"):
+                    with open(os.path.join(root, folder, name), "rb") as f:
+                        digest.update(name.encode() + b"\0" + f.read())
+        _CODE_VERSION = digest.hexdigest()
+    return _CODE_VERSION
+
+
+_CODE_VERSION = None
+
+
+def _compiled(pyfunc, signatures, options):
+    """`cuda.jit(signatures, **options)(pyfunc)` with Numba's on-disk cache (``__pycache__``
+    beside the source), so that a fresh process loads the kernels instead of compiling them
+    again: a child process of the memory experiment, a sanitizer's run, a test file. Importing
+    every kernel compiles for about a minute; loading them takes seconds.
+
+    Numba keys a cached kernel by its own bytecode, closure values and signature. Its key
+    leaves out two things that change the code here, so the key gets them too: the
+    decorator's options (one factory line makes kernels that differ only in launch bounds)
+    and the source of every kernel module (a kernel's device functions live in other files,
+    whose edits Numba's key would miss)."""
+    from numba.cuda.dispatcher import CUDACache
+
+    class KernelCache(CUDACache):
+        def _index_key(self, sig, codegen):
+            return super()._index_key(sig, codegen) + (repr(sorted(options.items())),
+                                                       _code_version())
+
+    kernel = cuda.jit(**options)(pyfunc)     # no signature yet: nothing compiled
+    kernel._cache = KernelCache(pyfunc)       # (what Numba's cache=True sets, keyed as above)
+    for sig in signatures:
+        kernel.compile(sig)
+    kernel.disable_compile()
+    return kernel
+
+
 def jit(signature, *, writes=(), in_place=(), early_launch=False, **options):
     """`cuda.jit(signature)`: the one kernel decorator of this project.
 
@@ -161,7 +207,12 @@ def jit(signature, *, writes=(), in_place=(), early_launch=False, **options):
         bounds = options.get("launch_bounds")
         if bounds is not None:
             LAUNCH_BOUNDS[pyfunc] = tuple(bounds) if isinstance(bounds, (tuple, list)) else (bounds,)
-        kernel = cuda.jit(**options)(pyfunc) if PTX_ONLY else cuda.jit(signatures, **options)(pyfunc)
+        if PTX_ONLY:
+            kernel = cuda.jit(**options)(pyfunc)
+        elif SIMULATOR:
+            kernel = cuda.jit(signatures, **options)(pyfunc)
+        else:
+            kernel = _compiled(pyfunc, signatures, options)
         kernel.params = params
         kernel.writes = tuple(params.index(w) for w in writes)
         kernel.in_place = frozenset((params.index(o), params.index(i)) for o, i in in_place)
