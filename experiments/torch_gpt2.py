@@ -223,8 +223,11 @@ class PerLengthDecoder(TorchDecoder):
         self._length = 0     # live positions in the cache (host mirror)
 
     def capture(self, length: int) -> None:
-        """The graph of `length`. With a shared pool, graphs must replay in the order they
-        were captured: capture in ascending length, the order a generation replays them."""
+        """The graph of `length`. Capture the largest length first, as vLLM captures its
+        batch sizes: with a shared pool, a later capture reuses the blocks earlier ones freed,
+        and a smaller graph fits in a larger one's. Every tensor a graph allocates is dead at
+        its end (the logits go to a static tensor, the cache is static), so graphs sharing a
+        pool may replay in any order."""
         self.graphs[length], _ = common.torch_cuda_graph(
             lambda: self.model.decode_at(self._tokens, length, self._static_logits),
             pool=self._handle)

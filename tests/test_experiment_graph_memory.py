@@ -60,8 +60,10 @@ def _row(model, method, graph, buffers=None, fit=None, ms=None, **kw):
 
 def test_the_summary_divides_graph_memory_and_checks_the_breakdown():
     rows = [_row("gpt2", "ptgraph_shared_pool", 778.0, 10.0, ms=3.0, footprint_mib=2000.0),
-            _row("gpt2", "ours_planned_shared", 5.0, 3.0, fit=1.5, ms=1.0, second_kv_mib=360.0),
-            _row("gpt2", "ours_unplanned", 50000.0, ms=1.02),
+            _row("gpt2", "ours_planned_shared", 5.0, 3.0, fit=1.5, ms=1.0, second_kv_mib=360.0,
+                 sweep_ms_per_token=1.0),
+            # (stopped at the reserve: no generation timed, its sweep of the largest lengths is)
+            _row("gpt2", "ours_unplanned", 50000.0, sweep_ms_per_token=1.02),
             _row("gpt2", "ours_device", 4.0, 3.0, fit=1.0),
             _row("gpt2", "ours_planned", 700.0, 3.0, arena_mib=2.84, peak_live_mib=2.8)]
     s = graph_memory.summarize(rows, (100e3, 2e3))

@@ -181,8 +181,8 @@ def test_ptgraph_per_length_graphs_give_the_float64_reference_logits():
     for pool in ("shared", "private"):
         dec = PerLengthDecoder(config, state_dict, batch=B, max_len=T0 + steps, pool=pool)
         try:
-            for length in range(T0 + 1, T0 + steps + 1):
-                dec.capture(length)
+            for length in reversed(range(T0 + 1, T0 + steps + 1)):   # largest first, as
+                dec.capture(length)          # the memory figure captures; replayed ascending
             pos = dev(np.zeros(1, np.int32))
             dec.step(dev(seq[:, :T0]), pos, dec.caches[0])            # the prefill, eager
             for t in range(T0, T0 + steps):

@@ -168,7 +168,8 @@ def _compiled(pyfunc, signatures, options):
                                                        _code_version())
 
     kernel = cuda.jit(**options)(pyfunc)     # no signature yet: nothing compiled
-    kernel._cache = KernelCache(pyfunc)       # (what Numba's cache=True sets, keyed as above)
+    if os.path.isfile(pyfunc.__code__.co_filename):   # (a kernel made from a string, as
+        kernel._cache = KernelCache(pyfunc)  # predication's are, has no file to cache beside)
     for sig in signatures:
         kernel.compile(sig)
     kernel.disable_compile()
