@@ -254,12 +254,12 @@ def _ours_gpt2(method, cfg, meter) -> dict:
         g.launch_all)
     # lengths whose graphs exist (every length, once all are built: the device strategy's
     # one graph serves them all)
-    keys_built = {k for d in g._graphs for k in d.graphs}
+    keys_built = {k for d in g.graphed.dispatchers for k in d.graphs}
     built = max_len if len(keys_built) == len(g.keys) else len(keys_built)
     arrays = None if backend.SIMULATOR else meter.numba["uploaded"] - meter.numba["state"]
     # executables the driver holds: the pool's (step graphs) or one a graph, and the reorders'
     step_nodes = g.num_nodes // max(g.num_graphs, 1)
-    reorder_nodes = sum(len(r.description) for r in g._other_graphs())
+    reorder_nodes = sum(len(r.description) for r in g.graphed.helpers)
     step_exes = g.shared.instantiations if g.shared is not None else g.num_graphs
     info = {"graphs": g.num_graphs + g.num_reorder_graphs, "nodes": g.num_nodes + reorder_nodes,
             "executables": step_exes + g.num_reorder_graphs,

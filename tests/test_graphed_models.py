@@ -187,7 +187,7 @@ def test_graphs_built_up_front_are_captured_largest_first_and_reused():
     with GraphedGPT2(model, batch=2, max_len=4, binding="alias", strategy="bucket",
                      build_all=True) as g:
         assert g.num_graphs == 2 * 3  # buckets 1, 2, 4 for each cache set
-        assert list(g._graphs[0].graphs) == [4, 2, 1]  # largest first
+        assert list(g.graphed.dispatchers[0].graphs) == [4, 2, 1]  # largest first
         got = g.beam_search(prompt, max_new_tokens=3)
         np.testing.assert_array_equal(got.tokens, want.tokens)
         assert g.num_graphs == 6 and g.stats().bytes_copied == 0
@@ -304,10 +304,10 @@ def test_graphed_lstm_matches_eager_for_every_binding_and_strategy(n_layer, n_hi
         g = GraphedLSTM(model, max_batch=3, binding=binding, strategy=strategy)
         got = lstm_greedy(lambda t: g.step(t, batch), g.tokens, prompt, 1, vocab=vocab)
         np.testing.assert_array_equal(got, want, err_msg=f"{binding} {strategy}")
-        assert g.num_graphs == len({shapes.key_for(batch, g._graphs.keys), 3})  # largest first
+        assert g.num_graphs == len({shapes.key_for(batch, g.keys), 3})  # largest first
         assert g.stats().bytes_copied == (0 if binding != "copy" else
                                           g.stats().replays * 4 * shapes.key_for(
-                                              batch, g._graphs.keys))
+                                              batch, g.keys))
         g.close()
 
 

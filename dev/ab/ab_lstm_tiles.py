@@ -118,7 +118,7 @@ def recorded_tiles(g: GraphedLSTM, batch: int) -> set:
     """The tiles of the tiled GEMMs that `batch`'s graph launches: what it recorded (read from
     GraphedLSTM's own graphs, `_graphs`: it has no public accessor)."""
     tile_of = {id(k): key[2] for key, k in gemm.TILED_KERNELS.items()}
-    nodes = g._graphs.graph(batch).description.nodes
+    nodes = g.graphed.graph(0, batch).description.nodes
     return {tile_of[id(n.kernel)] for n in nodes if id(getattr(n, "kernel", None)) in tile_of}
 
 

@@ -111,7 +111,7 @@ def graphed(model, n):
     start = reading("GraphedGPT2 exact: before (two KV sets made)")
     keys = list(reversed(g.keys))[:max(1, n // 2)]
     for i, key in enumerate(keys, 1):
-        for dispatcher in g._graphs:
+        for dispatcher in g.graphed.dispatchers:
             dispatcher.graph(key)
         if i in (1, len(keys) // 4, len(keys) // 2) and i < len(keys):
             reading(f"GraphedGPT2 exact: {2 * i} graphs", start)

@@ -55,11 +55,11 @@ t0 = time.perf_counter()
 keys = list(reversed(g.keys))[:N]
 checkpoints = {1, 2, max(1, N // 4), max(1, N // 2)}   # fixed cost or per graph: the slope
 for i, k in enumerate(keys, 1):
-    for d in g._graphs:
+    for d in g.graphed.dispatchers:
         d.graph(k)
     if i in checkpoints and i < N:
         read(f"recorded+planned {i} lengths", graphs=2 * i)
-kept = [gr for d in g._graphs for gr in d.graphs.values()]
+kept = [gr for d in g.graphed.dispatchers for gr in d.graphs.values()]
 nodes = sum(len(k.description.nodes) for k in kept)
 r4 = read("recorded+planned", graphs=len(kept), nodes=nodes, s=time.perf_counter() - t0,
           arena_mib=g.arena_bytes / 2**20)

@@ -1,4 +1,5 @@
-"""Graphed decode steps: GPT-2 (greedy and beam search) and the LSTM LM, as CUDA graphs.
+"""Graphed decode steps: one generic wrapper (`Graphed`) and the two models it serves today,
+GPT-2 (greedy and beam search) and the LSTM LM.
 
     g = GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="device")
     out = g.beam_search(prompt, max_new_tokens=1000)   # generate.beam_search, graphed steps
@@ -6,13 +7,40 @@
     g.arena_bytes                                      # the memory tape every graph shares
     g.close()
 
+The model protocol: what a model gives the graph layer
+------------------------------------------------------
+A graphed model is an adapter (GraphedGPT2, GraphedLSTM) that owns the model's persistent
+state (weights stay in the model; KV caches, recurrent state and input buffers here) and
+gives `Graphed` two things:
+
+  placeholders(state_set, key)  the named device arrays a graph of shape `key` records on for
+                                state set `state_set`: the state's arrays and the input
+                                buffers a producer (the search) writes;
+  recorded_step(key)            the model step over those names, as `capture` records it;
+                                what it returns is the graph's outputs (the logits a search
+                                reads; a replay returns the same arrays).
+
+`Graphed` is given two policies, never branching on the model:
+  binding   how inputs reach a graph (proto.graph.binding): `alias` records one graph set per
+            state set, so the producer that writes a set (a beam reorder, the argmax) writes
+            the next graph's placeholders in place; `copy` and `patch` record one graph set
+            and move the live inputs' bytes or addresses into it at every replay. An input
+            buffer is the placeholder itself under alias binding (`input_buffer`).
+  shapes    which graph serves a length (proto.shapes): `exact` one per length, `bucket` one
+            per power-of-two bucket, `device` one for all lengths (the length read on the
+            device).
+and owns the rest: a shape dispatcher per graph set, the memory tape every graph shares (the
+planner: one arena, a tensor at the same address in every graph), optionally K shared
+executables, helper graphs (GPT-2's cache reorders) and the accounting over all of them.
+Adding a model is an adapter with those two methods and its search, plus a test against the
+eager model (tests/test_graphed_models.py).
+
+GPT-2
+-----
 `GraphedGPT2.step(tokens, pos, cache)` has GPT2.step's signature, so proto.models.generate
 runs it unchanged (`greedy`/`beam_search` here pass it with the right caches and input
 buffers). The prompt (prefill, T > 1) runs eagerly once; every search step (T = 1) replays a
-graph recorded from GPT2.step.
-
-Binding: how a step's inputs (the token ids, the position and, in beam search, the KV cache
-the reorder produced) reach the graph (proto.binding):
+graph recorded from GPT2.step. Its state sets are KV caches; how each binding moves them:
   copy   PtGraph, the plain PyTorch-CUDA-graph way. The graph owns static placeholders: a
          token buffer and one KV cache set S. The search writes tokens into its own buffer;
          the beam reorder reads S (the model's output cache) and gathers into a scratch set R
@@ -27,8 +55,7 @@ the reorder produced) reach the graph (proto.binding):
          destination IS the next replay's placeholder; the search writes the tokens and the
          position straight into the placeholders (that H2D write is input preparation, not
          binding). Binding checks addresses and moves 0 bytes. Gathers graphed as for patch.
-
-Shapes: the context length grows by one every step (proto.shapes):
+and each shape strategy (the context length grows by one every step):
   exact   one graph per length, the position baked in (each graph reads its own constant
           device int32). A host mirror of the position picks the graph. ~max_len graphs.
   bucket  one graph per power-of-two bucket of lengths. The KV cache of a bucket holds that
@@ -39,17 +66,18 @@ Shapes: the context length grows by one every step (proto.shapes):
   device  one graph for every length: the position lives in device memory and every kernel
           reads it there (kernels.attention, kernels.embedding). The capacity cache max_len.
 
-Memory: the step's temporaries (proto.device.backend.empty) are planned into one arena, a memory
-tape shared by every graph of this object (`planned=True`, the default): the arena is what
-the largest graph needs and a tensor has the same address in every graph. `planned=False`
-gives every graph private buffers instead (what graphs without a planner hold). Executables:
-each graph instantiates its own, or, with `shared_executables=K`, the graphs share K of them,
+Memory and executables
+----------------------
+The step's temporaries (proto.device.backend.empty) are planned into the tape's arena
+(`planned=True`, the default): the arena is what the largest graph needs. `planned=False`
+gives every graph private buffers instead (what graphs without a planner hold). Each graph
+instantiates its own executable or, with `shared_executables=K`, the graphs share K of them,
 retargeted with executable update (CUDA only); a step retargets one to the next step's graph
 right after launching its own, so the update overlaps the GPU's work.
 
-Graphs are recorded without a warm-up (the step has no first-call path: its scratch comes
-from `empty`), on first use, largest first; or all at construction with `build_all=True`, so a
-timed run excludes capture.
+Graphs are recorded without a warm-up (a model step has no first-call path: its scratch comes
+from `empty`), on first use, largest first; or all up front (`build_all`), so a timed run
+excludes capture.
 """
 from __future__ import annotations
 
@@ -68,56 +96,128 @@ from proto.models.gpt2 import KVCache
 from proto.models.lstm import LSTMState
 
 
-# --------------------------------------------------------------------------- what both share
-class _Graphed:
-    """The graphs of one graphed model: one memory tape for all of them (or private buffers),
-    optionally a pool of shared executables, and the accounting over them. A subclass sets
-    `binding` and `executor`, calls `_own_memory`, and lists its graphs in `_step_graphs`
-    (those of the model step) and `_other_graphs` (helpers such as reorders)."""
+# --------------------------------------------------------------------------- the wrapper
+class Graphed:
+    """A model's step replayed as graphs: see the module doc for the protocol `model` follows
+    (`placeholders`, `recorded_step`, a `name` for its memory tape) and the two policies.
 
-    closed = False
+    state_sets: how many sets of state the model alternates between (GPT-2's beam search
+    gathers from one KV cache set into the other: 2; the LSTM updates its state in place: 1).
+    `dynamic` names the inputs whose leading axis is the shape (proto.shapes)."""
 
-    def _own_memory(self, name: str, planned: bool, shared_executables: int | None) -> None:
+    def __init__(self, model, *, binding: str, strategy: str, max_length: int, buckets=None,
+                 dynamic=(), state_sets: int = 1, executor: str | None = None,
+                 planned: bool = True, shared_executables: int | None = None):
+        if binding not in MODES:
+            raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
         if shared_executables is not None:   # (checked where no pool is made, too: the walk)
             _check.positive("shared_executables", shared_executables)
-        self.tape = Tape(name) if planned else None
+        self.model, self.binding = model, binding
+        self.executor = executor or default_executor()
+        self.tape = Tape(model.name) if planned else None
         self.shared = (SharedExecutables(shared_executables)
                        if shared_executables is not None and self.executor == "cuda" else None)
+        graph_sets = _check.positive("state_sets", state_sets) if binding == "alias" else 1
+        self.dispatchers = [shapes.ShapeDispatcher(functools.partial(self._build, i),
+                                                   strategy=strategy, max_length=max_length,
+                                                   dynamic=dynamic, buckets=buckets)
+                            for i in range(graph_sets)]
+        self.keys = self.dispatchers[0].keys   # every shape a graph set can have, ascending
+        self.helpers: list = []                # graphs beside the step's (add_helper)
+        self.closed = False
 
-    def _capture(self, step, placeholders):
-        """`step` captured on `placeholders` into this model's tape (no warm-up: a model step
-        takes its scratch from `empty` and has no first-call path)."""
+    # ------------------------------------------------------------------ building
+    def input_buffer(self, producer_buffer):
+        """The buffer graphs record on for an input whose producer writes `producer_buffer`:
+        that very buffer under alias binding (the producer writes the placeholder), else a
+        buffer of the graphs' own, holding what the producer's holds now (a guard value such
+        as position -1), that each replay copies or patches the input into."""
+        if self.binding == "alias":
+            return producer_buffer
+        own = cuda.device_array_like(producer_buffer)
+        own.copy_to_device(producer_buffer)
+        return own
+
+    def capture(self, step, placeholders):
+        """`step` captured on `placeholders` with this wrapper's binding, executor, tape and
+        shared executables (no warm-up: see the module doc)."""
         return capture(step, placeholders, binding=self.binding, executor=self.executor,
                        warmup=0, planned=self.tape is not None, tape=self.tape,
                        shared=self.shared)
 
-    def _step_graphs(self) -> list:
-        raise NotImplementedError
+    def _build(self, graph_set: int, key: int):
+        return self.capture(self.model.recorded_step(key), self.model.placeholders(graph_set, key))
 
-    def _other_graphs(self) -> list:
-        return []
+    def add_helper(self, graph):
+        """Count a graph of the model's own (not a step: a reorder) in the accounting and
+        close it with the rest."""
+        self.helpers.append(graph)
+        return graph
+
+    def build_all(self, after_each=None) -> None:
+        """Build every shape's graph on every graph set now, largest first;
+        `after_each(shapes built)`, if given, after each shape's graphs."""
+        self.require_open("build_all")
+        for n, key in enumerate(reversed(self.keys), 1):
+            for dispatcher in self.dispatchers:
+                dispatcher.graph(key)
+            if after_each is not None:
+                after_each(n)
+
+    # ------------------------------------------------------------------ replaying
+    def _dispatcher(self, state_set: int):
+        """State set `state_set`'s graphs: its own under alias binding, else the one set."""
+        return self.dispatchers[state_set if self.binding == "alias" else 0]
+
+    def graph(self, state_set: int, length: int):
+        """The graph serving `length` on state set `state_set`, built now if need be."""
+        self.require_open("graph")
+        return self._dispatcher(state_set).graph(length)
+
+    def built(self, state_set: int, length: int):
+        """That graph if it is built, else None (nothing is built)."""
+        dispatcher = self._dispatcher(state_set)
+        if not 1 <= length <= self.keys[-1]:
+            return None
+        return dispatcher.graphs.get(shapes.key_for(length, dispatcher.keys))
+
+    def replay(self, state_set: int, length: int, inputs: dict, live=None, following=None):
+        """Replay the graph of (state_set, length) on `inputs` and return its outputs. With
+        shared executables, `following` = (state set, length) of the next step, if the
+        caller knows it, retargets one to that graph while the GPU runs this one (if that
+        graph is built)."""
+        outputs = self.graph(state_set, length).replay(live=live, **inputs)
+        if self.shared is not None and following is not None:
+            upcoming = self.built(*following)
+            if upcoming is not None:
+                upcoming.prepare()
+        return outputs
+
+    # ------------------------------------------------------------------ accounting
+    def step_graphs(self) -> list:
+        return [g for d in self.dispatchers for g in d.graphs.values()]
 
     def stats(self) -> ReplayStats:
         """Binding cost summed over every replay of every step graph so far."""
         total = ReplayStats()
-        for g in self._step_graphs():
+        for g in self.step_graphs():
             total += g.stats
         return total
 
     @property
     def num_graphs(self) -> int:
         """Graphs of the model step (helper graphs are counted apart)."""
-        return len(self._step_graphs())
+        return len(self.step_graphs())
 
     @property
     def num_nodes(self) -> int:
-        return sum(len(g.description) for g in self._step_graphs())
+        return sum(len(g.description) for g in self.step_graphs())
 
     @property
     def memory_bytes(self) -> int | None:
         """Driver memory of every executable: the graphs' own, or the shared pool's. None
         where unmeasurable (the simulator)."""
-        sizes = [g.memory_bytes for g in self._step_graphs() + self._other_graphs()]
+        sizes = [g.memory_bytes for g in self.step_graphs() + self.helpers]
         if any(s is None for s in sizes):
             return None
         return sum(sizes) + (self.shared.memory_bytes if self.shared is not None else 0)
@@ -130,7 +230,7 @@ class _Graphed:
     @property
     def private_bytes(self) -> int:
         """Temporaries in private memory, summed over graphs (0 with the planner)."""
-        return sum(g.private_bytes for g in self._step_graphs())
+        return sum(g.private_bytes for g in self.step_graphs())
 
     def launch_all(self) -> int:
         """Replay every graph built so far once, each on its own placeholders, and wait: what
@@ -138,8 +238,8 @@ class _Graphed:
         launch (an upload, a shared executable's update) is allocated now. The placeholders'
         contents are whatever they hold (a position of -1 makes the decode kernels write
         nothing). Returns how many graphs ran."""
-        self._require_open("launch_all")
-        graphs = self._step_graphs() + self._other_graphs()
+        self.require_open("launch_all")
+        graphs = self.step_graphs() + self.helpers
         for g in graphs:
             g.replay(**g.placeholders)
         backend.synchronize()
@@ -151,21 +251,56 @@ class _Graphed:
         summed over every graph built so far. A shared pool's executables are instantiated at
         their first use, outside `build`."""
         total: dict[str, float] = {}
-        for g in self._step_graphs() + self._other_graphs():
+        for g in self.step_graphs() + self.helpers:
             for phase, s in g.capture_s.items():
                 total[phase] = total.get(phase, 0.0) + s
         return total
 
-    def _require_open(self, what: str) -> None:
+    def require_open(self, what: str) -> None:
         if self.closed:   # its graphs and buffers are gone: a rebuild would hide the misuse
-            raise RuntimeError(f"{what}: this {type(self).__name__} is closed")
+            raise RuntimeError(f"{what}: this {type(self.model).__name__} is closed")
 
-    def _close_memory(self) -> None:
+    def close(self) -> None:
+        """Destroy every graph, the shared executables and the arena."""
+        for d in self.dispatchers:
+            d.close()
+        for g in self.helpers:
+            g.close()
+        self.helpers = []
         self.closed = True
         if self.shared is not None:
             self.shared.close()
         if self.tape is not None:
             self.tape.close()
+
+
+class _GraphedModel:
+    """What a model adapter shows of its `Graphed` (`self.graphed`): the accounting, the
+    policies, and closing (the adapter's `close` frees its own state too)."""
+
+    graphed: Graphed
+
+    binding = property(lambda self: self.graphed.binding)
+    executor = property(lambda self: self.graphed.executor)
+    tape = property(lambda self: self.graphed.tape)
+    shared = property(lambda self: self.graphed.shared)
+    keys = property(lambda self: self.graphed.keys)
+    closed = property(lambda self: self.graphed.closed)
+    num_graphs = property(lambda self: self.graphed.num_graphs)
+    num_nodes = property(lambda self: self.graphed.num_nodes)
+    memory_bytes = property(lambda self: self.graphed.memory_bytes)
+    arena_bytes = property(lambda self: self.graphed.arena_bytes)
+    private_bytes = property(lambda self: self.graphed.private_bytes)
+    capture_seconds = property(lambda self: self.graphed.capture_seconds)
+
+    def stats(self) -> ReplayStats:
+        return self.graphed.stats()
+
+    def launch_all(self) -> int:
+        return self.graphed.launch_all()
+
+    def build_all(self, after_each=None) -> None:
+        self.graphed.build_all(after_each)
 
     def __enter__(self):
         return self
@@ -197,31 +332,31 @@ class _SearchCache(_CacheView):
         self.owner._reorder(self, index, dst, stream, length)
 
 
-class GraphedGPT2(_Graphed):
+class GraphedGPT2(_GraphedModel):
     """GPT2.step for `batch` sequences (greedy rows or beams) of up to `max_len` positions,
     replayed as graphs; see the module doc for `binding` and `strategy`."""
+
+    name = "gpt2-decode"   # (the memory tape's)
 
     def __init__(self, model, *, batch: int, max_len: int, binding: str = "alias",
                  strategy: str = "device", executor: str | None = None, buckets=None,
                  build_all: bool = False, planned: bool = True,
                  shared_executables: int | None = None):
-        if binding not in MODES:
-            raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
         self.model, self.config = model, model.config
         self.batch = _check.positive("batch", batch, at_most=model.max_batch)
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
-        self.binding, self.strategy = binding, strategy
-        self.executor = executor or default_executor()
-        self._own_memory("gpt2-decode", planned, shared_executables)
-        # The search's input buffers. alias: they are the placeholders (producers write here);
-        # copy/patch: ordinary buffers whose contents (copy) or addresses (patch) get bound.
+        self.strategy = strategy
+        # (the beam search gathers one cache set into the other: two sets, save under copy
+        # binding, whose one graph set reads the model's static cache)
+        self.graphed = Graphed(self, binding=binding, strategy=strategy, max_length=max_len,
+                               buckets=buckets, state_sets=2, executor=executor,
+                               planned=planned, shared_executables=shared_executables)
+        # The search's input buffers, and the graphs' (the same ones under alias binding)
         self.inputs = generate.DecodeInputs(cuda.to_device(np.zeros((batch, 1), np.int32)),
                                             cuda.to_device(np.array([-1], np.int32)))
-        if binding == "alias":
-            self._tokens_ph, self._pos_ph = self.inputs.tokens, self.inputs.pos
-        else:  # pos -1 until bound: a replay before the first copy writes nothing (guard)
-            self._tokens_ph = cuda.to_device(np.zeros((batch, 1), np.int32))
-            self._pos_ph = cuda.to_device(np.array([-1], np.int32))
+        self._tokens_ph = self.graphed.input_buffer(self.inputs.tokens)
+        self._pos_ph = self.graphed.input_buffer(self.inputs.pos)  # -1: a replay before the
+        # first copy writes nothing (the kernels' guard)
         self._cache_names = [f"{kv}{i}" for kv in "kv" for i in range(self.config.n_layer)]
         self._sets: dict[int, tuple[KVCache, KVCache]] = {}  # capacity -> (set 0, set 1)
         self._reorders: dict[tuple[int, int], object] = {}  # (capacity, src set) -> Graph
@@ -231,12 +366,6 @@ class GraphedGPT2(_Graphed):
         self._position = 0         # host mirror of the next position (picks exact/bucket graphs)
         self._capacity = None      # capacity the search caches hold now
         self._pending = False      # copy: the reorder left the live cache in R, not S
-        self.keys = shapes.graph_keys(strategy, max_len, buckets)  # every graph a set can have
-        n_graph_sets = 2 if binding == "alias" else 1
-        self._graphs = [shapes.ShapeDispatcher(functools.partial(self._build, i),
-                                               strategy=strategy, max_length=max_len,
-                                               dynamic=(), buckets=buckets)
-                        for i in range(n_graph_sets)]
         self.reset()
         if build_all:
             self.build_all()
@@ -245,11 +374,7 @@ class GraphedGPT2(_Graphed):
         """Build every graph a generation can use now, largest first: the step graphs of every
         length (or bucket) on every cache set, and the reorder graphs of every capacity.
         `after_each(lengths built)`, if given, is called after each length's graphs."""
-        for n, key in enumerate(reversed(self.keys), 1):
-            for dispatcher in self._graphs:
-                dispatcher.graph(key)
-            if after_each is not None:
-                after_each(n)
+        self.graphed.build_all(after_each)
         if self.binding != "copy":
             for capacity in sorted({self._capacity_for(k) for k in self.keys}, reverse=True):
                 for src in (0, 1):
@@ -307,17 +432,17 @@ class GraphedGPT2(_Graphed):
         key = (capacity, src)
         if key not in self._reorders:
             source, target = self._set(capacity)[src], self._set(capacity)[1 - src]
-            self._reorders[key] = capture(
+            self._reorders[key] = self.graphed.add_helper(capture(
                 lambda index, length: KVCache.reorder_into(source, index, target, length=length),
                 {"index": cuda.device_array(self.batch, np.int32),
                  "length": cuda.device_array(1, np.int32)}, binding="patch",
-                executor=self.executor, warmup=0)  # gathers have no first-call path
+                executor=self.executor, warmup=0))  # gathers have no first-call path
         return self._reorders[key]
 
     def reset(self, prompt_len: int = 1) -> None:
         """Start a generation from a prompt of `prompt_len` tokens: position 0, the smallest
         capacity; the next step call is the prefill of prompt_len - 1 tokens (if any)."""
-        self._require_open("reset")
+        self.graphed.require_open("reset")
         self._position, self._pending, self._capacity = 0, False, None
         self._prefill = _check.positive("prompt_len", prompt_len, at_most=self.max_len) - 1
         self._use_capacity(self._capacity_for(1))
@@ -331,14 +456,19 @@ class GraphedGPT2(_Graphed):
             inputs["pos"] = pos
         return inputs
 
-    def _build(self, set_index: int, key: int):
-        """The graph for length `key` (position key-1) on cache set `set_index`."""
-        capacity = self._capacity_for(key)
-        cache = self._set(capacity)[set_index]
-        placeholders = self._inputs(self._tokens_ph, self._pos_ph, cache)
-        if self.strategy == "exact":   # this graph's own position, a constant only it reads:
-            # element key-1 of one array of every position (one allocation for all lengths:
-            # an allocation per graph costs the driver far more than its 4 bytes)
+    def placeholders(self, state_set: int, key: int) -> dict:
+        """(The protocol.) The graph of length `key` records on cache set `state_set` at the
+        capacity serving `key`, and the graphs' token and position buffers."""
+        cache = self._set(self._capacity_for(key))[state_set]
+        return self._inputs(self._tokens_ph, self._pos_ph, cache)
+
+    def recorded_step(self, key: int):
+        """(The protocol.) GPT2.step over the named caches, at position key-1: read from the
+        `pos` input, or under the exact strategy from a constant only this graph reads
+        (element key-1 of one array of every position: an allocation per graph costs the
+        driver far more than its 4 bytes)."""
+        baked = None
+        if self.strategy == "exact":
             if self._positions is None:
                 self._positions = cuda.to_device(np.arange(self.max_len, dtype=np.int32))
             baked = backend.rows(self._positions, key - 1, key)
@@ -348,14 +478,13 @@ class GraphedGPT2(_Graphed):
             view = _CacheView(self.config, B, [kv[f"k{i}"] for i in range(L)],
                               [kv[f"v{i}"] for i in range(L)])
             return self.model.step(tokens, baked if pos is None else pos, view)
-
-        return self._capture(step, placeholders)
+        return step
 
     def step(self, tokens, pos, cache):
         """GPT2.step's contract on `cache`, one of `self.caches`. The first call after
         reset(prompt_len > 1) is the prefill (eager); every other call is one decode step
         (T = 1) and replays the graph of its length."""
-        self._require_open("step")
+        self.graphed.require_open("step")
         _check.device_array("tokens", tokens, dtype=np.int32, shape=(self.batch, None))
         _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
         if not (isinstance(cache, _SearchCache) and cache.owner is self):
@@ -387,20 +516,12 @@ class GraphedGPT2(_Graphed):
             prefix = {name: (2, self._position) for name in self._cache_names}
         else:
             live = cache
-        g = self._graphs[cache.index if self.binding == "alias" else 0].graph(length)
-        logits = g.replay(live=prefix, **self._inputs(tokens, pos, live))
+        # (the next step reads the other cache set at the next length: the search
+        # alternates the sets)
+        logits = self.graphed.replay(cache.index, length, self._inputs(tokens, pos, live),
+                                     live=prefix, following=(1 - cache.index, length + 1))
         self._position = length
-        if self.shared is not None and length < self.max_len:
-            self._prepare_next(cache, length + 1)
         return logits
-
-    def _prepare_next(self, cache, length: int) -> None:
-        """Shared executables: retarget one to the next step's graph (the other cache set
-        under alias binding) while the GPU runs this step, if that graph is built."""
-        dispatcher = self._graphs[1 - cache.index if self.binding == "alias" else 0]
-        key = shapes.key_for(length, dispatcher.keys)
-        if key in dispatcher.graphs:
-            dispatcher.graphs[key].prepare()
 
     # ------------------------------------------------------------------ searches
     def greedy(self, prompt, *, max_new_tokens: int, eos: int | None = None, timed=False):
@@ -428,26 +549,17 @@ class GraphedGPT2(_Graphed):
         self._use_capacity(self._capacity_for(position + 1))
         self.inputs.pos.copy_to_device(np.array([position], np.int32))
         inputs = self._inputs(self.inputs.tokens, self.inputs.pos, self.caches[0])
-        g = self._graphs[0].graph(position + 1)
+        g = self.graphed.graph(0, position + 1)
         return lambda: g.replay(**inputs)
 
     # ------------------------------------------------------------------ accounting
-    def _step_graphs(self) -> list:
-        return [g for d in self._graphs for g in d.graphs.values()]
-
-    def _other_graphs(self) -> list:
-        return list(self._reorders.values())
-
     @property
     def num_reorder_graphs(self) -> int:
         return len(self._reorders)
 
     def close(self) -> None:
-        for d in self._graphs:
-            d.close()
-        for g in self._reorders.values():
-            g.close()
-        self._close_memory()
+        """Destroy every graph (the reorders with them) and free the cache sets."""
+        self.graphed.close()
         self._sets, self._reorders, self._positions = {}, {}, None
         for cache in self.caches:
             cache.k, cache.v = [], []
@@ -461,7 +573,7 @@ class _StateView(LSTMState):
         self.config, self.batch, self.h, self.c = config, h[0].shape[0], list(h), list(c)
 
 
-class GraphedLSTM(_Graphed):
+class GraphedLSTM(_GraphedModel):
     """LSTMLM.step over a batch of `batch <= max_batch` rows, as graphs.
 
     The recurrent state is the stepper's own (`state`, capacity max_batch, rows [:batch] are
@@ -474,63 +586,56 @@ class GraphedLSTM(_Graphed):
     single largest bucket).
     """
 
+    name = "lstm-step"   # (the memory tape's)
+
     def __init__(self, model, *, max_batch: int, binding: str = "alias",
                  strategy: str = "device", executor: str | None = None, buckets=None,
                  planned: bool = True, shared_executables: int | None = None):
-        if binding not in MODES:
-            raise ValueError(f"binding: expected one of {MODES}, got {binding!r}")
         self.model, self.config = model, model.config
         self.max_batch = _check.positive("max_batch", max_batch, at_most=model.max_batch)
-        self.binding, self.executor = binding, executor or default_executor()
-        self._own_memory("lstm-step", planned, shared_executables)
-        self.state = LSTMState(self.config, max_batch)
-        self.tokens = cuda.to_device(np.zeros(max_batch, np.int32))  # where producers write
-        self._tokens_ph = self.tokens if binding == "alias" else \
-            cuda.to_device(np.zeros(max_batch, np.int32))
         self._names = [f"h{k}" for k in range(self.config.n_layer)] + \
                       [f"c{k}" for k in range(self.config.n_layer)]
-        self._graphs = shapes.ShapeDispatcher(self._build, strategy=strategy,
-                                              max_length=max_batch,
-                                              dynamic=("tokens", *self._names), buckets=buckets)
+        self.graphed = Graphed(self, binding=binding, strategy=strategy, max_length=max_batch,
+                               buckets=buckets, dynamic=("tokens", *self._names),
+                               executor=executor, planned=planned,
+                               shared_executables=shared_executables)
+        self.state = LSTMState(self.config, max_batch)
+        self.tokens = cuda.to_device(np.zeros(max_batch, np.int32))  # where producers write
+        self._tokens_ph = self.graphed.input_buffer(self.tokens)
 
-    def _build(self, key: int):
+    def _rows(self, tokens, key: int) -> dict:
+        """The first `key` rows of the tokens and of every state array, by name (views made
+        once: see `leading`)."""
+        return {"tokens": leading(tokens, key),
+                **{n: leading(a, key) for n, a in zip(self._names, self.state.arrays())}}
+
+    def placeholders(self, state_set: int, key: int) -> dict:
+        """(The protocol.) The graph of batch size `key` records on the first `key` rows."""
+        return self._rows(self._tokens_ph, key)
+
+    def recorded_step(self, key: int):
+        """(The protocol.) LSTMLM.step over the named state rows. (No warm-up here either:
+        the step updates the state in place, so an extra eager run would advance every
+        sequence one token too far.)"""
         L = self.config.n_layer
-        placeholders = {"tokens": leading(self._tokens_ph, key),
-                        **{n: leading(a, key) for n, a in zip(self._names, self.state.arrays())}}
 
         def step(tokens, **hc):
             state = _StateView(self.config, [hc[f"h{k}"] for k in range(L)],
                                [hc[f"c{k}"] for k in range(L)])
             return self.model.step(tokens, state)
-
-        # (no warm-up matters here too: the step updates the state in place, so an extra
-        # eager run would advance every sequence one token too far)
-        return self._capture(step, placeholders)
-
-    def build_all(self, after_each=None) -> None:
-        """Build every batch size's graph now, largest first (`after_each(n built)`)."""
-        for n, key in enumerate(reversed(self._graphs.keys), 1):
-            self._graphs.graph(key)
-            if after_each is not None:
-                after_each(n)
+        return step
 
     def step(self, tokens, batch: int):
         """Logits (batch, V) of the next token for rows [:batch]; `tokens` device int32
         (max_batch,), rows past `batch` padding (valid ids). Updates `state` rows in place."""
-        self._require_open("step")
+        self.graphed.require_open("step")
         _check.device_array("tokens", tokens, dtype=np.int32, shape=(self.max_batch,))
         _check.positive("batch", batch, at_most=self.max_batch)
-        key = shapes.key_for(batch, self._graphs.keys)
-        inputs = {"tokens": leading(tokens, key),   # (views made once: see `leading`)
-                  **{n: leading(a, key) for n, a in zip(self._names, self.state.arrays())}}
-        return leading(self._graphs.graph(batch).replay(**inputs), batch)
-
-    def _step_graphs(self) -> list:
-        return list(self._graphs.graphs.values())
+        inputs = self._rows(tokens, shapes.key_for(batch, self.keys))
+        return leading(self.graphed.replay(0, batch, inputs), batch)
 
     def close(self) -> None:
-        self._graphs.close()
-        self._close_memory()
+        self.graphed.close()
 
 
 def lstm_greedy(step, tokens, prompt, max_new_tokens: int, *, vocab: int) -> np.ndarray:
