@@ -28,6 +28,25 @@ def device_array(name: str, x, *, dtype=np.float32, shape=None, ndim=None):
     return x
 
 
+# The storage dtypes a floating kernel takes: float32 (the default, every model's today) and
+# float16 (half precision: stored in 16 bits, computed in float32 inside the kernel).
+FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def float_arrays(named) -> np.dtype:
+    """Check that every (name, array) is a device array of one floating storage dtype of
+    FLOATS, the first array's; returns that dtype (the kernel signature to launch)."""
+    first_name, first = named[0]
+    if not is_device_array(first):
+        device_array(first_name, first)   # (its message for a host array or another object)
+    dtype = np.dtype(first.dtype)
+    if dtype not in FLOATS:
+        raise TypeError(f"{first_name}: expected dtype float32 or float16, got {dtype}")
+    for name, x in named:
+        device_array(name, x, dtype=dtype)
+    return dtype
+
+
 def _device_array(name: str, x, dtype, shape, ndim) -> bool:
     if not is_device_array(x):
         kind = "a NumPy (host) array" if isinstance(x, np.ndarray) else type(x).__name__

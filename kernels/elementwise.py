@@ -1,6 +1,9 @@
 """Elementwise ops: GELU (tanh approximation, as GPT-2) and residual add.
 
-Grid-stride loops over the flattened arrays, so any launch size covers any length.
+Grid-stride loops over the flattened arrays, so any launch size covers any length. Arrays
+are float32 or float16 (`kernels._check.FLOATS`: one kernel source, a signature per storage
+dtype); the arithmetic is float32 either way, and a float16 result is rounded once, as it is
+stored.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def gelu_f32(v):
 UNROLL = 4
 
 
-@jit("void(float32[::1], float32[::1])", writes=("out",), in_place=(("out", "x"),))
+@jit([f"void({t}[::1], {t}[::1])" for t in ("float32", "float16")], writes=("out",),
+     in_place=(("out", "x"),))
 def gelu_kernel(x, out):
     start, stride, n = cuda.grid(1), cuda.gridsize(1), x.size
     v = cuda.local.array(UNROLL, np.float32)
@@ -57,8 +61,8 @@ def gelu_kernel(x, out):
                 out[i] = gelu_f32(v[k])
 
 
-@jit("void(float32[::1], float32[::1], float32[::1])", writes=("out",),
-     in_place=(("out", "a"), ("out", "b")))
+@jit([f"void({t}[::1], {t}[::1], {t}[::1])" for t in ("float32", "float16")],
+     writes=("out",), in_place=(("out", "a"), ("out", "b")))
 def add_kernel(a, b, out):
     start, stride, n = cuda.grid(1), cuda.gridsize(1), a.size
     va = cuda.local.array(UNROLL, np.float32)
@@ -80,17 +84,17 @@ def _blocks(n: int) -> int:
 
 
 def gelu(x, out, stream=0):
-    """out = gelu(x), elementwise; `out` may be `x` (in place)."""
-    _check.device_array("x", x)
-    _check.device_array("out", out)
+    """out = gelu(x), elementwise; `out` may be `x` (in place). x and out of one dtype,
+    float32 or float16."""
+    _check.float_arrays([("x", x), ("out", out)])
     _check.same_shape([("x", x), ("out", out)])
     launch(gelu_kernel, _blocks(x.size), THREADS, (x.reshape(x.size), out.reshape(out.size)), stream)
 
 
 def add(a, b, out, stream=0):
-    """out = a + b, elementwise; `out` may alias `a` or `b` (residual add in place)."""
-    for name, arr in (("a", a), ("b", b), ("out", out)):
-        _check.device_array(name, arr)
+    """out = a + b, elementwise; `out` may alias `a` or `b` (residual add in place). All
+    three of one dtype, float32 or float16."""
+    _check.float_arrays([("a", a), ("b", b), ("out", out)])
     _check.same_shape([("a", a), ("b", b), ("out", out)])
     launch(add_kernel, _blocks(a.size), THREADS,
            (a.reshape(a.size), b.reshape(b.size), out.reshape(out.size)), stream)
