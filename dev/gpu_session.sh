@@ -2,13 +2,16 @@
 # A GPU session's runs, in the background so that each `run` call can poll (a call lasts at
 # most 10 minutes; the session has 30 of device time). Steps by name, in the order given:
 #
-#   run(command="PROTO_GIT_COMMIT=<12 hex> setsid nohup bash dev/gpu_session.sh probes \
-#       > /dev/null 2>&1 & sleep 2; bash dev/gpu_session.sh poll 540")
+#   run(command="PROTO_GIT_COMMIT=<12 hex> setsid nohup bash dev/gpu_session.sh lane \
+#       graph_memory sanitize > /dev/null 2>&1 & sleep 2; bash dev/gpu_session.sh poll 540")
 #   run(command="bash dev/gpu_session.sh poll 540")          # again until "all done"
 #
-# Steps: probes (the kernel cache's test, then where recording GPT-2 takes memory),
-# graph_memory (the memory figure, each method in its own process), lane (the GPU tests),
-# sanitize (compute-sanitizer over the GPU tests).
+# Steps: lane (the GPU tests, about 4 minutes), graph_memory (the memory figure, each method
+# in its own process, about 8), sanitize (compute-sanitizer's four tools over the GPU tests,
+# at most 15), probes (the kernel cache's test, then where recording GPT-2 takes memory).
+# The kernels load from Numba's cache after the first process compiles them: a fresh machine
+# spends about a minute on that once. A later `run` call copies the working tree again, which
+# drops what a step wrote under results/ and figures/: each step copies both beside its log.
 # Each step's log is in /tmp/gpu_session/<step>.txt; poll tars them with results/ and
 # figures/ into $OUT. Commit results only under the folder of the card that ran them.
 set -u
@@ -25,7 +28,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 step() { local name=$1 secs=$2; shift 2
   echo "$(date -u +%T) start $name" >> $L/steps.txt
   timeout -k 10 $secs "$@" > $L/$name.txt 2>&1
-  echo "$(date -u +%T) end $name rc=$?" >> $L/steps.txt; }
+  echo "$(date -u +%T) end $name rc=$?" >> $L/steps.txt
+  cp -r results figures $L/ 2>/dev/null; }   # (a later call's checkout drops them)
 { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
   echo "commit ${PROTO_GIT_COMMIT:-unknown}"; } > $L/device.txt 2>&1
 for s in "$@"; do case $s in
