@@ -9,6 +9,9 @@ Rows of up to 1024 run a warp a row, the row in the lanes' registers, reduced by
 (kernels._reduce.WARP_ELEMS); wider rows a block a row. Two passes over the row: the mean,
 then the mean of (x - mean)^2, which avoids the cancellation of E[x^2] - mean^2 on rows with
 a large mean.
+
+x, gamma, beta and out are float32 or float16 (one dtype a launch); the statistics and the
+normalization are float32 either way, and a float16 result is rounded once, as it is stored.
 """
 from __future__ import annotations
 
@@ -38,8 +41,11 @@ def layernorm_ref(x, gamma, beta, eps: float = 1e-5) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)",
-     writes=("out",), in_place=(("out", "x"),))
+_SIGNATURES = [f"void({t}[:, ::1], {t}[::1], {t}[::1], {t}[:, ::1], float32)"
+               for t in ("float32", "float16")]
+
+
+@jit(_SIGNATURES, writes=("out",), in_place=(("out", "x"),))
 def layernorm_kernel(x, gamma, beta, out, eps):
     # Warp butterflies then the warps in order (one barrier a reduction, not one a tree level);
     # the two sums use separate halves of red, so the second needs no barrier before it.
@@ -63,8 +69,7 @@ def layernorm_kernel(x, gamma, beta, out, eps):
 
 def _make_layernorm_warp_kernel(E: int):
     E2 = 2 * E   # (local array sizes must be plain constants)
-    @jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], float32)",
-         writes=("out",), in_place=(("out", "x"),))
+    @jit(_SIGNATURES, writes=("out",), in_place=(("out", "x"),))
     def layernorm_warp_kernel(x, gamma, beta, out, eps):
         vals = cuda.local.array(E, np.float32)
         gb = cuda.local.array(E2, np.float32)   # gamma, beta: loaded before any store
@@ -110,12 +115,14 @@ def block_threads(n: int, at_most: int) -> int:
 
 def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
     """out = layernorm(x) over the last axis; x, out (R, C); gamma, beta (C,). out may be x
-    (the very same array); any other overlap of out with x, gamma or beta is refused."""
-    _check.device_array("x", x, ndim=2)
+    (the very same array); any other overlap of out with x, gamma or beta is refused. All
+    four of one dtype, float32 or float16."""
+    dtype = _check.float_arrays([("x", x), ("gamma", gamma), ("beta", beta), ("out", out)])
+    _check.device_array("x", x, dtype=dtype, ndim=2)
     rows, cols = x.shape
-    _check.device_array("gamma", gamma, shape=(cols,))
-    _check.device_array("beta", beta, shape=(cols,))
-    _check.device_array("out", out, shape=(rows, cols))
+    _check.device_array("gamma", gamma, dtype=dtype, shape=(cols,))
+    _check.device_array("beta", beta, dtype=dtype, shape=(cols,))
+    _check.device_array("out", out, dtype=dtype, shape=(rows, cols))
     if not (isinstance(eps, (float, int)) and eps > 0):
         raise ValueError(f"eps: expected a positive number, got {eps!r}")
     if rows > 2**31 - 1:

@@ -63,3 +63,53 @@ def test_rejects_bad_input_before_launch():
     with pytest.raises(ValueError, match="eps: expected a positive number"):
         L.layernorm(x, g, g, x, eps=0.0)
     np.testing.assert_array_equal(x.copy_to_host(), 1.0)  # nothing ran
+
+
+# ---------------------------------------------------------------------------- half precision
+# The kernel reads float16, computes the row's mean and variance and the normalization in
+# float32, and rounds the float16 result once as it stores it. Against float64 on the same
+# float16 values, by the usual bound for a float32 sum of n terms (n 2^-24 of their
+# magnitude): the mean is off by at most n U32 max|x|, the variance correspondingly, so the
+# normalized value xh = (x - mean) / sigma by at most e = 4 n U32 (max|x| / sigma + 1)(1 + |xh|);
+# then gamma * xh + beta in float32 (2 U32 of its terms) and the one float16 rounding
+# (2^-11 of the result, 2^-25 below the normal range).
+U16, U32 = 2.0 ** -11, 2.0 ** -24
+
+
+def _layernorm64(x, gamma, beta, eps):
+    x = x.astype(np.float64)
+    mean = x.mean(axis=-1, keepdims=True)
+    sigma = np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+    xh = (x - mean) / sigma
+    return xh * gamma.astype(np.float64) + beta.astype(np.float64), xh, sigma
+
+
+def _half_bound(x, gamma, beta, want, xh, sigma):
+    n = x.shape[-1]
+    x, g, b = (np.abs(a.astype(np.float64)) for a in (x, gamma, beta))
+    e = 4 * n * U32 * (x.max(axis=-1, keepdims=True) / sigma + 1) * (1 + np.abs(xh))
+    return g * e + 2 * U32 * (g * np.abs(xh) + b) + U16 * np.abs(want) + 2.0 ** -25
+
+
+@given(rows=st.integers(1, 6), cols=st.integers(1, 70), offset=st.sampled_from([0.0, 100.0]),
+       seed=st.integers(0, 2**16))
+def test_half_precision_rounds_once(rows, cols, offset, seed, scale):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols * scale)) + offset).astype(np.float16)
+    gamma, beta = (rng.standard_normal(cols * scale).astype(np.float16) for _ in range(2))
+    dx = dev(x)
+    L.layernorm(dx, dev(gamma), dev(beta), dx)   # in place, as the fused paths use it
+    want, xh, sigma = _layernorm64(x, gamma, beta, 1e-5)
+    got = dx.copy_to_host()
+    assert got.dtype == np.float16
+    err = np.abs(got.astype(np.float64) - want) - _half_bound(x, gamma, beta, want, xh, sigma)
+    assert np.all(err <= 0), float(err.max())
+
+
+def test_half_and_single_precision_do_not_mix():
+    h, f = dev(np.ones((2, 5), np.float16)), dev(np.ones((2, 5), np.float32))
+    g16, g32 = dev(np.ones(5, np.float16)), dev(np.ones(5, np.float32))
+    with pytest.raises(TypeError, match="gamma: expected dtype float16, got float32"):
+        L.layernorm(h, g32, g16, h)
+    with pytest.raises(TypeError, match="out: expected dtype float32, got float16"):
+        L.layernorm(f, g32, g32, h)
