@@ -114,24 +114,24 @@ def flag(name: str, value) -> bool:
     return bool(value)
 
 
-def _ln_params(what: str, gamma, beta, eps, n: int) -> float:
-    """Checks a fused layer norm's gamma and beta (n,) and eps (> 0), naming them after
-    `what`; returns eps as a float."""
-    device_array(f"{what} gamma", gamma, shape=(n,))
-    device_array(f"{what} beta", beta, shape=(n,))
+def _ln_params(what: str, gamma, beta, eps, n: int, dtype=np.float32) -> float:
+    """Checks a fused layer norm's gamma and beta (n,) of `dtype` and eps (> 0), naming them
+    after `what`; returns eps as a float."""
+    device_array(f"{what} gamma", gamma, dtype=dtype, shape=(n,))
+    device_array(f"{what} beta", beta, dtype=dtype, shape=(n,))
     if not (isinstance(eps, (float, int)) and eps > 0):
         raise ValueError(f"{what} eps: expected a positive number, got {eps!r}")
     return float(eps)
 
 
-def ln_out(value, shape: tuple) -> tuple:
+def ln_out(value, shape: tuple, dtype=np.float32) -> tuple:
     """A fused layer norm's (gamma, beta, eps, y) for rows of shape[-1] columns, y shaped
-    `shape` (the output it normalizes); returns it checked, eps as a float."""
+    `shape` (the output it normalizes), all of `dtype`; returns it checked, eps as a float."""
     if not (isinstance(value, tuple) and len(value) == 4):
         raise ValueError(f"ln_out: expected (gamma, beta, eps, y), got {value!r}")
     gamma, beta, eps, y = value
-    eps = _ln_params("ln_out", gamma, beta, eps, shape[-1])
-    device_array("ln_out y", y, shape=tuple(shape))
+    eps = _ln_params("ln_out", gamma, beta, eps, shape[-1], dtype)
+    device_array("ln_out y", y, dtype=dtype, shape=tuple(shape))
     return gamma, beta, eps, y
 
 

@@ -8,6 +8,10 @@ out-of-bounds read.
 
 Optional `ln_out=(gamma, beta, eps, y)`: the block also writes y = layernorm(row) from the
 values still in its registers (GPT-2's first layer norm: no launch of its own).
+
+Tables and outputs are float32 or float16 (one dtype a launch): the sum and the layer norm are
+float32 either way, and float16 outputs are rounded once, as they are stored (y normalizes
+the float32 sum, not the rounded out).
 """
 from __future__ import annotations
 
@@ -45,11 +49,12 @@ def _entry(wte, wpe, tok, p, j, bad, has_wpe):
     """Element j of a row: wte[tok, j] (+ wpe[p, j]), NaN for a bad id or position."""
     if bad:
         return _NAN
-    return wte[tok, j] + wpe[p, j] if has_wpe else wte[tok, j]
+    e = np.float32(wte[tok, j])   # (float32 before the add: a float16 sum would round twice)
+    return e + np.float32(wpe[p, j]) if has_wpe else e
 
 
-@jit("void(int32[:, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, ::1], int32[::1], "
-     "int32, int32, float32[::1], float32[::1], float32, float32[:, :, ::1], int32)",
+@jit([f"void(int32[:, ::1], {t}[:, ::1], {t}[:, :, ::1], {t}[:, ::1], int32[::1], int32, int32, "
+      f"{t}[::1], {t}[::1], float32, {t}[:, :, ::1], int32)" for t in ("float32", "float16")],
      writes=("out", "y"))
 def embed_kernel(tokens, wte, out, wpe, pos0, has_wpe, has_pos0, gamma, beta, eps, y, has_ln):
     xv = cuda.local.array(LN_COLS, np.float32)
@@ -89,17 +94,19 @@ def fuses_layernorm(width: int) -> bool:
 
 def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
     """out (B, T, C) = wte[tokens] (+ wpe[pos0 + t] when wpe (P, C) is given; pos0 a device
-    int32 (1,), default position 0). tokens: device int32 (B, T). Ids or positions outside
-    the tables give NaN rows. ln_out=(gamma, beta, eps, y): also y (B, T, C) =
+    int32 (1,), default position 0). tokens: device int32 (B, T); the tables, out and ln_out
+    of one dtype, float32 or float16. Ids or positions outside the tables give NaN rows. ln_out=(gamma, beta, eps, y): also y (B, T, C) =
     layernorm(out) row by row, gamma and beta (C,), y overlapping nothing; C at most
     LN_COLS * MAX_THREADS."""
     _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
-    _check.device_array("wte", wte, ndim=2)
+    dtype = _check.float_arrays([("wte", wte), ("out", out)]
+                                + ([("wpe", wpe)] if wpe is not None else []))
+    _check.device_array("wte", wte, dtype=dtype, ndim=2)
     batch, steps = tokens.shape
     width = wte.shape[1]
-    _check.device_array("out", out, shape=(batch, steps, width))
+    _check.device_array("out", out, dtype=dtype, shape=(batch, steps, width))
     if wpe is not None:
-        _check.device_array("wpe", wpe, shape=(None, width))
+        _check.device_array("wpe", wpe, dtype=dtype, shape=(None, width))
     if pos0 is not None:
         if wpe is None:
             raise ValueError("pos0: given without wpe (positions index the wpe table)")
@@ -109,9 +116,9 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
     threads = _threads(width, ln_out is not None)
     if ln_out is None:   # placeholders, never touched (has_ln is 0): y a scratch element
         gamma = beta = backend.reshaped(wte, (wte.size,))
-        eps, y = 1.0, backend.empty((1, 1, 1), np.float32, "embed.no_ln")
+        eps, y = 1.0, backend.empty((1, 1, 1), dtype, "embed.no_ln")
     else:
-        gamma, beta, eps, y = _check.ln_out(ln_out, (batch, steps, width))
+        gamma, beta, eps, y = _check.ln_out(ln_out, (batch, steps, width), dtype)
         if not fuses_layernorm(width):
             raise ValueError(f"ln_out: rows of {width} exceed the fused layer norm's "
                              f"{LN_COLS * threads} (run kernels.layernorm after)")

@@ -98,3 +98,57 @@ def test_ln_out_rejects_bad_input_before_launch():
         E.embed(tokens, wte, out, ln_out=(g, g, 0.0, y))
     with pytest.raises(ValueError, match="overlap"):
         E.embed(tokens, wte, out, ln_out=(g, g, 1e-5, out))
+
+
+# ---------------------------------------------------------------------------- half precision
+# Float16 tables: the row wte[t] + wpe[p] is summed in float32 (exact to 2^-24 of it) and
+# rounded once to float16 as it is stored (2^-11 of the result, 2^-25 below the normal range).
+# The fused layer norm normalizes the float32 sum, not the rounded row: its bound is
+# layernorm's in half precision (tests/test_layernorm.py), restated here.
+U16, U32 = 2.0 ** -11, 2.0 ** -24
+
+
+@given(batch=st.integers(1, 3), steps=st.integers(1, 4), width=st.integers(1, 40),
+       with_ln=st.booleans(), seed=st.integers(0, 2**16))
+def test_half_precision_rounds_once(batch, steps, width, with_ln, seed, scale):
+    rng = np.random.default_rng(seed)
+    width, vocab = width * scale, 7
+    tokens = rng.integers(0, vocab, (batch, steps)).astype(np.int32)
+    tokens[0, 0] = vocab   # an id past the table: a NaN row, in half precision too
+    wte = rng.standard_normal((vocab, width)).astype(np.float16)
+    wpe = rng.standard_normal((steps + 2, width)).astype(np.float16)
+    gamma, beta = (rng.standard_normal(width).astype(np.float16) for _ in range(2))
+    out = dev(np.zeros((batch, steps, width), np.float16))
+    y = dev(np.zeros((batch, steps, width), np.float16))
+    E.embed(dev(tokens), dev(wte), out, wpe=dev(wpe), pos0=dev(np.array([2], np.int32)),
+            ln_out=(dev(gamma), dev(beta), 1e-5, y) if with_ln else None)
+    got = out.copy_to_host()
+    assert got.dtype == np.float16 and np.isnan(got[0, 0]).all()
+    ok = np.ones((batch, steps), bool)
+    ok[0, 0] = False
+    want = wte[np.where(ok, tokens, 0)].astype(np.float64) + wpe[2:2 + steps].astype(np.float64)
+    err = np.abs(got.astype(np.float64) - want) - ((U16 + U32) * np.abs(want) + 2.0 ** -25)
+    assert np.all(err[ok] <= 0), float(err[ok].max())
+    if with_ln:
+        mean = want.mean(axis=-1, keepdims=True)
+        sigma = np.sqrt(((want - mean) ** 2).mean(axis=-1, keepdims=True) + 1e-5)
+        xh = (want - mean) / sigma
+        g, b = np.abs(gamma.astype(np.float64)), np.abs(beta.astype(np.float64))
+        ln = xh * gamma.astype(np.float64) + beta.astype(np.float64)
+        e = 4 * width * U32 * (np.abs(want).max(axis=-1, keepdims=True) / sigma + 1) * (1 + np.abs(xh))
+        bound = g * e + 2 * U32 * (g * np.abs(xh) + b) + U16 * np.abs(ln) + 2.0 ** -25
+        err = np.abs(y.copy_to_host().astype(np.float64) - ln) - bound
+        assert np.all(err[ok] <= 0), float(err[ok].max())
+
+
+def test_half_and_single_precision_do_not_mix():
+    tokens = dev(np.zeros((1, 1), np.int32))
+    h, f = dev(np.zeros((2, 3), np.float16)), dev(np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="out: expected dtype float16, got float32"):
+        E.embed(tokens, h, dev(np.zeros((1, 1, 3), np.float32)))
+    with pytest.raises(TypeError, match="wpe: expected dtype float32, got float16"):
+        E.embed(tokens, f, dev(np.zeros((1, 1, 3), np.float32)), wpe=h)
+    with pytest.raises(TypeError, match="ln_out gamma: expected dtype float16"):
+        E.embed(tokens, h, dev(np.zeros((1, 1, 3), np.float16)),
+                ln_out=(dev(np.ones(3, np.float32)), dev(np.ones(3, np.float16)), 1e-5,
+                        dev(np.zeros((1, 1, 3), np.float16))))
