@@ -1,9 +1,8 @@
 """Elementwise ops: GELU (tanh approximation, as GPT-2) and residual add.
 
 Grid-stride loops over the flattened arrays, so any launch size covers any length. Arrays
-are float32 or float16 (`kernels._check.FLOATS`: one kernel source, a signature per storage
-dtype); the arithmetic is float32 either way, and a float16 result is rounded once, as it is
-stored.
+are float32 or float16 (one kernel source, a kernel per storage dtype: `jit_per_dtype`); the
+arithmetic is float32 either way, and a float16 result is rounded once, as it is stored.
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import math
 import numpy as np
 
 from kernels import _check
-from proto.device.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit_per_dtype, launch
 
 THREADS = 256
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -46,9 +45,8 @@ def gelu_f32(v):
 UNROLL = 4
 
 
-@jit([f"void({t}[::1], {t}[::1])" for t in ("float32", "float16")], writes=("out",),
-     in_place=(("out", "x"),))
-def gelu_kernel(x, out):
+@jit_per_dtype("void({t}[::1], {t}[::1])", writes=("out",), in_place=(("out", "x"),))
+def gelu_kernels(x, out):
     start, stride, n = cuda.grid(1), cuda.gridsize(1), x.size
     v = cuda.local.array(UNROLL, np.float32)
     for base in range(start, n, stride * UNROLL):
@@ -61,9 +59,9 @@ def gelu_kernel(x, out):
                 out[i] = gelu_f32(v[k])
 
 
-@jit([f"void({t}[::1], {t}[::1], {t}[::1])" for t in ("float32", "float16")],
-     writes=("out",), in_place=(("out", "a"), ("out", "b")))
-def add_kernel(a, b, out):
+@jit_per_dtype("void({t}[::1], {t}[::1], {t}[::1])", writes=("out",),
+               in_place=(("out", "a"), ("out", "b")))
+def add_kernels(a, b, out):
     start, stride, n = cuda.grid(1), cuda.gridsize(1), a.size
     va = cuda.local.array(UNROLL, np.float32)
     vb = cuda.local.array(UNROLL, np.float32)
@@ -86,15 +84,15 @@ def _blocks(n: int) -> int:
 def gelu(x, out, stream=0):
     """out = gelu(x), elementwise; `out` may be `x` (in place). x and out of one dtype,
     float32 or float16."""
-    _check.float_arrays([("x", x), ("out", out)])
+    dtype = _check.float_arrays([("x", x), ("out", out)])
     _check.same_shape([("x", x), ("out", out)])
-    launch(gelu_kernel, _blocks(x.size), THREADS, (x.reshape(x.size), out.reshape(out.size)), stream)
+    launch(gelu_kernels[dtype], _blocks(x.size), THREADS, (x.reshape(x.size), out.reshape(out.size)), stream)
 
 
 def add(a, b, out, stream=0):
     """out = a + b, elementwise; `out` may alias `a` or `b` (residual add in place). All
     three of one dtype, float32 or float16."""
-    _check.float_arrays([("a", a), ("b", b), ("out", out)])
+    dtype = _check.float_arrays([("a", a), ("b", b), ("out", out)])
     _check.same_shape([("a", a), ("b", b), ("out", out)])
-    launch(add_kernel, _blocks(a.size), THREADS,
+    launch(add_kernels[dtype], _blocks(a.size), THREADS,
            (a.reshape(a.size), b.reshape(b.size), out.reshape(out.size)), stream)

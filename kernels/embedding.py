@@ -20,7 +20,7 @@ import numpy as np
 from kernels import _check
 from kernels._reduce import block_layernorm_row, load_ln_params
 from proto.device import backend
-from proto.device.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit_per_dtype, launch
 
 MAX_THREADS = 256 if not backend.SIMULATOR else 32
 LN_COLS = 8   # row values a thread holds for the fused layer norm: C <= LN_COLS * MAX_THREADS
@@ -53,10 +53,9 @@ def _entry(wte, wpe, tok, p, j, bad, has_wpe):
     return e + np.float32(wpe[p, j]) if has_wpe else e
 
 
-@jit([f"void(int32[:, ::1], {t}[:, ::1], {t}[:, :, ::1], {t}[:, ::1], int32[::1], int32, int32, "
-      f"{t}[::1], {t}[::1], float32, {t}[:, :, ::1], int32)" for t in ("float32", "float16")],
-     writes=("out", "y"))
-def embed_kernel(tokens, wte, out, wpe, pos0, has_wpe, has_pos0, gamma, beta, eps, y, has_ln):
+@jit_per_dtype("void(int32[:, ::1], {t}[:, ::1], {t}[:, :, ::1], {t}[:, ::1], int32[::1], int32, "
+               "int32, {t}[::1], {t}[::1], float32, {t}[:, :, ::1], int32)", writes=("out", "y"))
+def embed_kernels(tokens, wte, out, wpe, pos0, has_wpe, has_pos0, gamma, beta, eps, y, has_ln):
     xv = cuda.local.array(LN_COLS, np.float32)
     gb = cuda.local.array(_GB, np.float32)   # the layer norm's gamma, beta
     t, b = cuda.blockIdx.x, cuda.blockIdx.y
@@ -127,4 +126,4 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
             backend.reshaped(tokens, (tokens.size,)) if pos0 is None else pos0,
             int(wpe is not None), int(pos0 is not None), gamma, beta, np.float32(eps), y,
             int(ln_out is not None))
-    launch(embed_kernel, (steps, batch), threads, args, stream)
+    launch(embed_kernels[dtype], (steps, batch), threads, args, stream)

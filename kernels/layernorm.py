@@ -23,7 +23,7 @@ from kernels import _check
 from kernels._reduce import (WARP_ELEMS, block_allreduce, warp_allreduce, warp_elems, warp_grid,
                              warp_row)
 from proto.device import backend
-from proto.device.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit_per_dtype, launch
 
 MAX_THREADS = 256 if not backend.SIMULATOR else 32  # simulated threads cost ~1 ms each
 MIN_THREADS = 32 if not backend.SIMULATOR else 1    # a warp reads a row segment coalesced
@@ -41,12 +41,11 @@ def layernorm_ref(x, gamma, beta, eps: float = 1e-5) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- kernels
-_SIGNATURES = [f"void({t}[:, ::1], {t}[::1], {t}[::1], {t}[:, ::1], float32)"
-               for t in ("float32", "float16")]
+_SIGNATURE = "void({t}[:, ::1], {t}[::1], {t}[::1], {t}[:, ::1], float32)"
 
 
-@jit(_SIGNATURES, writes=("out",), in_place=(("out", "x"),))
-def layernorm_kernel(x, gamma, beta, out, eps):
+@jit_per_dtype(_SIGNATURE, writes=("out",), in_place=(("out", "x"),))
+def layernorm_kernels(x, gamma, beta, out, eps):
     # Warp butterflies then the warps in order (one barrier a reduction, not one a tree level);
     # the two sums use separate halves of red, so the second needs no barrier before it.
     red = cuda.shared.array(64, np.float32)
@@ -69,8 +68,8 @@ def layernorm_kernel(x, gamma, beta, out, eps):
 
 def _make_layernorm_warp_kernel(E: int):
     E2 = 2 * E   # (local array sizes must be plain constants)
-    @jit(_SIGNATURES, writes=("out",), in_place=(("out", "x"),))
-    def layernorm_warp_kernel(x, gamma, beta, out, eps):
+    @jit_per_dtype(_SIGNATURE, writes=("out",), in_place=(("out", "x"),))
+    def layernorm_warp_kernels(x, gamma, beta, out, eps):
         vals = cuda.local.array(E, np.float32)
         gb = cuda.local.array(E2, np.float32)   # gamma, beta: loaded before any store
         r, lane, here = warp_row(x.shape[0])
@@ -97,7 +96,7 @@ def _make_layernorm_warp_kernel(E: int):
                 j = lane + i * 32
                 if j < n:   # (a load here would wait for the store before it)
                     out[r, j] = (vals[i] - mean) * rstd * gb[i] + gb[E + i]
-    return layernorm_warp_kernel
+    return layernorm_warp_kernels
 
 
 _LAYERNORM_WARP = {E: _make_layernorm_warp_kernel(E) for E in WARP_ELEMS}
@@ -129,8 +128,8 @@ def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
         raise ValueError(f"x: {rows} rows exceed the grid limit")
     E = warp_elems(cols)
     if E is not None:   # a warp a row
-        launch(_LAYERNORM_WARP[E], *warp_grid(rows), (x, gamma, beta, out, np.float32(eps)),
+        launch(_LAYERNORM_WARP[E][dtype], *warp_grid(rows), (x, gamma, beta, out, np.float32(eps)),
                stream)
         return
-    launch(layernorm_kernel, rows, block_threads(cols, MAX_THREADS),
+    launch(layernorm_kernels[dtype], rows, block_threads(cols, MAX_THREADS),
            (x, gamma, beta, out, np.float32(eps)), stream)

@@ -82,3 +82,18 @@ def test_half_and_single_precision_do_not_mix():
         ew.add(f, h, f)
     with pytest.raises(TypeError, match="float32 or float16, got float64"):
         ew.add(dev(np.zeros(8, np.float64)), h, h)
+
+
+def test_half_precision_kernels_run_in_graphs_and_under_predication():
+    """A kernel per dtype keeps one signature each: a graph records the float16 one, and its
+    predicated twin (Grape's predication) is built from it like any other."""
+    from proto.device.backend import predicated
+    from proto.graph import capture
+    a = dev(np.arange(6, dtype=np.float16))
+    b = dev(np.full(6, 0.5, np.float16))
+    out = dev(np.zeros(6, np.float16))
+    with capture(lambda a, b: ew.add(a, b, out), {"a": a, "b": b}, binding="alias") as g:
+        g.replay(a=a, b=b)
+        np.testing.assert_array_equal(out.copy_to_host(), np.arange(6) + 0.5)
+    twin = predicated(ew.add_kernels[np.dtype(np.float16)])
+    assert twin is not predicated(ew.add_kernels[np.dtype(np.float32)])

@@ -60,8 +60,9 @@ def test_a_predicated_kernel_whose_flag_is_false_writes_nothing(which):
 
 
 def test_predicated_twins_are_built_once_and_need_our_jit():
-    twin = predicated(elementwise.add_kernel)
-    assert predicated(elementwise.add_kernel) is twin and twin.predicate_of is elementwise.add_kernel
+    add = elementwise.add_kernels[np.dtype(np.float32)]
+    twin = predicated(add)
+    assert predicated(add) is twin and twin.predicate_of is add
     with pytest.raises(TypeError, match="was not made by proto.device.backend.jit"):
         predicated(cuda.jit("void(float32[::1])")(lambda x: None))
 

@@ -224,6 +224,20 @@ def jit(signature, *, writes=(), in_place=(), early_launch=False, **options):
     return decorate
 
 
+FLOAT_TYPES = ("float32", "float16")   # the storage dtypes a floating kernel comes in
+
+
+def jit_per_dtype(signature: str, *, dtypes=FLOAT_TYPES, **kw):
+    """`jit` once per storage dtype from one kernel source: `signature` writes the dtype as
+    ``{t}``; returns {np.dtype: kernel}. Each kernel keeps one eager signature (what the
+    launcher, the graph layer and predication rely on); the launcher picks by its arrays'
+    dtype. A kernel that loads into float32 locals and stores what it computes computes in
+    float32 whatever it stores (Numba converts on each load and store)."""
+    def decorate(pyfunc):
+        return {np.dtype(t): jit(signature.format(t=t), **kw)(pyfunc) for t in dtypes}
+    return decorate
+
+
 _predicated: dict = {}
 
 
