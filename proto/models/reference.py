@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from proto.models.gpt2 import LN_EPS, GPT2Config, load_state_dict as load_gpt2
+from proto.models.gptj import GPTJConfig, load_state_dict as load_gptj, rotary
 from proto.models.lstm import LSTMConfig, load_state_dict as load_lstm
 
 
@@ -56,6 +57,32 @@ def gpt2_logits(config: GPT2Config, state_dict, tokens) -> np.ndarray:
             + w["mlp.c_proj.bias"]
     x = _layernorm(x, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
     return x @ p["transformer.wte.weight"].T
+
+
+def gptj_logits(config: GPTJConfig, state_dict, tokens) -> np.ndarray:
+    """Logits (B, T, V) float64 of token ids (B, T) at positions 0..T-1 (proto.models.gptj
+    says how a block computes)."""
+    p = {k: v.astype(np.float64) for k, v in load_gptj(config, state_dict).items()}
+    tokens = np.asarray(tokens)
+    B, T = tokens.shape
+    H, hd, R = config.n_head, config.head_dim, config.rotary_dim
+    x = p["transformer.wte.weight"][tokens]                   # (B, T, C)
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    positions = np.arange(T)
+    for i in range(config.n_layer):
+        w = {k[len(f"transformer.h.{i}."):]: v for k, v in p.items()
+             if k.startswith(f"transformer.h.{i}.")}
+        h = _layernorm(x, w["ln_1.weight"], w["ln_1.bias"])
+        q, k, v = (h @ w[f"attn.{n}_proj.weight"].T for n in "qkv")   # (B, T, C), no bias
+        q, k, v = (a.reshape(B, T, H, hd).transpose(0, 2, 1, 3) for a in (q, k, v))
+        q, k = rotary(q, positions, R), rotary(k, positions, R)      # (B, H, T, hd)
+        s = np.where(causal, q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd), -np.inf)
+        att = (np.exp(log_softmax(s)) @ v).transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+        mlp = _gelu(h @ w["mlp.fc_in.weight"].T + w["mlp.fc_in.bias"]) @ w["mlp.fc_out.weight"].T \
+            + w["mlp.fc_out.bias"]
+        x = x + att @ w["attn.out_proj.weight"].T + mlp              # one residual, both paths
+    x = _layernorm(x, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
+    return x @ p["lm_head.weight"].T + p["lm_head.bias"]
 
 
 def _sigmoid(x):
