@@ -299,3 +299,13 @@ def test_early_launch_is_on_unless_switched_off(monkeypatch):
     monkeypatch.setenv("PROTO_EARLY_LAUNCH", "yes")
     with pytest.raises(ValueError, match="PROTO_EARLY_LAUNCH"):
         graph_cuda.early_launch_switched_on()
+
+
+def test_a_negative_memory_reading_is_refused_not_clamped():
+    """Graph memory is a drop in device-wide free memory: if it rose while an executable was
+    made, something else freed memory and the reading says nothing. It is kept as read and
+    refused where it is reported, never turned into a plausible 0."""
+    from proto.graph.cuda import _reading
+    assert _reading(0, "memory_bytes") == 0 and _reading(2 << 20, "memory_bytes") == 2 << 20
+    with pytest.raises(RuntimeError, match=r"memory_bytes: free device memory rose by 4096"):
+        _reading(-4096, "memory_bytes")

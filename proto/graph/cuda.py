@@ -232,12 +232,26 @@ def check_loops(loops) -> None:
 
 
 def _instantiate(definition, stream) -> tuple[object, int]:
-    """(executable, device bytes it took: the drop in free memory, in 2 MiB steps)."""
+    """(executable, device bytes it took: the drop in free memory, in 2 MiB steps). The drop
+    is device-wide, so another process that frees memory meanwhile makes it negative: it is
+    kept as read (`_reading` refuses to report it), never clamped into a plausible 0."""
     free_before = free_device_memory()
     executable = definition.instantiate()
     executable.upload(stream)  # allocate the executable's resources now, not at replay 1
     stream.sync()
-    return executable, max(free_before - free_device_memory(), 0)
+    return executable, free_before - free_device_memory()
+
+
+def _reading(nbytes: int, what: str) -> int:
+    """Driver memory as `_instantiate` read it, or RuntimeError where the reading is negative:
+    free memory rose while the executable was made, so something else freed memory on the
+    device and the reading says nothing about the graph."""
+    if nbytes < 0:
+        raise RuntimeError(f"{what}: free device memory rose by {-nbytes} bytes while the "
+                           "executable was made (another process or thread freed memory); "
+                           "measure graph memory in a process of its own "
+                           "(experiments.isolate)")
+    return nbytes
 
 
 class CudaExecutor:
@@ -251,16 +265,22 @@ class CudaExecutor:
         self._stream = LEGACY_DEFAULT_STREAM  # the stream Numba launches and copies use
         self._lowered = _Lowered(description)
         self._shared = shared
-        self.memory_bytes = 0
+        self._drop = 0
         self._graph = None
         if shared is None:
-            self._graph, self.memory_bytes = _instantiate(self._lowered.definition, self._stream)
+            self._graph, self._drop = _instantiate(self._lowered.definition, self._stream)
         else:
             if description.has_conditionals:
                 raise ValueError("shared executables: graphs with conditional nodes cannot be "
                                  "retargeted with executable update; give them their own")
             self.topology = topology(description)
         self.closed = False
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory this graph's own executable took (0 with a shared pool: the pool
+        counts it)."""
+        return _reading(self._drop, "memory_bytes")
 
     def launch(self) -> None:
         if self.closed:
@@ -316,7 +336,7 @@ class SharedExecutables:
         self._slots: collections.OrderedDict = collections.OrderedDict()  # executable -> holder
         self.instantiations = self.updates = self.update_failures = 0
         self.update_s = 0.0
-        self.memory_bytes = 0
+        self._drop = 0
 
     def acquire(self, executor: CudaExecutor):
         """The executable to launch for `executor`, retargeted to it if it holds another graph."""
@@ -343,7 +363,7 @@ class SharedExecutables:
             oldest.close()
         graph, nbytes = _instantiate(executor._lowered.definition, executor._stream)
         self.instantiations += 1
-        self.memory_bytes += nbytes
+        self._drop += nbytes
         self._slots[graph] = (executor, executor.topology)
         return graph
 
@@ -352,6 +372,11 @@ class SharedExecutables:
         for graph, (holder, top) in list(self._slots.items()):
             if holder is executor:
                 self._slots[graph] = (None, top)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory the pool's executables took when they were made."""
+        return _reading(self._drop, "SharedExecutables.memory_bytes")
 
     @property
     def update_us_per_switch(self) -> float:
