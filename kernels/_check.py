@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-from proto.device.backend import extent, is_device_array
+from proto.device.backend import FLOAT_TYPES, extent, is_device_array
 from proto.device.memo import PerObject
 
 _passed = PerObject()   # (dtype, shape, ndim) an array object has passed device_array with
@@ -28,22 +28,18 @@ def device_array(name: str, x, *, dtype=np.float32, shape=None, ndim=None):
     return x
 
 
-# The storage dtypes a floating kernel takes: float32 (the default, every model's today) and
-# float16 (half precision: stored in 16 bits, computed in float32 inside the kernel).
-FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+# The storage dtypes a floating kernel takes (backend.jit_per_dtype compiles one per dtype)
+FLOATS = tuple(np.dtype(t) for t in FLOAT_TYPES)
 
 
-def float_arrays(named) -> np.dtype:
-    """Check that every (name, array) is a device array of one floating storage dtype of
-    FLOATS, the first array's; returns that dtype (the kernel signature to launch)."""
-    first_name, first = named[0]
-    if not is_device_array(first):
-        device_array(first_name, first)   # (its message for a host array or another object)
-    dtype = np.dtype(first.dtype)
+def float_dtype(name: str, x) -> np.dtype:
+    """The storage dtype of `x`, a device array of one of FLOATS: the kernel to launch. The
+    launch's other arrays are then checked against it (`device_array(..., dtype=)`)."""
+    if not is_device_array(x):
+        device_array(name, x)   # (its message for a host array or another object)
+    dtype = np.dtype(x.dtype)
     if dtype not in FLOATS:
-        raise TypeError(f"{first_name}: expected dtype float32 or float16, got {dtype}")
-    for name, x in named:
-        device_array(name, x, dtype=dtype)
+        raise TypeError(f"{name}: expected dtype float32 or float16, got {dtype}")
     return dtype
 
 

@@ -84,7 +84,9 @@ def _blocks(n: int) -> int:
 def gelu(x, out, stream=0):
     """out = gelu(x), elementwise; `out` may be `x` (in place). x and out of one dtype,
     float32 or float16."""
-    dtype = _check.float_arrays([("x", x), ("out", out)])
+    dtype = _check.float_dtype("x", x)
+    _check.device_array("x", x, dtype=dtype)
+    _check.device_array("out", out, dtype=dtype)
     _check.same_shape([("x", x), ("out", out)])
     launch(gelu_kernels[dtype], _blocks(x.size), THREADS, (x.reshape(x.size), out.reshape(out.size)), stream)
 
@@ -92,7 +94,9 @@ def gelu(x, out, stream=0):
 def add(a, b, out, stream=0):
     """out = a + b, elementwise; `out` may alias `a` or `b` (residual add in place). All
     three of one dtype, float32 or float16."""
-    dtype = _check.float_arrays([("a", a), ("b", b), ("out", out)])
+    dtype = _check.float_dtype("a", a)
+    for name, arr in (("a", a), ("b", b), ("out", out)):
+        _check.device_array(name, arr, dtype=dtype)
     _check.same_shape([("a", a), ("b", b), ("out", out)])
     launch(add_kernels[dtype], _blocks(a.size), THREADS,
            (a.reshape(a.size), b.reshape(b.size), out.reshape(out.size)), stream)

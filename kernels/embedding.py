@@ -94,12 +94,11 @@ def fuses_layernorm(width: int) -> bool:
 def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
     """out (B, T, C) = wte[tokens] (+ wpe[pos0 + t] when wpe (P, C) is given; pos0 a device
     int32 (1,), default position 0). tokens: device int32 (B, T); the tables, out and ln_out
-    of one dtype, float32 or float16. Ids or positions outside the tables give NaN rows. ln_out=(gamma, beta, eps, y): also y (B, T, C) =
-    layernorm(out) row by row, gamma and beta (C,), y overlapping nothing; C at most
+    of one dtype, float32 or float16. Ids or positions outside the tables give NaN rows.
+    ln_out=(gamma, beta, eps, y): also y (B, T, C) = layernorm(out) row by row, gamma and beta (C,), y overlapping nothing; C at most
     LN_COLS * MAX_THREADS."""
     _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
-    dtype = _check.float_arrays([("wte", wte), ("out", out)]
-                                + ([("wpe", wpe)] if wpe is not None else []))
+    dtype = _check.float_dtype("wte", wte)
     _check.device_array("wte", wte, dtype=dtype, ndim=2)
     batch, steps = tokens.shape
     width = wte.shape[1]

@@ -116,7 +116,7 @@ def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
     """out = layernorm(x) over the last axis; x, out (R, C); gamma, beta (C,). out may be x
     (the very same array); any other overlap of out with x, gamma or beta is refused. All
     four of one dtype, float32 or float16."""
-    dtype = _check.float_arrays([("x", x), ("gamma", gamma), ("beta", beta), ("out", out)])
+    dtype = _check.float_dtype("x", x)
     _check.device_array("x", x, dtype=dtype, ndim=2)
     rows, cols = x.shape
     _check.device_array("gamma", gamma, dtype=dtype, shape=(cols,))

@@ -24,27 +24,13 @@ import math
 import numpy as np
 
 from kernels import _check
-from numba.cuda import libdevice
-
-from proto.device import backend
-from proto.device.backend import cuda, jit_per_dtype, launch
+from proto.device.backend import cuda, fast_cosf, fast_sinf, jit_per_dtype, launch, rintf
 
 BASE = 10000.0
 _BASE = np.float32(BASE)   # (a Python float would make the arithmetic float64)
 _TWO_PI_HI = np.float32(6.28125)                    # 8 significant bits
 _TWO_PI_LO = np.float32(2 * math.pi - 6.28125)
 _INV_TWO_PI = np.float32(1 / (2 * math.pi))
-if backend.SIMULATOR:   # (the simulator's libdevice declares these but computes nothing)
-    def _rint(v):
-        return np.float32(np.rint(v))
-
-    def _cos(v):
-        return np.float32(math.cos(v))
-
-    def _sin(v):
-        return np.float32(math.sin(v))
-else:
-    _rint, _cos, _sin = libdevice.rintf, libdevice.fast_cosf, libdevice.fast_sinf
 
 
 @jit_per_dtype("void({t}[:, :, ::1], int32[::1], int32, int32)", writes=("qkv",))
@@ -59,9 +45,9 @@ def rotary_kernels(qkv, pos, n_head, rotary_dim):
         which, rest = pair // (n_head * half), pair % (n_head * half)   # q (0) or k (1)
         h, i = rest // half, rest % half
         angle = p * math.pow(_BASE, np.float32(np.int32(-2 * i)) / np.float32(rotary_dim))
-        k = _rint(angle * _INV_TWO_PI)
+        k = rintf(angle * _INV_TWO_PI)
         r = (angle - k * _TWO_PI_HI) - k * _TWO_PI_LO
-        c, s = _cos(r), _sin(r)
+        c, s = fast_cosf(r), fast_sinf(r)
         j = which * n_head * hd + h * hd + 2 * i
         x, y = np.float32(qkv[b, t, j]), np.float32(qkv[b, t, j + 1])
         qkv[b, t, j] = x * c - y * s
@@ -71,7 +57,7 @@ def rotary_kernels(qkv, pos, n_head, rotary_dim):
 def rotary(qkv, pos, *, n_head, rotary_dim, stream=0) -> None:
     """Rotate q and k of qkv (B, T, 3C) in place at positions pos[0] + t (see the module
     doc). pos: device int32 (1,). rotary_dim even, at most the head dim."""
-    dtype = _check.float_arrays([("qkv", qkv)])
+    dtype = _check.float_dtype("qkv", qkv)
     _check.device_array("qkv", qkv, dtype=dtype, ndim=3)
     _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
     B, T, C3 = qkv.shape

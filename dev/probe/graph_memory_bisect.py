@@ -90,9 +90,6 @@ def main(n: int) -> int:
         "capture, a pos view per graph": lambda tape, i: captured(
             tape, backend.rows(positions, i, i + 1)),
     }
-    import os
-    if os.environ.get("BISECT_GRAPHED_FIRST") == "1":
-        graphed(model, n)
     for name, build in cases.items():
         start = reading(f"{name}: before")
         tape, kept = planner.Tape(name), []

@@ -115,6 +115,22 @@ else:
     # threadfence and an atomic count) reads it this way.
     ldcg = cuda.ldcg
 
+if SIMULATOR:   # (the simulator's libdevice declares these but computes nothing)
+    def rintf(v):
+        return np.float32(np.rint(v))
+
+    def fast_cosf(v):
+        return np.float32(math.cos(v))
+
+    def fast_sinf(v):
+        return np.float32(math.sin(v))
+else:
+    # float32 round-to-nearest, and the hardware's approximate cosine and sine (within
+    # 2^-21.4 on [-pi, pi]; libdevice's accurate cosf and sinf carry a float64 path for huge
+    # arguments, and no kernel here computes in float64)
+    from numba.cuda import libdevice as _libdevice
+    rintf, fast_cosf, fast_sinf = _libdevice.rintf, _libdevice.fast_cosf, _libdevice.fast_sinf
+
 if os.environ.get("PROTO_QUIET") != "1":
     print(f"[proto] backend: {NAME}", file=sys.stderr)
 

@@ -54,3 +54,27 @@ def zeros(shape, dtype=np.float32):
     """A zero-filled device array (caches and states must not start as garbage: a NaN read
     from an unwritten slot would survive a multiply by a zero weight)."""
     return cuda.to_device(np.zeros(shape, dtype=dtype))
+
+
+def random_params(shapes: dict[str, tuple[int, ...]], seed: int, *, embeddings,
+                  fan_in_axis: int) -> dict[str, np.ndarray]:
+    """Random float32 weights for `shapes` that keep activations unit-scale at every size.
+
+    The `embeddings` keys N(0, 1), so logits spread like sqrt(width) and argmax/top-k
+    decisions are well separated (tests compare tokens with a float64 reference); other
+    matrices N(0, 1/fan_in), fan_in = shape[fan_in_axis] (0 for GPT-2's Conv1D (in, out), 1
+    for torch.nn.Linear's (out, in)); layer-norm gains 1 + N(0, 0.1^2) and every other
+    vector (biases, offsets) N(0, 0.1^2), so a dropped bias or gain shows in the output."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, shape in shapes.items():
+        if key in embeddings:
+            value = rng.standard_normal(shape)
+        elif len(shape) == 2:
+            value = rng.standard_normal(shape) / np.sqrt(shape[fan_in_axis])
+        elif ".ln_" in key and key.endswith("weight"):
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = 0.1 * rng.standard_normal(shape)
+        out[key] = value.astype(np.float32)
+    return out

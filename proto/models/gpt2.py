@@ -25,7 +25,7 @@ import numpy as np
 
 from kernels import _check, attention, embedding, gemm, layernorm, mlp, self_attention
 from proto.device.backend import cuda, empty, reshaped
-from proto.models import checked_params, zeros
+from proto.models import checked_params, random_params, zeros
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
 
@@ -89,26 +89,11 @@ def load_state_dict(config: GPT2Config, state_dict, *,
 
 
 def random_state_dict(config: GPT2Config, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights that keep activations unit-scale at every size.
-
-    Projections N(0, 1/fan_in); embeddings N(0, 1), so logits spread like sqrt(n_embd) and
-    argmax/top-k decisions are well separated (tests compare tokens with a float64 reference);
-    biases and layer-norm offsets N(0, 0.1^2) and gains 1 + N(0, 0.1^2), so a dropped bias or
-    gain shows in the output.
-    """
-    rng = np.random.default_rng(seed)
-    out = {}
-    for key, shape in param_shapes(config).items():
-        if key.endswith(("wte.weight", "wpe.weight")):
-            value = rng.standard_normal(shape)
-        elif len(shape) == 2:  # Conv1D [in, out]
-            value = rng.standard_normal(shape) / np.sqrt(shape[0])
-        elif ".ln_" in key and key.endswith("weight"):
-            value = 1.0 + 0.1 * rng.standard_normal(shape)
-        else:
-            value = 0.1 * rng.standard_normal(shape)
-        out[key] = value.astype(np.float32)
-    return out
+    """Random weights that keep activations unit-scale at every size (proto.models.random_params;
+    Conv1D weights are (in, out))."""
+    return random_params(param_shapes(config), seed,
+                         embeddings={"transformer.wte.weight", "transformer.wpe.weight"},
+                         fan_in_axis=0)
 
 
 class KVCache:

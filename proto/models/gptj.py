@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from kernels import _check
-from proto.models import checked_params
+from proto.models import checked_params, random_params
 
 LN_EPS = 1e-5
 
@@ -89,22 +89,10 @@ def load_state_dict(config: GPTJConfig, state_dict, *,
 
 
 def random_state_dict(config: GPTJConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights that keep activations unit-scale at every size (as GPT-2's: projections
-    N(0, 1/fan_in), the embedding N(0, 1), biases and layer-norm offsets N(0, 0.1^2), gains
-    1 + N(0, 0.1^2), so a dropped bias or gain shows in the output)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for key, shape in param_shapes(config).items():
-        if key == "transformer.wte.weight":
-            value = rng.standard_normal(shape)
-        elif len(shape) == 2:   # Linear (out, in)
-            value = rng.standard_normal(shape) / np.sqrt(shape[1])
-        elif ".ln_" in key and key.endswith("weight"):
-            value = 1.0 + 0.1 * rng.standard_normal(shape)
-        else:
-            value = 0.1 * rng.standard_normal(shape)
-        out[key] = value.astype(np.float32)
-    return out
+    """Random weights that keep activations unit-scale at every size (proto.models.random_params;
+    Linear weights are (out, in))."""
+    return random_params(param_shapes(config), seed, embeddings={"transformer.wte.weight"},
+                         fan_in_axis=1)
 
 
 def rotary_angles(positions, rotary_dim: int) -> np.ndarray:

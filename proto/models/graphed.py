@@ -285,6 +285,7 @@ class _GraphedModel:
     tape = property(lambda self: self.graphed.tape)
     shared = property(lambda self: self.graphed.shared)
     keys = property(lambda self: self.graphed.keys)
+    strategy = property(lambda self: self.graphed.dispatchers[0].strategy)
     closed = property(lambda self: self.graphed.closed)
     num_graphs = property(lambda self: self.graphed.num_graphs)
     num_nodes = property(lambda self: self.graphed.num_nodes)
@@ -345,7 +346,6 @@ class GraphedGPT2(_GraphedModel):
         self.model, self.config = model, model.config
         self.batch = _check.positive("batch", batch, at_most=model.max_batch)
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
-        self.strategy = strategy
         # (the beam search gathers one cache set into the other: two sets, save under copy
         # binding, whose one graph set reads the model's static cache)
         self.graphed = Graphed(self, binding=binding, strategy=strategy, max_length=max_len,
