@@ -10,26 +10,27 @@
 # in its own process, about 8), sanitize (compute-sanitizer's four tools over the GPU tests,
 # at most 15), probes (the kernel cache's test, then where recording GPT-2 takes memory).
 # The kernels load from Numba's cache after the first process compiles them: a fresh machine
-# spends about a minute on that once. A later `run` call copies the working tree again, which
-# drops what a step wrote under results/ and figures/: each step copies both beside its log.
-# Each step's log is in /tmp/gpu_session/<step>.txt; poll tars them with results/ and
-# figures/ into $OUT. Commit results only under the folder of the card that ran them.
+# spends about a minute on that once. The steps run in a copy of the checkout,
+# /tmp/gpu_session/tree, which later `run` calls leave alone. Each step's log is in
+# /tmp/gpu_session/<step>.txt; poll tars them with the copy's results/ and figures/ into $OUT. Commit results only under the folder of the card that ran them.
 set -u
 L=/tmp/gpu_session
 if [ "${1:-}" = poll ]; then
   end=$((SECONDS + ${2:-540}))
   while [ $SECONDS -lt $end ] && ! grep -q "all done" $L/steps.txt 2>/dev/null; do sleep 5; done
   cat $L/steps.txt 2>/dev/null
-  tar czf $OUT/gpu_session.tgz $L results figures 2>/dev/null; ls -la $OUT
+  tar czf $OUT/gpu_session.tgz $L/*.txt $L/tree/results $L/tree/figures 2>/dev/null; ls -la $OUT
   exit 0
 fi
-mkdir -p $L
+rm -rf $L; mkdir -p $L/tree   # (a warm machine keeps the last session's)
+# Run from a copy: a later `run` call copies the working tree again, deleting what a step
+# writes under results/ and figures/ while it runs (the sanitizer's logs, open for writing).
+cp -a . $L/tree/ && cd $L/tree
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 step() { local name=$1 secs=$2; shift 2
   echo "$(date -u +%T) start $name" >> $L/steps.txt
   timeout -k 10 $secs "$@" > $L/$name.txt 2>&1
-  echo "$(date -u +%T) end $name rc=$?" >> $L/steps.txt
-  cp -r results figures $L/ 2>/dev/null; }   # (a later call's checkout drops them)
+  echo "$(date -u +%T) end $name rc=$?" >> $L/steps.txt; }
 { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
   echo "commit ${PROTO_GIT_COMMIT:-unknown}"; } > $L/device.txt 2>&1
 for s in "$@"; do case $s in

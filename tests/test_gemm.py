@@ -328,7 +328,9 @@ def test_skinny_tiles_match_reference_in_every_layout(trans_a, trans_b, which, s
     rng = np.random.default_rng(20 + 4 * which + 2 * trans_a + trans_b)
     low, high = (G.DECODE_MAX_M + 1, 16) if which == 0 else (17, 32)
     n = min(t.bn + 3, _most_columns(high, 1) - 3)
-    k_split, k_whole = 100 * scale, 20   # 20: fewer rows than a split takes (GPU and sim)
+    # three of the device's shortest splits (8 K steps on the GPU, 2 on the simulator), so K
+    # splits whatever the scale; 20: fewer rows than a split takes (GPU and sim)
+    k_split, k_whole = max(100 * scale, 3 * _MIN_STEPS * t.bk), 20
     assert _run_skinny(rng, tiled_launches, None, low, n, k_split, trans_a, trans_b,
                        "gelu", True, True) > 1
     assert _run_skinny(rng, tiled_launches, None, high, n, k_whole, trans_a, trans_b,
