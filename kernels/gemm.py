@@ -33,7 +33,7 @@ Two kernel families, chosen by `gemm` from the shapes:
   chooses among the geometries measured best on the H200 (dev/notes/decode.md). Grid:
   (column tiles, K splits, batch). 768 columns are only 12 tiles of 64, far too few blocks
   for 132 SMs, so K is split too: each block writes its partial sums to scratch and
-  `gemm_splitk_reduce_kernel` adds them in split order (deterministic, no atomics) and
+  `gemm_splitk_reduce_kernels` adds them in split order (deterministic, no atomics) and
   applies the epilogue; 2304 and 3072 columns make enough 16-column tiles to stream the
   whole K in one launch, which applies the epilogue itself. (Summing the splits in the
   split kernel's last block per tile saved the launch but lost on the H200: the last
@@ -47,7 +47,7 @@ Two kernel families, chosen by `gemm` from the shapes:
 Optional fused layer norm of the result (`ln_out=(gamma, beta, eps, y)`): y = layernorm(out)
 row by row, after the update. GPT-2's residual GEMMs (attention and MLP projections,
 accumulate=True) produce the residual stream that the next layer norm reads, so their split-K
-reduction (`gemm_splitk_reduce_ln_kernel`, a block per row) normalizes the rows it has just
+reduction (`gemm_splitk_reduce_ln_kernels`, a block per row) normalizes the rows it has just
 written: the layer norm costs no launch of its own. Outside the decode path `layernorm`
 runs after the product instead.
 
@@ -72,7 +72,7 @@ from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto.device import backend
-from proto.device.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, jit_per_dtype, launch
 
 ACTS = {None: 0, "gelu": 1, "relu": 2}
 _ZERO = np.float32(0.0)
@@ -235,9 +235,14 @@ _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
 # the tiled kernel: a and b flattened (uint32 offsets), out, bias, has_bias, act, accumulate
 _TILED_ARGS = ("float32[::1], float32[::1], float32[:,:,::1], float32[::1], int32, int32, int32, "
                "float32[:,:,:,::1], int32, int32, int32")
-# a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span
-_DECODE_ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
+# a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span: a, b, out and bias
+# in the storage dtype {t}, the split-K partials in float32
+_DECODE_ARGS = ("{t}[:,:,::1], {t}[:,:,::1], {t}[:,:,::1], {t}[::1], "
                 "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32")
+
+
+def _decode_signature(dtype) -> str:
+    return "void(" + _DECODE_ARGS.format(t=np.dtype(dtype).name) + ")"
 
 
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
@@ -270,7 +275,7 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
         (op(a) is M x k_total, op(b) k_total x N, each batch after the last). Block
         (x, y, bz * S + s) multiplies K rows [s * span, (s + 1) * span) of its tile: with
         `direct` (S = 1) it applies the epilogue to out, else it writes part[bz, s] for
-        gemm_splitk_reduce_kernel."""
+        gemm_splitk_reduce_kernels."""
         a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)  # op(a), k-major
         b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)  # op(b), k-major
         acc = cuda.local.array((TM, TN), np.float32)
@@ -364,17 +369,20 @@ class Decode(NamedTuple):
     trans_b: bool
     config: tuple
     rows: int = DECODE_MAX_M   # rows of x it multiplies (compile time; M <= rows; rows_variant)
+    dtype: np.dtype = np.dtype(np.float32)   # storage of a, b, out, bias (dtype_variant)
 
 
 def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: int = 0,
-                   rows: int = DECODE_MAX_M):
+                   rows: int = DECODE_MAX_M, dtype=np.float32):
     """The [K, N] decode kernel for one geometry. A warp's lanes form `groups` row groups of
     32/groups lanes on consecutive columns (groups=1: each warp load is one 128-byte row
     segment); a lane takes `cols` columns 32/groups apart and `unroll` rows per batch, so
     cols * unroll weight loads are in flight per lane. Block tile: warps*groups*unroll rows
     x cols*32/groups columns. `min_blocks`: resident blocks per SM the registers must allow.
     `rows`: the rows of x it multiplies, at most DECODE_MAX_M (compile time: a launch with
-    fewer, M, leaves rows M.. to repeat row M - 1, multiplied and never stored)."""
+    fewer, M, leaves rows M.. to repeat row M - 1, multiplied and never stored). `dtype`:
+    the storage of a, b, out and bias (float32 or float16); every product and sum is
+    float32 (each element converted as it is loaded), the result rounded once as stored."""
     lane_cols = 32 // groups
     tile = cols * lane_cols
     row_groups = warps * groups
@@ -406,7 +414,7 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
                     wv[u * cols + c] = v if k < k_hi else _ZERO
 
 
-    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
+    @jit(_decode_signature(dtype), writes=("out", "part"), early_launch=True, **bounds)
     def gemm_decode_nn_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
                               direct, span):
         """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
@@ -478,15 +486,15 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
             cuda.syncthreads()  # `red` is rewritten by the next tile
 
     return Decode(gemm_decode_nn_kernel, 32 * warps, tile, step, False,
-                  ("nn", warps, groups, cols, unroll, min_blocks), x_rows)
+                  ("nn", warps, groups, cols, unroll, min_blocks), x_rows, np.dtype(dtype))
 
 
 def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
-                   rows: int = DECODE_MAX_M):
+                   rows: int = DECODE_MAX_M, dtype=np.float32):
     """The trans_b decode kernel for one geometry: warp w of a block takes `cols` output
     columns (contiguous rows of b), its lanes along K with `unroll` loads per column per
     batch (cols * unroll in flight per lane), then sums across lanes by shuffles. Block
-    tile: warps * cols columns. `rows` as in `make_decode_nn`."""
+    tile: warps * cols columns. `rows` and `dtype` as in `make_decode_nn`."""
     tile = warps * cols
     step = 32 * unroll
     x_rows = rows     # (a name the kernels' own locals do not take)
@@ -515,7 +523,7 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
                     wv[u * cols + c] = v if k < length else _ZERO
 
 
-    @jit(f"void({_DECODE_ARGS})", writes=("out", "part"), early_launch=True, **bounds)
+    @jit(_decode_signature(dtype), writes=("out", "part"), early_launch=True, **bounds)
     def gemm_decode_nt_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
                               direct, span):
         """Grid (column tiles, K splits, batch): out (B, M<=8, N) = op(a) (B, M, K) @
@@ -575,12 +583,12 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
                             part[bz, split, m, n] = v
 
     return Decode(gemm_decode_nt_kernel, 32 * warps, tile, step, True,
-                  ("nt", warps, cols, unroll, min_blocks), x_rows)
+                  ("nt", warps, cols, unroll, min_blocks), x_rows, np.dtype(dtype))
 
 
-@jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32)",
-     writes=("out",), early_launch=True)
-def gemm_splitk_reduce_kernel(part, out, bias, has_bias, act, accumulate):
+@jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32)",
+               writes=("out",), early_launch=True)
+def gemm_splitk_reduce_kernels(part, out, bias, has_bias, act, accumulate):
     """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order: grid-stride
     over the outputs. Every load of an output (old value, bias, RED_CHUNK partials) is
     issued before any is used: one memory round trip per chunk, not one per partial."""
@@ -607,13 +615,13 @@ def gemm_splitk_reduce_kernel(part, out, bias, has_bias, act, accumulate):
         out[bz, m, n] = _act(v, act)
 
 
-@jit("void(float32[:,:,:,::1], float32[:,:,::1], float32[::1], int32, int32, int32, "
-     "float32[::1], float32[::1], float32, float32[:,:,::1])", writes=("out", "y"),
-     launch_bounds=(LN_THREADS, 1), early_launch=True)
-def gemm_splitk_reduce_ln_kernel(part, out, bias, has_bias, act, accumulate, gamma, beta, eps,
+@jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32, "
+               "{t}[::1], {t}[::1], float32, {t}[:,:,::1])", writes=("out", "y"),
+               launch_bounds=(LN_THREADS, 1), early_launch=True)
+def gemm_splitk_reduce_ln_kernels(part, out, bias, has_bias, act, accumulate, gamma, beta, eps,
                                  y):
     """Grid (B*M,), a block per output row: the split-K epilogue of
-    `gemm_splitk_reduce_kernel` for the row, then y[row] = layernorm(out[row]) * gamma + beta
+    `gemm_splitk_reduce_kernels` for the row, then y[row] = layernorm(out[row]) * gamma + beta
     from the values still in registers (`block_layernorm_row`). Columns tid + blockDim * c,
     c < LN_COLS: N <= LN_COLS * blockDim <= LN_COLS * LN_THREADS. Every load (old values,
     bias, gamma, beta, a chunk of partials) is issued before the first store."""
@@ -667,20 +675,30 @@ gemm_decode_nt_kernel = NT.kernel
 
 
 @functools.cache
-def _with_rows(config: tuple, rows: int) -> Decode:
+def _variant(config: tuple, rows: int, dtype: np.dtype) -> Decode:
     kind, *geometry = config
-    return (make_decode_nt if kind == "nt" else make_decode_nn)(*geometry, rows=rows)
+    return (make_decode_nt if kind == "nt" else make_decode_nn)(*geometry, rows=rows,
+                                                                dtype=dtype)
 
 
 def rows_variant(dk: Decode, m_rows: int) -> Decode:
     """`dk`'s geometry compiled for exactly m_rows (<= DECODE_MAX_M) rows of x: a launch of
     5 rows then multiplies 5, where the 8-row kernel spent 3/8 of its multiply-adds and
     shared-memory loads on padding. Compiled on first use, once."""
-    return dk if dk.rows == m_rows else _with_rows(dk.config, m_rows)
+    return dk if dk.rows == m_rows else _variant(dk.config, m_rows, dk.dtype)
 
 
-if not backend.SIMULATOR:   # GPT-2's beam of 5 (qkv's partials, attention projection, head):
-    GPT2_BEAM = (rows_variant(NN, 5), rows_variant(NT, 5))   # compiled at import (compile_check)
+def dtype_variant(dk: Decode, dtype) -> Decode:
+    """`dk`'s geometry and rows compiled for storage `dtype` (float32 or float16): the same
+    source, its loads converting to float32. Compiled on first use, once."""
+    dtype = np.dtype(dtype)
+    return dk if dk.dtype == dtype else _variant(dk.config, dk.rows, dtype)
+
+
+if not backend.SIMULATOR:   # compiled at import (compile_check): GPT-2's beam of 5 (qkv's
+    # partials, attention projection, head), and every half-precision geometry
+    GPT2_BEAM = (rows_variant(NN, 5), rows_variant(NT, 5))
+    HALF = tuple(dtype_variant(dk, np.float16) for dk in (NN, NN_COLS, NN_WIDE_K, NT))
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -750,9 +768,9 @@ def _kept(part, splits: int):
 
 
 def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
-    """out = epilogue(sum of the partials in split order): gemm_splitk_reduce_kernel."""
+    """out = epilogue(sum of the partials in split order): gemm_splitk_reduce_kernels."""
     blocks, threads = _check.grid_stride_launch(out.size)
-    launch(gemm_splitk_reduce_kernel, blocks, threads,
+    launch(gemm_splitk_reduce_kernels[np.dtype(out.dtype)], blocks, threads,
            (part, out, bias, has_bias, act, accumulate), stream)
 
 
@@ -764,7 +782,7 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
     splits, M, N), the partials are written there and left for the caller: no reduction,
     out untouched."""
     batch, m_rows, n_cols = out.shape
-    dk = rows_variant(dk, m_rows)
+    dk = rows_variant(dtype_variant(dk, out.dtype), m_rows)
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
     direct = splits == 1 and ln_out is None and keep is None
@@ -778,7 +796,7 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
     else:
         gamma, beta, eps, y = ln_out
-        launch(gemm_splitk_reduce_ln_kernel, batch * m_rows,
+        launch(gemm_splitk_reduce_ln_kernels[np.dtype(out.dtype)], batch * m_rows,
                _check.warp_threads(-(-n_cols // LN_COLS)),
                (part, out, bias, has_bias, act, accumulate, gamma, beta, np.float32(eps), y),
                stream)
@@ -914,7 +932,7 @@ def tiled_launch_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
           target_blocks=None, keep=None, skinny=False) -> None:
     """The tiled kernel on validated 3-D arguments, K split where `tiled_launch_plan` says,
-    the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernel;
+    the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernels;
     with `keep` (batch, splits, M, N) written there and left for the caller instead."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
@@ -948,10 +966,14 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
 
     skinny: 9..32-row products on the tiled path take a SKINNY tile instead of TILE (off by
     default until its A/B, dev.ab.ab_lstm_tiles, runs on a GPU).
+
+    a, b, out, bias (and ln_out's arrays) of one dtype: float32, or float16 for products of
+    at most DECODE_MAX_M rows (the decode kernels; sums and the epilogue in float32).
     """
-    _check.device_array("a", a)
-    _check.device_array("b", b)
-    _check.device_array("out", out)
+    dtype = _check.float_dtype("a", a)
+    _check.device_array("a", a, dtype=dtype)
+    _check.device_array("b", b, dtype=dtype)
+    _check.device_array("out", out, dtype=dtype)
     if a.ndim not in (2, 3) or b.ndim != a.ndim or out.ndim != a.ndim:
         raise ValueError(f"a, b, out: expected all 2-D or all 3-D, got shapes "
                          f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(out.shape)}")
@@ -969,15 +991,18 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
                          f"trans_b={trans_b}")
     if tuple(out.shape) != (*lead, m_rows, n_cols):
         raise ValueError(f"out: expected shape {(*lead, m_rows, n_cols)}, got {tuple(out.shape)}")
+    if dtype != np.float32 and m_rows > DECODE_MAX_M:
+        raise TypeError(f"a: {dtype} products take at most {DECODE_MAX_M} rows (the decode "
+                        f"kernels; the tiled kernels are float32), got {m_rows}")
     batch = lead[0] if lead else 1
     if batch > 65535:
         raise ValueError(f"a: batch {batch} exceeds the grid limit 65535")
     if bias is None:  # a placeholder never read: a view of b, which no kernel writes
         bias_arg, has_bias = backend.reshaped(b, (b.size,)), 0
     else:
-        bias_arg, has_bias = _check.device_array("bias", bias, shape=(n_cols,)), 1
+        bias_arg, has_bias = _check.device_array("bias", bias, dtype=dtype, shape=(n_cols,)), 1
     if ln_out is not None:
-        gamma, beta, eps, y = _check.ln_out(ln_out, tuple(out.shape))
+        gamma, beta, eps, y = _check.ln_out(ln_out, tuple(out.shape), dtype)
         # y is written by the last launch only: refuse an overlap before the first.
         _check.no_overlap({"y": y, "a": a, "b": b, "out": out, "bias": bias_arg,
                            "gamma": gamma, "beta": beta},

@@ -655,3 +655,131 @@ def test_partials_refuse_bad_input_before_launch(monkeypatch):
         with pytest.raises(ValueError, match=name):
             G.partials(dev(rand(rng, *a)), dev(rand(rng, *b)), dev(np.zeros(part, np.float32)))
     assert recorder.launches == []
+
+
+# ---------------------------------------------------------------------------- half precision
+# The decode kernels load float16 a, b, old and bias into float32 (a product of two float16
+# values is exact in float32), sum in float32 and round the float16 result once, as they
+# store it. Against float64 on the same float16 values: a float32 sum of K products (split
+# or not: the splits' sums add S - 1 <= K more additions), then old and bias added, is off by
+# at most (K + 4) U32 (sum |a||b| + |old| + |bias|); ReLU passes that on, GELU at most 1.13
+# times it (the largest slope of its tanh form) plus its own float32 error (16 U32 of
+# 1 + |v|, as in test_elementwise); then the one float16 rounding (U16 of the result, 2^-25
+# below the normal range). The fused layer norm normalizes the float32 row before that
+# rounding: a row off by at most e moves its mean by e, its deviation by 2e, so the
+# normalized value by 2 e (1 + |xh|) / sigma, on top of test_layernorm's own bound.
+U16, U32 = 2.0 ** -11, 2.0 ** -24
+
+
+def _halves(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+def _half_sum_bound(a, b, bias, old, trans_a, trans_b):
+    """(the float64 result before the activation, the bound on its float32 error)."""
+    f = [None if x is None else x.astype(np.float64) for x in (a, b, bias, old)]
+    a64, b64, bias64, old64 = f
+    a64 = np.swapaxes(a64, -1, -2) if trans_a else a64
+    b64 = np.swapaxes(b64, -1, -2) if trans_b else b64
+    v, mag = a64 @ b64, np.abs(a64) @ np.abs(b64)
+    for extra in (old64, bias64):
+        if extra is not None:
+            v, mag = v + extra, mag + np.abs(extra)
+    return v, (a64.shape[-1] + 4) * U32 * mag
+
+
+def _half_result(v, e, act):
+    """(the float64 result after the activation, its bound before the float16 rounding)."""
+    if act == "relu":
+        return np.maximum(v, 0.0), e
+    if act == "gelu":
+        want = 0.5 * v * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3)))
+        return want, 1.13 * e + 16 * U32 * (1 + np.abs(v))
+    return v, e
+
+
+def _assert_within(got, want, bound):
+    err = np.abs(got.astype(np.float64) - want) - bound
+    assert np.all(err <= 0), float(err.max())
+
+
+@given(m=st.integers(1, G.DECODE_MAX_M), batch=st.sampled_from([None, 1, 2]),
+       k=st.integers(1, 150), flags=st.sampled_from(FLAGS), data=st.data(),
+       seed=st.integers(0, 2**16))
+def test_half_precision_decode_rounds_once(m, batch, k, flags, data, seed, scale):
+    """Every decode kernel (both layouts of b, K split or whole) in float16 against float64
+    on the same float16 values, within the bound derived above."""
+    trans_a, trans_b, act, has_bias, accumulate = flags
+    n = data.draw(st.integers(1, 80 * scale), "n")
+    rng = np.random.default_rng(seed)
+    lead = () if batch is None else (batch,)
+    k *= scale
+    a = _halves(rng, *lead, *((k, m) if trans_a else (m, k)))
+    b = _halves(rng, *lead, *((n, k) if trans_b else (k, n)))
+    old, bias = _halves(rng, *lead, m, n), _halves(rng, n) if has_bias else None
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    G.gemm(dev(a), dev(b), out, bias=None if bias is None else dev(bias), act=act,
+           trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+    v, e = _half_sum_bound(a, b, bias, old if accumulate else None, trans_a, trans_b)
+    want, e = _half_result(v, e, act)
+    got = out.copy_to_host()
+    assert got.dtype == np.float16
+    _assert_within(got, want, e + U16 * np.abs(want) + 2.0 ** -25)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_half_precision_ln_out_normalizes_the_float32_row(trans_b, scale):
+    """The residual GEMM with its fused layer norm in float16, K split so that the
+    reduction launch normalizes: out and y each rounded once."""
+    rng = np.random.default_rng(3 + trans_b)
+    m, n, k = 5, min(24 * scale, G.LN_COLS * G.LN_THREADS), 3 * G.SPAN_MAX + 7
+    a, old, bias = _halves(rng, m, k), _halves(rng, m, n), _halves(rng, n)
+    b = _halves(rng, *((n, k) if trans_b else (k, n)))
+    gamma, beta = _halves(rng, n), _halves(rng, n)
+    out, y = dev(old), dev(np.full((m, n), np.nan, np.float16))
+    G.gemm(dev(a), dev(b), out, bias=dev(bias), accumulate=True, trans_b=trans_b,
+           ln_out=(dev(gamma), dev(beta), 1e-5, y))
+    v, e = _half_sum_bound(a, b, bias, old, False, trans_b)
+    _assert_within(out.copy_to_host(), v, e + U16 * np.abs(v) + 2.0 ** -25)
+    mean = v.mean(axis=-1, keepdims=True)
+    sigma = np.sqrt(((v - mean) ** 2).mean(axis=-1, keepdims=True) + 1e-5)
+    xh = (v - mean) / sigma
+    g64, b64 = gamma.astype(np.float64), beta.astype(np.float64)
+    want_y = xh * g64 + b64
+    e_max = e.max(axis=-1, keepdims=True)
+    ln = (4 * n * U32 * (np.abs(v).max(axis=-1, keepdims=True) / sigma + 1) * (1 + np.abs(xh))
+          + 2 * e_max * (1 + np.abs(xh)) / sigma)
+    bound = (np.abs(g64) * ln + 2 * U32 * (np.abs(g64 * xh) + np.abs(b64))
+             + U16 * np.abs(want_y) + 2.0 ** -25)
+    _assert_within(y.copy_to_host(), want_y, bound)
+
+
+def test_half_precision_is_refused_where_no_kernel_takes_it():
+    h = lambda *s: dev(np.ones(s, np.float16))   # noqa: E731
+    f = lambda *s: dev(np.ones(s, np.float32))   # noqa: E731
+    with pytest.raises(TypeError, match="b: expected dtype float16, got float32"):
+        G.gemm(h(3, 4), f(4, 5), h(3, 5))
+    with pytest.raises(TypeError, match="bias: expected dtype float16, got float32"):
+        G.gemm(h(3, 4), h(4, 5), h(3, 5), bias=f(5))
+    with pytest.raises(TypeError, match=r"a: float16 products take at most 8 rows .* got 9"):
+        G.gemm(h(9, 4), h(4, 5), h(9, 5))
+    with pytest.raises(TypeError, match="a: expected dtype float32 or float16, got float64"):
+        G.gemm(dev(np.ones((3, 4))), h(4, 5), h(3, 5))
+    with pytest.raises(TypeError, match="a: expected dtype float32, got float16"):
+        G.partials(h(3, 4), h(4, 5), dev(np.ones((1, 3, 5), np.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,trans_b", [(4096, 12288, True), (4096, 4096, True),
+                                         (4096, 16384, True), (16384, 4096, True),
+                                         (4096, 50400, True), (4096, 16384, False)])
+def test_decode_gptj_shapes_in_half_precision(k, n, trans_b):
+    """GPT-J-6B's decode GEMMs in float16 (Hugging Face's Linear weights are (N, K): trans_b),
+    5 beams, with bias and accumulation, against float64 within the derived bound."""
+    rng = np.random.default_rng(n + k)
+    a, old, bias = _halves(rng, 5, k), _halves(rng, 5, n), _halves(rng, n)
+    b = (_halves(rng, n, k) if trans_b else _halves(rng, k, n)) * np.float16(0.02)
+    out = dev(old)
+    G.gemm(dev(a), dev(b), out, bias=dev(bias), trans_b=trans_b, accumulate=True)
+    v, e = _half_sum_bound(a, b, bias, old, False, trans_b)
+    _assert_within(out.copy_to_host(), v, e + U16 * np.abs(v) + 2.0 ** -25)
