@@ -23,7 +23,13 @@ The decode GEMMs are GPT-2 small's, 5 beams (M = 5) with their fused epilogues: 
 (768x2304 + bias), attention projection (768x768 + bias + residual), fc (768x3072 + bias,
 GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @ wte.T,
 50257 columns; also in the [K, N] layout). Pure weight streaming: the summary's
-`decode_gemm_min_fraction_of_bandwidth` is the worst of the five. Beside them, the two as the
+`decode_gemm_min_fraction_of_bandwidth` is the worst of the five. GPT-J-6B's five decode
+GEMMs run in float16 against cuBLAS's float16 GEMMs (tensor cores, as PyTorch runs them by
+default): fused qkv (4096 x 12288), attention output (4096 x 4096, into the residual), fc_in
+(4096 x 16384, bias, GELU), fc_out (16384 x 4096, bias, into the residual) and the untied
+head (4096 x 50400, bias), every weight (N, K) as Hugging Face stores it
+(`gptj_decode_gemm_min_fraction_of_bandwidth`, `gptj_decode_gemm_over_cublas_fp16_time`).
+Beside them, the two as the
 model runs them: the whole MLP (`mlp_decode`: kernels.mlp's fused kernel and its sum, which
 writes the next layer norm's rows too, against PyTorch's addmm, GELU, addmm_ and layer_norm;
 `decode_mlp_fraction_of_bandwidth`, `decode_mlp_us`), and qkv with attention
@@ -67,6 +73,11 @@ NAME = "kernel_speed"
 HEADLINE = "gemm_decode_nt"
 DECODE_GEMMS = ("gemm_decode_qkv", "gemm_decode_attn_proj", "gemm_decode_fc",
                 "gemm_decode_mlp_proj", HEADLINE)  # GPT-2 small's five decode shapes
+# GPT-J-6B's decode GEMMs in float16, 5 beams against Hugging Face's (N, K) Linear weights:
+# q, k and v fused (no bias), the attention output and the MLP's second GEMM into the
+# residual, the MLP's first (bias, GELU), the untied head (bias)
+GPTJ_GEMMS = ("gemm_gptj_qkv", "gemm_gptj_attn_out", "gemm_gptj_fc_in", "gemm_gptj_fc_out",
+              "gemm_gptj_head")
 SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden;
     # convs: layer -> (N, C, K, H=W) of a 3x3, pad-1 VGG conv at 224x224 input; pool: (N, C,
     # H=W) of VGG's first 2x2 max-pool
@@ -74,10 +85,10 @@ SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM:
                  convs={"conv1_1": (1, 3, 64, 224), "conv1": (1, 64, 64, 224),
                         "conv2": (4, 128, 128, 112), "conv3": (16, 256, 256, 56),
                         "conv4": (64, 512, 512, 28), "conv5": (256, 512, 512, 14)},
-                 pool=(4, 64, 224), copy_bytes=1 << 30),
+                 pool=(4, 64, 224), copy_bytes=1 << 30, gptj=dict(D=4096, F=16384, V=50400)),
     "toy": dict(D=8, V=24, T=5, B=2, H=1, L=8, LB=10,  # B*T, LB > 8: tiled
                 convs={"conv1_1": (1, 3, 2, 6), "conv1": (1, 2, 2, 6), "conv3": (1, 4, 4, 6)},
-                pool=(1, 2, 6), copy_bytes=1 << 16),
+                pool=(1, 2, 6), copy_bytes=1 << 16, gptj=dict(D=16, F=64, V=40)),
 }
 CONV_KINDS = ("fwd", "bwd_data", "bwd_weight")
 # kernels.winograd beside the direct kernels where it applies (every 3x3 layer but the first,
@@ -161,6 +172,20 @@ def _cases(s: dict, torch) -> list[Case]:
         cases.append(_decode_gemm_case(name, rng, torch, tt, f32(B, K) if K != D else x,
                                        np.ascontiguousarray(w), N, trans_b, act, accumulate,
                                        f32(N) if bias else None))
+    # GPT-J-6B's, in float16 beside cuBLAS's float16 GEMMs (tensor cores, PyTorch's default).
+    # Weights scaled as trained ones are (std 0.02), so no float16 sum overflows.
+    J = s["gptj"]
+    h16 = lambda *shape, std=1.0: (std * rng.standard_normal(shape)).astype(np.float16)  # noqa: E731
+    xj = h16(B, J["D"])
+    for name, K, N, act, accumulate, bias in (
+            ("gemm_gptj_qkv", J["D"], 3 * J["D"], None, False, False),
+            ("gemm_gptj_attn_out", J["D"], J["D"], None, True, False),
+            ("gemm_gptj_fc_in", J["D"], J["F"], "gelu", False, True),
+            ("gemm_gptj_fc_out", J["F"], J["D"], None, True, True),
+            ("gemm_gptj_head", J["D"], J["V"], None, False, True)):
+        cases.append(_decode_gemm_case(name, rng, torch, tt, xj if K == J["D"] else h16(B, K),
+                                       h16(N, K, std=0.02), N, True, act, accumulate,
+                                       h16(N) if bias else None))
     # The whole MLP of a decode step (kernels.mlp: one fused kernel and a sum that also
     # normalizes the rows for the next layer), against the two GEMMs above that it replaces
     # and PyTorch's four ops.
@@ -286,9 +311,9 @@ def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate,
                       bias) -> Case:
     """out (B, N) (+)= act(x @ op(w) + bias) on rotating copies of w, x and out."""
     B, K = x.shape
-    old = rng.standard_normal((B, N), dtype=np.float32)
-    nbytes = 4 * (w.size + x.size + old.size * (2 if accumulate else 1)
-                  + (0 if bias is None else N))
+    old = rng.standard_normal((B, N)).astype(x.dtype)
+    nbytes = x.itemsize * (w.size + x.size + old.size * (2 if accumulate else 1)
+                           + (0 if bias is None else N))
     dbias = None if bias is None else _dev(bias)
     tbias = tt(bias) if torch and bias is not None else None
     F = torch.nn.functional if torch else None
@@ -305,7 +330,8 @@ def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate,
             def theirs(tx=tx, tw=tw, tout=tout):
                 wk = tw.T if trans_b else tw
                 if accumulate:  # the residual: out += x @ w + bias
-                    y = tout.addmm_(tx, wk).add_(tbias)
+                    y = tout.addmm_(tx, wk)
+                    y = y if tbias is None else y.add_(tbias)
                 else:
                     y = torch.matmul(tx, wk, out=tout) if tbias is None else \
                         torch.addmm(tbias, tx, wk, out=tout)
@@ -739,6 +765,16 @@ def summarize(rows: list[dict], s: dict) -> dict:
         "torch_decode_mlp_us": us.get(("mlp_decode", "torch")),
         "kernels_measured": sorted({r["kernel"] for r in rows}),
     }
+    if all(k in ours for k in GPTJ_GEMMS):
+        gptj = {k: fraction(k) for k in GPTJ_GEMMS}
+        summary.update(
+            gptj_decode_gemm_min_fraction_of_bandwidth=min(gptj.values()),
+            gptj_decode_gemm_fractions_of_bandwidth=gptj,
+            gptj_decode_gemm_us={k: us[(k, "ours")] for k in GPTJ_GEMMS},
+            cublas_fp16_gptj_decode_gemm_us={k: us.get((k, "torch")) for k in GPTJ_GEMMS},
+            gptj_decode_gemm_over_cublas_fp16_time={
+                k: us[(k, "ours")] / us[(k, "torch")] if (k, "torch") in us else None
+                for k in GPTJ_GEMMS})
     if ("gemm_lstm_gates_unsplit", "ours") in us:
         summary["lstm_gates_split_over_unsplit_time"] = (us[("gemm_lstm_gates", "ours")]
                                                          / us[("gemm_lstm_gates_unsplit", "ours")])

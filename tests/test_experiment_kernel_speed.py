@@ -12,7 +12,7 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     kernel_speed.run("toy")
     rows = common.read_csv("kernel_speed")
     kernels = {r["kernel"] for r in rows}
-    assert {*kernel_speed.DECODE_GEMMS, "gemm_decode_nn", "gemm_prefill_bias", "layernorm",
+    assert {*kernel_speed.DECODE_GEMMS, *kernel_speed.GPTJ_GEMMS, "gemm_decode_nn", "gemm_prefill_bias", "layernorm",
             "masked_softmax", "log_softmax", "embed", "gelu", "add"} <= kernels
     for cases in kernel_speed.OPTIONAL.values():  # kernels of modules present in this tree
         assert set(cases) <= kernels
@@ -35,9 +35,15 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     for key in ("decode_gemm_fraction_of_bandwidth", "decode_gemm_over_torch_time",
                 "copy_bandwidth_GBps", "decode_gemm_min_fraction_of_bandwidth",
                 "attention_decode_fraction_of_bandwidth",
-                "decode_self_attention_fraction_of_bandwidth"):
+                "decode_self_attention_fraction_of_bandwidth",
+                "gptj_decode_gemm_min_fraction_of_bandwidth"):
         assert key in summary
     assert summary["copy_bandwidth_GBps"] > 0
+    assert set(summary["gptj_decode_gemm_fractions_of_bandwidth"]) == set(kernel_speed.GPTJ_GEMMS)
+    toy = kernel_speed.SIZES["toy"]
+    B, D, V = toy["B"], toy["gptj"]["D"], toy["gptj"]["V"]
+    head = next(r for r in ours if r["kernel"] == "gemm_gptj_head")   # float16: 2 bytes each
+    assert int(head["bytes"]) == 2 * (V * D + B * D + B * V + V)
     assert set(summary["conv_over_cudnn_time"]) == convs
     assert {f"{c}_winograd" for c in summary["winograd_over_direct_time"]} == winograd
     # Each fraction is the row's bytes / its time over the copy bandwidth; the headline
