@@ -13,7 +13,7 @@ launches on one stream:
      pos..pos+T-1) are read from qkv itself, and block (bh, t, 0) writes token t's k, v into
      the caches: no other block reads those cache rows, so the cache write needs no launch
      of its own.
-  2. `attention_combine_kernel`, only when S > 1, merges each query's S partial
+  2. `attention_combine_kernels`, only when S > 1, merges each query's S partial
      (max, sum, output) triples in split order, loading them all at once (before it knows
      pos: splits past the query are loaded and ignored), not one round trip each. Decode
      (T = 1) has only B*H queries (GPT-2 beam search: 60), too few blocks to keep an H200
@@ -54,7 +54,7 @@ import numpy as np
 from kernels import _check, _cpasync, _pdl
 from kernels._reduce import shfl_xor, warp_allreduce
 from proto.device import backend
-from proto.device.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, jit_per_dtype, launch
 
 MAX_HD = 256  # largest head dim
 if not backend.SIMULATOR:
@@ -138,9 +138,15 @@ def _projected(qkv, bias, row, col):
     return v
 
 
-_ATT_ARGS = ("float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], "
-             "float32[:, :, ::1], int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
+# qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows: qkv, the caches and out in
+# the storage dtype {t}, the splits' partials in float32
+_ATT_ARGS = ("{t}[:, :, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int32[::1], "
+             "{t}[:, :, ::1], int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
              "int32[:, ::1]")
+
+
+def _att_signature(dtype, extra: str = "") -> str:
+    return "void(" + _ATT_ARGS.format(t=np.dtype(dtype).name) + extra + ")"
 
 
 class Variant(NamedTuple):
@@ -151,10 +157,11 @@ class Variant(NamedTuple):
     max_hd: int
     config: tuple
     use_rows: bool = False
+    dtype: np.dtype = np.dtype(np.float32)   # storage of qkv, the caches and out
 
 
 def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
-                   use_rows: bool = False, preload: int = 0) -> Variant:
+                   use_rows: bool = False, preload: int = 0, dtype=np.float32) -> Variant:
     """The attention kernel for head dims up to 32*slots: lane l of a warp holds head dims
     l, l+32, ..., and a warp takes `positions` cache positions per batch, loading all of
     their K and V (2 * positions * slots loads per lane) before using any. `min_blocks`:
@@ -163,9 +170,14 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
     without it the kernel never touches `rows`). `preload`: up to this many of the split's
     cache positions have their K and V copied into shared memory by cp.async before the
     early-launch wait (see the kernel), so they fly while the predecessor finishes and hold
-    no registers; the rest are loaded as without it. Needs head dims a multiple of 4."""
+    no registers; the rest are loaded as without it. Needs head dims a multiple of 4.
+    `dtype`: the storage of qkv, the caches and out (float32 or float16); scores, softmax and
+    output are float32 whatever it is (each element converted as loaded, the output rounded
+    once as stored)."""
     if preload and use_rows:
         raise ValueError("make_attention: preload reads rows in place, not through a row table")
+    if preload and np.dtype(dtype) != np.float32:
+        raise ValueError("make_attention: preload copies float32 rows (cp.async, 16 bytes)")
     unit = warps * positions
     kv_size = positions * slots
     width = 32 * slots            # head dims a warp covers
@@ -174,7 +186,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
     pre_size = max(1, preload * width)   # (preload) K, and V, of `preload` positions
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
 
-    @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
+    @jit(_att_signature(dtype), writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
          early_launch=True, **bounds)
     def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows):
         """Grid (B*H, T, S), 32*warps threads. Query t of head bh against split s of the
@@ -334,7 +346,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                     part_ml[bh, t, split, 1] = total
 
     return Variant(attention_kernel, 32 * warps, unit, width,
-                   (slots, positions, warps, min_blocks), use_rows)
+                   (slots, positions, warps, min_blocks), use_rows, np.dtype(dtype))
 
 
 # make_attention_groups' kernel repeats make_attention's start (the guard on pos, the cache
@@ -343,7 +355,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
 # kernel took 18.4 us at position 512 instead of 14.7 and the row-table one 18.8 instead of
 # 17.5 (H200, dev.bench.bench_decode's case, one process), so each kernel keeps its own copy.
 def make_attention_groups(group: int, dims: int, positions: int, warps: int,
-                          min_blocks: int = 0) -> Variant:
+                          min_blocks: int = 0, dtype=np.float32) -> Variant:
     """The row-table attention kernel (`make_attention(..., use_rows=True)`'s job) with a
     position to each group of `group` lanes (a power of two dividing 32): lane j of a group
     holds head dims j, j + group, ..., `dims` of them (so one load instruction reads `group`
@@ -354,8 +366,8 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
     own online softmax of the positions it saw (one exponential a position, where every
     lane of `make_attention` computes every position's); the warp's groups are merged once,
     after the last batch. Same arguments, grid, guard, cache writes, partials and
-    `min_blocks` as `make_attention`; head dims up to group * dims. (Why only the row-table
-    variant: see `_WITH_ROWS`.)"""
+    `min_blocks` and `dtype` as `make_attention`; head dims up to group * dims. (Why only
+    the row-table variant: see `_WITH_ROWS`.)"""
     if group & (group - 1) or not 1 <= group <= 32:
         raise ValueError(f"make_attention_groups: group {group} is not a power of two <= 32")
     groups = 32 // group                       # groups a warp
@@ -377,7 +389,7 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
             acc[i] = acc[i] * e1 + acc2[i] * e2
         return top, l_sum * e1 + l2 * e2
 
-    @jit(f"void({_ATT_ARGS})", writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
+    @jit(_att_signature(dtype), writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
          early_launch=True, **bounds)
     def attention_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows):
         """Grid (B*H, T, S), 32*warps threads: as `make_attention`'s kernel, a position to
@@ -572,7 +584,7 @@ def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int =
     # kernel it replaced: 7.8 million a launch at position 512, ncu).
     bounds = {"launch_bounds": (threads, min_blocks)} if min_blocks else {}
 
-    @jit(f"void({_ATT_ARGS}, float32[::1])",
+    @jit(_att_signature(np.float32, ", float32[::1]"),
          writes=("k_cache", "v_cache", "out", "part_o", "part_ml"), early_launch=True, **bounds)
     def attention_tile_kernel(qkv, k_cache, v_cache, pos, out, span, part_o, part_ml, rows,
                               bias):
@@ -771,15 +783,25 @@ LARGE = make_attention(*LARGE_CONFIG)
 # 8 bytes); 0.7385 against 0.7596 on another machine. As the plain step's kernel it lost: 663 us a step at 3 blocks an SM, 630 at 4,
 # against SMALL's 627, so the plain variant stays `make_attention`.
 ROWS_GROUPS_CONFIG = (16, 4, 2, 8, 3) if not backend.SIMULATOR else (8, 8, 1, 1, 0)
-_WITH_ROWS = {SMALL.config: make_attention_groups(*ROWS_GROUPS_CONFIG),
-              LARGE.config: make_attention(*LARGE.config, use_rows=True)}
-assert all(_WITH_ROWS[v.config].max_hd >= v.max_hd for v in (SMALL, LARGE))
+# Half precision (GPT-J's KV cache): the plain and row-table kernels from the same sources;
+# the tile and the preload copy float32 rows, and the step keeps its K and V in float32
+# registers either way, so float16 takes the kernels they won against.
+HALF = np.dtype(np.float16)
+_PLAIN = {np.dtype(np.float32): (SMALL, LARGE),
+          HALF: (make_attention(*SMALL_CONFIG, dtype=HALF), make_attention(*LARGE_CONFIG,
+                                                                           dtype=HALF))}
+_WITH_ROWS = {(v.config, v.dtype): (make_attention_groups(*ROWS_GROUPS_CONFIG, dtype=v.dtype)
+                                    if v.config == SMALL.config else
+                                    make_attention(*v.config, use_rows=True, dtype=v.dtype))
+              for pair in _PLAIN.values() for v in pair}
+assert all(_WITH_ROWS[(v.config, v.dtype)].max_hd >= v.max_hd
+           for pair in _PLAIN.values() for v in pair)
 attention_kernel = SMALL.kernel
 
 
-@jit("void(int32[::1], int32, int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
-     "float32[:, :, ::1])", writes=("out",), early_launch=True)
-def attention_combine_kernel(pos, tmax, span, part_o, part_ml, out):
+@jit_per_dtype("void(int32[::1], int32, int32, float32[:, :, :, ::1], float32[:, :, :, ::1], "
+               "{t}[:, :, ::1])", writes=("out",), early_launch=True)
+def attention_combine_kernels(pos, tmax, span, part_o, part_ml, out):
     """Grid (B*H, T), >= hd threads: out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s
     over the splits s that hold positions <= pos + t, in split order. No barriers: each
     thread loads COMBINE_CHUNK splits' (m, l, o) at once, before it knows pos (splits past
@@ -827,9 +849,9 @@ def attention_combine_kernel(pos, tmax, span, part_o, part_ml, out):
         out[b, t, h * hd + d] = NAN if bad else o / total
 
 
-@jit("void(float32[:, :, :, ::1], int32[::1], int32[::1], int32, int32, "
-     "float32[:, :, :, ::1])", writes=("dst",))
-def gather_batch_kernel(src, index, length, width, fixed, dst):
+@jit_per_dtype("void({t}[:, :, :, ::1], int32[::1], int32[::1], int32, int32, "
+               "{t}[:, :, :, ::1])", writes=("dst",))
+def gather_batch_kernels(src, index, length, width, fixed, dst):
     """Grid (X, H, G * B) over (G, B, H, P * width) views: dst[g, b, h, :n * width] =
     src[g, index[b], h, :n * width] for every group g (the layers' K and V of a cache move
     in one launch), the first n of P positions, n = fixed if fixed >= 0 else length[0]
@@ -847,10 +869,12 @@ def gather_batch_kernel(src, index, length, width, fixed, dst):
 
 
 # ---------------------------------------------------------------------------- launchers
-def kernel_for(hd: int, rows: bool = False) -> Variant:
-    """The kernel variant `attention` launches for head dim hd, with or without a row table."""
-    plain = SMALL if hd <= SMALL.max_hd else LARGE
-    return _WITH_ROWS[plain.config] if rows else plain
+def kernel_for(hd: int, rows: bool = False, dtype=np.float32) -> Variant:
+    """The kernel variant `attention` launches for head dim hd, with or without a row table,
+    for caches of `dtype`."""
+    small, large = _PLAIN[np.dtype(dtype)]
+    plain = small if hd <= small.max_hd else large
+    return _WITH_ROWS[(plain.config, plain.dtype)] if rows else plain
 
 
 def _plan(B: int, H: int, T: int, Tmax: int, hd: int, variant: Variant | None = None,
@@ -870,11 +894,12 @@ def _choose(B: int, H: int, T: int, k_cache, v_cache, rows, tile: bool = True,
     """(kernel variant, splits, span) `attention` launches for validated arguments."""
     Tmax, hd = k_cache.shape[2], k_cache.shape[3]
     # (the row-table kernel is planned by its own batch of positions)
-    variant, splits, span = _plan(B, H, T, Tmax, hd, kernel_for(hd, rows is not None))
+    variant, splits, span = _plan(B, H, T, Tmax, hd,
+                                  kernel_for(hd, rows is not None, k_cache.dtype))
     aligned = (hd % 4 == 0 and backend.address(k_cache) % 16 == 0
                and backend.address(v_cache) % 16 == 0)   # (cp.async copies 16 bytes)
     if (tile and aligned and hd <= SMALL_TILE.max_hd and span <= SMALL_TILE.unit
-            and variant in (SMALL, _WITH_ROWS[SMALL.config])):
+            and variant in (SMALL, _WITH_ROWS[(SMALL.config, SMALL.dtype)])):
         variant = SMALL_TILE_ROWS if rows is not None else SMALL_TILE   # the same plan
     elif variant is SMALL and preload and aligned:
         variant = SMALL_PRELOAD   # the same plan: its unit is SMALL's
@@ -921,8 +946,12 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=No
 
     tile, preload: the variants that won their A/Bs, on by default; False keeps the kernels
     they replace (the tests compare the two bit for bit).
+
+    qkv, the caches and out of one dtype, float32 or float16 (scores, softmax and the output
+    in float32; float16 runs the plain and row-table kernels, neither tile nor preload).
     """
-    _check.device_array("qkv", qkv)
+    dtype = _check.float_dtype("qkv", qkv)
+    _check.device_array("qkv", qkv, dtype=dtype)
     if qkv.ndim not in (3, 4) or (qkv.ndim == 4) != (qkv_bias is not None):
         raise ValueError(f"qkv: expected (B, T, 3C), or (P, B, T, 3C) partial sums with "
                          f"qkv_bias, got shape {tuple(qkv.shape)} and qkv_bias "
@@ -936,11 +965,11 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=No
     hd = C // n_head
     if hd > MAX_HD:
         raise ValueError(f"head dim C/n_head = {hd}: at most {MAX_HD} supported")
-    _check.device_array("k_cache", k_cache, shape=(B, n_head, None, hd))
+    _check.device_array("k_cache", k_cache, dtype=dtype, shape=(B, n_head, None, hd))
     Tmax = k_cache.shape[2]
-    _check.device_array("v_cache", v_cache, shape=(B, n_head, Tmax, hd))
+    _check.device_array("v_cache", v_cache, dtype=dtype, shape=(B, n_head, Tmax, hd))
     _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
-    _check.device_array("out", out, shape=(B, T, C))
+    _check.device_array("out", out, dtype=dtype, shape=(B, T, C))
     if T > Tmax:
         raise ValueError(f"qkv: T={T} new positions exceed the cache size Tmax={Tmax}")
     # Declared writes (k_cache, v_cache, out, partials) are checked against every other
@@ -968,7 +997,7 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=No
         args = (backend.reshaped(qkv, (parts, B * T, C3)), *args[1:], bias)
     launch(variant.kernel, (B * n_head, T, splits), variant.threads, args, stream)
     if splits > 1:
-        launch(attention_combine_kernel, (B * n_head, T), _check.warp_threads(hd),
+        launch(attention_combine_kernels[dtype], (B * n_head, T), _check.warp_threads(hd),
                (pos, np.int32(Tmax), np.int32(span), part_o, part_ml, out), stream)
 
 
@@ -1020,7 +1049,8 @@ def reorder_rows(src, index, dst, *, length, stream=0) -> None:
 
 
 def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
-    """dst[b] = src[index[b]] for b < B: src, dst (B, ...) float32, index device int32 (B,),
+    """dst[b] = src[index[b]] for b < B: src, dst (B, ...) float32 or float16 (one dtype),
+    index device int32 (B,),
     read on the device (an out-of-range entry gives a NaN row). Beam search reorders its KV
     caches with this. dst must not overlap src (checked at launch): rows are read while
     others are written.
@@ -1030,7 +1060,8 @@ def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
     src[..., index[b], :, :n], n = length[0]; the rest of dst is left as it was. Leading
     axes stack caches that move together (GPT-2's K and V of every layer: one launch). n
     outside 0..T gives NaN rows (every position)."""
-    _check.device_array("src", src)
+    dtype = _check.float_dtype("src", src)
+    _check.device_array("src", src, dtype=dtype)
     if length is None:   # one "position" per row, taken whole; `length` is never read
         B = src.shape[0]
         G, H, positions, width, fixed, length = 1, 1, 1, src.size // max(B, 1), 1, index
@@ -1042,7 +1073,7 @@ def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
         G, fixed = src.size // max(B * H * positions * width, 1), -1
         _check.device_array("length", length, dtype=np.int32, shape=(1,))
     _check.device_array("index", index, dtype=np.int32, shape=(B,))
-    _check.device_array("dst", dst, shape=tuple(src.shape))
+    _check.device_array("dst", dst, dtype=dtype, shape=tuple(src.shape))
     row = positions * width
     threads = min(256, _check.warp_threads(row))
     # about 4096 blocks in all, however many caches are stacked: enough to keep every SM's
@@ -1050,6 +1081,6 @@ def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
     blocks = max(1, min(math.ceil(row / threads), 4096 // (G * B * H)))
     if G * B > 65535:
         raise ValueError(f"src: {G} stacked caches of batch {B} exceed the grid's 65535")
-    launch(gather_batch_kernel, (blocks, H, G * B), threads,
+    launch(gather_batch_kernels[dtype], (blocks, H, G * B), threads,
            (backend.reshaped(src, (G, B, H, row)), index, length, np.int32(width),
             np.int32(fixed), backend.reshaped(dst, (G, B, H, row))), stream)

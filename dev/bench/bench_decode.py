@@ -337,7 +337,7 @@ class AttentionCase:
                (qkv, k, v, self.pos, out, np.int32(span), part_o, part_ml,
                 self.rows if variant.use_rows else self.no_rows), stream)
         if splits > 1:
-            launch(A.attention_combine_kernel, (B_ATT * H_ATT, 1), _check.warp_threads(HD),
+            launch(A.attention_combine_kernels[np.dtype(np.float32)], (B_ATT * H_ATT, 1), _check.warp_threads(HD),
                    (self.pos, np.int32(TMAX), np.int32(span), part_o, part_ml, out), stream)
 
     def check(self, variant, pos, target) -> float:
