@@ -8,8 +8,22 @@ bias; the first `rotary_dim` dimensions of each head's q and k are rotated by th
 with biases. The head is untied from the embedding and has a bias. No position table.
 
 GPT-J-6B is GPTJConfig(n_layer=28, n_embd=4096, n_head=16, vocab_size=50400,
-n_positions=2048, rotary_dim=64). The float64 reference is proto.models.reference.gptj_logits;
-the device model is still to come (its issue: half precision, the graph stack).
+n_positions=2048, rotary_dim=64). The float64 reference is proto.models.reference.gptj_logits.
+
+    model = GPTJ(config, state_dict, max_batch=5, max_tokens=8)        # float16 by default
+    cache = KVCache(config, batch=5, max_len=1024, dtype=model.dtype)
+    logits = model.step(tokens, pos, cache)        # (B, T, V) of model.dtype
+
+The device model stores weights, activations, the KV cache and logits in its `dtype`
+(float16, as GPT-J-6B runs; float32 too) and computes every sum in float32. A step is
+GPT-2's protocol (proto.models.gpt2): temporaries by name through `backend.empty`, the
+position a device int32 read on the device, no host sync, so a graph records it as it is.
+Per layer: ln_1 (the previous layer's fc_out writes it where its rows fit the fused layer
+norm, else a layer norm launch), q, k and v as one GEMM against the three weights stacked
+(3C, C) at load, the rotary embedding in place, attention over the cache, the output
+projection added into the residual, fc_in with its bias and GELU, fc_out with its bias
+added into the residual. Products of more than 8 rows (a prefill of B * T > 8 tokens) run
+in chunks of 8 rows: the half-precision GEMMs are the decode kernels.
 """
 from __future__ import annotations
 
@@ -17,8 +31,10 @@ import dataclasses
 
 import numpy as np
 
-from kernels import _check
+from kernels import _check, attention, embedding, gemm, layernorm, rotary as rotary_kernel
+from proto.device.backend import cuda, empty, reshaped
 from proto.models import checked_params, random_params
+from proto.models.kv_cache import KVCache
 
 LN_EPS = 1e-5
 
@@ -115,3 +131,129 @@ def rotary(x, positions, rotary_dim: int) -> np.ndarray:
     out[..., :rotary_dim:2] = even * cos - odd * sin
     out[..., 1:rotary_dim:2] = even * sin + odd * cos
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    ln_1_w: object
+    ln_1_b: object
+    qkv_w: object      # (3C, C): q_proj, k_proj, v_proj stacked
+    out_w: object      # (C, C)
+    fc_in_w: object    # (F, C)
+    fc_in_b: object
+    fc_out_w: object   # (C, F)
+    fc_out_b: object
+
+
+class GPTJ:
+    """GPT-J forward over `max_batch` sequences of up to `max_tokens` new tokens a step."""
+
+    def __init__(self, config: GPTJConfig, state_dict, *, max_batch: int, max_tokens: int,
+                 dtype=np.float16, allow_nonfinite: bool = False):
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _check.FLOATS:
+            raise TypeError(f"dtype: expected float32 or float16, got {self.dtype}")
+        params = load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite)
+        self.config = config
+        self.max_batch = _check.positive("max_batch", max_batch)
+        self.max_tokens = _check.positive("max_tokens", max_tokens, at_most=config.n_positions)
+        with np.errstate(over="raise"):   # a weight float16 cannot hold is an error, not inf
+            try:
+                host = {k: v.astype(self.dtype) for k, v in params.items()}
+            except FloatingPointError:
+                raise ValueError(f"GPT-J state_dict: a weight exceeds {self.dtype}'s range") \
+                    from None
+        w = {k: cuda.to_device(v) for k, v in host.items()}
+
+        def stacked(i):
+            return cuda.to_device(np.concatenate(
+                [host[f"transformer.h.{i}.attn.{n}_proj.weight"] for n in "qkv"]))
+        self.wte = w["transformer.wte.weight"]
+        self.ln_f_w, self.ln_f_b = w["transformer.ln_f.weight"], w["transformer.ln_f.bias"]
+        self.head_w, self.head_b = w["lm_head.weight"], w["lm_head.bias"]
+        self.layers = [
+            _Layer(*(w[f"transformer.h.{i}.{n}"] for n in ("ln_1.weight", "ln_1.bias")),
+                   stacked(i), w[f"transformer.h.{i}.attn.out_proj.weight"],
+                   *(w[f"transformer.h.{i}.mlp.{n}"] for n in (
+                       "fc_in.weight", "fc_in.bias", "fc_out.weight", "fc_out.bias")))
+            for i in range(config.n_layer)]
+
+    def decode_read_bytes(self, batch: int, length: int) -> tuple[int, int]:
+        """(weight bytes, KV-cache bytes) a decode step of `batch` sequences at `length` live
+        positions reads at least once: every weight, and every layer's live K and V."""
+        arrays = [self.wte, self.ln_f_w, self.ln_f_b, self.head_w, self.head_b]
+        arrays += [getattr(layer, f.name) for layer in self.layers
+                   for f in dataclasses.fields(layer)]
+        weights = sum(a.nbytes for a in arrays) - self.wte.nbytes + \
+            self.wte.nbytes // self.wte.shape[0] * batch   # (the embedding: a row a sequence)
+        c = self.config
+        return int(weights), 2 * c.n_layer * batch * length * c.n_embd * self.dtype.itemsize
+
+    def _empty(self, name: str, *shape):
+        return empty(shape, self.dtype, name, owner=self)
+
+    def _gemm(self, a, w, out, **kw):
+        """gemm(a, w, out, trans_b=True, ...) over rows of a in chunks of DECODE_MAX_M (the
+        half-precision kernels' rows); one launch where they fit."""
+        rows, step = a.shape[0], gemm.DECODE_MAX_M
+        if rows <= step or self.dtype == np.float32:
+            gemm.gemm(a, w, out, trans_b=True, **kw)
+            return
+        ln = kw.pop("ln_out", None)
+        for r in range(0, rows, step):
+            part = slice(r, min(r + step, rows))
+            ln_part = None if ln is None else (*ln[:3], ln[3][part])
+            gemm.gemm(a[part], w, out[part], trans_b=True, ln_out=ln_part, **kw)
+
+    def step(self, tokens, pos, cache: KVCache, stream=0):
+        """Run T new tokens of B sequences; return their logits.
+
+        tokens: device int32 (B, T), B <= max_batch, T <= max_tokens, values in [0, vocab).
+        pos:    device int32 (1,): absolute position of tokens[:, 0]; read on the device.
+        cache:  KVCache of this config, batch B and the model's dtype; positions pos..pos+T-1
+                are written, 0..pos-1 read. The caller keeps pos + T <= cache.max_len.
+        Returns device (B, T, V) logits of the model's dtype, overwritten by the next step.
+        """
+        _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
+        _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
+        B, T = tokens.shape
+        _check.positive("tokens.shape[0] (batch)", B, at_most=self.max_batch)
+        _check.positive("tokens.shape[1] (new tokens)", T, at_most=self.max_tokens)
+        if (not isinstance(cache, KVCache) or cache.config != self.config or cache.batch != B
+                or cache.dtype != self.dtype):
+            raise ValueError(f"cache: expected a KVCache of this model's config, batch {B} "
+                             f"and dtype {self.dtype}")
+        if T > cache.max_len:
+            raise ValueError(f"tokens: {T} new tokens exceed cache.max_len={cache.max_len}")
+        c = self.config
+        C, V, F, N = c.n_embd, c.vocab_size, c.inner, B * T
+        x = self._empty("x", B, T, C)               # the residual stream, updated in place
+        x2 = reshaped(x, (N, C))
+        # Every layer norm rides on the launch that writes the residual it normalizes where
+        # that launch can: ln_1 of the first layer on the embedding, each next ln_1 and ln_f
+        # on fc_out (gemm fuses it into its split-K reduction or runs it right after).
+        first, ln = self.layers[0], self._empty("ln_1", N, C)
+        if embedding.fuses_layernorm(C):
+            embedding.embed(tokens, self.wte, x, stream=stream,
+                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
+        else:   # rows wider than the embedding's registers hold: a layer norm launch
+            embedding.embed(tokens, self.wte, x, stream=stream)
+            layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
+        after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
+        for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
+            qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
+            self._gemm(ln, L.qkv_w, reshaped(qkv, (N, 3 * C)), stream=stream)
+            rotary_kernel.rotary(qkv, pos, n_head=c.n_head, rotary_dim=c.rotary_dim,
+                                 stream=stream)
+            att = self._empty(f"h{i}.att", B, T, C)
+            attention.attention(qkv, cache.k[i], cache.v[i], pos, att, n_head=c.n_head,
+                                rows=cache.rows, stream=stream)
+            h = self._empty(f"h{i}.fc_in", N, F)   # attention and the MLP both read ln(x)
+            self._gemm(ln, L.fc_in_w, h, bias=L.fc_in_b, act="gelu", stream=stream)
+            self._gemm(reshaped(att, (N, C)), L.out_w, x2, accumulate=True, stream=stream)
+            ln = self._empty(f"h{i}.ln_next", N, C)   # the next ln_1, after the last ln_f
+            self._gemm(h, L.fc_out_w, x2, bias=L.fc_out_b, accumulate=True, stream=stream,
+                       ln_out=(gamma, beta, LN_EPS, ln))
+        logits = self._empty("logits", B, T, V)
+        self._gemm(ln, self.head_w, reshaped(logits, (N, V)), bias=self.head_b, stream=stream)
+        return logits

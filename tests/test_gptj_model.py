@@ -1,0 +1,112 @@
+"""GPT-J's device model (proto.models.gptj.GPTJ) against the float64 reference
+(proto.models.reference.gptj_logits): float32 to float32's tolerance; float16 within a
+first-order bound from one float16 rounding per stored activation; prefill + decode steps =
+one long prefill; beam-search caches in float16; bad input refused before any launch."""
+import numpy as np
+import pytest
+
+from proto.models import reference
+from proto.models.gptj import GPTJ, GPTJConfig, random_state_dict
+from proto.models.kv_cache import KVCache
+from tests.helpers import dev
+
+# (hd 16; rotary on half of each head)
+SMALL = GPTJConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=30, n_positions=16,
+                   rotary_dim=8)
+# float32 model, float64 reference, unit-scale activations through 2 layers (as GPT-2's test)
+LOGIT_TOL = dict(atol=2e-4, rtol=2e-4)
+U16 = 2.0 ** -11
+# float16: every activation the model stores is rounded once, relatively by at most U16:
+# per layer ln_1, qkv, the rotated qkv, attention's output, the residual after the output
+# projection, fc_in and the residual after fc_out (7), and the embedding, ln_f and the
+# logits once. The random weights (N(0, 1/fan_in)) and the layer norms keep every
+# activation unit-scale and every layer's gain about 1 (GELU's slope is at most 1.13,
+# a softmax's weights sum to 1), so to first order the roundings' errors add: a logit is
+# off by at most (7 L + 3) U16 of its row's scale (the logit itself, plus the row's rms for
+# logits near 0), beside float32's own error (LOGIT_TOL).
+ROUNDINGS = 7 * SMALL.n_layer + 3
+
+
+def _sequence(seed, batch, length):
+    return np.random.default_rng(seed).integers(0, SMALL.vocab_size, (batch, length))
+
+
+def _run(model, seq, prompt, dtype):
+    """Prefill `prompt` tokens then decode the rest one a step; every position's logits."""
+    B, total = seq.shape
+    cache = KVCache(SMALL, B, max_len=total + 1, dtype=dtype)   # a spare slot stays unread
+    tok = lambda a: dev(np.ascontiguousarray(a, np.int32))   # noqa: E731
+    out = [model.step(tok(seq[:, :prompt]), dev(np.zeros(1, np.int32)), cache).copy_to_host()]
+    for t in range(prompt, total):
+        out.append(model.step(tok(seq[:, t:t + 1]), dev(np.array([t], np.int32)),
+                              cache).copy_to_host())
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
+def test_float32_prefill_then_decode_matches_reference():
+    sd = random_state_dict(SMALL, seed=1)
+    seq = _sequence(1, 2, 5)
+    model = GPTJ(SMALL, sd, max_batch=2, max_tokens=3, dtype=np.float32)
+    got = _run(model, seq, 3, np.float32)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, reference.gptj_logits(SMALL, sd, seq), **LOGIT_TOL)
+
+
+def test_float16_prefill_then_decode_within_the_rounding_bound():
+    """Against the reference on the weights the model holds (rounded to float16); the
+    greedy token agrees wherever the reference's top-2 margin exceeds twice the bound."""
+    sd = random_state_dict(SMALL, seed=2)
+    held = {k: v.astype(np.float16).astype(np.float32) for k, v in sd.items()}
+    seq = _sequence(2, 2, 5)
+    model = GPTJ(SMALL, sd, max_batch=2, max_tokens=3)
+    assert model.dtype == np.float16
+    got = _run(model, seq, 3, np.float16).astype(np.float64)
+    want = reference.gptj_logits(SMALL, held, seq)
+    rms = np.sqrt((want ** 2).mean(axis=-1, keepdims=True))
+    bound = ROUNDINGS * U16 * (np.abs(want) + rms) + LOGIT_TOL["atol"] + \
+        LOGIT_TOL["rtol"] * np.abs(want)
+    err = np.abs(got - want) - bound
+    assert np.all(err <= 0), float(err.max())
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * bound.max(axis=-1)
+    assert clear.any()   # (the check below checks something)
+    np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
+def test_float16_prefill_of_more_than_eight_rows_runs_in_chunks():
+    """B * T = 10 rows: the half-precision GEMMs take 8 at most, so the model splits them;
+    the logits equal those of the same tokens prefilled 5 rows at a time (bit for bit: the
+    same kernels on the same rows)."""
+    sd = random_state_dict(SMALL, seed=3)
+    seq = _sequence(3, 2, 5)
+    model = GPTJ(SMALL, sd, max_batch=2, max_tokens=5)
+    whole = _run(model, seq, 5, np.float16)
+    halves = np.concatenate([_run(model, seq[b:b + 1], 5, np.float16) for b in range(2)])
+    np.testing.assert_array_equal(whole, halves)
+
+
+def test_float16_beam_caches_reorder_rows():
+    a, b = KVCache.pair(SMALL, 2, 8, dtype=np.float16)
+    assert a.data.dtype == np.float16 and a.data is b.data
+    a.reorder_into(dev(np.array([1, 1], np.int32)), b, length=dev(np.array([3], np.int32)))
+    assert (b.rows.copy_to_host()[:, :3] == 1).all()
+    with pytest.raises(ValueError, match="same config, batch, max_len and dtype"):
+        a.reorder_into(dev(np.array([0, 1], np.int32)), KVCache(SMALL, 2, 8))
+
+
+def test_rejects_bad_input_before_any_launch():
+    sd = random_state_dict(SMALL)
+    with pytest.raises(TypeError, match="dtype: expected float32 or float16, got float64"):
+        GPTJ(SMALL, sd, max_batch=1, max_tokens=1, dtype=np.float64)
+    big = dict(sd, **{"lm_head.bias": np.full(SMALL.vocab_size, 1e6, np.float32)})
+    with pytest.raises(ValueError, match="a weight exceeds float16's range"):
+        GPTJ(SMALL, big, max_batch=1, max_tokens=1)
+    model = GPTJ(SMALL, sd, max_batch=1, max_tokens=1)
+    tokens, pos = dev(np.zeros((1, 1), np.int32)), dev(np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="cache: expected a KVCache of this model's config, "
+                                         "batch 1 and dtype float16"):
+        model.step(tokens, pos, KVCache(SMALL, 1, 4))   # a float32 cache
+    with pytest.raises(TypeError, match="dtype: expected float32 or float16"):
+        KVCache(SMALL, 1, 4, dtype=np.int32)
