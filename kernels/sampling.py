@@ -4,7 +4,7 @@ Beam search ranks beams*vocab scores in one row (R=1, V=5*50257), which one bloc
 alone while the rest of the GPU idles. So every call is two launches whose configuration
 depends only on (R, V), never on the data (one CUDA graph serves every step):
 
-  1. `topk_blocks_kernel`, grid (NB, R): each thread loads a batch of 8 elements of a strided
+  1. `topk_blocks_kernels`, grid (NB, R): each thread loads a batch of 8 elements of a strided
      slice of its row into registers; each warp takes its top k of them in k rounds (every
      lane's best, then the warp's best by a shuffle butterfly, which its lane gives up),
      carrying it from batch to batch; the warps' top k meet in shared memory for k more
@@ -28,7 +28,7 @@ from kernels import _check, softmax
 from kernels._lastblock import count_in, launch_counters
 from kernels._reduce import FULL_MASK, converged_syncthreads
 from proto.device import backend
-from proto.device.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, jit_per_dtype, launch
 
 KMAX = 8                  # local arrays are sized by this; k is a runtime argument up to it
 MAX_THREADS = 256         # shared merge slots are sized for this many threads
@@ -65,7 +65,7 @@ def topk_ref(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 # warp's top k is k rounds of: each lane's best slot, the warp's best by a shuffle
 # butterfly, the lane that holds it empties that slot. No thread keeps a sorted list: a list
 # indexed by a loop variable lives in local memory, and inserting into it was a chain of
-# dependent local loads and stores (beam_topk_kernel measured 40 us for 1 MB of logits).
+# dependent local loads and stores (beam_topk_kernels measured 40 us for 1 MB of logits).
 @cuda.jit(device=True)
 def _better(v, i, w, j):
     """(v, i) ranks before (w, j): larger value, or equal value and lower index. (Bitwise,
@@ -150,9 +150,9 @@ def _block_topk(cv, ci, k, out_v, out_i):
 
 
 # ---------------------------------------------------------------------------- kernels
-@jit("void(float32[:, ::1], int32, float32[:, :, ::1], int32[:, :, ::1])",
-     writes=("cand_v", "cand_i"))
-def topk_blocks_kernel(x, k, cand_v, cand_i):
+@jit_per_dtype("void({t}[:, ::1], int32, float32[:, :, ::1], int32[:, :, ::1])",
+               writes=("cand_v", "cand_i"))
+def topk_blocks_kernels(x, k, cand_v, cand_i):
     """Grid (NB, R). Block `blk` of row r ranks x[r, blk*T + tid :: NB*T] into cand[r, blk, :k]."""
     r = cuda.blockIdx.y
     blk = cuda.blockIdx.x
@@ -230,22 +230,25 @@ def _launch_topk(x, k: int, values, indices, stream) -> None:
     R, V = x.shape
     nb, threads = _stage1_config(V)
     cand_v, cand_i, _ = _candidates(R, nb)
-    launch(topk_blocks_kernel, (nb, R), threads, (x, np.int32(k), cand_v, cand_i), stream)
+    launch(topk_blocks_kernels[np.dtype(x.dtype)], (nb, R), threads,
+           (x, np.int32(k), cand_v, cand_i), stream)
     launch(topk_merge_kernel, R, min(THREADS, _check.warp_threads(nb * k)),
            (cand_v, cand_i, np.int32(k), values, indices), stream)
 
 
-def _check_x(x) -> tuple[int, int]:
-    _check.device_array("x", x, ndim=2)
+def _check_x(x, name: str = "x") -> tuple[int, int]:
+    """x (R, V): float32, or float16 logits (ranked as their float32 values)."""
+    _check.device_array(name, x, dtype=_check.float_dtype(name, x), ndim=2)
     if x.shape[0] > 65535:   # rows are the stage-1 grid's y dimension
-        raise ValueError(f"x: {x.shape[0]} rows exceed the grid limit 65535")
+        raise ValueError(f"{name}: {x.shape[0]} rows exceed the grid limit 65535")
     return x.shape
 
 
 def topk(x, k: int, values, indices, *, stream=0) -> None:
     """values/indices[r] = the k largest entries of x[r] (R, V), descending, ties -> lower index.
 
-    x (R, V) float32, at most 65535 rows; values (R, k) float32; indices (R, k) int32;
+    x (R, V) float32 or float16, at most 65535 rows; values (R, k) float32; indices (R, k)
+    int32;
     1 <= k <= min(8, V).
     """
     R, V = _check_x(x)
@@ -274,11 +277,11 @@ def beam_topk_ref(logits: np.ndarray, scores: np.ndarray, k: int):
     return topk_ref(flat.astype(np.float32), k)
 
 
-@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
-     "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1])",
-     writes=("cand_v", "cand_i", "counters", "values", "indices"))
-def beam_topk_kernel(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
-    """Grid (spans, R), after softmax.log_softmax_partials_kernel: block (i, row) ranks
+@jit_per_dtype("void({t}[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
+               "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1])",
+               writes=("cand_v", "cand_i", "counters", "values", "indices"))
+def beam_topk_kernels(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
+    """Grid (spans, R), after softmax.log_softmax_partials_kernels: block (i, row) ranks
     (x[row, j] - shift[row]) + scores[row] over span i of the row (the log-softmax and the
     beam's running score, the same float32 operations as log_softmax then adding the score)
     into k candidates of flat index row * V + j, at cand[0, row * spans + i]; the launch's
@@ -317,9 +320,10 @@ def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:
     partials (max, sum of exp), then one that ranks each span and merges (topk's order,
     log_softmax's arithmetic), instead of log_softmax, adding the scores and topk (five).
 
-    logits (R, V) float32, at most 65535 rows; scores (R, 1) float32; values (1, k)
-    float32; indices (1, k) int32; 1 <= k <= min(8, R * V)."""
-    R, V = _check_x(logits)
+    logits (R, V) float32, or float16 (a half-precision model's: each loaded into float32,
+    every operation after as for float32), at most 65535 rows; scores (R, 1) float32;
+    values (1, k) float32; indices (1, k) int32; 1 <= k <= min(8, R * V)."""
+    R, V = _check_x(logits, "logits")
     _check.device_array("scores", scores, shape=(R, 1))
     k = _check.positive("k", k, at_most=min(KMAX, R * V))
     _check.device_array("values", values, shape=(1, k))
@@ -334,9 +338,10 @@ def beam_topk(logits, scores, k: int, values, indices, *, stream=0) -> None:
     cand_v = backend.empty((1, R * spans, KMAX), np.float32, "beam_topk.cand_v")
     cand_i = backend.empty((1, R * spans, KMAX), np.int32, "beam_topk.cand_i")
     threads = softmax.SPLIT_THREADS
-    launch(softmax.log_softmax_partials_kernel, (spans, R), threads, (logits, part_m, part_s),
-           stream)
-    launch(beam_topk_kernel, (spans, R), threads,
+    dtype = np.dtype(logits.dtype)
+    launch(softmax.log_softmax_partials_kernels[dtype], (spans, R), threads,
+           (logits, part_m, part_s), stream)
+    launch(beam_topk_kernels[dtype], (spans, R), threads,
            (logits, scores, part_m, part_s, np.int32(k), cand_v, cand_i, launch_counters(1),
             values, indices), stream)
 

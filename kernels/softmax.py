@@ -21,7 +21,7 @@ from kernels._reduce import (WARP_ELEMS, block_allreduce, converged_syncthreads,
                              warp_elems, warp_grid, warp_row)
 from kernels.layernorm import ELEMS_PER_THREAD, block_threads
 from proto.device import backend
-from proto.device.backend import cuda, jit, launch
+from proto.device.backend import cuda, jit, jit_per_dtype, launch
 
 MAX_THREADS = 1024 if not backend.SIMULATOR else 32  # vocab-wide rows want the full block
 _NEG_INF = np.float32(-np.inf)
@@ -208,9 +208,11 @@ def span_bounds(n, spans, i):
     return min(i * width, n), min((i + 1) * width, n)
 
 
-@jit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])", writes=("part_m", "part_s"))
-def log_softmax_partials_kernel(x, part_m, part_s):
-    """Block (i, row): part_m[row, i], part_s[row, i] = (max, sum of exp(x - max)) of span i."""
+@jit_per_dtype("void({t}[:, ::1], float32[:, ::1], float32[:, ::1])",
+               writes=("part_m", "part_s"))
+def log_softmax_partials_kernels(x, part_m, part_s):
+    """Block (i, row): part_m[row, i], part_s[row, i] = (max, sum of exp(x - max)) of span i
+    (x float32, or float16 logits for sampling.beam_topk: each loaded into float32)."""
     buf_m = cuda.shared.array(SPLIT_THREADS, np.float32)
     buf_s = cuda.shared.array(SPLIT_THREADS, np.float32)
     i, row = cuda.blockIdx.x, cuda.blockIdx.y
@@ -229,7 +231,7 @@ def row_shift(part_m, part_s, row):
     lane, every warp and every block the same bits (each step adds the same two values in
     every lane), so every span of a row shifts alike, every run. (A serial combine of 25
     spans in every thread was a chain of about a thousand dependent instructions, a fifth of
-    beam_topk_kernel's time.) Every thread of the block must call it (the simulator's
+    beam_topk_kernels' time.) Every thread of the block must call it (the simulator's
     stand-in for the shuffles holds a barrier)."""
     spans, lane = part_m.shape[1], cuda.threadIdx.x % 32
     m = _NEG_INF
@@ -296,5 +298,6 @@ def log_softmax(x, out, *, stream=0):
     # Scratch of this call only (the second launch reads it, nothing later).
     part_m = backend.empty((rows, spans), np.float32, "log_softmax.max")
     part_s = backend.empty((rows, spans), np.float32, "log_softmax.sumexp")
-    launch(log_softmax_partials_kernel, (spans, rows), SPLIT_THREADS, (x, part_m, part_s), stream)
+    launch(log_softmax_partials_kernels[np.dtype(np.float32)], (spans, rows), SPLIT_THREADS,
+           (x, part_m, part_s), stream)
     launch(log_softmax_apply_kernel, (spans, rows), SPLIT_THREADS, (x, part_m, part_s, out), stream)

@@ -307,3 +307,47 @@ def test_beam_topk_rejects_bad_input_before_launch():
         sampling.beam_topk(logits, scores, 3, cuda.device_array((2, 3), np.float32), indices)
     with pytest.raises(TypeError, match="indices: expected dtype int32"):
         sampling.beam_topk(logits, scores, 3, values, cuda.device_array((1, 3), np.float32))
+
+
+# ---------------------------------------------------------------------------- half precision
+# A float16 value converts to float32 exactly, and the kernels convert each as they load it:
+# over float16 logits they must give, bit for bit, what they give over the same values stored
+# as float32 (ties, NaN as -inf and the lower index included).
+@given(rows=st.integers(1, 3), cols=st.integers(1, 300), k=st.integers(1, 8),
+       levels=st.sampled_from([3, None]), seed=st.integers(0, 2**16))
+def test_topk_of_half_precision_equals_topk_of_its_float32_values(rows, cols, k, levels, seed,
+                                                                    scale, small_blocks):
+    rng = np.random.default_rng(seed)
+    cols *= scale
+    k = min(k, cols)
+    x = (rng.integers(0, levels, (rows, cols)) if levels else
+         rng.standard_normal((rows, cols))).astype(np.float16)
+    x[rng.random(x.shape) < 0.05] = np.nan
+    values, indices = _run_topk(x, k)
+    want_values, want_indices = _run_topk(x.astype(np.float32), k)
+    np.testing.assert_array_equal(indices, want_indices)
+    np.testing.assert_array_equal(values, want_values)
+
+
+@given(beams=st.integers(1, 5), k=st.integers(1, 8), levels=st.sampled_from([3, None]),
+       seed=st.integers(0, 2**16))
+def test_beam_topk_of_half_precision_equals_beam_topk_of_its_float32_values(beams, k, levels,
+                                                                            seed):
+    from kernels import softmax
+    rng = np.random.default_rng(seed)
+    V = 2 * softmax.SPAN - int(rng.integers(0, softmax.SPAN // 2))   # two spans a row
+    k = min(k, beams * V)
+    logits = (rng.integers(0, levels, (beams, V)) if levels else
+              4 * rng.standard_normal((beams, V))).astype(np.float16)
+    scores = rng.choice([0.0, -1.5, -3.25], (beams, 1)).astype(np.float32)
+    values, indices = _run_beam_topk(logits, scores, k)
+    want_v, want_i = _run_beam_topk(logits.astype(np.float32), scores, k)
+    np.testing.assert_array_equal(indices, want_i)
+    np.testing.assert_array_equal(values, want_v)
+
+
+def test_float64_logits_are_refused():
+    with pytest.raises(TypeError, match="logits: expected dtype float32 or float16, got float64"):
+        _run_beam_topk(np.zeros((2, 5)), np.zeros((2, 1), np.float32), 2)
+    with pytest.raises(TypeError, match="x: expected dtype float32 or float16, got float64"):
+        _run_topk(np.zeros((2, 5)), 2)

@@ -7,7 +7,7 @@ VGG's conv3 layer at 224x224 input (N 16, 256 -> 256 channels, 56x56, 3x3, pad 1
 with bias and ReLU, backward-data, backward-weight with its split reduction; the prefill GEMM
 (5120 x 768 against 768 x 3072); two decode GEMMs of GPT-2 small (5 rows against 768 x 2304
 and 768 x 3072 with GELU); a beam-search step's top-k over GPT-2's logits (5 x 50257, k 5:
-`sampling.beam_topk`, its softmax partials and `beam_topk_kernel`; `ncu -k regex:beam_topk`
+`sampling.beam_topk`, its softmax partials and `beam_topk_kernels`; `ncu -k regex:beam_topk`
 picks it out); GPT-2 small's decode attention at position 512 (5 beams x 12 heads, a
 1024-position cache), plain, then with the beams' row table (the WHILE graph's variant);
 Winograd's forward at the conv3 shape (kernels.winograd: its transforms and GEMMs). The first launch of each compiles, so profile the second (`--launch-skip`)
