@@ -110,3 +110,41 @@ def test_rejects_bad_input_before_any_launch():
         model.step(tokens, pos, KVCache(SMALL, 1, 4))   # a float32 cache
     with pytest.raises(TypeError, match="dtype: expected float32 or float16"):
         KVCache(SMALL, 1, 4, dtype=np.int32)
+
+
+TINY = GPTJConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=13, n_positions=8, rotary_dim=4)
+
+
+def test_float32_beam_search_end_to_end():
+    """The real GPTJ.step under generate.beam_search (a KVCache pair, reorders included)
+    picks the reference search's tokens."""
+    from proto.models import generate
+    sd = random_state_dict(TINY, 5)
+    logits_fn = lambda tokens: reference.gptj_logits(TINY, sd, tokens)  # noqa: E731
+    prompt = np.array([3, 7])
+    want = reference.beam(logits_fn, prompt, 2, 3)
+    model = GPTJ(TINY, sd, max_batch=2, max_tokens=1, dtype=np.float32)
+    got = generate.beam_search(model, prompt, beam=2, max_new_tokens=3)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_float16_greedy_picks_the_reference_token_wherever_the_choice_is_clear():
+    """generate.greedy over the float16 model: at every step, the reference's logits on the
+    prefix the model actually produced (the weights it holds) put the token it chose first
+    wherever the top two differ by more than both logits' bounds (ROUNDINGS above)."""
+    from proto.models import generate
+    sd = {k: v.astype(np.float16).astype(np.float32)
+          for k, v in random_state_dict(TINY, 6).items()}
+    prompt, new = np.array([[3, 7], [1, 2]]), 5
+    model = GPTJ(TINY, sd, max_batch=2, max_tokens=1)
+    got = generate.greedy(model, prompt, max_new_tokens=new).tokens   # (2, 2 + new)
+    ref = reference.gptj_logits(TINY, sd, got[:, :-1])[:, prompt.shape[1] - 1:]   # (2, new, V)
+    rms = np.sqrt((ref ** 2).mean(axis=-1, keepdims=True))
+    bound = ROUNDINGS * U16 * (np.abs(ref) + rms) + LOGIT_TOL["atol"] + \
+        LOGIT_TOL["rtol"] * np.abs(ref)
+    order = np.argsort(-ref, axis=-1, kind="stable")
+    top, second = order[..., 0], order[..., 1]
+    pick = lambda a, i: np.take_along_axis(a, i[..., None], -1)[..., 0]   # noqa: E731
+    clear = pick(ref, top) - pick(ref, second) > pick(bound, top) + pick(bound, second)
+    assert clear.sum() >= new   # (most decisions are clear: the check checks something)
+    np.testing.assert_array_equal(got[:, prompt.shape[1]:][clear], top[clear])

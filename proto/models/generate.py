@@ -1,7 +1,8 @@
 """Greedy and beam-search generation around a model step (the eager path).
 
-`model` is anything with `.config` (a GPT2Config: vocab, positions and the KV-cache shape)
-and, unless a `step` is passed, `.step`. The search only calls
+`model` is anything with `.config` (a GPT2Config or GPTJConfig: vocab, positions and the
+KV-cache shape), optionally `.dtype` (its logits' and KV cache's: float32 unless it says
+float16) and, unless a `step` is passed, `.step`. The search only calls
 `step(tokens, pos, cache) -> logits (B, T, V)` (GPT2.step by default),
 always with the same `tokens` (B, 1) and `pos` (1,) device buffers (`DecodeInputs`), so a
 graphed step with the same signature replaces the eager one without touching the search.
@@ -40,7 +41,7 @@ import numpy as np
 from kernels import _check, sampling
 from proto.device import backend
 from proto.device.backend import cuda
-from proto.models.gpt2 import KVCache
+from proto.models.kv_cache import KVCache
 
 MAX_BEAM = 8      # kernels.sampling.topk returns at most 8 candidates
 DEAD = -1e30      # score of an empty beam slot: finite, so score + log-prob never makes NaN
@@ -148,11 +149,16 @@ def _check_caches(caches, batch: int, need: int) -> None:
                              f"{cache.batch} max_len {cache.max_len}")
 
 
-def _logits(step, tokens, pos, cache, batch: int, vocab: int):
+def _dtype(model) -> np.dtype:
+    """The model's storage dtype: its logits' and its KV cache's."""
+    return np.dtype(getattr(model, "dtype", np.float32))
+
+
+def _logits(step, tokens, pos, cache, batch: int, vocab: int, dtype):
     """step(...)'s logits as (batch, vocab) rows, after checking the step kept its contract."""
     logits = step(tokens, pos, cache)
-    if getattr(logits, "shape", None) != (batch, 1, vocab) or logits.dtype != np.float32:
-        raise ValueError(f"step: expected float32 logits of shape ({batch}, 1, {vocab}), got "
+    if getattr(logits, "shape", None) != (batch, 1, vocab) or logits.dtype != dtype:
+        raise ValueError(f"step: expected {dtype} logits of shape ({batch}, 1, {vocab}), got "
                          f"{type(logits).__name__} {getattr(logits, 'dtype', '')} "
                          f"{getattr(logits, 'shape', '')}")
     return backend.reshaped(logits, (batch, vocab))   # (the same view every step)
@@ -180,7 +186,7 @@ def greedy(model, prompt, *, max_new_tokens: int, eos: int | None = None, step=N
     if cache is not None:
         _check_caches([cache], B, need)
     _check_inputs(inputs, B)
-    cache = cache or KVCache(model.config, B, need)
+    cache = cache or KVCache(model.config, B, need, _dtype(model))
     step = step or model.step
     inputs = inputs or DecodeInputs.allocate(B)
     times = PhaseTimes(synchronized=timed)
@@ -196,7 +202,7 @@ def greedy(model, prompt, *, max_new_tokens: int, eos: int | None = None, step=N
     for t in range(max_new_tokens):
         inputs.pos.copy_to_device(np.array([T0 - 1 + t], np.int32))
         clock.lap("prep_s")
-        logits = _logits(step, inputs.tokens, inputs.pos, cache, B, V)  # (B, V)
+        logits = _logits(step, inputs.tokens, inputs.pos, cache, B, V, _dtype(model))
         clock.lap("model_s")
         sampling.topk(logits, 1, best[t].reshape(B, 1), next_tokens)  # argmax
         tok = next_tokens.copy_to_host()[:, 0]
@@ -250,7 +256,7 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
                              f"got {len(caches)}")
         _check_caches(caches, beam, need)
     _check_inputs(inputs, beam)
-    caches = caches or (KVCache(model.config, beam, need), KVCache(model.config, beam, need))
+    caches = caches or tuple(KVCache(model.config, beam, need, _dtype(model)) for _ in range(2))
     step = step or model.step
     inputs = inputs or DecodeInputs.allocate(beam)
     buf = _BeamBuffers(beam, V, k)
@@ -275,7 +281,8 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
             caches[cur].reorder_into(buf.parents, caches[1 - cur], length=inputs.pos)
             cur = 1 - cur
         clock.lap("prep_s")
-        logits = _logits(step, inputs.tokens, inputs.pos, caches[cur], beam, V)  # (B, V)
+        logits = _logits(step, inputs.tokens, inputs.pos, caches[cur], beam, V,
+                         _dtype(model))   # (B, V)
         clock.lap("model_s")
         # the top k of log_softmax(logits) + each beam's running score, over beams x vocab
         sampling.beam_topk(logits, buf.scores, k, buf.values, buf.indices)
