@@ -53,7 +53,7 @@ from experiments.step_profile import step_spec, step_timings
 from proto.device import backend, timing
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
-from proto.models.graphed import GraphedGPT2
+from proto.models.graphed import GraphedDecoder
 from proto.models.search_loop import BeamLoop
 
 NAME = "end_to_end"
@@ -101,7 +101,7 @@ class _Eager(_Method):
 class _Graphed(_Method):
     def __init__(self, model, beam: int, max_len: int, binding: str, strategy: str,
                  build_all: bool):
-        self.g = GraphedGPT2(model, batch=beam, max_len=max_len, binding=binding,
+        self.g = GraphedDecoder(model, batch=beam, max_len=max_len, binding=binding,
                              strategy=strategy, build_all=build_all)
 
     def generate(self, prompt, new: int, timed: bool):

@@ -234,7 +234,7 @@ def _gpt2_setup(cfg):
 
 def _ours_gpt2(method, cfg, meter) -> dict:
     from proto.models.gpt2 import GPT2
-    from proto.models.graphed import GraphedGPT2
+    from proto.models.graphed import GraphedDecoder
     config, state_dict, prompt, new = _gpt2_setup(cfg)
     beam, max_len = cfg["beam"], config.n_positions
     kw = {"ours_unplanned": dict(strategy="exact", planned=False),
@@ -242,7 +242,7 @@ def _ours_gpt2(method, cfg, meter) -> dict:
           "ours_planned_shared": dict(strategy="exact", shared_executables=cfg["executables"]),
           "ours_device": dict(strategy="device")}[method]
     model = GPT2(config, state_dict, max_batch=beam, max_tokens=cfg["prompt_len"])
-    g = GraphedGPT2(model, batch=beam, max_len=max_len, binding="alias", **kw)
+    g = GraphedDecoder(model, batch=beam, max_len=max_len, binding="alias", **kw)
     # the warm-up: one eager decode step at the last position on the first cache set
     g.reset()
     g.inputs.pos.copy_to_device(np.array([max_len - 1], np.int32))

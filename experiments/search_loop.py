@@ -10,7 +10,7 @@ for several N, at two sizes (4 layers d=256 and GPT-2 small, 12 layers d=768):
   graph_per_step     the host loop: Grape's decode graph (alias binding, position on the
                      device: one graph for every length) replayed once per token; after each
                      replay the host copies the tokens (greedy) or the top-k candidates (beam)
-                     back and decides (GraphedGPT2.greedy / .beam_search)
+                     back and decides (GraphedDecoder.greedy / .beam_search)
   graph_while        the whole search as one graph: a WHILE node on a device flag, the step and
                      every decision (argmax or top-k, beam choice, KV-cache reorder, stop test)
                      on the GPU (proto.models.search_loop)
@@ -36,7 +36,7 @@ from experiments import common
 from proto.device import timing
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-from proto.models.graphed import GraphedGPT2
+from proto.models.graphed import GraphedDecoder
 from proto.models.search_loop import BeamLoop, GreedyLoop
 
 NAME = "search_loop"
@@ -69,7 +69,7 @@ def methods(cfg) -> list[str]:
 
 def _runs(search: str, model, prompt, B: int, max_len: int, unrolls):
     """{method: n -> Generation}, and what to close afterwards."""
-    per_step = GraphedGPT2(model, batch=B, max_len=max_len, binding="alias", strategy="device",
+    per_step = GraphedDecoder(model, batch=B, max_len=max_len, binding="alias", strategy="device",
                            build_all=True)
     Loop, kw = (GreedyLoop, dict(batch=B)) if search == "greedy" else (BeamLoop, dict(beam=B))
     loops = {"graph_while": Loop(model, max_len=max_len, **kw)}

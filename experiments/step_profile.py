@@ -3,7 +3,7 @@ child process.
 
 For each setup (`step_spec`), in order:
 
-  step    our alias graph (GraphedGPT2, the position read on the device) replayed at one
+  step    our alias graph (GraphedDecoder, the position read on the device) replayed at one
           position, against PyTorch's graphed steps there (experiments/torch_gpt2.py): the
           graph of that length attending to the live prefix ("torch") and the static-cache
           graph masked over every position ("torch_masked"); with torch, every kernel of each
@@ -42,7 +42,7 @@ from experiments import common
 from proto.device import timing
 from proto.graph.cuda import early_launch_off
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-from proto.models.graphed import GraphedGPT2
+from proto.models.graphed import GraphedDecoder
 from proto.models.search_loop import BeamLoop
 
 
@@ -87,7 +87,7 @@ def _replay_us(replay, replays: int, warmup: int, reps: int) -> tuple[float, flo
 
 def _step_timings(label: str, position: int, alias, plain, masked, live, kernel_rows: list, *,
                   step: dict, profile: bool) -> dict:
-    """Our alias graph's replay (GraphedGPT2), its kernels' sum (`profile`: profiled in
+    """Our alias graph's replay (GraphedDecoder), its kernels' sum (`profile`: profiled in
     `plain`, the same graph built with early launch off, so each kernel's span is its own
     time), and PyTorch's graphed steps at `position`: the static cache masked over every
     position ("torch_masked", a graphed TorchDecoder) and the graph of this length attending
@@ -163,11 +163,11 @@ def _measure_step(spec: dict) -> dict:
         row = _while_kernels(spec["label"], model, beam, max_len, spec["prompt_len"],
                              kernel_rows)
         return {"row": row, "kernels": kernel_rows}
-    alias = GraphedGPT2(model, batch=beam, max_len=max_len, binding="alias", strategy="device")
+    alias = GraphedDecoder(model, batch=beam, max_len=max_len, binding="alias", strategy="device")
     masked = live = plain = None
     if spec["torch"]:
         from experiments.torch_gpt2 import PerLengthDecoder, TorchDecoder
-        plain = GraphedGPT2(model, batch=beam, max_len=max_len, binding="alias",
+        plain = GraphedDecoder(model, batch=beam, max_len=max_len, binding="alias",
                             strategy="device")
         masked = TorchDecoder(config, state_dict, batch=beam, max_len=max_len, graphed=True)
         live = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len, pool="shared")

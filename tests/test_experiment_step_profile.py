@@ -129,7 +129,7 @@ def test_our_step_is_timed_with_early_launch_and_profiled_without(monkeypatch):
         def decode_read_bytes(self, batch, length):
             return 1000, 10 * length
 
-    class Graphed:   # what _step_timings uses of a GraphedGPT2
+    class Graphed:   # what _step_timings uses of a GraphedDecoder
         num_nodes, num_graphs, batch, model = 7, 1, 2, Model()
 
         def __init__(self, name):

@@ -22,7 +22,8 @@ from proto.graph.binding import MODES
 from proto.graph.walk import WalkExecutor
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
-from proto.models.graphed import GraphedGPT2, GraphedLSTM, lstm_greedy
+from proto.models.gptj import GPTJ, GPTJConfig, random_state_dict as gptj_random_state_dict
+from proto.models.graphed import GraphedDecoder, GraphedLSTM, lstm_greedy
 from proto.models.lstm import LSTMConfig, LSTMLM, LSTMState
 from tests.helpers import dev
 
@@ -106,7 +107,7 @@ def check_beam_search(model, prompt, beam: int, new: int, executor=None, combos=
     want = generate.beam_search(model, prompt, beam=beam, max_new_tokens=new)
     config, need = model.config, len(prompt) + new - 1
     for binding, strategy in combos:
-        with GraphedGPT2(model, batch=beam, max_len=need, binding=binding, strategy=strategy,
+        with GraphedDecoder(model, batch=beam, max_len=need, binding=binding, strategy=strategy,
                          executor=executor, build_all=build_all) as g:
             for run in range(1 if build_all else 2):
                 got = g.beam_search(prompt, max_new_tokens=new)
@@ -144,7 +145,7 @@ def check_greedy(model, prompt, new: int, executor=None, combos=COMBOS, build_al
     want = generate.greedy(model, prompt, max_new_tokens=new)
     B, T0 = prompt.shape
     for binding, strategy in combos:
-        with GraphedGPT2(model, batch=B, max_len=T0 + new - 1, binding=binding,
+        with GraphedDecoder(model, batch=B, max_len=T0 + new - 1, binding=binding,
                          strategy=strategy, executor=executor, build_all=build_all) as g:
             for run in range(1 if build_all else 2):
                 got = g.greedy(prompt, max_new_tokens=new)
@@ -184,7 +185,7 @@ def test_graphs_built_up_front_are_captured_largest_first_and_reused():
     model = HistoryDecoder(config, max_batch=2, max_tokens=2)
     prompt = np.array([4, 9])
     want = generate.beam_search(model, prompt, beam=2, max_new_tokens=3)
-    with GraphedGPT2(model, batch=2, max_len=4, binding="alias", strategy="bucket",
+    with GraphedDecoder(model, batch=2, max_len=4, binding="alias", strategy="bucket",
                      build_all=True) as g:
         assert g.num_graphs == 2 * 3  # buckets 1, 2, 4 for each cache set
         assert list(g.graphed.dispatchers[0].graphs) == [4, 2, 1]  # largest first
@@ -196,7 +197,7 @@ def test_graphs_built_up_front_are_captured_largest_first_and_reused():
 
 
 # ---------------------------------------------------------------------------- the real GPT-2
-def check_gpt2_step_logits(model, prompt, beam: int, new: int, combos, executor=None,
+def check_decoder_step_logits(model, prompt, beam: int, new: int, combos, executor=None,
                            tol=None):
     """Beam search tokens as eager, then one more decode step from the search's final state:
     its logits equal the eager step's on a copy of the same cache (bitwise by default: the
@@ -206,7 +207,7 @@ def check_gpt2_step_logits(model, prompt, beam: int, new: int, combos, executor=
     want = generate.beam_search(model, prompt, beam=beam, max_new_tokens=new)
     rng = np.random.default_rng(0)
     for binding, strategy in combos:
-        with GraphedGPT2(model, batch=beam, max_len=need, binding=binding, strategy=strategy,
+        with GraphedDecoder(model, batch=beam, max_len=need, binding=binding, strategy=strategy,
                          executor=executor) as g:
             got = g.beam_search(prompt, max_new_tokens=new)
             np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"{binding} {strategy}")
@@ -219,9 +220,9 @@ def check_gpt2_step_logits(model, prompt, beam: int, new: int, combos, executor=
             # eager runs on a copy of the live cache, at the capacity the step will use (bucket:
             # it may grow), so both attentions split the cache alike: bitwise equal logits
             live = last if binding != "copy" else g._sets[g._capacity][0]  # copy: static S
-            eager_cache = KVCache(config, beam, g._capacity_for(need))
+            eager_cache = KVCache(config, beam, g._capacity_for(need), g.dtype)
             for src, dst in zip(live.arrays(), eager_cache.arrays()):
-                grown = np.zeros(dst.shape, np.float32)
+                grown = np.zeros(dst.shape, dst.dtype)
                 grown[:, :, :src.shape[2]] = src.copy_to_host()
                 dst.copy_to_device(grown)
             want_logits = model.step(g.inputs.tokens, g.inputs.pos, eager_cache).copy_to_host()
@@ -239,7 +240,18 @@ def test_real_gpt2_graphed_beam_search_and_step_logits_equal_eager():
     steps; the GPU lane runs every set-up on larger models."""
     config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=8)
     model = GPT2(config, random_state_dict(config, 7), max_batch=2, max_tokens=1)
-    check_gpt2_step_logits(model, np.array([3]), beam=2, new=2, combos=[("alias", "device")])
+    check_decoder_step_logits(model, np.array([3]), beam=2, new=2, combos=[("alias", "device")])
+
+
+def test_real_gptj_graphed_in_half_precision_equals_eager():
+    """GPT-J in float16 (its KV cache, logits and rotary embedding read at the position on
+    the device) through the same wrapper: Grape's set-up and per-length graphs on the memory
+    tape, beam tokens and a step's logits bit for bit as eager."""
+    config = GPTJConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=13, n_positions=8,
+                        rotary_dim=4)
+    model = GPTJ(config, gptj_random_state_dict(config, 7), max_batch=2, max_tokens=1)
+    check_decoder_step_logits(model, np.array([3]), beam=2, new=2,
+                              combos=[("alias", "device"), ("alias", "exact")])
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -247,12 +259,12 @@ def test_wrong_inputs_are_rejected_before_any_launch(monkeypatch):
     config = GPT2Config(n_layer=1, n_embd=2, n_head=1, vocab_size=11, n_positions=8)
     model = HistoryDecoder(config, max_batch=2, max_tokens=1)
     with pytest.raises(ValueError, match="binding: expected one of"):
-        GraphedGPT2(model, batch=2, max_len=4, binding="share")
+        GraphedDecoder(model, batch=2, max_len=4, binding="share")
     with pytest.raises(ValueError, match="strategy: expected one of"):
-        GraphedGPT2(model, batch=2, max_len=4, strategy="ragged")
+        GraphedDecoder(model, batch=2, max_len=4, strategy="ragged")
     with pytest.raises(ValueError, match="max_len: expected at most 8"):
-        GraphedGPT2(model, batch=2, max_len=9)
-    g = GraphedGPT2(model, batch=2, max_len=3, binding="alias", strategy="device",
+        GraphedDecoder(model, batch=2, max_len=9)
+    g = GraphedDecoder(model, batch=2, max_len=3, binding="alias", strategy="device",
                     build_all=True)  # recorded: every decode call below would be a replay
     launched = []
     monkeypatch.setattr(WalkExecutor, "launch", lambda self: launched.append("replay"))
@@ -264,7 +276,7 @@ def test_wrong_inputs_are_rejected_before_any_launch(monkeypatch):
         g.step(dev(np.zeros((2, 1), np.float32)), pos, cache)
     with pytest.raises(ValueError, match=r"tokens: expected shape \(2, '\*'\), got \(3, 1\)"):
         g.step(dev(np.zeros((3, 1), np.int32)), pos, cache)
-    with pytest.raises(ValueError, match="cache: expected one of this GraphedGPT2's"):
+    with pytest.raises(ValueError, match="cache: expected one of this GraphedDecoder's"):
         g.step(tokens, pos, KVCache(config, 2, 3))
     with pytest.raises(ValueError, match="'tokens': alias binding needs the graph's placeholder"):
         g.step(dev(np.zeros((2, 1), np.int32)), pos, cache)

@@ -12,10 +12,11 @@ from hypothesis import given, settings, strategies as st
 
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-from proto.models.graphed import GraphedGPT2, GraphedLSTM, lstm_greedy
+from proto.models.gptj import GPTJ, GPTJConfig, random_state_dict as gptj_weights
+from proto.models.graphed import GraphedDecoder, GraphedLSTM, lstm_greedy
 from proto.models.lstm import LSTMConfig, LSTMLM, LSTMState, random_state_dict as lstm_weights
 from tests.helpers import dev
-from tests.test_graphed_models import (COMBOS, check_beam_search, check_gpt2_step_logits,
+from tests.test_graphed_models import (COMBOS, check_beam_search, check_decoder_step_logits,
                                        check_greedy)
 
 pytestmark = pytest.mark.gpu
@@ -57,7 +58,7 @@ def test_real_gpt2_greedy_for_every_binding_and_strategy(config, batch, prompt_l
        seed=st.integers(0, 2**16))
 def test_real_gpt2_step_logits_for_every_binding_and_strategy(config, beam, new, seed):
     prompt = np.random.default_rng(seed).integers(0, config.vocab_size, 3)
-    check_gpt2_step_logits(_model(config, seed, beam), prompt, beam, new, combos=COMBOS,
+    check_decoder_step_logits(_model(config, seed, beam), prompt, beam, new, combos=COMBOS,
                            executor="cuda")
 
 
@@ -69,9 +70,9 @@ def test_per_length_graphs_cost_driver_memory_one_device_graph_does_not():
     per-length bound is loose: 1 KiB a node."""
     config = GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=500, n_positions=512)
     model = _model(config, 0, 5)
-    with GraphedGPT2(model, batch=5, max_len=512, binding="copy", strategy="exact",
+    with GraphedDecoder(model, batch=5, max_len=512, binding="copy", strategy="exact",
                      build_all=True) as exact, \
-            GraphedGPT2(model, batch=5, max_len=512, binding="alias", strategy="device",
+            GraphedDecoder(model, batch=5, max_len=512, binding="alias", strategy="device",
                         build_all=True) as device:
         assert exact.num_graphs == 512 and device.num_graphs == 2
         assert exact.num_nodes == 512 * device.num_nodes // 2
@@ -96,6 +97,27 @@ def test_graphed_lstm_for_every_binding_and_strategy(n_layer, n_hidden, vocab, b
         g.close()
 
 
+@pytest.mark.parametrize("shared", [None, 2])
+def test_real_gptj_in_half_precision_for_every_binding_and_strategy(shared):
+    """GPT-J in float16 (head dim 64 on the plain kernels, head dim 256 on the wide ones)
+    with real CUDA graphs: beam tokens and a step's logits bit for bit as eager, in every
+    binding and shape strategy; then per-length graphs on the tape with shared executables."""
+    for n_head, hd in ((4, 64), (2, 256)):
+        config = GPTJConfig(n_layer=2, n_embd=n_head * hd, n_head=n_head, vocab_size=700,
+                            n_positions=64, rotary_dim=hd // 4)
+        model = GPTJ(config, gptj_weights(config, hd), max_batch=5, max_tokens=8)
+        prompt = np.random.default_rng(hd).integers(0, config.vocab_size, 4)
+        if shared is None:
+            check_decoder_step_logits(model, prompt, 5, 6, combos=COMBOS, executor="cuda")
+            continue
+        want = generate.beam_search(model, prompt, beam=5, max_new_tokens=12)
+        with GraphedDecoder(model, batch=5, max_len=16, binding="alias", strategy="exact",
+                            shared_executables=shared, build_all=True) as g:
+            got = g.beam_search(prompt, max_new_tokens=12)
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            assert got.score == want.score and g.shared.instantiations == shared
+
+
 @pytest.mark.parametrize("binding", ["copy", "alias"])
 def test_planner_tape_and_shared_executables_change_no_bit(binding):
     """Per-length graphs with private buffers, with the planner and tape, and with one
@@ -107,7 +129,7 @@ def test_planner_tape_and_shared_executables_change_no_bit(binding):
     want = generate.beam_search(model, prompt, beam=5, max_new_tokens=20)
     memory = {}
     for planned, shared in ((False, None), (True, None), (True, 1), (True, 2)):
-        with GraphedGPT2(model, batch=5, max_len=24, binding=binding, strategy="exact",
+        with GraphedDecoder(model, batch=5, max_len=24, binding=binding, strategy="exact",
                          planned=planned, shared_executables=shared, build_all=True) as g:
             got = g.beam_search(prompt, max_new_tokens=20)
             np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"{planned} {shared}")
@@ -115,7 +137,7 @@ def test_planner_tape_and_shared_executables_change_no_bit(binding):
             memory[planned, shared] = (g.arena_bytes, g.private_bytes)
             if shared:
                 assert g.shared.instantiations == shared and g.shared.updates >= 20 - shared
-    check_gpt2_step_logits(model, prompt, 5, 6, combos=[(binding, "exact")], executor="cuda")
+    check_decoder_step_logits(model, prompt, 5, 6, combos=[(binding, "exact")], executor="cuda")
     (_, private), (arena, none) = memory[False, None], memory[True, None]
     assert none == 0 and arena > 0 and private >= 24 * arena   # 24 graphs' private buffers
 
@@ -124,7 +146,7 @@ def test_gpt2_small_decode_arena_is_within_ten_percent_of_the_peak():
     """The planner on GPT-2 small's decode step (12 layers, d=768, vocab 50257, beam 5)."""
     config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
     model = _model(config, 0, 5)
-    with GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="device",
+    with GraphedDecoder(model, batch=5, max_len=1024, binding="alias", strategy="device",
                      build_all=True) as g:
         plan = g.tape.plans[0]
         assert plan.arena_bytes <= 1.10 * plan.peak_live_bytes, plan.summary()

@@ -212,13 +212,13 @@ def test_closed_graphed_models_overlapping_copies_and_pool_sizes_are_refused():
     """A closed graphed model would rebuild its graphs (or fail on a stale placeholder), an
     overlapping copy is undefined, and shared_executables=0 would be dropped on the walk."""
     from proto import graph
-    from proto.models.graphed import GraphedGPT2, GraphedLSTM, lstm_greedy
+    from proto.models.graphed import GraphedDecoder, GraphedLSTM, lstm_greedy
     from proto.models.lstm import LSTMLM, LSTMConfig, random_state_dict as lstm_state_dict
     config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=8)
     model = GPT2(config, random_state_dict(config, seed=1), max_batch=2, max_tokens=8)
-    g = GraphedGPT2(model, batch=2, max_len=4)
+    g = GraphedDecoder(model, batch=2, max_len=4)
     g.close()
-    with pytest.raises(RuntimeError, match="reset: this GraphedGPT2 is closed"):
+    with pytest.raises(RuntimeError, match="reset: this GraphedDecoder is closed"):
         g.greedy(np.ones((2, 2), np.int32), max_new_tokens=1)
     lc = LSTMConfig(n_layer=1, n_embd=4, n_hidden=4, vocab_size=11)
     lm = LSTMLM(lc, lstm_state_dict(lc, seed=1), max_batch=2)

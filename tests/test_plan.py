@@ -247,11 +247,11 @@ def test_the_planner_switch_and_the_summary():
 def test_the_gpt2_decode_arena_is_within_ten_percent_of_the_peak(n_layer, n_embd, vocab):
     """Recorded, not run (no simulator cost): the planner on the real model's decode step."""
     from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-    from proto.models.graphed import GraphedGPT2
+    from proto.models.graphed import GraphedDecoder
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=vocab,
                         n_positions=16)
     model = GPT2(config, random_state_dict(config, 0), max_batch=5, max_tokens=1)
-    with GraphedGPT2(model, batch=5, max_len=16, build_all=True) as g:
+    with GraphedDecoder(model, batch=5, max_len=16, build_all=True) as g:
         plan = g.tape.plans[0]
         assert plan.arena_bytes <= 1.10 * plan.peak_live_bytes, plan.summary()
         assert plan.arena_bytes < plan.total_bytes

@@ -6,7 +6,7 @@ import pytest
 from proto import graph
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-from proto.models.graphed import GraphedGPT2
+from proto.models.graphed import GraphedDecoder
 from tests.helpers import dev
 from tests.test_graph import eager, make_step
 from tests.test_graph_gpu import free_bytes
@@ -41,10 +41,10 @@ def test_two_hundred_generations_give_the_same_tokens_and_back_their_memory():
     model = GPT2(config, random_state_dict(config, 5), max_batch=5, max_tokens=4)
     prompt = np.array([5, 9, 2, 7, 1])
     want = generate.beam_search(model, prompt, beam=5, max_new_tokens=16)
-    GraphedGPT2(model, batch=5, max_len=20, build_all=True).close()   # warm up
+    GraphedDecoder(model, batch=5, max_len=20, build_all=True).close()   # warm up
     before = free_bytes()
     for i in range(200):
-        with GraphedGPT2(model, batch=5, max_len=20, strategy=("device", "exact")[i % 2],
+        with GraphedDecoder(model, batch=5, max_len=20, strategy=("device", "exact")[i % 2],
                          shared_executables=(None, 1)[i % 2]) as g:
             got = g.beam_search(prompt, max_new_tokens=16)
         np.testing.assert_array_equal(got.tokens, want.tokens)

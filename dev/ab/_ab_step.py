@@ -25,7 +25,7 @@ import numpy as np
 
 from proto.device import backend, timing
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
-from proto.models.graphed import GraphedGPT2
+from proto.models.graphed import GraphedDecoder
 from proto.models.search_loop import BeamLoop
 
 TOY = os.environ.get("AB_TOY") == "1"
@@ -71,7 +71,7 @@ def run(variants: dict[str, Callable[[], ContextManager]]) -> int:
     for name, switch in variants.items():
         with switch():
             t0 = time.perf_counter()
-            g = GraphedGPT2(model, batch=5, max_len=MAX, binding="alias", strategy="device")
+            g = GraphedDecoder(model, batch=5, max_len=MAX, binding="alias", strategy="device")
             for p in POSITIONS:   # records (under the switch) and lowers every graph timed
                 g.replayer(p)()
             backend.synchronize()

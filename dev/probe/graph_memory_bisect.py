@@ -8,10 +8,10 @@ in between; executables are not made) and plans them into one tape:
 
     PYTHONPATH=. python3 -m dev.probe.graph_memory_bisect [N]      (GPU only; about a minute)
 
-Cases, each adding one thing GraphedGPT2 does to the one before: the step recorded with one
+Cases, each adding one thing GraphedDecoder does to the one before: the step recorded with one
 position array; with a view of one array of every position per graph (what the exact
 strategy bakes); through `capture` (alias binding, the model's tape) with one position, and
-with a view per graph; GraphedGPT2 itself (exact strategy, its two KV sets made first).
+with a view per graph; GraphedDecoder itself (exact strategy, its two KV sets made first).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class Kept:
 
 def main(n: int) -> int:
     from proto.models.gpt2 import GPT2, GPT2Config, KVCache, random_state_dict
-    from proto.models.graphed import GraphedGPT2
+    from proto.models.graphed import GraphedDecoder
     config = GPT2Config(12, 768, 12, 50257, 1024)
     model = GPT2(config, random_state_dict(config, 0), max_batch=5, max_tokens=5)
     cache = KVCache(config, 5, 1024)
@@ -103,16 +103,16 @@ def main(n: int) -> int:
 
 
 def graphed(model, n):
-    from proto.models.graphed import GraphedGPT2
-    g = GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="exact")
-    start = reading("GraphedGPT2 exact: before (two KV sets made)")
+    from proto.models.graphed import GraphedDecoder
+    g = GraphedDecoder(model, batch=5, max_len=1024, binding="alias", strategy="exact")
+    start = reading("GraphedDecoder exact: before (two KV sets made)")
     keys = list(reversed(g.keys))[:max(1, n // 2)]
     for i, key in enumerate(keys, 1):
         for dispatcher in g.graphed.dispatchers:
             dispatcher.graph(key)
         if i in (1, len(keys) // 4, len(keys) // 2) and i < len(keys):
-            reading(f"GraphedGPT2 exact: {2 * i} graphs", start)
-    reading(f"GraphedGPT2 exact: {2 * len(keys)} graphs", start, arena_mib=g.arena_bytes / 2**20)
+            reading(f"GraphedDecoder exact: {2 * i} graphs", start)
+    reading(f"GraphedDecoder exact: {2 * len(keys)} graphs", start, arena_mib=g.arena_bytes / 2**20)
     return g
 
 

@@ -11,7 +11,7 @@ C = importlib.import_module("proto.graph.capture")   # (`import proto.graph.capt
 # every graph was really instantiated during 'recorded+planned')
 from proto.graph import cuda as gcuda
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict, KVCache
-from proto.models.graphed import GraphedGPT2
+from proto.models.graphed import GraphedDecoder
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 ctx = cuda.current_context()
@@ -42,8 +42,8 @@ class Kept:
         self.plan = kw.get("plan")
     def close(self): pass
 C.Graph = Kept
-g = GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="exact")
-r3 = read("GraphedGPT2 (two KV sets)")
+g = GraphedDecoder(model, batch=5, max_len=1024, binding="alias", strategy="exact")
+r3 = read("GraphedDecoder (two KV sets)")
 t0 = time.perf_counter()
 keys = list(reversed(g.keys))[:N]
 checkpoints = {1, 2, max(1, N // 4), max(1, N // 2)}   # fixed cost or per graph: the slope
@@ -97,7 +97,7 @@ lowered = []
 r10 = read("definitions closed")
 kept = []
 g.close()
-r11 = read("GraphedGPT2 closed")
+r11 = read("GraphedDecoder closed")
 def d(a, b): return round(a["free_mib"] - b["free_mib"], 1)
 print(json.dumps({"N_lengths": N, "graphs": 2 * N, "nodes": nodes,
    "kv_sets": d(r2, r3), "record_plan": d(r3, r4), "definitions": d(r4, r5),

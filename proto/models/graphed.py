@@ -1,7 +1,7 @@
-"""Graphed decode steps: one generic wrapper (`Graphed`) and the two models it serves today,
-GPT-2 (greedy and beam search) and the LSTM LM.
+"""Graphed decode steps: one generic wrapper (`Graphed`) and the adapters it serves today, a
+decoder over a KV cache (GPT-2, GPT-J; greedy and beam search) and the LSTM LM.
 
-    g = GraphedGPT2(model, batch=5, max_len=1024, binding="alias", strategy="device")
+    g = GraphedDecoder(model, batch=5, max_len=1024, binding="alias", strategy="device")
     out = g.beam_search(prompt, max_new_tokens=1000)   # generate.beam_search, graphed steps
     g.stats(), g.num_graphs, g.memory_bytes            # bytes bound, graphs, driver memory
     g.arena_bytes                                      # the memory tape every graph shares
@@ -9,7 +9,7 @@ GPT-2 (greedy and beam search) and the LSTM LM.
 
 The model protocol: what a model gives the graph layer
 ------------------------------------------------------
-A graphed model is an adapter (GraphedGPT2, GraphedLSTM) that owns the model's persistent
+A graphed model is an adapter (GraphedDecoder, GraphedLSTM) that owns the model's persistent
 state (weights stay in the model; KV caches, recurrent state and input buffers here) and
 gives `Graphed` two things:
 
@@ -35,12 +35,13 @@ executables, helper graphs (GPT-2's cache reorders) and the accounting over all 
 Adding a model is an adapter with those two methods and its search, plus a test against the
 eager model (tests/test_graphed_models.py).
 
-GPT-2
------
-`GraphedGPT2.step(tokens, pos, cache)` has GPT2.step's signature, so proto.models.generate
-runs it unchanged (`greedy`/`beam_search` here pass it with the right caches and input
-buffers). The prompt (prefill, T > 1) runs eagerly once; every search step (T = 1) replays a
-graph recorded from GPT2.step. Its state sets are KV caches; how each binding moves them:
+Decoders (GPT-2, GPT-J)
+-----------------------
+`GraphedDecoder.step(tokens, pos, cache)` has the model's step signature, so
+proto.models.generate runs it unchanged (`greedy`/`beam_search` here pass it with the right
+caches and input buffers). The prompt (prefill, T > 1) runs eagerly once; every search step
+(T = 1) replays a graph recorded from the model's step. The caches are of the model's dtype
+(GPT-J's float16). Its state sets are KV caches; how each binding moves them:
   copy   PtGraph, the plain PyTorch-CUDA-graph way. The graph owns static placeholders: a
          token buffer and one KV cache set S. The search writes tokens into its own buffer;
          the beam reorder reads S (the model's output cache) and gathers into a scratch set R
@@ -310,22 +311,24 @@ class _GraphedModel:
         self.close()
 
 
-# --------------------------------------------------------------------------- GPT-2
+# --------------------------------------------------------------------------- decoders
 class _CacheView(KVCache):
     """A KVCache over arrays someone else owns (no allocation): what a recorded step reads."""
 
     def __init__(self, config, batch: int, k: list, v: list):
         self.config, self.batch, self.max_len = config, batch, k[0].shape[2]
+        self.dtype = np.dtype(k[0].dtype)
         self.k, self.v = list(k), list(v)
 
 
 class _SearchCache(_CacheView):
-    """One of the two caches the search alternates (`GraphedGPT2.caches`). Its arrays are the
+    """One of the two caches the search alternates (`GraphedDecoder.caches`). Its arrays are the
     owner's current set `index` (a bucket change swaps them); `max_len` is the capacity the
     owner grows to. The reorder goes through the owner, which knows the binding's data flow."""
 
-    def __init__(self, owner: "GraphedGPT2", index: int):
+    def __init__(self, owner: "GraphedDecoder", index: int):
         self.config, self.batch, self.max_len = owner.model.config, owner.batch, owner.max_len
+        self.dtype = owner.dtype
         self.k, self.v = [], []
         self.owner, self.index = owner, index
 
@@ -333,17 +336,18 @@ class _SearchCache(_CacheView):
         self.owner._reorder(self, index, dst, stream, length)
 
 
-class GraphedGPT2(_GraphedModel):
-    """GPT2.step for `batch` sequences (greedy rows or beams) of up to `max_len` positions,
-    replayed as graphs; see the module doc for `binding` and `strategy`."""
-
-    name = "gpt2-decode"   # (the memory tape's)
+class GraphedDecoder(_GraphedModel):
+    """A decoder's step (GPT2.step, GPTJ.step: `step(tokens, pos, cache)` over a KVCache of
+    the model's dtype) for `batch` sequences (greedy rows or beams) of up to `max_len`
+    positions, replayed as graphs; see the module doc for `binding` and `strategy`."""
 
     def __init__(self, model, *, batch: int, max_len: int, binding: str = "alias",
                  strategy: str = "device", executor: str | None = None, buckets=None,
                  build_all: bool = False, planned: bool = True,
                  shared_executables: int | None = None):
         self.model, self.config = model, model.config
+        self.name = f"{type(model).__name__.lower()}-decode"   # (the memory tape's)
+        self.dtype = np.dtype(getattr(model, "dtype", np.float32))   # the caches'
         self.batch = _check.positive("batch", batch, at_most=model.max_batch)
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
         # (the beam search gathers one cache set into the other: two sets, save under copy
@@ -387,8 +391,8 @@ class GraphedGPT2(_GraphedModel):
 
     def _set(self, capacity: int) -> tuple[KVCache, KVCache]:
         if capacity not in self._sets:
-            self._sets[capacity] = (KVCache(self.config, self.batch, capacity),
-                                    KVCache(self.config, self.batch, capacity))
+            self._sets[capacity] = tuple(KVCache(self.config, self.batch, capacity, self.dtype)
+                                         for _ in range(2))
         return self._sets[capacity]
 
     def _use_capacity(self, capacity: int) -> None:
@@ -412,7 +416,7 @@ class GraphedGPT2(_GraphedModel):
 
     def _reorder(self, src: _SearchCache, index, dst: _SearchCache, stream=0, length=None) -> None:
         if not (isinstance(dst, _SearchCache) and dst.owner is self and dst is not src):
-            raise ValueError("dst: expected the other cache of this GraphedGPT2's `caches`")
+            raise ValueError("dst: expected the other cache of this GraphedDecoder's `caches`")
         sets = self._sets[self._capacity]
         if length is None:   # no live length given: move the whole capacity
             length = cuda.to_device(np.array([self._capacity], np.int32))
@@ -463,7 +467,7 @@ class GraphedGPT2(_GraphedModel):
         return self._inputs(self._tokens_ph, self._pos_ph, cache)
 
     def recorded_step(self, key: int):
-        """(The protocol.) GPT2.step over the named caches, at position key-1: read from the
+        """(The protocol.) The model's step over the named caches, at position key-1: read from the
         `pos` input, or under the exact strategy from a constant only this graph reads
         (element key-1 of one array of every position: an allocation per graph costs the
         driver far more than its 4 bytes)."""
@@ -481,14 +485,14 @@ class GraphedGPT2(_GraphedModel):
         return step
 
     def step(self, tokens, pos, cache):
-        """GPT2.step's contract on `cache`, one of `self.caches`. The first call after
+        """The model step's contract on `cache`, one of `self.caches`. The first call after
         reset(prompt_len > 1) is the prefill (eager); every other call is one decode step
         (T = 1) and replays the graph of its length."""
         self.graphed.require_open("step")
         _check.device_array("tokens", tokens, dtype=np.int32, shape=(self.batch, None))
         _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
         if not (isinstance(cache, _SearchCache) and cache.owner is self):
-            raise ValueError("cache: expected one of this GraphedGPT2's `caches` "
+            raise ValueError("cache: expected one of this GraphedDecoder's `caches` "
                              f"(their arrays are the graphs' placeholders), got {type(cache).__name__}")
         T = tokens.shape[1]
         length = self._position + T

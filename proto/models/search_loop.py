@@ -1,6 +1,6 @@
 """A whole generation as ONE graph launch: the decode loop and its stop test on the device.
 
-GraphedGPT2 replays one graph per token, then copies results back so the host can decide:
+GraphedDecoder replays one graph per token, then copies results back so the host can decide:
 greedy tests for EOS, beam search picks the next beams. That is a synchronization per token,
 with the GPU idle while Python looks. Here the loop itself is in the graph
 (proto.graph.while_loop) and the decisions are kernels, so one launch generates until the
