@@ -8,6 +8,8 @@ from hypothesis import example, given, strategies as st
 from kernels import sampling
 from proto.models import generate
 from proto.models.gpt2 import GPT2, GPT2Config, random_state_dict
+from proto.models.gptj import GPTJ, GPTJConfig, random_state_dict as gptj_weights
+from proto.models.kv_cache import KVCache
 from proto.models.search_loop import BeamLoop, GreedyLoop
 from tests.helpers import dev
 from tests.test_graphed_models import HistoryDecoder, small_configs
@@ -165,6 +167,24 @@ def test_real_gpt2_beam_search_in_one_graph_matches_eager():
     # kernel), the eager search moves the cache (the plain kernel): the same sums in
     # another order, so the score agrees to float32 rounding, not bit for bit.
     assert got.score == pytest.approx(want.score, rel=1e-5)
+
+
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
+def test_real_gptj_half_precision_beam_search_in_one_graph_matches_eager():
+    """GPT-J in float16 in one WHILE graph: the eager search over a KVCache pair of float16
+    (the same row-table attention the loop runs) gives the same tokens and score, bit for
+    bit."""
+    config = GPTJConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=13, n_positions=8,
+                        rotary_dim=4)
+    model = GPTJ(config, gptj_weights(config, seed=4), max_batch=3, max_tokens=8)
+    prompt = np.array([3, 1], np.int32)
+    pair = KVCache.pair(config, 3, 8, dtype=np.float16)
+    want = generate.beam_search(model, prompt, beam=3, max_new_tokens=3, caches=pair)
+    with BeamLoop(model, beam=3, max_len=8) as loop:
+        assert loop.cache.dtype == np.float16
+        got = loop.generate(prompt, max_new_tokens=3)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.score == want.score
 
 
 @pytest.mark.parametrize("control,unroll", [("predicated", 1), ("predicated", 3), ("host", 16)])

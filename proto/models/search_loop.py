@@ -43,7 +43,7 @@ from kernels import _check, sampling
 from proto.device.backend import cuda
 from proto.graph import capture, if_then, while_loop
 from proto.models import generate
-from proto.models.gpt2 import KVCache
+from proto.models.kv_cache import KVCache
 
 
 LOWEST = float(np.finfo(np.float32).min)   # a greedy score is only required to be finite
@@ -64,7 +64,8 @@ class _DeviceLoop:
         self.model, self.config = model, model.config
         self.batch = _check.positive("batch", batch)
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
-        self.cache = cache or KVCache(self.config, self.batch, self.max_len)
+        self.cache = cache or KVCache(self.config, self.batch, self.max_len,
+                                      generate._dtype(model))
         self.tokens, self.pos, self.flag = _zeros(self.batch, 1), _zeros(1), _zeros(1)
         self.bad = _zeros(1)   # set on the device when a step's scores are not finite
 
@@ -110,7 +111,7 @@ class _DeviceLoop:
 
 
 class GreedyLoop(_DeviceLoop):
-    """Greedy decoding of `batch` rows; `model` has GPT2.step's contract."""
+    """Greedy decoding of `batch` rows; `model` has a decoder step's contract (GPT2, GPTJ)."""
 
     def __init__(self, model, *, batch: int, max_len: int, executor: str | None = None,
                  control: str = "conditional", unroll: int = 16):
@@ -162,7 +163,7 @@ class GreedyLoop(_DeviceLoop):
 
 
 class BeamLoop(_DeviceLoop):
-    """Beam search with `beam` hypotheses from one prompt; `model` has GPT2.step's contract.
+    """Beam search with `beam` hypotheses from one prompt; `model` has a decoder step's contract (GPT2, GPTJ).
     Two steps a pass (cache sets A -> B, then B -> A), so `unroll` counts pairs of steps."""
 
     steps_per_pass = 2
@@ -173,7 +174,8 @@ class BeamLoop(_DeviceLoop):
             raise ValueError(f"beam: expected an integer in 1..{generate.MAX_BEAM}, got {beam!r}")
         # One cache for both steps of a pass, two tables of rows: a reorder rewrites a table
         # (KVCache.pair), the K and V stay where they were written.
-        self.cache, self.scratch = KVCache.pair(model.config, beam, max_len)
+        self.cache, self.scratch = KVCache.pair(model.config, beam, max_len,
+                                                generate._dtype(model))
         super().__init__(model, beam, max_len, cache=self.cache)
         V = self.config.vocab_size
         self.k = generate.topk_width(beam)
