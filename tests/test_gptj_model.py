@@ -148,3 +148,39 @@ def test_float16_greedy_picks_the_reference_token_wherever_the_choice_is_clear()
     clear = pick(ref, top) - pick(ref, second) > pick(bound, top) + pick(bound, second)
     assert clear.sum() >= new   # (most decisions are clear: the check checks something)
     np.testing.assert_array_equal(got[:, prompt.shape[1]:][clear], top[clear])
+
+
+def test_weights_made_on_the_device_load_without_a_host_copy():
+    """random_device_state_dict's arrays are the model's own (no copy, no host round trip),
+    but q, k and v, which it stacks into one weight by device-to-device copies; its laws
+    are random_state_dict's (the standard deviations of a matrix and of the embedding)."""
+    from proto.models.gptj import random_device_state_dict
+    sd = random_device_state_dict(SMALL, seed=1)
+    model = GPTJ(SMALL, sd, max_batch=1, max_tokens=1)
+    assert model.wte is sd["transformer.wte.weight"] and model.head_w is sd["lm_head.weight"]
+    C = SMALL.n_embd
+    stacked = model.layers[1].qkv_w.copy_to_host()
+    for j, n in enumerate("qkv"):
+        np.testing.assert_array_equal(stacked[j * C:(j + 1) * C],
+                                      sd[f"transformer.h.1.attn.{n}_proj.weight"].copy_to_host())
+    fc_in = sd["transformer.h.0.mlp.fc_in.weight"].copy_to_host().astype(np.float64)
+    assert abs(fc_in.std() * np.sqrt(C) - 1) < 5 * np.sqrt(2 / fc_in.size) + 2e-3
+    wte = sd["transformer.wte.weight"].copy_to_host().astype(np.float64)
+    assert abs(wte.std() - 1) < 5 * np.sqrt(2 / wte.size) + 2e-3
+    logits = model.step(dev(np.array([[1]], np.int32)), dev(np.zeros(1, np.int32)),
+                        KVCache(SMALL, 1, 2, dtype=np.float16)).copy_to_host()
+    assert np.isfinite(logits).all()
+
+
+def test_device_weights_are_checked_by_name_shape_and_dtype():
+    from proto.models.gptj import random_device_state_dict
+    sd = random_device_state_dict(SMALL, seed=1)
+    with pytest.raises(TypeError, match=r"GPT-J state_dict\['transformer.wte.weight'\]: "
+                                        "expected dtype float32, got float16"):
+        GPTJ(SMALL, sd, max_batch=1, max_tokens=1, dtype=np.float32)
+    bad = dict(sd, **{"lm_head.bias": dev(np.zeros(3, np.float16))})
+    with pytest.raises(ValueError, match=r"lm_head.bias'\]: expected shape \(30,\)"):
+        GPTJ(SMALL, bad, max_batch=1, max_tokens=1)
+    missing = {k: v for k, v in sd.items() if k != "lm_head.bias"}
+    with pytest.raises(ValueError, match="missing 1 key"):
+        GPTJ(SMALL, missing, max_batch=1, max_tokens=1)

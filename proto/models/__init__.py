@@ -56,25 +56,66 @@ def zeros(shape, dtype=np.float32):
     return cuda.to_device(np.zeros(shape, dtype=dtype))
 
 
+def param_law(key: str, shape: tuple[int, ...], *, embeddings,
+              fan_in_axis: int) -> tuple[float, float, float]:
+    """(mean, factor, divisor): a random weight is mean + z * factor / divisor, z standard
+    normal (std = factor / divisor), so that activations stay
+    unit-scale at every size: the `embeddings` keys N(0, 1), so logits spread like
+    sqrt(width) and argmax/top-k decisions are well separated (tests compare tokens with a
+    float64 reference); other matrices N(0, 1/fan_in), fan_in = shape[fan_in_axis] (0 for
+    GPT-2's Conv1D (in, out), 1 for torch.nn.Linear's (out, in)); layer-norm gains
+    1 + N(0, 0.1^2) and every other vector (biases, offsets) N(0, 0.1^2), so a dropped bias
+    or gain shows in the output."""
+    if key in embeddings:
+        return 0.0, 1.0, 1.0
+    if len(shape) == 2:
+        return 0.0, 1.0, float(np.sqrt(shape[fan_in_axis]))
+    if ".ln_" in key and key.endswith("weight"):
+        return 1.0, 0.1, 1.0
+    return 0.0, 0.1, 1.0
+
+
 def random_params(shapes: dict[str, tuple[int, ...]], seed: int, *, embeddings,
                   fan_in_axis: int) -> dict[str, np.ndarray]:
-    """Random float32 weights for `shapes` that keep activations unit-scale at every size.
-
-    The `embeddings` keys N(0, 1), so logits spread like sqrt(width) and argmax/top-k
-    decisions are well separated (tests compare tokens with a float64 reference); other
-    matrices N(0, 1/fan_in), fan_in = shape[fan_in_axis] (0 for GPT-2's Conv1D (in, out), 1
-    for torch.nn.Linear's (out, in)); layer-norm gains 1 + N(0, 0.1^2) and every other
-    vector (biases, offsets) N(0, 0.1^2), so a dropped bias or gain shows in the output."""
+    """Random float32 weights for `shapes`, each drawn by `param_law`, on the host."""
     rng = np.random.default_rng(seed)
     out = {}
     for key, shape in shapes.items():
-        if key in embeddings:
-            value = rng.standard_normal(shape)
-        elif len(shape) == 2:
-            value = rng.standard_normal(shape) / np.sqrt(shape[fan_in_axis])
-        elif ".ln_" in key and key.endswith("weight"):
-            value = 1.0 + 0.1 * rng.standard_normal(shape)
-        else:
-            value = 0.1 * rng.standard_normal(shape)
-        out[key] = value.astype(np.float32)
+        mean, factor, divisor = param_law(key, shape, embeddings=embeddings,
+                                          fan_in_axis=fan_in_axis)
+        value = rng.standard_normal(shape) / divisor * factor
+        out[key] = (value + mean if mean else value).astype(np.float32)
     return out
+
+
+def random_device_params(shapes: dict[str, tuple[int, ...]], seed: int, dtype, *,
+                         embeddings, fan_in_axis: int) -> dict:
+    """The same law drawn on the device (kernels.random), in `dtype`: weights that never
+    cross the host. Other values than random_params' (another generator), the same laws."""
+    from kernels import random
+    out = {}
+    for j, (key, shape) in enumerate(shapes.items()):
+        mean, factor, divisor = param_law(key, shape, embeddings=embeddings,
+                                          fan_in_axis=fan_in_axis)
+        out[key] = cuda.device_array(shape, dtype)
+        random.normal(out[key], seed=(seed * 1_000_003 + j) % 2**64, std=factor / divisor,
+                      mean=mean)
+    return out
+
+
+def checked_device_params(shapes: dict[str, tuple[int, ...]], state_dict, dtype, *,
+                          what: str, ignored=lambda key: False) -> dict:
+    """`state_dict[k]` for every k in `shapes`, device arrays of `dtype` taken as they are
+    (no copy, no host round trip: their values are not read, so not checked for NaN).
+    Raises ValueError naming the key when one is missing, misshaped or unexpected, and
+    TypeError for another dtype or a host array among device ones."""
+    from kernels import _check
+    missing = [k for k in shapes if k not in state_dict]
+    if missing:
+        raise ValueError(f"{what} state_dict: missing {len(missing)} key(s), first: {missing[:4]}")
+    unexpected = [k for k in state_dict if k not in shapes and not ignored(k)]
+    if unexpected:
+        raise ValueError(f"{what} state_dict: unexpected key(s) {unexpected[:4]} "
+                         "(does the config match the checkpoint?)")
+    return {k: _check.device_array(f"{what} state_dict[{k!r}]", state_dict[k], dtype=dtype,
+                                   shape=shape) for k, shape in shapes.items()}

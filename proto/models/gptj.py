@@ -32,8 +32,9 @@ import dataclasses
 import numpy as np
 
 from kernels import _check, attention, embedding, gemm, layernorm, rotary as rotary_kernel
-from proto.device.backend import cuda, empty, reshaped
-from proto.models import checked_params, random_params
+from proto.device.backend import cuda, empty, is_device_array, reshaped
+from proto.models import (checked_device_params, checked_params, random_device_params,
+                          random_params)
 from proto.models.kv_cache import KVCache
 
 LN_EPS = 1e-5
@@ -111,6 +112,13 @@ def random_state_dict(config: GPTJConfig, seed: int = 0) -> dict[str, np.ndarray
                          fan_in_axis=1)
 
 
+def random_device_state_dict(config: GPTJConfig, seed: int = 0, dtype=np.float16) -> dict:
+    """random_state_dict's laws drawn on the device in `dtype` (proto.models.random_device_params):
+    GPT-J-6B's 12 GB of float16 without a host round trip. Other values than random_state_dict's."""
+    return random_device_params(param_shapes(config), seed, dtype,
+                                embeddings={"transformer.wte.weight"}, fan_in_axis=1)
+
+
 def rotary_angles(positions, rotary_dim: int) -> np.ndarray:
     """(len(positions), rotary_dim // 2) float64 angles: position p turns its pair i by
     p * 10000^(-2i / rotary_dim)."""
@@ -153,21 +161,18 @@ class GPTJ:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _check.FLOATS:
             raise TypeError(f"dtype: expected float32 or float16, got {self.dtype}")
-        params = load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite)
         self.config = config
         self.max_batch = _check.positive("max_batch", max_batch)
         self.max_tokens = _check.positive("max_tokens", max_tokens, at_most=config.n_positions)
-        with np.errstate(over="raise"):   # a weight float16 cannot hold is an error, not inf
-            try:
-                host = {k: v.astype(self.dtype) for k, v in params.items()}
-            except FloatingPointError:
-                raise ValueError(f"GPT-J state_dict: a weight exceeds {self.dtype}'s range") \
-                    from None
-        w = {k: cuda.to_device(v) for k, v in host.items()}
+        w = self._device_weights(config, state_dict, allow_nonfinite)
+        C = config.n_embd
 
-        def stacked(i):
-            return cuda.to_device(np.concatenate(
-                [host[f"transformer.h.{i}.attn.{n}_proj.weight"] for n in "qkv"]))
+        def stacked(i):   # q, k, v one (3C, C) weight: one GEMM (device to device copies)
+            qkv = cuda.device_array((3 * C, C), self.dtype)
+            for j, n in enumerate("qkv"):
+                qkv[j * C:(j + 1) * C].copy_to_device(
+                    w[f"transformer.h.{i}.attn.{n}_proj.weight"])
+            return qkv
         self.wte = w["transformer.wte.weight"]
         self.ln_f_w, self.ln_f_b = w["transformer.ln_f.weight"], w["transformer.ln_f.bias"]
         self.head_w, self.head_b = w["lm_head.weight"], w["lm_head.bias"]
@@ -177,6 +182,23 @@ class GPTJ:
                    *(w[f"transformer.h.{i}.mlp.{n}"] for n in (
                        "fc_in.weight", "fc_in.bias", "fc_out.weight", "fc_out.bias")))
             for i in range(config.n_layer)]
+
+    def _device_weights(self, config, state_dict, allow_nonfinite: bool) -> dict:
+        """Every weight on the device in the model's dtype, by name. Device arrays of that
+        dtype (say random_device_state_dict's, or a torch model's wrapped by
+        numba.cuda.as_cuda_array) are taken as they are, with no host round trip; host arrays are checked
+        (load_state_dict), converted and copied."""
+        if state_dict and all(is_device_array(v) for v in state_dict.values()):
+            return checked_device_params(param_shapes(config), state_dict, self.dtype,
+                                         what="GPT-J", ignored=_is_buffer)
+        params = load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite)
+        with np.errstate(over="raise"):   # a weight float16 cannot hold is an error, not inf
+            try:
+                host = {k: v.astype(self.dtype) for k, v in params.items()}
+            except FloatingPointError:
+                raise ValueError(f"GPT-J state_dict: a weight exceeds {self.dtype}'s range") \
+                    from None
+        return {k: cuda.to_device(v) for k, v in host.items()}
 
     def decode_read_bytes(self, batch: int, length: int) -> tuple[int, int]:
         """(weight bytes, KV-cache bytes) a decode step of `batch` sequences at `length` live
