@@ -1,0 +1,291 @@
+"""GPT-J: beam search in float16, our graphs against Hugging Face's generate, and the decode
+step against its bandwidth floor.
+
+GPT-J-6B (28 layers, d 4096, 16 heads of 256, rotary on 64 dims of each, vocabulary 50400)
+with random weights drawn on the device (proto.models.gptj.random_device_state_dict: 12 GB of
+float16 that never cross the host), beam 5, prompt 5, no end-of-text token, generated to 1024
+positions. Each method runs in a process of its own (experiments.isolate), so the memory it
+reads is its own and no method inherits another's warm driver:
+
+  ours_eager        GPTJ.step launched kernel by kernel under generate.beam_search;
+  ours_per_length   Grape's per-length graphs: one per length and cache set (2 x 1020),
+                    temporaries planned on one tape, 2 shared executables, alias binding;
+  ours_device       the length read on the device: one graph per cache set serves every
+                    length, alias binding;
+  ours_while        the whole search in one WHILE graph (proto.models.search_loop.BeamLoop);
+  hf_generate       transformers' GPTJForCausalLM in float16, loaded with the same device
+                    weights (zero copy, through the CUDA array interface), searched by its own
+                    generate(num_beams=5) with its default attention and cache, as a user calls
+                    it (GPU only).
+
+Per method: a short warm-up generation, `reps` whole generations timed (median ms per token,
+p10 and p90 in the CSV), their tokens against ours_eager's, build time and the device memory
+its graphs and caches take beyond the weights (free memory read before and after, in its own
+process). The device-length graph's step is also timed alone at position 512 (`step`),
+against its bandwidth floor: every weight and the live K and V read once at the device's
+measured copy rate (`gptj_step_over_bandwidth_floor`).
+
+Not built yet (the summary's `unavailable` says so): PyTorch per-length graphs of GPT-J
+(PtGraph, `gptj_ours_over_torch_graph_step`), transformers' static cache with torch.compile.
+Toy size: a one-layer model, 4 tokens, on the simulator (timings mean nothing there).
+
+    python -m experiments gptj --size full
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from experiments import common, isolate
+from proto.device import backend, timing
+from proto.models import generate
+from proto.models.gptj import GPTJ, GPTJ_6B, GPTJConfig, random_device_state_dict
+
+NAME = "gptj"
+METHODS = ["ours_eager", "ours_per_length", "ours_device", "ours_while", "hf_generate"]
+SIZES = {
+    # (a simulated GPT-J step takes seconds: the toy generates 2 tokens, once)
+    "toy": dict(config=GPTJConfig(n_layer=1, n_embd=8, n_head=1, vocab_size=11,
+                                  n_positions=8, rotary_dim=4),
+                beam=2, prompt_len=2, max_len=3, reps=1, warmup_tokens=1, step_position=2,
+                step=dict(warmup=0, reps=1), copy_bytes=1 << 16),
+    "full": dict(config=GPTJ_6B, beam=5, prompt_len=5, max_len=1024, reps=5, warmup_tokens=8,
+                 step_position=512, step=dict(warmup=3, reps=20), copy_bytes=1 << 30),
+}
+SEED = 0
+
+
+def _free() -> int | None:
+    """Free device memory once every dropped buffer is freed (None on the simulator)."""
+    return None if backend.SIMULATOR else backend.settled_free_memory()[0]
+
+
+def _mib(before: int | None, after: int | None) -> float | None:
+    return None if before is None or after is None else round((before - after) / 2**20, 1)
+
+
+INFO = ("graphs", "graph_nodes", "arena_mib")   # (every row has these columns)
+
+
+class _Ours:
+    """One of our methods over a GPTJ model: `generate(prompt, new)` -> generate.Generation."""
+
+    def __init__(self, method: str, model: GPTJ, beam: int, max_len: int):
+        from proto.models.graphed import GraphedDecoder
+        from proto.models.search_loop import BeamLoop
+        self.method, self.model, self.beam = method, model, beam
+        self.g = self.loop = None
+        if method == "ours_per_length":
+            self.g = GraphedDecoder(model, batch=beam, max_len=max_len, binding="alias",
+                                    strategy="exact", shared_executables=2, build_all=True)
+        elif method == "ours_device":
+            self.g = GraphedDecoder(model, batch=beam, max_len=max_len, binding="alias",
+                                    strategy="device", build_all=True)
+        elif method == "ours_while":
+            self.loop = BeamLoop(model, beam=beam, max_len=max_len)
+
+    def generate(self, prompt, new: int):
+        if self.g is not None:
+            return self.g.beam_search(prompt, max_new_tokens=new)
+        if self.loop is not None:
+            return self.loop.generate(prompt, max_new_tokens=new)
+        return generate.beam_search(self.model, prompt, beam=self.beam, max_new_tokens=new)
+
+    def info(self) -> dict:
+        if self.g is None:
+            return {"graphs": 1 if self.loop is not None else 0}
+        return {"graphs": self.g.num_graphs, "graph_nodes": self.g.num_nodes,
+                "arena_mib": round(self.g.arena_bytes / 2**20, 2)}
+
+    def close(self) -> None:
+        for owner in (self.g, self.loop):
+            if owner is not None:
+                owner.close()
+
+
+class _HF:
+    """transformers' GPTJForCausalLM in float16 with the same weights, its own generate."""
+
+    def __init__(self, config: GPTJConfig, state_dict: dict, beam: int):
+        import torch
+        import transformers
+        self.torch, self.beam = torch, beam
+        hf_config = transformers.GPTJConfig(
+            vocab_size=config.vocab_size, n_positions=config.n_positions,
+            n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
+            rotary_dim=config.rotary_dim, n_inner=config.n_inner,
+            activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        torch.set_default_dtype(torch.float16)   # built in float16 on the GPU: no 24 GB stage
+        try:
+            with torch.device("cuda"):
+                self.model = transformers.GPTJForCausalLM(hf_config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        weights = {k: torch.as_tensor(v, device="cuda") for k, v in state_dict.items()}
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"GPT-J weights: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        self.model.eval()
+
+    def generate(self, prompt, new: int):
+        torch = self.torch
+        ids = torch.as_tensor(np.asarray(prompt, np.int64)[None], device="cuda")
+        with torch.no_grad():
+            out = self.model.generate(ids, num_beams=self.beam, num_return_sequences=1,
+                                      max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                      length_penalty=1.0, early_stopping=False,
+                                      eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+        return generate.Generation(out[0].cpu().numpy(), float("nan"),
+                                   generate.PhaseTimes(steps=new, synchronized=True))
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.model = None
+        self.torch.cuda.empty_cache()
+
+
+def measure(method: str, size: str) -> dict:
+    """One method in this process (experiments.isolate runs it in a fresh one): its row, and
+    the tokens of its last generation."""
+    cfg = SIZES[size]
+    config, beam, max_len = cfg["config"], cfg["beam"], cfg["max_len"]
+    prompt = np.random.default_rng(1).integers(0, config.vocab_size, cfg["prompt_len"])
+    new = max_len - cfg["prompt_len"] + 1   # the last token generated is never fed back
+    copy_GBps = None if backend.SIMULATOR else timing.copy_bandwidth_GBps(
+        cfg["copy_bytes"], **cfg["step"])
+    free_start = _free()
+    weights = random_device_state_dict(config, SEED)
+    t0 = time.perf_counter()
+    if method == "hf_generate":
+        m, model = _HF(config, weights, beam), None
+    else:
+        model = GPTJ(config, weights, max_batch=beam, max_tokens=max(cfg["prompt_len"] - 1, 1))
+    del weights   # (the model holds what it uses; q, k and v now live stacked in it)
+    free_weights = _free()
+    if model is not None:
+        m = _Ours(method, model, beam, max_len)
+    setup_s = time.perf_counter() - t0
+    free_built = _free()
+    m.generate(prompt, min(cfg["warmup_tokens"], new))   # first-call costs (compilation,
+    # first launches)
+    out = []
+    t = timing.bench_host(lambda: out.append(m.generate(prompt, new)), warmup=0,
+                          reps=cfg["reps"])
+    steps = new
+    row = {"method": method, "n_layer": config.n_layer, "n_embd": config.n_embd, "beam": beam,
+           "prompt_len": cfg["prompt_len"], "max_len": max_len,
+           "tokens": steps, "ms_per_token": round(t.median_ms / steps, 4),
+           "p10_ms_per_token": round(t.p10_ms / steps, 4),
+           "p90_ms_per_token": round(t.p90_ms / steps, 4), "reps": t.reps,
+           "setup_s": round(setup_s, 3), "weights_mib": _mib(free_start, free_weights),
+           "graphs_and_caches_mib": _mib(free_weights, free_built),
+           "copy_GBps": None if copy_GBps is None else round(copy_GBps, 1),
+           "same_tokens_every_run": all(np.array_equal(g.tokens, out[0].tokens) for g in out),
+           **dict.fromkeys(INFO), **m.info(),
+           **dict.fromkeys(("step_position", "step_us", "step_p10_us", "step_p90_us",
+                            "step_read_bytes", "floor_us"))}
+    if method == "ours_device":   # the step alone at one position, against its floor
+        replay = m.g.replayer(cfg["step_position"])
+        step = timing.bench(replay, **cfg["step"])
+        weight_bytes, kv_bytes = model.decode_read_bytes(beam, cfg["step_position"] + 1)
+        row.update(step_position=cfg["step_position"], step_us=round(step.median_us, 2),
+                   step_p10_us=round(step.p10_ms * 1e3, 2),
+                   step_p90_us=round(step.p90_ms * 1e3, 2),
+                   step_read_bytes=weight_bytes + kv_bytes,
+                   floor_us=None if copy_GBps is None else
+                   round((weight_bytes + kv_bytes) / copy_GBps / 1e3, 2))
+    m.close()
+    return {"row": row, "tokens": out[-1].tokens.tolist()}
+
+
+def _available(method: str) -> str | None:
+    """Why a method cannot run here (None: it can)."""
+    if method != "hf_generate":
+        return None
+    if backend.SIMULATOR:
+        return "needs a GPU (PyTorch and transformers on CUDA)"
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return f"not installed: {exc}"
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
+
+
+def run(size: str = "toy") -> None:
+    rows, unavailable, want = [], {}, None
+    for method in common.progress(METHODS, desc=NAME):
+        why = _available(method)
+        if why is not None:
+            unavailable[method] = why
+            common.report(NAME, {"method": method, "unavailable": why})
+            continue
+        result = isolate.run(f"{__name__}:measure", {"method": method, "size": size})
+        tokens = np.asarray(result["tokens"])
+        want = tokens if want is None else want
+        rows.append({**result["row"], "same_tokens_as_eager": bool(np.array_equal(tokens, want))})
+        common.report(NAME, rows[-1])
+    unavailable["ptgraph"] = "PyTorch per-length graphs of GPT-J are not built yet"
+    unavailable["hf_compiled"] = "transformers' static cache with torch.compile is not tried yet"
+    common.write_csv(NAME, rows)
+    common.write_summary(NAME, {**summarize(rows), "unavailable": unavailable})
+
+
+def summarize(rows: list[dict]) -> dict:
+    per = {r["method"]: r for r in rows}
+    ours = {m: float(r["ms_per_token"]) for m, r in per.items() if m.startswith("ours")}
+    best = min(ours, key=ours.get)
+    device = per["ours_device"]
+    floor = device.get("floor_us")
+    hf = per.get("hf_generate")
+    return {
+        "model": f"GPT-J ({rows[0]['n_layer']} layers, d {rows[0]['n_embd']}), beam "
+                 f"{rows[0]['beam']}, prompt {rows[0]['prompt_len']}, to {rows[0]['max_len']} "
+                 "positions, float16",
+        "ms_per_token": ours | ({"hf_generate": float(hf["ms_per_token"])} if hf else {}),
+        "best_ours": best,
+        "gptj_step_over_bandwidth_floor": None if not floor else
+        round(float(device["step_us"]) / float(floor), 3),
+        "gptj_step_us": float(device["step_us"]),
+        "gptj_floor_us": floor,
+        "gptj_hf_generate_over_ours_per_token": None if hf is None else
+        round(float(hf["ms_per_token"]) / ours[best], 2),
+        "gptj_ours_over_torch_graph_step": None,   # (PtGraph not built: see unavailable)
+        "graphs_and_caches_mib": {m: r["graphs_and_caches_mib"] for m, r in per.items()},
+        # ours run the same kernels on the same weights; transformers' float16 GEMMs round
+        # other sums, so its tokens may part from ours at a near-tie (reported, not required)
+        "all_tokens_equal": all(r["same_tokens_as_eager"] for m, r in per.items()
+                                if m.startswith("ours")),
+        "hf_tokens_equal": None if hf is None else hf["same_tokens_as_eager"],
+    }
+
+
+def plot():
+    """Time per token by method (bars), and the device-length step against its floor."""
+    rows = common.read_csv(NAME)
+    fig, (ax, ax2) = common.new_figure(rows, 1, 2, figsize=(10, 4))
+    methods = [r["method"] for r in rows]
+    ms = [float(r["ms_per_token"]) for r in rows]
+    bars = ax.bar(range(len(rows)), ms, color=[f"C{i}" for i in range(len(rows))])
+    ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per generated token (median)")
+    ax.set_title(f"GPT-J beam {rows[0]['beam']}, float16, to {rows[0]['max_len']} positions",
+                 fontsize=9)
+    device = next(r for r in rows if r["method"] == "ours_device")
+    parts = [("step (graph replay)", device["step_us"])]
+    if device.get("floor_us") not in (None, ""):
+        parts.append(("bandwidth floor", device["floor_us"]))
+    bars = ax2.bar(range(len(parts)), [float(v) for _, v in parts], color=["C2", "grey"])
+    ax2.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax2.set_xticks(range(len(parts)))
+    ax2.set_xticklabels([p for p, _ in parts], fontsize=8)
+    ax2.set_ylabel(f"us at position {device['step_position']}")
+    ax2.set_title("decode step against weights + live KV at copy rate", fontsize=9)
+    return common.save_figure(fig, NAME)
