@@ -13,6 +13,9 @@ reads is its own and no method inherits another's warm driver:
   ours_device       the length read on the device: one graph per cache set serves every
                     length, alias binding;
   ours_while        the whole search in one WHILE graph (proto.models.search_loop.BeamLoop);
+  ptgraph_step      PyTorch's step as PtGraph runs it (experiments.torch_gptj): the CUDA
+                    graph of one length attending to its live prefix, float16 with tensor
+                    cores, timed alone at position 512 against ours (GPU only);
   hf_generate       transformers' GPTJForCausalLM in float16, loaded with the same device
                     weights (zero copy, through the CUDA array interface), searched by its own
                     generate(num_beams=5) with its default attention and cache, as a user calls
@@ -25,8 +28,9 @@ process). The device-length graph's step is also timed alone at position 512 (`s
 against its bandwidth floor: every weight and the live K and V read once at the device's
 measured copy rate (`gptj_step_over_bandwidth_floor`).
 
-Not built yet (the summary's `unavailable` says so): PyTorch per-length graphs of GPT-J
-(PtGraph, `gptj_ours_over_torch_graph_step`), transformers' static cache with torch.compile.
+Not built yet (the summary's `unavailable` says so): PtGraph's whole generation (its graphs
+of every length with the beam reorder, and their memory), transformers' static cache with
+torch.compile.
 Toy size: a one-layer model, 4 tokens, on the simulator (timings mean nothing there).
 
     python -m experiments gptj --size full
@@ -43,7 +47,8 @@ from proto.models import generate
 from proto.models.gptj import GPTJ, GPTJ_6B, GPTJConfig, random_device_state_dict
 
 NAME = "gptj"
-METHODS = ["ours_eager", "ours_per_length", "ours_device", "ours_while", "hf_generate"]
+METHODS = ["ours_eager", "ours_per_length", "ours_device", "ours_while", "ptgraph_step",
+           "hf_generate"]
 SIZES = {
     # (a simulated GPT-J step takes seconds: the toy generates 2 tokens, once)
     "toy": dict(config=GPTJConfig(n_layer=1, n_embd=8, n_head=1, vocab_size=11,
@@ -149,18 +154,36 @@ class _HF:
         self.torch.cuda.empty_cache()
 
 
+COLUMNS = ("method", "n_layer", "n_embd", "beam", "prompt_len", "max_len", "tokens",
+           "ms_per_token", "p10_ms_per_token", "p90_ms_per_token", "reps", "setup_s",
+           "weights_mib", "graphs_and_caches_mib", "copy_GBps", "same_tokens_every_run",
+           *INFO, "step_position", "step_us", "step_p10_us", "step_p90_us", "step_read_bytes",
+           "floor_us")
+
+
+def _step_columns(position: int, t) -> dict:
+    return {"step_position": position, "step_us": round(t.median_us, 2),
+            "step_p10_us": round(t.p10_ms * 1e3, 2), "step_p90_us": round(t.p90_ms * 1e3, 2)}
+
+
 def measure(method: str, size: str) -> dict:
     """One method in this process (experiments.isolate runs it in a fresh one): its row, and
-    the tokens of its last generation."""
+    the tokens of its last generation (None for ptgraph_step, which times one step)."""
     cfg = SIZES[size]
     config, beam, max_len = cfg["config"], cfg["beam"], cfg["max_len"]
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, cfg["prompt_len"])
     new = max_len - cfg["prompt_len"] + 1   # the last token generated is never fed back
     copy_GBps = None if backend.SIMULATOR else timing.copy_bandwidth_GBps(
         cfg["copy_bytes"], **cfg["step"])
+    row = dict.fromkeys(COLUMNS) | {
+        "method": method, "n_layer": config.n_layer, "n_embd": config.n_embd, "beam": beam,
+        "prompt_len": cfg["prompt_len"], "max_len": max_len,
+        "copy_GBps": None if copy_GBps is None else round(copy_GBps, 1)}
     free_start = _free()
     weights = random_device_state_dict(config, SEED)
     t0 = time.perf_counter()
+    if method == "ptgraph_step":
+        return _ptgraph_step(cfg, weights, row, free_start, t0)
     if method == "hf_generate":
         m, model = _HF(config, weights, beam), None
     else:
@@ -176,26 +199,17 @@ def measure(method: str, size: str) -> dict:
     out = []
     t = timing.bench_host(lambda: out.append(m.generate(prompt, new)), warmup=0,
                           reps=cfg["reps"])
-    steps = new
-    row = {"method": method, "n_layer": config.n_layer, "n_embd": config.n_embd, "beam": beam,
-           "prompt_len": cfg["prompt_len"], "max_len": max_len,
-           "tokens": steps, "ms_per_token": round(t.median_ms / steps, 4),
-           "p10_ms_per_token": round(t.p10_ms / steps, 4),
-           "p90_ms_per_token": round(t.p90_ms / steps, 4), "reps": t.reps,
-           "setup_s": round(setup_s, 3), "weights_mib": _mib(free_start, free_weights),
-           "graphs_and_caches_mib": _mib(free_weights, free_built),
-           "copy_GBps": None if copy_GBps is None else round(copy_GBps, 1),
-           "same_tokens_every_run": all(np.array_equal(g.tokens, out[0].tokens) for g in out),
-           **dict.fromkeys(INFO), **m.info(),
-           **dict.fromkeys(("step_position", "step_us", "step_p10_us", "step_p90_us",
-                            "step_read_bytes", "floor_us"))}
+    row.update(tokens=new, ms_per_token=round(t.median_ms / new, 4),
+               p10_ms_per_token=round(t.p10_ms / new, 4),
+               p90_ms_per_token=round(t.p90_ms / new, 4), reps=t.reps,
+               setup_s=round(setup_s, 3), weights_mib=_mib(free_start, free_weights),
+               graphs_and_caches_mib=_mib(free_weights, free_built),
+               same_tokens_every_run=all(np.array_equal(g.tokens, out[0].tokens) for g in out),
+               **m.info())
     if method == "ours_device":   # the step alone at one position, against its floor
-        replay = m.g.replayer(cfg["step_position"])
-        step = timing.bench(replay, **cfg["step"])
+        step = timing.bench(m.g.replayer(cfg["step_position"]), **cfg["step"])
         weight_bytes, kv_bytes = model.decode_read_bytes(beam, cfg["step_position"] + 1)
-        row.update(step_position=cfg["step_position"], step_us=round(step.median_us, 2),
-                   step_p10_us=round(step.p10_ms * 1e3, 2),
-                   step_p90_us=round(step.p90_ms * 1e3, 2),
+        row.update(**_step_columns(cfg["step_position"], step),
                    step_read_bytes=weight_bytes + kv_bytes,
                    floor_us=None if copy_GBps is None else
                    round((weight_bytes + kv_bytes) / copy_GBps / 1e3, 2))
@@ -203,15 +217,37 @@ def measure(method: str, size: str) -> dict:
     return {"row": row, "tokens": out[-1].tokens.tolist()}
 
 
+def _ptgraph_step(cfg: dict, weights: dict, row: dict, free_start, t0) -> dict:
+    """PtGraph's step: experiments.torch_gptj on the same weights (viewed, not copied), the
+    graph of length step_position + 1 captured (its memory read after capture) and replayed."""
+    import torch
+    from experiments.torch_gptj import TorchGPTJ
+    config, beam, length = cfg["config"], cfg["beam"], cfg["step_position"] + 1
+    dec = TorchGPTJ(config, {k: torch.as_tensor(v, device="cuda") for k, v in weights.items()},
+                    batch=beam, max_len=cfg["max_len"])
+    free_weights = _free()
+    tokens = torch.zeros(beam, dtype=torch.int64, device="cuda")
+    out = torch.empty(beam, config.vocab_size, dtype=dec.dtype, device="cuda")
+    graph, _ = common.torch_cuda_graph(lambda: dec.decode_at(tokens, length, out))
+    setup_s = time.perf_counter() - t0
+    free_built = _free()
+    step = timing.bench(graph.replay, **cfg["step"])
+    row.update(setup_s=round(setup_s, 3), weights_mib=_mib(free_start, free_weights),
+               graphs_and_caches_mib=_mib(free_weights, free_built), graphs=1,
+               **_step_columns(cfg["step_position"], step))
+    return {"row": row, "tokens": None}
+
+
 def _available(method: str) -> str | None:
     """Why a method cannot run here (None: it can)."""
-    if method != "hf_generate":
+    if method not in ("hf_generate", "ptgraph_step"):
         return None
     if backend.SIMULATOR:
-        return "needs a GPU (PyTorch and transformers on CUDA)"
+        return "needs a GPU (PyTorch on CUDA)"
     try:
         import torch
-        import transformers  # noqa: F401
+        if method == "hf_generate":
+            import transformers  # noqa: F401
     except ImportError as exc:
         return f"not installed: {exc}"
     return None if torch.cuda.is_available() else "torch sees no CUDA device"
@@ -226,11 +262,15 @@ def run(size: str = "toy") -> None:
             common.report(NAME, {"method": method, "unavailable": why})
             continue
         result = isolate.run(f"{__name__}:measure", {"method": method, "size": size})
-        tokens = np.asarray(result["tokens"])
-        want = tokens if want is None else want
-        rows.append({**result["row"], "same_tokens_as_eager": bool(np.array_equal(tokens, want))})
+        same = None
+        if result["tokens"] is not None:
+            tokens = np.asarray(result["tokens"])
+            want = tokens if want is None else want
+            same = bool(np.array_equal(tokens, want))
+        rows.append({**result["row"], "same_tokens_as_eager": same})
         common.report(NAME, rows[-1])
-    unavailable["ptgraph"] = "PyTorch per-length graphs of GPT-J are not built yet"
+    unavailable["ptgraph"] = ("PtGraph's whole generation (PyTorch per-length graphs with the "
+                              "beam reorder) is not built yet; its step is (ptgraph_step)")
     unavailable["hf_compiled"] = "transformers' static cache with torch.compile is not tried yet"
     common.write_csv(NAME, rows)
     common.write_summary(NAME, {**summarize(rows), "unavailable": unavailable})
@@ -242,7 +282,7 @@ def summarize(rows: list[dict]) -> dict:
     best = min(ours, key=ours.get)
     device = per["ours_device"]
     floor = device.get("floor_us")
-    hf = per.get("hf_generate")
+    hf, torch_step = per.get("hf_generate"), per.get("ptgraph_step")
     return {
         "model": f"GPT-J ({rows[0]['n_layer']} layers, d {rows[0]['n_embd']}), beam "
                  f"{rows[0]['beam']}, prompt {rows[0]['prompt_len']}, to {rows[0]['max_len']} "
@@ -255,7 +295,10 @@ def summarize(rows: list[dict]) -> dict:
         "gptj_floor_us": floor,
         "gptj_hf_generate_over_ours_per_token": None if hf is None else
         round(float(hf["ms_per_token"]) / ours[best], 2),
-        "gptj_ours_over_torch_graph_step": None,   # (PtGraph not built: see unavailable)
+        # (the device-length graph's step against PtGraph's graph of that length)
+        "gptj_ours_over_torch_graph_step": None if torch_step is None else
+        round(float(device["step_us"]) / float(torch_step["step_us"]), 3),
+        "gptj_torch_graph_step_us": None if torch_step is None else float(torch_step["step_us"]),
         "graphs_and_caches_mib": {m: r["graphs_and_caches_mib"] for m, r in per.items()},
         # ours run the same kernels on the same weights; transformers' float16 GEMMs round
         # other sums, so its tokens may part from ours at a near-tie (reported, not required)
@@ -269,23 +312,29 @@ def plot():
     """Time per token by method (bars), and the device-length step against its floor."""
     rows = common.read_csv(NAME)
     fig, (ax, ax2) = common.new_figure(rows, 1, 2, figsize=(10, 4))
-    methods = [r["method"] for r in rows]
-    ms = [float(r["ms_per_token"]) for r in rows]
-    bars = ax.bar(range(len(rows)), ms, color=[f"C{i}" for i in range(len(rows))])
+    timed = [r for r in rows if r["ms_per_token"] not in (None, "")]
+    methods = [r["method"] for r in timed]
+    ms = [float(r["ms_per_token"]) for r in timed]
+    bars = ax.bar(range(len(timed)), ms, color=[f"C{i}" for i in range(len(timed))])
     ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks(range(len(rows)))
+    ax.set_xticks(range(len(timed)))
     ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("ms per generated token (median)")
     ax.set_title(f"GPT-J beam {rows[0]['beam']}, float16, to {rows[0]['max_len']} positions",
                  fontsize=9)
     device = next(r for r in rows if r["method"] == "ours_device")
-    parts = [("step (graph replay)", device["step_us"])]
+    parts = [("ours (device graph)", device["step_us"])]
+    torch_step = next((r for r in rows if r["method"] == "ptgraph_step"), None)
+    if torch_step is not None:
+        parts.append(("PtGraph (fp16, cuBLAS)", torch_step["step_us"]))
     if device.get("floor_us") not in (None, ""):
         parts.append(("bandwidth floor", device["floor_us"]))
-    bars = ax2.bar(range(len(parts)), [float(v) for _, v in parts], color=["C2", "grey"])
+    bars = ax2.bar(range(len(parts)), [float(v) for _, v in parts],
+                   color=["C2", "C1", "grey"][:len(parts)])
     ax2.bar_label(bars, fmt="%.0f", fontsize=7)
     ax2.set_xticks(range(len(parts)))
     ax2.set_xticklabels([p for p, _ in parts], fontsize=8)
     ax2.set_ylabel(f"us at position {device['step_position']}")
-    ax2.set_title("decode step against weights + live KV at copy rate", fontsize=9)
+    ax2.set_title("decode step: ours, PtGraph's, and weights + live KV at copy rate",
+                  fontsize=9)
     return common.save_figure(fig, NAME)
