@@ -130,6 +130,8 @@ class _HF:
             torch.set_default_dtype(torch.float32)
         weights = {k: torch.as_tensor(v, device="cuda") for k, v in state_dict.items()}
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        # (some versions keep each attention's causal mask as a buffer: no weight of ours)
+        missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias"))]
         if missing or unexpected:
             raise ValueError(f"GPT-J weights: missing {missing[:4]}, unexpected {unexpected[:4]}")
         self.model.eval()

@@ -243,6 +243,7 @@ def test_real_gpt2_graphed_beam_search_and_step_logits_equal_eager():
     check_decoder_step_logits(model, np.array([3]), beam=2, new=2, combos=[("alias", "device")])
 
 
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_real_gptj_graphed_in_half_precision_equals_eager():
     """GPT-J in float16 (its KV cache, logits and rotary embedding read at the position on
     the device) through the same wrapper: Grape's set-up and per-length graphs on the memory
