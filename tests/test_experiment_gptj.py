@@ -24,5 +24,8 @@ def test_gptj_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     for key in ("gptj_step_over_bandwidth_floor", "gptj_hf_generate_over_ours_per_token",
                 "gptj_ours_over_torch_graph_step", "all_tokens_equal", "unavailable"):
         assert key in summary
-    assert summary["all_tokens_equal"] is True and "ptgraph" in summary["unavailable"]
+    assert summary["all_tokens_equal"] is True
+    measured = {r["method"] for r in rows}   # PyTorch's methods: measured or said why not
+    assert all(m in measured or m in summary["unavailable"]
+               for m in ("ptgraph_step", "hf_generate"))
     assert gptj.plot().exists()
