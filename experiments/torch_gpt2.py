@@ -126,10 +126,10 @@ def to_numba(t):
     return cuda.as_cuda_array(t, sync=False)  # same (legacy default) stream: no sync needed
 
 
-class _TorchCache:
+class TorchCache:
     """What the search sees of the cache: it lives in the model; reorders go through it."""
 
-    def __init__(self, owner: "TorchDecoder"):
+    def __init__(self, owner):   # a TorchDecoder, or torch_gptj.PerLengthGPTJ
         self.owner, self.batch, self.max_len = owner, owner.batch, owner.max_len
 
     def reorder_into(self, index, dst, stream=0, length=None) -> None:
@@ -144,7 +144,7 @@ class TorchDecoder:
         self.config, self.batch, self.max_len, self.graphed = config, batch, max_len, graphed
         self.model = TorchGPT2(config, state_dict, batch=batch, max_len=max_len, device=device)
         self.inputs = generate.DecodeInputs.allocate(batch)
-        self.caches = (_TorchCache(self), _TorchCache(self))
+        self.caches = (TorchCache(self), TorchCache(self))
         self._fresh = None  # graph: the reordered cache waiting to be copied into the static one
         self._logits = None  # eager: keeps the returned logits' memory alive
         # torch views of the search's fixed input buffers, made once (the views cost ~10 us)

@@ -13,9 +13,14 @@ the same layer norm; both added to the residual. Then ln_f and the untied head w
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from experiments import common
+from experiments.torch_gpt2 import TorchCache, to_numba, to_torch
+from proto.device import backend
+from proto.models import generate
 from proto.models.gptj import LN_EPS, GPTJConfig
 
 
@@ -82,49 +87,53 @@ class PerLengthGPTJ:
 
     def __init__(self, config: GPTJConfig, weights: dict, *, batch: int, max_len: int,
                  pool: str):
-        from proto.models import generate
         if pool not in ("private", "shared"):
             raise ValueError(f"pool: expected 'private' or 'shared', got {pool!r}")
         self.model = TorchGPTJ(config, weights, batch=batch, max_len=max_len)
         self.config, self.batch, self.max_len, self.pool = config, batch, max_len, pool
-        self.dtype = _numpy_dtype(self.model.dtype)   # (generate checks the logits' dtype)
+        # (generate checks the logits' dtype)
+        self.dtype = np.dtype({torch.float16: np.float16, torch.float32: np.float32}[
+            self.model.dtype])
         device = self.model.k.device
         self.inputs = generate.DecodeInputs.allocate(batch)
-        self.caches = (_ReorderThrough(self), _ReorderThrough(self))
+        self.caches = (TorchCache(self), TorchCache(self))   # (reorders come to _reorder)
         self._tokens = torch.zeros(batch, dtype=torch.int64, device=device)
         self._logits = torch.zeros((batch, config.vocab_size), dtype=self.model.dtype,
                                    device=device)
+        # Made once: a view costs ~10 us, and a replay is the step being timed. The search
+        # passes its own token buffer at every decode step (torch_gpt2.TorchDecoder alike).
+        self._logits_numba = to_numba(self._logits.view(batch, 1, -1))
+        self._tokens_view = (self.inputs.tokens, to_torch(self.inputs.tokens))
         self._handle = torch.cuda.graph_pool_handle() if pool == "shared" else None
         self.graphs: dict = {}
         self._length = 0   # live positions in the cache (host mirror)
 
     def capture(self, length: int) -> None:
         """The graph of `length` (capture the largest first: see torch_gpt2.PerLengthDecoder)."""
-        from experiments import common
         self.graphs[length], _ = common.torch_cuda_graph(
             lambda: self.model.decode_at(self._tokens, length, self._logits), pool=self._handle)
 
     def step(self, tokens, pos, cache):
         """generate's step: tokens (B, T) Numba int32 -> Numba logits (B, 1, V) of the last."""
-        from experiments.torch_gpt2 import to_numba, to_torch
-        rows = to_torch(tokens).long()
+        held, view = self._tokens_view
+        rows = view if tokens is held and not backend.SIMULATOR else to_torch(tokens)
         for t in range(rows.shape[1]):
             self._length += 1
-            self._tokens.copy_(rows[:, t])
+            self._tokens.copy_(rows[:, t])   # (int32 into int64)
             if self._length in self.graphs:
                 self.graphs[self._length].replay()
             else:
                 self.model.decode_at(self._tokens, self._length, self._logits)
-        return to_numba(self._logits.view(self.batch, 1, -1))
+        if backend.SIMULATOR:   # (to_numba copies there: a fresh copy of these logits)
+            return to_numba(self._logits.view(self.batch, 1, -1))
+        return self._logits_numba
 
-    def reorder(self, index) -> None:
-        from experiments.torch_gpt2 import to_torch
+    def _reorder(self, index) -> None:
         parents, n = to_torch(index).long().to(self._tokens.device), self._length
         for cache in (self.model.k, self.model.v):           # (L, B, H, Tmax, hd)
             cache[:, :, :, :n].copy_(cache[:, :, :, :n].index_select(1, parents))
 
     def beam_search(self, prompt, *, max_new_tokens: int):
-        from proto.models import generate
         self._length = 0
         return generate.beam_search(self, prompt, beam=self.batch, max_new_tokens=max_new_tokens,
                                     step=self.step, caches=self.caches, inputs=self.inputs)
@@ -135,18 +144,3 @@ class PerLengthGPTJ:
             for graph in self.graphs.values():
                 graph.reset()
         self.graphs, self.model = {}, None
-
-
-class _ReorderThrough:
-    """What the search sees of a cache: the data lives in the model; reorders go through it."""
-
-    def __init__(self, owner: PerLengthGPTJ):
-        self.owner, self.batch, self.max_len = owner, owner.batch, owner.max_len
-
-    def reorder_into(self, index, dst, stream=0, length=None) -> None:
-        self.owner.reorder(index)
-
-
-def _numpy_dtype(dtype):
-    import numpy as np
-    return np.dtype({torch.float16: np.float16, torch.float32: np.float32}[dtype])

@@ -1050,10 +1050,9 @@ def reorder_rows(src, index, dst, *, length, stream=0) -> None:
 
 def gather_batch(src, index, dst, *, length=None, stream=0) -> None:
     """dst[b] = src[index[b]] for b < B: src, dst (B, ...) float32 or float16 (one dtype),
-    index device int32 (B,),
-    read on the device (an out-of-range entry gives a NaN row). Beam search reorders its KV
-    caches with this. dst must not overlap src (checked at launch): rows are read while
-    others are written.
+    index device int32 (B,), read on the device (an out-of-range entry gives a NaN row).
+    Beam search reorders its KV caches with this. dst must not overlap src (checked at
+    launch): rows are read while others are written.
 
     With `length` (device int32 (1,), read on the device), src and dst are caches
     (..., B, H, T, hd) and only the live prefix moves: dst[..., b, :, :n] =

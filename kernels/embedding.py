@@ -95,8 +95,8 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
     """out (B, T, C) = wte[tokens] (+ wpe[pos0 + t] when wpe (P, C) is given; pos0 a device
     int32 (1,), default position 0). tokens: device int32 (B, T); the tables, out and ln_out
     of one dtype, float32 or float16. Ids or positions outside the tables give NaN rows.
-    ln_out=(gamma, beta, eps, y): also y (B, T, C) = layernorm(out) row by row, gamma and beta (C,), y overlapping nothing; C at most
-    LN_COLS * MAX_THREADS."""
+    ln_out=(gamma, beta, eps, y): also y (B, T, C) = layernorm(out) row by row, gamma and
+    beta (C,), y overlapping nothing; C at most LN_COLS * MAX_THREADS."""
     _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
     dtype = _check.float_dtype("wte", wte)
     _check.device_array("wte", wte, dtype=dtype, ndim=2)

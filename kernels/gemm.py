@@ -698,7 +698,7 @@ def dtype_variant(dk: Decode, dtype) -> Decode:
 if not backend.SIMULATOR:   # compiled at import (compile_check): GPT-2's beam of 5 (qkv's
     # partials, attention projection, head), and every half-precision geometry
     GPT2_BEAM = (rows_variant(NN, 5), rows_variant(NT, 5))
-    HALF = tuple(dtype_variant(dk, np.float16) for dk in (NN, NN_COLS, NN_WIDE_K, NT))
+    HALF_GEOMETRIES = tuple(dtype_variant(dk, np.float16) for dk in (NN, NN_COLS, NN_WIDE_K, NT))
 
 
 # ---------------------------------------------------------------------------- launcher

@@ -248,8 +248,7 @@ def topk(x, k: int, values, indices, *, stream=0) -> None:
     """values/indices[r] = the k largest entries of x[r] (R, V), descending, ties -> lower index.
 
     x (R, V) float32 or float16, at most 65535 rows; values (R, k) float32; indices (R, k)
-    int32;
-    1 <= k <= min(8, V).
+    int32; 1 <= k <= min(8, V).
     """
     R, V = _check_x(x)
     k = _check.positive("k", k, at_most=min(KMAX, V))
@@ -278,7 +277,8 @@ def beam_topk_ref(logits: np.ndarray, scores: np.ndarray, k: int):
 
 
 @jit_per_dtype("void({t}[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], int32, "
-               "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], int32[:, ::1])",
+               "float32[:, :, ::1], int32[:, :, ::1], int32[::1], float32[:, ::1], "
+               "int32[:, ::1])",
                writes=("cand_v", "cand_i", "counters", "values", "indices"))
 def beam_topk_kernels(x, scores, part_m, part_s, k, cand_v, cand_i, counters, values, indices):
     """Grid (spans, R), after softmax.log_softmax_partials_kernels: block (i, row) ranks

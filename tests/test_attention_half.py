@@ -60,6 +60,24 @@ def _reference(qkv, kc, vc, pos, n_head):
     return flat(o), flat(np.broadcast_to(bound, o.shape))
 
 
+def _through_rows(cache, rows, pos):
+    """The cache as the row table reads it: position p < pos of sequence b from row rows[b, p]
+    (rows None: the cache itself)."""
+    if rows is None:
+        return cache
+    gathered = cache.copy()
+    for b in range(cache.shape[0]):
+        gathered[b, :, :pos] = cache[rows[b, :pos], :, np.arange(pos)].transpose(1, 0, 2)
+    return gathered
+
+
+def _assert_within_bound(out, qkv, kc, vc, pos, n_head, rows=None):
+    want, bound = _reference(qkv, _through_rows(kc, rows, pos), _through_rows(vc, rows, pos),
+                             pos, n_head)
+    err = np.abs(out.astype(np.float64) - want) - bound
+    assert np.all(err <= 0), float(err.max())
+
+
 def _run(qkv, kc, vc, pos, n_head, rows=None):
     dk, dv = dev(kc), dev(vc)
     out = dev(np.full((qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3), np.nan, np.float16))
@@ -78,9 +96,7 @@ def test_half_precision_attention_within_the_derived_bound(B, H, hd, Tmax, data,
         _halves(rng, B, H, Tmax, hd)
     out, k_after, v_after = _run(qkv, kc, vc, pos, H)
     assert out.dtype == np.float16 and k_after.dtype == np.float16
-    want, bound = _reference(qkv, kc, vc, pos, H)
-    err = np.abs(out.astype(np.float64) - want) - bound
-    assert np.all(err <= 0), float(err.max())
+    _assert_within_bound(out, qkv, kc, vc, pos, H)
     # this step's k, v copied into the caches exactly; nothing else touched
     new = qkv.reshape(B, T, 3, H, hd).transpose(2, 0, 3, 1, 4)
     want_k, want_v = kc.copy(), vc.copy()
@@ -99,14 +115,8 @@ def test_half_precision_rows_read_each_position_from_its_row(B, pos, hd, seed):
         _halves(rng, B, H, Tmax, hd)
     pos = min(pos, Tmax - T)
     rows = rng.integers(0, B, (B, Tmax)).astype(np.int32)
-    gathered_k, gathered_v = kc.copy(), vc.copy()
-    for b in range(B):
-        gathered_k[b, :, :pos] = kc[rows[b, :pos], :, np.arange(pos)].transpose(1, 0, 2)
-        gathered_v[b, :, :pos] = vc[rows[b, :pos], :, np.arange(pos)].transpose(1, 0, 2)
     out, _, _ = _run(qkv, kc, vc, pos, H, rows)
-    want, bound = _reference(qkv, gathered_k, gathered_v, pos, H)
-    err = np.abs(out.astype(np.float64) - want) - bound
-    assert np.all(err <= 0), float(err.max())
+    _assert_within_bound(out, qkv, kc, vc, pos, H, rows)
 
 
 @pytest.mark.parametrize("bad_pos", [-1, 7])
@@ -153,12 +163,5 @@ def test_gptj_beam_decode_shape_in_half_precision(use_rows):
     qkv, kc, vc = _halves(rng, B, 1, 3 * H * hd), _halves(rng, B, H, Tmax, hd), \
         _halves(rng, B, H, Tmax, hd)
     rows = rng.integers(0, B, (B, Tmax)).astype(np.int32) if use_rows else None
-    gathered_k, gathered_v = kc.copy(), vc.copy()
-    if use_rows:
-        for b in range(B):
-            gathered_k[b, :, :pos] = kc[rows[b, :pos], :, np.arange(pos)].transpose(1, 0, 2)
-            gathered_v[b, :, :pos] = vc[rows[b, :pos], :, np.arange(pos)].transpose(1, 0, 2)
     out, _, _ = _run(qkv, kc, vc, pos, H, rows)
-    want, bound = _reference(qkv, gathered_k, gathered_v, pos, H)
-    err = np.abs(out.astype(np.float64) - want) - bound
-    assert np.all(err <= 0), float(err.max())
+    _assert_within_bound(out, qkv, kc, vc, pos, H, rows)

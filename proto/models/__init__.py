@@ -1,5 +1,6 @@
-"""Models that run on the kernels: GPT-2-style decoder (gpt2), LSTM language model (lstm),
-their NumPy float64 references (reference), and search over their steps (generate).
+"""Models that run on the kernels: GPT-2 and GPT-J decoders (gpt2, gptj) over a KV cache
+(kv_cache), LSTM language model (lstm), their NumPy float64 references (reference), and
+search over their steps (generate).
 
 Weights come as a dict of NumPy arrays named as PyTorch/Hugging Face name them, so a torch
 model's `state_dict()` loads unchanged. The helpers here check such a dict against the shapes
@@ -9,7 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels import _check, random
 from proto.device.backend import cuda
+
+
+def _check_keys(shapes: dict, state_dict, what: str, ignored) -> None:
+    """ValueError naming a key of `shapes` that `state_dict` lacks, or one it has beyond them
+    that `ignored` does not excuse."""
+    missing = [k for k in shapes if k not in state_dict]
+    if missing:
+        raise ValueError(f"{what} state_dict: missing {len(missing)} key(s), first: {missing[:4]}")
+    unexpected = [k for k in state_dict if k not in shapes and not ignored(k)]
+    if unexpected:
+        raise ValueError(f"{what} state_dict: unexpected key(s) {unexpected[:4]} "
+                         "(does the config match the checkpoint?)")
 
 
 def checked_params(shapes: dict[str, tuple[int, ...]], state_dict, *, what: str,
@@ -23,13 +37,7 @@ def checked_params(shapes: dict[str, tuple[int, ...]], state_dict, *, what: str,
     causal masks). A non-finite weight would make every output NaN without a word, so it is
     refused unless `allow_nonfinite=True` (to study exactly that).
     """
-    missing = [k for k in shapes if k not in state_dict]
-    if missing:
-        raise ValueError(f"{what} state_dict: missing {len(missing)} key(s), first: {missing[:4]}")
-    unexpected = [k for k in state_dict if k not in shapes and not ignored(k)]
-    if unexpected:
-        raise ValueError(f"{what} state_dict: unexpected key(s) {unexpected[:4]} "
-                         "(does the config match the checkpoint?)")
+    _check_keys(shapes, state_dict, what, ignored)
     params = {}
     for key, shape in shapes.items():
         value = np.asarray(state_dict[key])  # also takes CPU torch tensors
@@ -92,7 +100,6 @@ def random_device_params(shapes: dict[str, tuple[int, ...]], seed: int, dtype, *
                          embeddings, fan_in_axis: int) -> dict:
     """The same law drawn on the device (kernels.random), in `dtype`: weights that never
     cross the host. Other values than random_params' (another generator), the same laws."""
-    from kernels import random
     out = {}
     for j, (key, shape) in enumerate(shapes.items()):
         mean, factor, divisor = param_law(key, shape, embeddings=embeddings,
@@ -109,13 +116,6 @@ def checked_device_params(shapes: dict[str, tuple[int, ...]], state_dict, dtype,
     (no copy, no host round trip: their values are not read, so not checked for NaN).
     Raises ValueError naming the key when one is missing, misshaped or unexpected, and
     TypeError for another dtype or a host array among device ones."""
-    from kernels import _check
-    missing = [k for k in shapes if k not in state_dict]
-    if missing:
-        raise ValueError(f"{what} state_dict: missing {len(missing)} key(s), first: {missing[:4]}")
-    unexpected = [k for k in state_dict if k not in shapes and not ignored(k)]
-    if unexpected:
-        raise ValueError(f"{what} state_dict: unexpected key(s) {unexpected[:4]} "
-                         "(does the config match the checkpoint?)")
+    _check_keys(shapes, state_dict, what, ignored)
     return {k: _check.device_array(f"{what} state_dict[{k!r}]", state_dict[k], dtype=dtype,
                                    shape=shape) for k, shape in shapes.items()}

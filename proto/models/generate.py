@@ -149,8 +149,9 @@ def _check_caches(caches, batch: int, need: int) -> None:
                              f"{cache.batch} max_len {cache.max_len}")
 
 
-def _dtype(model) -> np.dtype:
-    """The model's storage dtype: its logits' and its KV cache's."""
+def model_dtype(model) -> np.dtype:
+    """A model's storage dtype, its logits' and its KV cache's: `model.dtype`, float32 where
+    it has none (GPT-2, the LSTM)."""
     return np.dtype(getattr(model, "dtype", np.float32))
 
 
@@ -186,7 +187,8 @@ def greedy(model, prompt, *, max_new_tokens: int, eos: int | None = None, step=N
     if cache is not None:
         _check_caches([cache], B, need)
     _check_inputs(inputs, B)
-    cache = cache or KVCache(model.config, B, need, _dtype(model))
+    dtype = model_dtype(model)
+    cache = cache or KVCache(model.config, B, need, dtype)
     step = step or model.step
     inputs = inputs or DecodeInputs.allocate(B)
     times = PhaseTimes(synchronized=timed)
@@ -202,7 +204,7 @@ def greedy(model, prompt, *, max_new_tokens: int, eos: int | None = None, step=N
     for t in range(max_new_tokens):
         inputs.pos.copy_to_device(np.array([T0 - 1 + t], np.int32))
         clock.lap("prep_s")
-        logits = _logits(step, inputs.tokens, inputs.pos, cache, B, V, _dtype(model))
+        logits = _logits(step, inputs.tokens, inputs.pos, cache, B, V, dtype)
         clock.lap("model_s")
         sampling.topk(logits, 1, best[t].reshape(B, 1), next_tokens)  # argmax
         tok = next_tokens.copy_to_host()[:, 0]
@@ -256,7 +258,8 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
                              f"got {len(caches)}")
         _check_caches(caches, beam, need)
     _check_inputs(inputs, beam)
-    caches = caches or tuple(KVCache(model.config, beam, need, _dtype(model)) for _ in range(2))
+    dtype = model_dtype(model)
+    caches = caches or tuple(KVCache(model.config, beam, need, dtype) for _ in range(2))
     step = step or model.step
     inputs = inputs or DecodeInputs.allocate(beam)
     buf = _BeamBuffers(beam, V, k)
@@ -281,8 +284,7 @@ def beam_search(model, prompt, *, beam: int, max_new_tokens: int, eos: int | Non
             caches[cur].reorder_into(buf.parents, caches[1 - cur], length=inputs.pos)
             cur = 1 - cur
         clock.lap("prep_s")
-        logits = _logits(step, inputs.tokens, inputs.pos, caches[cur], beam, V,
-                         _dtype(model))   # (B, V)
+        logits = _logits(step, inputs.tokens, inputs.pos, caches[cur], beam, V, dtype)  # (B, V)
         clock.lap("model_s")
         # the top k of log_softmax(logits) + each beam's running score, over beams x vocab
         sampling.beam_topk(logits, buf.scores, k, buf.values, buf.indices)

@@ -25,7 +25,7 @@ import numpy as np
 from kernels import _check, embedding, gemm, layernorm, mlp, self_attention
 from proto.device.backend import cuda, empty, reshaped
 from proto.models import checked_params, random_params
-from proto.models.kv_cache import KVCache
+from proto.models.kv_cache import KVCache, check_step
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
 
@@ -156,15 +156,8 @@ class GPT2:
         Returns device float32 (B, T, V) logits, overwritten by the model's next step:
         logits[:, -1] are the next-token scores. For T = 1 it reshapes to a contiguous (B, V).
         """
-        _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
-        _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
-        B, T = tokens.shape
-        _check.positive("tokens.shape[0] (batch)", B, at_most=self.max_batch)
-        _check.positive("tokens.shape[1] (new tokens)", T, at_most=self.max_tokens)
-        if not isinstance(cache, KVCache) or cache.config != self.config or cache.batch != B:
-            raise ValueError(f"cache: expected a KVCache of this model's config with batch {B}")
-        if T > cache.max_len:
-            raise ValueError(f"tokens: {T} new tokens exceed cache.max_len={cache.max_len}")
+        B, T = check_step(tokens, pos, cache, config=self.config, max_batch=self.max_batch,
+                          max_tokens=self.max_tokens)
         C, V, N = self.config.n_embd, self.config.vocab_size, B * T
         x = self._empty("x", B, T, C)               # the residual stream, updated in place
         x2 = reshaped(x, (N, C))   # (the same view object step after step)

@@ -35,7 +35,7 @@ from kernels import _check, attention, embedding, gemm, layernorm, rotary as rot
 from proto.device.backend import cuda, empty, is_device_array, reshaped
 from proto.models import (checked_device_params, checked_params, random_device_params,
                           random_params)
-from proto.models.kv_cache import KVCache
+from proto.models.kv_cache import KVCache, check_step
 
 LN_EPS = 1e-5
 
@@ -186,8 +186,8 @@ class GPTJ:
     def _device_weights(self, config, state_dict, allow_nonfinite: bool) -> dict:
         """Every weight on the device in the model's dtype, by name. Device arrays of that
         dtype (say random_device_state_dict's, or a torch model's wrapped by
-        numba.cuda.as_cuda_array) are taken as they are, with no host round trip; host arrays are checked
-        (load_state_dict), converted and copied."""
+        numba.cuda.as_cuda_array) are taken as they are, with no host round trip; host
+        arrays are checked (load_state_dict), converted and copied."""
         if state_dict and all(is_device_array(v) for v in state_dict.values()):
             return checked_device_params(param_shapes(config), state_dict, self.dtype,
                                          what="GPT-J", ignored=_is_buffer)
@@ -236,17 +236,8 @@ class GPTJ:
                 are written, 0..pos-1 read. The caller keeps pos + T <= cache.max_len.
         Returns device (B, T, V) logits of the model's dtype, overwritten by the next step.
         """
-        _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
-        _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
-        B, T = tokens.shape
-        _check.positive("tokens.shape[0] (batch)", B, at_most=self.max_batch)
-        _check.positive("tokens.shape[1] (new tokens)", T, at_most=self.max_tokens)
-        if (not isinstance(cache, KVCache) or cache.config != self.config or cache.batch != B
-                or cache.dtype != self.dtype):
-            raise ValueError(f"cache: expected a KVCache of this model's config, batch {B} "
-                             f"and dtype {self.dtype}")
-        if T > cache.max_len:
-            raise ValueError(f"tokens: {T} new tokens exceed cache.max_len={cache.max_len}")
+        B, T = check_step(tokens, pos, cache, config=self.config, max_batch=self.max_batch,
+                          max_tokens=self.max_tokens, dtype=self.dtype)
         c = self.config
         C, V, F, N = c.n_embd, c.vocab_size, c.inner, B * T
         x = self._empty("x", B, T, C)               # the residual stream, updated in place

@@ -347,7 +347,7 @@ class GraphedDecoder(_GraphedModel):
                  shared_executables: int | None = None):
         self.model, self.config = model, model.config
         self.name = f"{type(model).__name__.lower()}-decode"   # (the memory tape's)
-        self.dtype = np.dtype(getattr(model, "dtype", np.float32))   # the caches'
+        self.dtype = generate.model_dtype(model)   # the caches'
         self.batch = _check.positive("batch", batch, at_most=model.max_batch)
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
         # (the beam search gathers one cache set into the other: two sets, save under copy

@@ -80,3 +80,22 @@ class KVCache:
             attention.reorder_rows(self.rows, index, dst.rows, length=length, stream=stream)
             return
         attention.gather_batch(self.data, index, dst.data, length=length, stream=stream)
+
+
+def check_step(tokens, pos, cache, *, config, max_batch: int, max_tokens: int,
+               dtype=np.float32) -> tuple[int, int]:
+    """A decoder step's arguments, checked before any launch: tokens device int32 (B, T) with
+    B <= max_batch and T <= max_tokens, pos device int32 (1,), cache a KVCache of `config`,
+    batch B and `dtype` holding T positions at least. Returns (B, T)."""
+    _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
+    _check.device_array("pos", pos, dtype=np.int32, shape=(1,))
+    B, T = tokens.shape
+    _check.positive("tokens.shape[0] (batch)", B, at_most=max_batch)
+    _check.positive("tokens.shape[1] (new tokens)", T, at_most=max_tokens)
+    if (not isinstance(cache, KVCache) or cache.config != config or cache.batch != B
+            or cache.dtype != np.dtype(dtype)):
+        raise ValueError(f"cache: expected a KVCache of this model's config, batch {B} "
+                         f"and dtype {np.dtype(dtype)}")
+    if T > cache.max_len:
+        raise ValueError(f"tokens: {T} new tokens exceed cache.max_len={cache.max_len}")
+    return B, T

@@ -65,7 +65,7 @@ class _DeviceLoop:
         self.batch = _check.positive("batch", batch)
         self.max_len = _check.positive("max_len", max_len, at_most=self.config.n_positions)
         self.cache = cache or KVCache(self.config, self.batch, self.max_len,
-                                      generate._dtype(model))
+                                      generate.model_dtype(model))
         self.tokens, self.pos, self.flag = _zeros(self.batch, 1), _zeros(1), _zeros(1)
         self.bad = _zeros(1)   # set on the device when a step's scores are not finite
 
@@ -175,7 +175,7 @@ class BeamLoop(_DeviceLoop):
         # One cache for both steps of a pass, two tables of rows: a reorder rewrites a table
         # (KVCache.pair), the K and V stay where they were written.
         self.cache, self.scratch = KVCache.pair(model.config, beam, max_len,
-                                                generate._dtype(model))
+                                                generate.model_dtype(model))
         super().__init__(model, beam, max_len, cache=self.cache)
         V = self.config.vocab_size
         self.k = generate.topk_width(beam)
