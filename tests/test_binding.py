@@ -114,9 +114,10 @@ def test_bad_live_prefixes_are_refused_before_any_copy(live, match, monkeypatch)
         np.testing.assert_array_equal(g.placeholders["x"].copy_to_host(), before)
 
 
-def test_an_input_named_live_is_refused_at_capture():
-    with pytest.raises(ValueError, match="'live' names replay's live-prefix argument"):
-        graph.capture(lambda live: None, {"live": dev(np.zeros(4, np.float32))})
+@pytest.mark.parametrize("name", ["live", "phase"])
+def test_an_input_named_like_an_argument_of_replay_is_refused_at_capture(name):
+    with pytest.raises(ValueError, match=f"'{name}' names an argument of replay"):
+        graph.capture(lambda **kw: None, {name: dev(np.zeros(4, np.float32))})
 
 
 def test_alias_rejects_an_array_that_is_not_the_placeholder():
@@ -147,8 +148,8 @@ def test_patch_rebinds_views_at_offsets_and_skips_unchanged_inputs(monkeypatch):
     with graph.capture(fn, {"x": x_ph}, binding="patch", executor=default_executor()) as g:
         assert g.slots == [Slot(0, 1, "x", 4), Slot(0, 2, "x", 0)]
         calls = []
-        real = g._executable.set_array_args
-        monkeypatch.setattr(g._executable, "set_array_args",
+        real = g._executables[0].set_array_args
+        monkeypatch.setattr(g._executables[0], "set_array_args",
                             lambda j, args: (calls.append((j, sorted(args))), real(j, args)))
         x = np.arange(n, dtype=np.float32).reshape(3, 4)
         dx = dev(x)

@@ -152,7 +152,7 @@ def test_a_while_graph_is_one_cuda_graph():
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # no fallback warning on this driver
         g = graph.capture(loop.step, {})
-    assert isinstance(g._executable, CudaExecutor)
+    assert isinstance(g._executables[0], CudaExecutor)
     loop.set(50, True)
     g.replay()
     assert loop.result() == want(50, True)

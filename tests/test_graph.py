@@ -70,8 +70,8 @@ def run_replay(graphed, binding, x, y):
 
 def count_launches(graphed, monkeypatch) -> list:
     launches = []
-    real = graphed._executable.launch
-    monkeypatch.setattr(graphed._executable, "launch", lambda: (launches.append(1), real()))
+    real = graphed._executables[0].launch
+    monkeypatch.setattr(graphed._executables[0], "launch", lambda: (launches.append(1), real()))
     return launches
 
 
@@ -229,7 +229,7 @@ def test_close_releases_graph_and_buffers():
         return tmp
 
     with graph.capture(step, {"x": x, "y": y}) as g:
-        executable = g._executable
+        executable = g._executables[0]
         assert captured["tmp"]() is g.outputs  # the recorded call's buffer is the output
     assert g.closed and executable.closed
     assert g.description is None and g.placeholders == {}

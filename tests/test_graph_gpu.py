@@ -34,7 +34,7 @@ def test_replay_matches_eager_on_the_gpu(executor, binding, n, seed, scale):
     rng, n = np.random.default_rng(seed), n * scale
     with graph.capture(make_step(n), {"x": dev(rand(rng, n)), "y": dev(rand(rng, n))},
                        binding=binding, executor=executor) as g:
-        assert isinstance(g._executable, CudaExecutor) == (executor == "cuda")
+        assert isinstance(g._executables[0], CudaExecutor) == (executor == "cuda")
         for _ in range(2):
             x, y = rand(rng, n, scale=2.0), rand(rng, n)
             run_replay(g, binding, x, y)
@@ -77,8 +77,8 @@ def test_wrong_inputs_rejected_before_any_graph_launch(binding, monkeypatch):
     with graph.capture(make_step(n), {"x": dev(np.zeros(n, np.float32)),
                                       "y": dev(np.zeros(n, np.float32))}, binding=binding) as g:
         launches = []
-        real = g._executable.launch
-        monkeypatch.setattr(g._executable, "launch", lambda: (launches.append(1), real()))
+        real = g._executables[0].launch
+        monkeypatch.setattr(g._executables[0], "launch", lambda: (launches.append(1), real()))
         with pytest.raises(ValueError, match=r"'y': expected shape \(1000,\) \(4000 bytes\), "
                                              r"got \(999,\)"):
             g.replay(x=g.placeholders["x"], y=dev(np.zeros(n - 1, np.float32)))
@@ -142,7 +142,7 @@ def test_close_destroys_the_graph_and_frees_its_buffers():
     assert recorded_view() is not None  # the recorded buffer lives on in the description
     pointer = recorded_view().__cuda_array_interface__["data"][0]
     assert _allocated(pointer)   # (the control: the question sees a live allocation)
-    executable = g._executable
+    executable = g._executables[0]
     g.close()
     assert executable.closed
     gc.collect()

@@ -217,7 +217,7 @@ def test_a_predicated_top_level_loop_relaunches_every_k_passes_and_keeps_its_bou
             g.replay()
             assert m.acc.copy_to_host()[0] == trips
             # K = 2 passes per launch: the host looks at the flag once per launch
-            assert g._executable.launches == want_launches
+            assert g._executables[0].launches == want_launches
         g.close()
 
 

@@ -20,9 +20,9 @@ from proto.graph.capture import CONTROLS, Graph, capture, default_executor
 from proto.graph.cuda import SharedExecutables
 from proto.graph.ir import Description, races
 from proto.graph.plan import Tape
-from proto.graph.record import (LoopBoundError, copy, if_then, record, record_event, recording,
-                                require_eager, wait_event, while_loop)
+from proto.graph.record import (LoopBoundError, copy, if_then, phase, record, record_event,
+                                recording, require_eager, wait_event, while_loop)
 
 __all__ = ["CONTROLS", "Description", "Graph", "LoopBoundError", "MODES", "ReplayStats",
-           "SharedExecutables", "Tape", "capture", "copy", "default_executor", "if_then", "races",
-           "record", "record_event", "recording", "require_eager", "wait_event", "while_loop"]
+           "SharedExecutables", "Tape", "capture", "copy", "default_executor", "if_then", "phase",
+           "races", "record", "record_event", "recording", "require_eager", "wait_event", "while_loop"]

@@ -54,7 +54,7 @@ from proto.device.backend import extent
 from proto.graph import plan as planner
 from proto.graph.binding import (MODES, Binder, ReplayStats, check_disjoint, check_inputs,
                                  check_live, input_slots, what_it_is)
-from proto.graph.ir import Description, races
+from proto.graph.ir import Description, races, segment
 from proto.graph.predicate import MAX_UNROLL, PredicatedExecutor
 from proto.graph.record import record, recording
 from proto.graph.walk import WalkExecutor
@@ -87,10 +87,17 @@ def default_executor() -> str:
 
 
 class Graph:
-    """A captured function: `replay(**inputs)` runs it again on new inputs. Made by `capture`."""
+    """A captured function: `replay(**inputs)` runs it again on new inputs. Made by `capture`.
+
+    A function that marked phases (proto.graph.record.phase) has an executable per phase:
+    `replay(**inputs)` runs them all, in order; `replay(phase=name, **inputs)` runs one,
+    and the phases of one step must be replayed in order, the inputs bound at the first.
+    Between them nothing else may run on the graph's arena (another graph of its tape):
+    the bytes a later phase reads were left there by an earlier one."""
 
     def __init__(self, description: Description, outputs, placeholders: dict, *, binding: str,
-                 executor: str, plan, tape, own_tape: bool, shared, control: str, unroll: int):
+                 executor: str, plan, tape, own_tape: bool, shared, control: str, unroll: int,
+                 parts=(("start", 0, None),)):
         self.description, self.outputs, self.placeholders = description, outputs, placeholders
         self.binding, self.executor, self.plan = binding, executor, plan
         self._tape, self._own_tape = tape, own_tape
@@ -99,35 +106,65 @@ class Graph:
             self.slots = input_slots([[(i, *extent(a)) for i, a in node.array_args()]
                                       for node in description.nodes],
                                      {name: extent(a) for name, a in placeholders.items()})
-        self._executable = _executor(description, executor, shared, control, unroll)
-        self._binder = Binder(binding, placeholders, self.slots, self._executable)
+        self.phases = tuple(name for name, _, _ in parts)
+        self._executables = []
+        try:
+            for _, lo, hi in parts:
+                part = description if len(parts) == 1 else segment(description, lo, hi)
+                self._executables.append(_executor(part, executor, shared, control, unroll))
+        except BaseException:
+            for e in self._executables:
+                e.close()
+            raise
+        self._binder = Binder(binding, placeholders, self.slots, self._executables[0])
+        self._next = 0   # the phase a replay may run next
         self.stats = ReplayStats()  # accumulated over replays
         self.last_stats = ReplayStats()
         self.capture_s: dict[str, float] = {}   # seconds a phase (set by `capture`)
 
     @property
     def closed(self) -> bool:
-        return self._executable is None
+        return self._executables is None
 
-    def replay(self, /, live: dict | None = None, **inputs):
+    def replay(self, /, live: dict | None = None, phase: str | None = None, **inputs):
         """Check the inputs (names, device, dtype, shape, layout) before anything moves, bind
         them, launch. Returns `outputs`. A graph with a WHILE loop waits for the GPU after the
         launch to read its loops' pass counters (LoopBoundError if one hit its bound).
 
         live: {input name: (axis, n)}: the graph reads only that input's first n entries along
-        `axis` this time (a KV cache's live positions), so copy binding copies only those."""
+        `axis` this time (a KV cache's live positions), so copy binding copies only those.
+        phase: run only that phase (see the class doc); None runs every phase."""
         if self.closed:
             raise RuntimeError("replay: the graph is closed")
+        if phase is None:
+            first, last = 0, len(self.phases)
+        else:
+            if phase not in self.phases:
+                raise ValueError(f"phase: expected one of {list(self.phases)}, got {phase!r}")
+            first = self.phases.index(phase)
+            last = first + 1
+            if first not in (0, self._next):
+                raise RuntimeError(f"replay(phase={phase!r}): the next phase of this step is "
+                                   f"{self.phases[self._next]!r}; phases run in order")
+            if first > 0 and (inputs or live):
+                raise ValueError(f"replay(phase={phase!r}): inputs are bound at the first "
+                                 f"phase, {self.phases[0]!r}")
         t0 = time.perf_counter()
-        check_inputs(self.placeholders, inputs)
-        if live:
-            check_live(self.placeholders, live)
-        moved = self._binder.bind(inputs, live)
+        moved = 0
+        if first == 0:
+            check_inputs(self.placeholders, inputs)
+            if live:
+                check_live(self.placeholders, live)
+            moved = self._binder.bind(inputs, live)
         bind_s = time.perf_counter() - t0
-        self._executable.launch()
-        self._executable.finish()
-        self.last_stats = ReplayStats(1, moved, bind_s)
-        self.stats += self.last_stats
+        for executable in self._executables[first:last]:
+            executable.launch()
+        for executable in self._executables[first:last]:
+            executable.finish()
+        self._next = last % len(self.phases)
+        if first == 0:
+            self.last_stats = ReplayStats(1, moved, bind_s)
+            self.stats += self.last_stats
         return self.outputs
 
     def prepare(self) -> None:
@@ -135,13 +172,17 @@ class Graph:
         retargeted to this graph now, while the GPU may still be busy); optional."""
         if self.closed:
             raise RuntimeError("prepare: the graph is closed")
-        self._executable.prepare()
+        for executable in self._executables:
+            executable.prepare()
 
     @property
     def memory_bytes(self) -> int | None:
-        """Device memory the executable took at instantiation (None: unmeasurable; 0 for a
+        """Device memory the executables took at instantiation (None: unmeasurable; 0 for a
         graph whose executable is shared)."""
-        return None if self.closed else self._executable.memory_bytes
+        if self.closed:
+            return None
+        sizes = [e.memory_bytes for e in self._executables]
+        return None if any(s is None for s in sizes) else sum(sizes)
 
     @property
     def private_bytes(self) -> int:
@@ -149,13 +190,14 @@ class Graph:
         return 0 if self.plan is not None else sum(b.nbytes for b in self.description.buffers)
 
     def close(self) -> None:
-        """Destroy the executable and drop every buffer reference the graph holds."""
-        if self._executable is not None:
+        """Destroy the executables and drop every buffer reference the graph holds."""
+        if self._executables is not None:
             backend.synchronize()  # a replay in flight must finish before its graph goes
-            self._executable.close()
+            for executable in self._executables:
+                executable.close()
         if self._own_tape and self._tape is not None:
             self._tape.close()
-        self._executable = self._binder = self.description = self.outputs = self._tape = None
+        self._executables = self._binder = self.description = self.outputs = self._tape = None
         self.placeholders, self.slots = {}, []
 
     def __enter__(self) -> "Graph":
@@ -163,6 +205,18 @@ class Graph:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _parts(phases: list[tuple[str, int]], n: int) -> list[tuple[str, int, int]]:
+    """(name, first node, end) of every non-empty phase; nodes before the first mark are the
+    phase "start"."""
+    marks = ([("start", 0)] if not phases or phases[0][1] > 0 else []) + list(phases)
+    parts = [(name, lo, marks[i + 1][1] if i + 1 < len(marks) else n)
+             for i, (name, lo) in enumerate(marks)]
+    empty = [name for name, lo, hi in parts if hi <= lo]
+    if empty:
+        raise ValueError(f"capture: phases {empty} launched no kernels and made no copies")
+    return parts
 
 
 def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str | None = None,
@@ -202,8 +256,9 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
         raise ValueError("tape: a tape places temporaries; it needs planned=True")
     if not isinstance(inputs, dict):
         raise TypeError(f"inputs: expected a dict of name -> device array, got {type(inputs).__name__}")
-    if "live" in inputs:
-        raise ValueError("inputs: 'live' names replay's live-prefix argument; rename that input")
+    for reserved in ("live", "phase"):
+        if reserved in inputs:
+            raise ValueError(f"inputs: {reserved!r} names an argument of replay; rename that input")
     for name, x in inputs.items():
         if not backend.is_device_array(x):
             raise TypeError(f"inputs: {name!r}: expected a device array (the graph's "
@@ -227,6 +282,11 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
         if found:
             raise ValueError(f"capture: nodes {found[:5]} touch the same bytes with no "
                              "order between them (a missing event wait between streams)")
+    parts = _parts(recorder.phases, len(description.nodes))
+    if len(parts) > 1 and (binding == "patch" or shared is not None):
+        raise ValueError("capture: a graph of several phases takes 'copy' or 'alias' binding "
+                         "and executables of its own (patch binding and a shared pool "
+                         "retarget one executable)")
     if binding == "patch" and description.has_conditionals:
         raise ValueError("binding 'patch' rewrites top-level nodes only, and a "
                          "conditional body may read the inputs too; use 'copy' or 'alias'")
@@ -243,7 +303,7 @@ def capture(fn: Callable, inputs: dict, *, binding: str = "copy", executor: str 
     try:                              # BUILD
         graph = Graph(description, outputs, placeholders, binding=binding,
                       executor=executor, plan=plan, tape=tape, own_tape=own_tape,
-                      shared=shared, control=control, unroll=unroll)
+                      shared=shared, control=control, unroll=unroll, parts=parts)
     except BaseException:
         if own_tape:
             tape.close()

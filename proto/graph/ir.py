@@ -183,6 +183,14 @@ class Description:
         return "\n".join(lines)
 
 
+def segment(description: Description, lo: int, hi: int) -> Description:
+    """Top-level nodes [lo, hi) as a description of their own, their waits renumbered (a
+    wait on a node before `lo` is dropped: the segment starts after the one before it has
+    finished). Buffers stay with the whole description."""
+    deps = [tuple(d - lo for d in waits if d >= lo) for waits in description.deps[lo:hi]]
+    return Description(description.nodes[lo:hi], deps)
+
+
 def ancestors(deps: list) -> list[int]:
     """Per node, a bit mask of every node that must finish before it starts."""
     masks = []

@@ -65,6 +65,7 @@ class Recorder:
         self._seen: Counter = Counter()           # (owner tag, name) -> allocations so far
         self._waits: dict = {}    # stream key -> nodes its next node waits for
         self._events: dict = {}   # id(event) -> (event, nodes its last record captured)
+        self.phases: list[tuple[str, int]] = []   # (name, first node) of each `phase` marked
 
     def _append(self, node, stream) -> None:
         key = _stream_key(stream)
@@ -304,6 +305,28 @@ def while_loop(flag, body: Callable[[], None], *, max_passes: int) -> int:
         body()
         passes += 1
     return passes
+
+
+def phase(name: str) -> None:
+    """Begin the phase `name` of the graph being recorded: the nodes from here to the next
+    phase (or the end) become an executable of their own, which the graph's owner replays
+    apart (`Graph.replay(phase=...)`): a training step's forward, then its backward and
+    update, as an autograd engine runs them. The memory planner still sees the whole step,
+    so a tensor the forward saves for the backward keeps its bytes from its write in one
+    phase to its last read in a later one. Nodes before the first mark form a phase
+    "start". Eagerly it does nothing; inside an IF or WHILE body it is refused (a body is
+    one node of its phase)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"phase: name: expected a non-empty string, got {name!r}")
+    if not _stack:
+        return
+    recorder = _stack[-1]
+    if recorder.root is not recorder:
+        raise RuntimeError(f"phase({name!r}): inside an IF or WHILE body; a phase begins "
+                           "between top-level nodes")
+    if any(n == name for n, _ in recorder.phases):
+        raise ValueError(f"phase({name!r}): this graph already has a phase of that name")
+    recorder.phases.append((name, len(recorder.nodes)))
 
 
 def if_then(flag, body: Callable[[], None]) -> bool:
