@@ -12,6 +12,16 @@ a large mean.
 
 x, gamma, beta and out are float32 or float16 (one dtype a launch); the statistics and the
 normalization are float32 either way, and a float16 result is rounded once, as it is stored.
+
+The backward (`layernorm_bwd`, float32) recomputes each row's mean and rstd from x. With
+xh = (x - mean) * rstd and g = dy * gamma:
+
+    dx     = rstd * (g - mean_row(g) - xh * mean_row(g * xh))
+    dgamma = sum over rows of dy * xh,   dbeta = sum over rows of dy
+
+One launch gives dx and, per chunk of CHUNK_ROWS rows, the chunk's column sums (partials in
+a workspace); a second adds the chunks' partials in chunk order. No atomics: the same bits
+every run.
 """
 from __future__ import annotations
 
@@ -20,10 +30,10 @@ import math
 import numpy as np
 
 from kernels import _check
-from kernels._reduce import (WARP_ELEMS, block_allreduce, warp_allreduce, warp_elems, warp_grid,
-                             warp_row)
+from kernels._reduce import (WARP_ELEMS, WARP_ROWS, block_allreduce, converged_syncthreads,
+                             warp_allreduce, warp_elems, warp_grid, warp_row)
 from proto.device import backend
-from proto.device.backend import cuda, jit_per_dtype, launch
+from proto.device.backend import cuda, jit, jit_per_dtype, launch
 
 MAX_THREADS = 256 if not backend.SIMULATOR else 32  # simulated threads cost ~1 ms each
 MIN_THREADS = 32 if not backend.SIMULATOR else 1    # a warp reads a row segment coalesced
@@ -38,6 +48,18 @@ def layernorm_ref(x, gamma, beta, eps: float = 1e-5) -> np.ndarray:
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
     return ((x - mean) / np.sqrt(var + eps) * gamma + beta).astype(np.float32)
+
+
+def layernorm_bwd_ref(x, gamma, dy, eps: float = 1e-5):
+    """-> (dx, dgamma, dbeta) of out = layernorm_ref(x, gamma, beta, eps) over the last axis
+    of (R, C) rows, given dy = dL/dout; float64 (finite differences check it)."""
+    x, gamma, dy = (np.asarray(a, np.float64) for a in (x, gamma, dy))
+    mean = x.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+    xh = (x - mean) * rstd
+    g = dy * gamma
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xh * (g * xh).mean(axis=-1, keepdims=True))
+    return dx, (dy * xh).sum(axis=0), dy.sum(axis=0)
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -133,3 +155,195 @@ def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
         return
     launch(layernorm_kernels[dtype], rows, block_threads(cols, MAX_THREADS),
            (x, gamma, beta, out, np.float32(eps)), stream)
+
+
+# ---------------------------------------------------------------------------- backward
+# Rows a block of the backward takes (a chunk): each of its WARP_ROWS warps takes
+# ROWS_PER_WARP of them, so a chunk's partial column sums cover CHUNK_ROWS rows. Fixed, not
+# sized to the GPU's SMs: the partials, hence dgamma's and dbeta's bits, depend on the shape
+# alone. Wav2Vec2's 1600 rows give 100 chunks.
+ROWS_PER_WARP = 4 if not backend.SIMULATOR else 2
+CHUNK_ROWS = WARP_ROWS * ROWS_PER_WARP
+SUM_UNROLL = 4   # partials a thread of sum_partials_kernel loads before it adds them
+_BWD_SIGNATURE = ("void(float32[:, ::1], float32[::1], float32[:, ::1], float32[:, ::1], "
+                  "float32[:, ::1], float32[:, ::1], float32)")
+
+
+@jit("void(float32[:, ::1], float32[::1])", writes=("out",))
+def sum_partials_kernel(part, out):
+    """out[j] = part[0, j] + part[1, j] + ... in row order: a thread a column (coalesced
+    across the warp), so the bits do not depend on the launch geometry. Each pass loads
+    SUM_UNROLL rows before it adds them, to keep several loads in flight."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    rows, cols = part.shape
+    v = cuda.local.array(SUM_UNROLL, np.float32)
+    for j in range(start, cols, stride):
+        s = _ZERO
+        for i0 in range(0, rows, SUM_UNROLL):
+            for k in range(SUM_UNROLL):
+                v[k] = part[min(i0 + k, rows - 1), j]
+            for k in range(SUM_UNROLL):
+                if i0 + k < rows:
+                    s += v[k]
+        out[j] = s
+
+
+@jit(_BWD_SIGNATURE, writes=("dx", "part_g", "part_b"))
+def layernorm_bwd_kernel(x, gamma, dy, dx, part_g, part_b, eps):
+    """Rows wider than a warp takes: a block a chunk of CHUNK_ROWS rows, one row at a time
+    across the block (four block reductions a row, at alternating halves of red, so each
+    reuse of a half comes after a barrier that follows its last read). Thread t owns columns
+    t, t + blockDim, ... of the chunk's partials in part_g, part_b and accumulates its rows
+    into them in row order."""
+    red = cuda.shared.array(64, np.float32)
+    chunk, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    rows, n = x.shape
+    inv_n = _ONE / np.float32(n)
+    for j in range(t, n, step):
+        part_g[chunk, j] = _ZERO
+        part_b[chunk, j] = _ZERO
+    for k in range(CHUNK_ROWS):
+        r = chunk * CHUNK_ROWS + k
+        if r < rows:   # the same for the whole block: its barriers stay matched
+            s = _ZERO
+            for j in range(t, n, step):
+                s += x[r, j]
+            mean = block_allreduce(s, False, red, 0) * inv_n
+            s = _ZERO
+            for j in range(t, n, step):
+                d = x[r, j] - mean
+                s += d * d
+            rstd = _ONE / math.sqrt(block_allreduce(s, False, red, 32) * inv_n + eps)
+            s1 = _ZERO
+            s2 = _ZERO
+            for j in range(t, n, step):
+                g = dy[r, j] * gamma[j]
+                s1 += g
+                s2 += g * ((x[r, j] - mean) * rstd)
+            m1 = block_allreduce(s1, False, red, 0) * inv_n
+            m2 = block_allreduce(s2, False, red, 32) * inv_n
+            for j in range(t, n, step):
+                d = dy[r, j]
+                xh = (x[r, j] - mean) * rstd
+                dx[r, j] = rstd * (d * gamma[j] - m1 - xh * m2)
+                part_g[chunk, j] += d * xh
+                part_b[chunk, j] += d
+
+
+def _make_layernorm_bwd_warp_kernel(E: int):
+    W32E = 32 * E   # (shared and local array sizes must be plain constants)
+
+    @jit(_BWD_SIGNATURE, writes=("dx", "part_g", "part_b"))
+    def layernorm_bwd_warp_kernel(x, gamma, dy, dx, part_g, part_b, eps):
+        """Rows of up to 32 E: a block a chunk of CHUNK_ROWS rows, a warp a row at a time
+        (rows w, w + WARP_ROWS, ... of the chunk for warp w), the row's x, dy in its lanes'
+        registers and its four sums by shuffles. Each warp adds its rows' dy * xh and dy into
+        its own row of shared partials; at the end the block adds the warps' in warp order."""
+        acc = cuda.shared.array((WARP_ROWS, 2, W32E), np.float32)
+        xv = cuda.local.array(E, np.float32)
+        dv = cuda.local.array(E, np.float32)
+        gv = cuda.local.array(E, np.float32)
+        w, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        rows, n = x.shape
+        inv_n = _ONE / np.float32(n)
+        for i in range(E):
+            j = lane + i * 32
+            gv[i] = gamma[min(j, n - 1)]
+            acc[w, 0, j] = _ZERO   # (only this lane touches it before the barrier)
+            acc[w, 1, j] = _ZERO
+        for k in range(ROWS_PER_WARP):
+            # Every warp runs every pass, a row or not: the simulator's stand-in for the
+            # shuffles holds a block barrier.
+            r = cuda.blockIdx.x * CHUNK_ROWS + k * WARP_ROWS + w
+            here = r < rows
+            rr = r if here else 0
+            s = _ZERO
+            for i in range(E):
+                j = lane + i * 32
+                ok = here and j < n
+                v = x[rr, j] if ok else _ZERO
+                xv[i] = v
+                dv[i] = dy[rr, j] if ok else _ZERO
+                s += v
+            mean = warp_allreduce(s, False) * inv_n
+            s = _ZERO
+            for i in range(E):
+                if lane + i * 32 < n:
+                    d = xv[i] - mean
+                    s += d * d
+            rstd = _ONE / math.sqrt(warp_allreduce(s, False) * inv_n + eps)
+            s1 = _ZERO
+            s2 = _ZERO
+            for i in range(E):
+                xh = (xv[i] - mean) * rstd
+                xv[i] = xh
+                if lane + i * 32 < n:
+                    g = dv[i] * gv[i]
+                    s1 += g
+                    s2 += g * xh
+            m1 = warp_allreduce(s1, False) * inv_n
+            m2 = warp_allreduce(s2, False) * inv_n
+            if here:
+                for i in range(E):
+                    j = lane + i * 32
+                    if j < n:
+                        d = dv[i]
+                        dx[r, j] = rstd * (d * gv[i] - m1 - xv[i] * m2)
+                        acc[w, 0, j] += d * xv[i]
+                        acc[w, 1, j] += d
+        converged_syncthreads()   # (lanes branched on their columns above)
+        for j in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+            sg = acc[0, 0, j]
+            sb = acc[0, 1, j]
+            for u in range(1, WARP_ROWS):
+                sg += acc[u, 0, j]
+                sb += acc[u, 1, j]
+            part_g[cuda.blockIdx.x, j] = sg
+            part_b[cuda.blockIdx.x, j] = sb
+    return layernorm_bwd_warp_kernel
+
+
+_LAYERNORM_BWD_WARP = {E: _make_layernorm_bwd_warp_kernel(E) for E in WARP_ELEMS}
+
+
+def sum_partials(part, out, stream=0) -> None:
+    """out (C,) = part (P, C) summed over its rows in row order (`sum_partials_kernel`): the
+    second step of a deterministic reduction. Unchecked: for launchers that made `part`."""
+    cols = part.shape[1]
+    threads = 32 if backend.SIMULATOR else 128
+    blocks = 1 if backend.SIMULATOR else -(-cols // threads)
+    launch(sum_partials_kernel, blocks, threads, (part, out), stream)
+
+
+def layernorm_bwd(x, gamma, dy, dx, dgamma, dbeta, *, eps=1e-5, stream=0):
+    """Gradients of out = layernorm(x) * gamma + beta over the last axis, given dy = dL/dout:
+    dx (R, C), and dgamma, dbeta (C,) summed over the rows (either may be None: not
+    computed). x, dy, dx (R, C) and gamma (C,), all float32; mean and rstd are recomputed
+    from x with the forward's eps. Outputs are overwritten, and none may overlap an input or
+    another output. Deterministic: the same bits every run."""
+    _check.device_array("x", x, ndim=2)
+    rows, cols = x.shape
+    _check.device_array("gamma", gamma, shape=(cols,))
+    _check.device_array("dy", dy, shape=(rows, cols))
+    _check.device_array("dx", dx, shape=(rows, cols))
+    for name, arr in (("dgamma", dgamma), ("dbeta", dbeta)):
+        if arr is not None:
+            _check.device_array(name, arr, shape=(cols,))
+    eps = _check.number("eps", eps, positive=True)
+    if rows > 2**31 - 1:
+        raise ValueError(f"x: {rows} rows exceed the grid limit")
+    _check.separate({"dx": dx, "dgamma": dgamma, "dbeta": dbeta},
+                    {"x": x, "gamma": gamma, "dy": dy})
+    chunks = -(-rows // CHUNK_ROWS)
+    part_g = backend.empty((chunks, cols), np.float32, "layernorm_bwd.dgamma")
+    part_b = backend.empty((chunks, cols), np.float32, "layernorm_bwd.dbeta")
+    args = (x, gamma, dy, dx, part_g, part_b, np.float32(eps))
+    E = warp_elems(cols)
+    if E is not None:
+        launch(_LAYERNORM_BWD_WARP[E], chunks, 32 * WARP_ROWS, args, stream)
+    else:
+        launch(layernorm_bwd_kernel, chunks, block_threads(cols, MAX_THREADS), args, stream)
+    if dgamma is not None:
+        sum_partials(part_g, dgamma, stream)
+    if dbeta is not None:
+        sum_partials(part_b, dbeta, stream)
