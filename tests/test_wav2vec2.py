@@ -1,0 +1,169 @@
+"""Wav2Vec2ForCTC training on the kernels: the loss against a float64 NumPy model written from
+the definitions, every gradient against finite differences of that model, the graphed step
+(forward and backward phases) against the eager one bit for bit, and transformers' model."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from experiments import timit
+from proto.models import wav2vec2 as w2v
+from proto.models import wav2vec2_reference as ref
+from tests.helpers import dev
+
+CFG = w2v.TINY
+
+
+def _batch(cfg, frames=(6, 4), seed=0, label_lengths=(2, 1)):
+    """A padded batch: sample b has frames[b] frames, the batch config.samples(max) samples."""
+    rng = np.random.default_rng(seed)
+    waves = [timit.normalize(rng.standard_normal(cfg.samples(f))) for f in frames]
+    texts = [rng.integers(1, cfg.vocab, n).astype(np.int32) for n in label_lengths]
+    (b,) = timit.make_batches(cfg, waves, texts, batch=len(frames), seed=seed)
+    return b
+
+
+def _device(b: timit.Batch):
+    return dev(b.waveform), dev(b.frames), dev(b.labels), dev(b.label_lengths)
+
+
+def test_frames_and_samples_invert_each_other():
+    for cfg in (w2v.BASE, CFG):
+        for T in (1, 2, 7, 65, 199):
+            L = cfg.samples(T)
+            assert cfg.frames(L) == T and cfg.frames(L - 1) == T - 1
+    assert w2v.BASE.samples(199) == 63760   # about 4 s at 16 kHz
+
+
+def test_loss_matches_the_float64_model():
+    state = w2v.random_state_dict(CFG, seed=1)
+    b = _batch(CFG)
+    model = w2v.Wav2Vec2ForCTC(CFG, state)
+    loss = model.train_step(*_device(b), update=False).copy_to_host()[0]
+    want, _ = ref.loss_and_logits(CFG, state, b.waveform, b.frames, b.labels, b.label_lengths)
+    assert np.isfinite(want) and want > 0
+    # float32 through ~40 ops of unit-scale data: a few 1e-6 relative; 1e-4 leaves room
+    assert abs(loss - want) <= 1e-4 * abs(want), (loss, want)
+
+
+def test_every_gradient_matches_finite_differences_of_the_float64_model():
+    """For every parameter tensor, <grad, u> along a random unit direction u equals the
+    central difference of the float64 loss along u: the whole backward (and that no
+    gradient is left unwritten) checked against the forward's definition."""
+    cfg = dataclasses.replace(CFG, layers=1)
+    state = w2v.random_state_dict(cfg, seed=2)
+    b = _batch(cfg, seed=3)
+    model = w2v.Wav2Vec2ForCTC(cfg, state)
+    model.train_step(*_device(b), update=False)
+    grads = model.grads.to_host()
+    rng = np.random.default_rng(4)
+    h = 1e-4
+
+    def loss_at(params):
+        return ref.loss_and_logits(cfg, params, b.waveform, b.frames, b.labels,
+                                   b.label_lengths)[0]
+    base = {k: v.astype(np.float64) for k, v in state.items()}
+    for name in state:
+        u = rng.standard_normal(state[name].shape)
+        u /= np.linalg.norm(u)
+        plus, minus = dict(base), dict(base)
+        plus[name], minus[name] = base[name] + h * u, base[name] - h * u
+        fd = (loss_at(plus) - loss_at(minus)) / (2 * h)
+        got = float((grads[name].astype(np.float64) * u).sum())
+        # fd's truncation error is O(h^2) (~1e-8 here); the float32 gradient's error is a few
+        # 1e-6 of the gradient's norm
+        scale = np.linalg.norm(grads[name]) + 1e-3
+        assert abs(got - fd) <= 1e-4 * scale, (name, got, fd)
+
+
+@pytest.mark.slow   # (about a minute on the simulator)
+def test_graphed_phases_equal_eager_steps_bit_for_bit():
+    """Three AdamW steps, eager and through GraphedTraining (a two-phase graph per length on
+    one tape, the batch written into the placeholders): identical weights."""
+    cfg = dataclasses.replace(CFG, layers=1)
+    state = w2v.random_state_dict(cfg, seed=5)
+    batches = [_batch(cfg, frames=f, seed=s) for s, f in enumerate([(6, 4), (5, 5), (6, 2)])]
+    eager = w2v.Wav2Vec2ForCTC(cfg, state)
+    losses = [eager.train_step(*_device(b)).copy_to_host()[0] for b in batches]
+    graphed = w2v.Wav2Vec2ForCTC(cfg, state)
+    with w2v.GraphedTraining(graphed, batch=2, max_frames=6, max_label=2) as g:
+        g.build([b.length for b in batches])
+        assert g.num_graphs == 2 and g.graphs[6].phases == ("forward", "backward")
+        assert g.private_bytes == 0 and g.arena_bytes > 0
+        for b, want in zip(batches, losses):
+            assert g.step(b).copy_to_host()[0] == want
+        with pytest.raises(KeyError, match="no graph for 3 frames"):
+            g.step(_batch(cfg, frames=(3, 2)))
+    got, want = graphed.params.to_host(), eager.params.to_host()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_bad_batches_are_refused_before_any_launch():
+    model = w2v.Wav2Vec2ForCTC(CFG, w2v.random_state_dict(CFG))
+    wave, frames, labels, lengths = _device(_batch(CFG))
+    with pytest.raises(ValueError, match="waveform: 27 samples is not a whole number"):
+        model.train_step(dev(np.zeros((2, 27), np.float32)), frames, labels, lengths)
+    with pytest.raises(TypeError, match="frames"):
+        model.train_step(wave, dev(np.zeros(2, np.int64)), labels, lengths)
+    with pytest.raises(ValueError, match="labels: expected 2 rows"):
+        model.train_step(wave, frames, dev(np.zeros((3, 2), np.int32)), lengths)
+    with pytest.raises(ValueError, match="missing"):
+        w2v.Wav2Vec2ForCTC(CFG, {})
+
+
+def test_synthetic_epoch_spreads_like_timit():
+    batches = timit.synthetic_epoch(w2v.BASE, steps=60, seed=1)
+    lengths = [b.length for b in batches]
+    assert len(batches) == 60 and 65 <= min(lengths) and max(lengths) <= 199
+    for b in batches:
+        assert b.waveform.shape == (8, w2v.BASE.samples(b.length))
+        assert (b.label_lengths >= 1).all() and (b.label_lengths <= b.frames // 2).all()
+        for r in range(8):   # each waveform is its frames' samples, zero after
+            n = w2v.BASE.samples(int(b.frames[r]))
+            assert not b.waveform[r, n:].any() and b.waveform[r, n - 1] != 0
+
+
+def test_transformers_state_dict_and_loss_match():
+    """transformers' Wav2Vec2ForCTC of the same config (float64, CPU): its state dict loads
+    unchanged, and its loss and every gradient match ours."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = CFG
+    hf_cfg = transformers.Wav2Vec2Config(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, intermediate_size=cfg.ffn, hidden_act="gelu",
+        conv_dim=cfg.conv_dim, conv_kernel=cfg.conv_kernel, conv_stride=cfg.conv_stride,
+        conv_bias=False, feat_extract_norm="group", feat_extract_activation="gelu",
+        num_conv_pos_embeddings=cfg.pos_kernel, num_conv_pos_embedding_groups=cfg.pos_groups,
+        do_stable_layer_norm=False, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
+        mask_time_prob=0.0, mask_feature_prob=0.0, pad_token_id=cfg.blank,
+        ctc_loss_reduction=cfg.ctc_reduction, layer_norm_eps=cfg.eps)
+    torch.manual_seed(0)
+    hf = transformers.Wav2Vec2ForCTC(hf_cfg).double()
+    hf.config._attn_implementation = "eager"
+    hf.train()
+    state = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    b = _batch(cfg, seed=7)
+    model = w2v.Wav2Vec2ForCTC(cfg, state)
+    loss = model.train_step(*_device(b), update=False).copy_to_host()[0]
+    mask = np.zeros(b.waveform.shape, np.int64)
+    for r, f in enumerate(b.frames):
+        mask[r, :cfg.samples(int(f))] = 1
+    labels = np.where(np.arange(b.labels.shape[1])[None] < b.label_lengths[:, None], b.labels, -100)
+    out = hf(torch.from_numpy(b.waveform.astype(np.float64)),
+             attention_mask=torch.from_numpy(mask), labels=torch.from_numpy(labels.astype(np.int64)))
+    out.loss.backward()
+    assert abs(loss - out.loss.item()) <= 1e-4 * abs(out.loss.item())
+    # Errors relative to each tensor's largest gradient: transformers' own float32 run is
+    # within 1.3e-6 of its float64 one at this size, and so are we; 1e-5 leaves room. A
+    # gradient that is zero in exact arithmetic (k_proj's bias: softmax ignores a shift) is
+    # rounding noise in both, held to 1e-7 of the model's largest gradient.
+    grads = model.grads.to_host()
+    want = {w2v._OLD_NAMES.get(n, n): p.grad.numpy() for n, p in hf.named_parameters()}
+    assert set(want) == set(grads)
+    largest = max(np.abs(g).max() for g in want.values())
+    for name, g in want.items():
+        np.testing.assert_allclose(grads[name], g, rtol=0,
+                                   atol=1e-5 * np.abs(g).max() + 1e-7 * largest, err_msg=name)
