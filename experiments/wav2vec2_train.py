@@ -1,0 +1,321 @@
+"""Wav2Vec2 CTC training with a graph pair per input length: ours on one memory tape, against
+transformers' eager step and PtGraph's per-length graphs.
+
+One epoch of synthetic TIMIT-like batches (experiments.timit: batch 8, audio up to 4 s,
+length-grouped, about 119 distinct encoder lengths from 65 to 199 frames), wav2vec2-base
+with random weights, AdamW (lr 1e-4, torch's defaults otherwise), float32. Each method runs
+in a process of its own (experiments.isolate), on the same batches from the same weights:
+
+  ours_eager       proto.models.wav2vec2.Wav2Vec2ForCTC.train_step, kernel by kernel;
+  ours_unplanned   GraphedTraining, planned=False: per length a forward graph and a backward
+                   graph (the step's two phases; CTC loss in the forward, AdamW in the
+                   backward), every temporary in the graph's private memory;
+  ours_planned     the same graphs with every length's temporaries on one memory tape (the
+                   activations the backward reads kept from their forward write);
+  hf_eager         transformers' Wav2Vec2ForCTC, forward with the attention mask, backward,
+                   torch.optim.AdamW, float32 (GPU only);
+  hf_amp           the same under float16 autocast with a GradScaler (GPU only);
+  ptgraph_private / ptgraph_shared   PtGraph: per length, the forward and backward up to the
+                   logits as graphs (torch.cuda.make_graphed_callables), a private memory
+                   pool each or one pool for all lengths; CTC loss and AdamW eager (GPU only).
+
+Graphs of every length the epoch needs are captured before it starts, largest first (capture
+time reported); gradients and AdamW's moments are allocated before the first memory reading
+by every method. Per method: milliseconds per step over the epoch after `warmup` steps (mean,
+median, p10, p90), the epoch's seconds, the loss of every step, and the device memory it
+holds beyond its weights, gradients and optimizer state once the epoch is done (free memory,
+read in its own process), split into buffers and executables where the method can tell them
+apart. The memory after each length's capture is also read: memory against lengths served.
+A method that runs out of memory while capturing reports how many lengths it served.
+
+    python -m experiments wav2vec2_train --size full
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from experiments import common, isolate, timit
+from proto.device import backend
+from proto.models import wav2vec2 as w2v
+
+NAME = "wav2vec2_train"
+METHODS = ["ours_eager", "ours_unplanned", "ours_planned", "hf_eager", "hf_amp",
+           "ptgraph_shared", "ptgraph_private"]
+TORCH_METHODS = ("hf_eager", "hf_amp", "ptgraph_shared", "ptgraph_private")
+SIZES = {
+    # (a simulated step of a one-layer model takes about 10 s: 2 steps of 2 lengths)
+    "toy": dict(config=dataclasses.replace(w2v.TINY, layers=1), batch=1, steps=2, min_frames=3,
+                max_frames=5, warmup=1, bits_steps=1, curve_steps=2),
+    "full": dict(config=w2v.BASE, batch=8, steps=497, min_frames=65, max_frames=199,
+                 warmup=10, bits_steps=5, curve_steps=20),
+}
+SEED = 0
+
+
+def epoch(size: str) -> list[timit.Batch]:
+    cfg = SIZES[size]
+    return timit.synthetic_epoch(cfg["config"], steps=cfg["steps"], batch=cfg["batch"],
+                                 seed=SEED, min_frames=cfg["min_frames"],
+                                 max_frames=cfg["max_frames"])
+
+
+def _free() -> int | None:
+    return None if backend.SIMULATOR else backend.settled_free_memory()[0]
+
+
+def _mib(before, after):
+    return None if before is None or after is None else round((before - after) / 2**20, 1)
+
+
+class _Ours:
+    def __init__(self, method: str, cfg: dict, state: dict, max_label: int):
+        self.model = w2v.Wav2Vec2ForCTC(cfg["config"], state)
+        self.g = None
+        if method != "ours_eager":
+            self.g = w2v.GraphedTraining(self.model, batch=cfg["batch"],
+                                         max_frames=cfg["max_frames"], max_label=max_label,
+                                         planned=method == "ours_planned")
+
+    def build(self, lengths, after_each) -> None:
+        if self.g is not None:
+            self.g.build(lengths, after_each)
+
+    def step(self, b: timit.Batch) -> float:
+        if self.g is not None:
+            return float(self.g.step(b).copy_to_host()[0])
+        arrays = (b.waveform, b.frames, b.labels, b.label_lengths)
+        loss = self.model.train_step(*(backend.cuda.to_device(np.ascontiguousarray(a))
+                                       for a in arrays))
+        return float(loss.copy_to_host()[0])
+
+    def info(self) -> dict:
+        if self.g is None:
+            return {"graphs": 0}
+        return {"graphs": 2 * self.g.num_graphs,
+                "arena_mib": round(self.g.arena_bytes / 2**20, 1),
+                "private_mib": round(self.g.private_bytes / 2**20, 1),
+                "executables_mib": None if self.g.memory_bytes is None else
+                round(self.g.memory_bytes / 2**20, 1)}
+
+    def close(self) -> None:
+        if self.g is not None:
+            self.g.close()
+
+
+class _Torch:
+    def __init__(self, method: str, cfg: dict, state: dict):
+        from experiments import torch_wav2vec2 as tw
+        import torch
+        self.torch = torch
+        if method.startswith("hf"):
+            self.t = tw.HFTrainer(cfg["config"], state, amp=method == "hf_amp")
+        else:
+            self.t = tw.PtGraphTrainer(cfg["config"], state, batch=cfg["batch"],
+                                       pool=method.split("_")[1])
+        self.reserved0 = torch.cuda.memory_reserved()
+
+    def build(self, lengths, after_each) -> None:
+        if hasattr(self.t, "build"):
+            self.t.build(lengths, after_each)
+
+    def step(self, b: timit.Batch) -> float:
+        return self.t.step(b)
+
+    def info(self) -> dict:
+        graphs = getattr(self.t, "graphed", None)
+        return {"graphs": 0 if graphs is None else 2 * len(graphs),
+                "pool_mib": round((self.torch.cuda.memory_reserved() - self.reserved0) / 2**20, 1)}
+
+    def close(self) -> None:
+        self.t.close()
+
+
+COLUMNS = ("method", "layers", "hidden", "batch", "steps", "lengths", "lengths_served",
+           "graphs", "capture_s", "epoch_s", "ms_per_step", "median_ms_per_step",
+           "p10_ms_per_step", "p90_ms_per_step", "timed_steps", "state_mib", "kept_mib",
+           "arena_mib", "private_mib", "executables_mib", "pool_mib", "error")
+
+
+def measure(method: str, size: str) -> dict:
+    """One method in this process: its row, the loss of every step, and its memory after
+    each length's capture."""
+    cfg = SIZES[size]
+    config = cfg["config"]
+    batches = epoch(size)
+    lengths = sorted({b.length for b in batches}, reverse=True)
+    max_label = max(b.labels.shape[1] for b in batches)
+    state = w2v.random_state_dict(config, SEED)
+    row = dict.fromkeys(COLUMNS) | {"method": method, "layers": config.layers,
+                                    "hidden": config.hidden, "batch": cfg["batch"],
+                                    "steps": len(batches), "lengths": len(lengths)}
+    free0 = _free()
+    m = _Torch(method, cfg, state) if method in TORCH_METHODS else _Ours(method, cfg, state, max_label)
+    free_ready = _free()
+    curve = []
+    t0 = time.perf_counter()
+    try:
+        m.build(lengths, lambda n: curve.append((n, _mib(free_ready, _free()))))
+    except Exception as exc:   # (PyTorch's out of memory: report how far it got)
+        if "out of memory" not in str(exc).lower():
+            raise
+        row.update(lengths_served=len(curve), error=str(exc).splitlines()[0][:200],
+                   state_mib=_mib(free0, free_ready), **m.info())
+        return {"row": row, "losses": [], "curve": curve}
+    capture_s = time.perf_counter() - t0
+    losses, times = [], []
+    for b in common.progress(batches, desc=method):
+        t = time.perf_counter()
+        losses.append(m.step(b))          # (reads the loss: waits for the step)
+        times.append(time.perf_counter() - t)
+    free_kept = _free()
+    timed = np.array(times[cfg["warmup"]:]) * 1e3
+    row.update(lengths_served=len(lengths), capture_s=round(capture_s, 2),
+               epoch_s=round(sum(times), 2), ms_per_step=round(float(timed.mean()), 3),
+               median_ms_per_step=round(float(np.median(timed)), 3),
+               p10_ms_per_step=round(float(np.percentile(timed, 10)), 3),
+               p90_ms_per_step=round(float(np.percentile(timed, 90)), 3),
+               timed_steps=len(timed), state_mib=_mib(free0, free_ready),
+               kept_mib=_mib(free_ready, free_kept), **m.info())
+    m.close()
+    return {"row": row, "losses": losses, "curve": curve}
+
+
+def check_bits(size: str) -> dict:
+    """Eager and planned graphed training from the same weights on the epoch's first steps:
+    are the weights bit for bit the same after them?"""
+    cfg = SIZES[size]
+    batches = epoch(size)[:cfg["bits_steps"]]
+    state = w2v.random_state_dict(cfg["config"], SEED)
+    eager = _Ours("ours_eager", cfg, state, 0)
+    for b in batches:
+        eager.step(b)
+    want = eager.model.params.to_host()
+    eager = None
+    graphed = _Ours("ours_planned", cfg, state, max(b.labels.shape[1] for b in batches))
+    graphed.build(sorted({b.length for b in batches}, reverse=True), None)
+    for b in batches:
+        graphed.step(b)
+    got = graphed.model.params.to_host()
+    graphed.close()
+    return {"steps": len(batches), "equal": all(np.array_equal(got[k], want[k]) for k in want)}
+
+
+def _available(method: str) -> str | None:
+    if method not in TORCH_METHODS:
+        return None
+    if backend.SIMULATOR:
+        return "needs a GPU (PyTorch on CUDA)"
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return f"not installed: {exc}"
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
+
+
+def run(size: str = "toy") -> None:
+    rows, losses, curves, unavailable = [], {}, [], {}
+    for method in common.progress(METHODS, desc=NAME):
+        why = _available(method)
+        if why is not None:
+            unavailable[method] = why
+            common.report(NAME, {"method": method, "unavailable": why})
+            continue
+        try:
+            result = isolate.run(f"{__name__}:measure", {"method": method, "size": size})
+        except isolate.ChildFailed as exc:
+            if method not in TORCH_METHODS:
+                raise
+            unavailable[method] = str(exc)[:300]
+            common.report(NAME, {"method": method, "unavailable": unavailable[method]})
+            continue
+        rows.append(result["row"])
+        losses[method] = result["losses"]
+        curves += [{"method": method, "lengths_served": n, "mib": mib} for n, mib in result["curve"]]
+        common.report(NAME, rows[-1])
+    bits = isolate.run(f"{__name__}:check_bits", {"size": size})
+    common.write_csv(NAME, rows)
+    if curves:
+        common.write_csv(f"{NAME}_curve", curves)
+    common.write_csv(f"{NAME}_loss", [{"method": m, "step": i, "loss": v}
+                                      for m, vals in losses.items() for i, v in enumerate(vals)])
+    common.write_summary(NAME, {**summarize(rows, losses, bits, SIZES[size]["curve_steps"]),
+                                "unavailable": unavailable})
+
+
+# The float32 bound on two float32 losses of one batch and weights: each is within about
+# 1e-6 relative of the exact loss at this depth (tests/test_wav2vec2.py measures 2e-7 against
+# float64 at the tiny size); twenty steps of AdamW at lr 1e-4 move weights by 2e-3 at most,
+# which carries a first-step difference on a little. 1e-4 relative leaves room for both.
+LOSS_RTOL = 1e-4
+
+
+def summarize(rows: list[dict], losses: dict, bits: dict, curve_steps: int) -> dict:
+    per = {r["method"]: r for r in rows}
+    ours = per["ours_planned"]
+
+    def ratio(a, b, key):
+        if a is None or b is None or a.get(key) in (None, "") or b.get(key) in (None, ""):
+            return None
+        return round(float(a[key]) / float(b[key]), 3)
+    ref = losses.get("hf_eager") or []
+    mine = losses.get("ours_planned") or []
+    n = min(curve_steps, len(ref), len(mine))
+    match = None if n == 0 else bool(np.all(
+        np.abs(np.array(mine[:n]) - np.array(ref[:n])) <= LOSS_RTOL * np.abs(np.array(ref[:n]))))
+    return {
+        "model": f"Wav2Vec2 ({rows[0]['layers']} layers, d {rows[0]['hidden']}), batch "
+                 f"{rows[0]['batch']}, {rows[0]['steps']} steps, {rows[0]['lengths']} lengths, float32",
+        "ms_per_step": {m: r["ms_per_step"] for m, r in per.items()},
+        "eager_over_ours_step": ratio(per.get("hf_eager"), ours, "ms_per_step"),
+        "amp_over_ours_step": ratio(per.get("hf_amp"), ours, "ms_per_step"),
+        "ours_eager_over_planned_step": ratio(per.get("ours_eager"), ours, "ms_per_step"),
+        "ptgraph_over_ours_memory": ratio(per.get("ptgraph_shared"), ours, "kept_mib"),
+        "ptgraph_private_over_ours_memory": ratio(per.get("ptgraph_private"), ours, "kept_mib"),
+        "unplanned_over_planned_memory": ratio(per.get("ours_unplanned"), ours, "kept_mib"),
+        "kept_mib": {m: r["kept_mib"] for m, r in per.items()},
+        "lengths_served": {m: r["lengths_served"] for m, r in per.items()},
+        "loss_matches_reference": match,
+        "loss_steps_compared": n,
+        "graphed_equals_eager": bits["equal"],
+        "graphed_equals_eager_steps": bits["steps"],
+    }
+
+
+def plot():
+    """Time per step by method; memory against lengths served; the loss curves."""
+    rows = common.read_csv(NAME)
+    fig, (ax, ax2, ax3) = common.new_figure(rows, 1, 3, figsize=(14, 4))
+    timed = [r for r in rows if r.get("ms_per_step") not in (None, "")]
+    bars = ax.bar(range(len(timed)), [float(r["ms_per_step"]) for r in timed],
+                  color=[f"C{i}" for i in range(len(timed))])
+    ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(timed)))
+    ax.set_xticklabels([r["method"] for r in timed], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per training step (mean over the epoch)")
+    ax.set_title(f"Wav2Vec2 training, batch {rows[0]['batch']}, float32", fontsize=9)
+    curve = common.read_csv(f"{NAME}_curve") if (common.results_dir() / f"{NAME}_curve.csv").exists() else []
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in curve)):
+        pts = [(int(r["lengths_served"]), float(r["mib"])) for r in curve
+               if r["method"] == method and r["mib"] not in (None, "")]
+        if pts:
+            ax2.plot(*zip(*pts), label=method, color=f"C{i}")
+    ax2.set_xlabel("lengths captured (largest first)")
+    ax2.set_ylabel("device memory beyond the model's state (MiB)")
+    ax2.set_title("memory of the graphs against lengths served", fontsize=9)
+    if ax2.lines:
+        ax2.legend(fontsize=7)
+    else:   # (the simulator reads no device memory)
+        ax2.text(0.5, 0.5, "no memory readings (simulator)", ha="center", transform=ax2.transAxes)
+    loss = common.read_csv(f"{NAME}_loss")
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in loss)):
+        pts = [(int(r["step"]), float(r["loss"])) for r in loss if r["method"] == method]
+        ax3.plot(*zip(*pts), label=method, color=f"C{i}", lw=0.8)
+    ax3.set_xlabel("step")
+    ax3.set_ylabel("CTC loss")
+    ax3.set_title("loss curves (same batches, same weights)", fontsize=9)
+    ax3.legend(fontsize=7)
+    return common.save_figure(fig, NAME)

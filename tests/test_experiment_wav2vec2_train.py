@@ -1,0 +1,41 @@
+"""The wav2vec2_train experiment at toy size: each method in its own process, the CSVs,
+summary and figure; the losses of eager and graphed training equal step by step, the
+weights bit for bit. Results go to a temporary folder."""
+import pytest
+
+from experiments import common, wav2vec2_train as w
+
+
+@pytest.mark.slow   # (make test-all and CI run it; make test does not)
+def test_wav2vec2_train_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    monkeypatch.setattr(w, "METHODS", ["ours_planned", "hf_eager"])
+    w.run("toy")
+    rows = common.read_csv(w.NAME)
+    assert [r["method"] for r in rows][:1] == ["ours_planned"]
+    assert all(r["git_commit"] and r["device"] for r in rows)
+    assert all(float(r["ms_per_step"]) > 0 and int(r["lengths_served"]) == int(r["lengths"])
+               for r in rows)
+    planned = next(r for r in rows if r["method"] == "ours_planned")
+    assert int(planned["graphs"]) == 2 * int(planned["lengths"]) and int(planned["lengths"]) >= 1
+    losses = [float(r["loss"]) for r in common.read_csv(f"{w.NAME}_loss")]
+    assert len(losses) == w.SIZES["toy"]["steps"] and all(v > 0 for v in losses)
+    summary = common.read_summary(w.NAME)
+    assert summary["graphed_equals_eager"] is True
+    for key in ("eager_over_ours_step", "ptgraph_over_ours_memory", "loss_matches_reference"):
+        assert key in summary
+    assert "hf_eager" in summary["unavailable"] or "hf_eager" in summary["ms_per_step"]
+    assert w.plot().exists()
+
+
+def test_summary_ratios_and_the_loss_check():
+    rows = [{"method": m, "layers": 12, "hidden": 768, "batch": 8, "steps": 3, "lengths": 2,
+             "ms_per_step": ms, "kept_mib": mib, "lengths_served": 2}
+            for m, ms, mib in (("ours_planned", 50.0, 100.0), ("hf_eager", 80.0, 900.0),
+                               ("ptgraph_shared", 70.0, 2500.0))]
+    losses = {"ours_planned": [10.0, 9.0, 8.0], "hf_eager": [10.0, 9.0 * (1 + 2e-4), 8.0]}
+    s = w.summarize(rows, losses, {"equal": True, "steps": 5}, curve_steps=2)
+    assert s["eager_over_ours_step"] == 1.6 and s["ptgraph_over_ours_memory"] == 25.0
+    assert s["loss_matches_reference"] is False and s["loss_steps_compared"] == 2
+    losses["hf_eager"][1] = 9.0 * (1 + 5e-5)
+    assert w.summarize(rows, losses, {"equal": True, "steps": 5}, 2)["loss_matches_reference"]
