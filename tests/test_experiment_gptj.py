@@ -14,7 +14,9 @@ def test_gptj_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     gptj.run("toy")
     rows = common.read_csv("gptj")
     assert [r["method"] for r in rows][:2] == ["ours_eager", "ours_device"]
-    assert all(r["same_tokens_as_eager"] == "True" for r in rows if r["method"] != "hf_generate")
+    # (ptgraph_step times one step: no tokens to compare; transformers' may part at a near-tie)
+    assert all(r["same_tokens_as_eager"] == "True" for r in rows
+               if r["method"] not in ("hf_generate", "ptgraph_step"))
     assert all(r["git_commit"] and r["device"] for r in rows)
     assert all(float(r["ms_per_token"]) > 0 for r in rows if r["method"] != "ptgraph_step")
     assert all(float(r["step_us"]) > 0 for r in rows if r["method"] == "ptgraph_step")

@@ -131,27 +131,29 @@ def test_rejects_bad_input_before_launch():
 
 
 def test_matches_torch_autograd():
-    """torch computes 0.5 x (1 + erf(x/√2)) in float32: 1 + erf rounds to ulp(1) ~ 2u
-    absolute in the negative tail, an absolute error up to ~|x| u in its gelu (4 u |x|
-    allowed) on top of the forward bound above; its backward's error is within the same
-    16 (1 + x^2) u |dy| (Phi + |x| phi) + 4 u |dy| as ours. Shapes: tiny on the simulator,
-    Wav2Vec2-base's FFN activation (8 x 199 x 3072) on a GPU."""
+    """torch's GELU and its autograd in float64 as the truth: ours within the bounds the
+    tests above derive for our float32 arithmetic (torch's own float32 GELU is not the truth:
+    its vectorized erf on the CPU differs from the exact value by more than ours, measured on
+    the GPU lane at this size). Shapes: tiny on the simulator, Wav2Vec2-base's FFN activation
+    (8 x 199 x 3072) on a GPU."""
     torch = pytest.importorskip("torch")
     shape = (2, 3, 5) if backend.SIMULATOR else (8, 199, 3072)
     rng = np.random.default_rng(7)
     x = _xs(rng, math.prod(shape)).reshape(shape)
     dy = rand(rng, *shape)
-    tx = torch.tensor(x, requires_grad=True)
+    tx = torch.tensor(x.astype(np.float64), requires_grad=True)
     ty = torch.nn.functional.gelu(tx)
-    ty.backward(torch.tensor(dy))
+    ty.backward(torch.tensor(dy.astype(np.float64)))
     out, dx = cuda.device_array(shape, np.float32), cuda.device_array(shape, np.float32)
     ew.gelu_erf(dev(x), out)
     ew.gelu_erf_bwd(dev(x), dev(dy), dx)
     x64, dy64 = x.astype(np.float64), np.abs(dy.astype(np.float64))
-    want = ew.gelu_erf_ref(x, np.float64)
-    fwd_bound = 2 * (8 + 2 * x64 * x64) * U * np.abs(want) + 4 * U * np.abs(x64) + TINY
-    err = np.abs(out.copy_to_host().astype(np.float64) - ty.detach().numpy())
+    want = ty.detach().numpy()
+    # (+ torch's own float64 error: 1 + erf cancels to ulp(1) = 2^-52 in the negative tail)
+    fwd_bound = 2 * (8 + 2 * x64 * x64) * U * np.abs(want) + 2.0 ** -50 * np.abs(x64) + TINY
+    err = np.abs(out.copy_to_host().astype(np.float64) - want)
     assert np.all(err <= fwd_bound), float(np.max(err - fwd_bound))
-    bwd_bound = 2 * 16 * (1 + x64 * x64) * U * dy64 * _phi_terms(x) + 4 * U * dy64 + TINY
+    bwd_bound = (2 * 16 * (1 + x64 * x64) * U * dy64 * _phi_terms(x)
+                 + 2.0 ** -50 * dy64 * (1 + np.abs(x64)) + TINY)
     err = np.abs(dx.copy_to_host().astype(np.float64) - tx.grad.numpy())
     assert np.all(err <= bwd_bound), float(np.max(err - bwd_bound))
