@@ -172,6 +172,7 @@ def test_grouped_backward_weight_matches_reference(data, splits, scale):
     assert db is None or np.array_equal(db.copy_to_host(), first[1])
 
 
+@pytest.mark.slow   # (5 to 10 s each on the simulator; make test-all and CI run them)
 @pytest.mark.parametrize("tiles", conv1d.GPU_GROUPED_TILES)
 def test_gpu_grouped_tiles_on_a_small_problem(tiles):
     """The GPU's tiles run here too: 3 output channels of a group (of the tile's 48), 40
@@ -188,6 +189,7 @@ def test_gpu_grouped_tiles_on_a_small_problem(tiles):
     assert_sum_close(dx, conv1d.conv1d_grouped_bwd_data_ref(dy, w, 40, **g), 3 * 66)
 
 
+@pytest.mark.slow   # (5 to 10 s each on the simulator; make test-all and CI run them)
 @pytest.mark.parametrize("tiles", conv1d.GPU_GROUPED_WGRAD_TILES)
 def test_gpu_grouped_wgrad_tiles_on_a_small_problem(tiles):
     """130 taps: a second tap tile of the 128; 50 output channels of a group: a second

@@ -35,26 +35,20 @@ def test_frames_and_samples_invert_each_other():
     assert w2v.BASE.samples(199) == 63760   # about 4 s at 16 kHz
 
 
-def test_loss_matches_the_float64_model():
-    state = w2v.random_state_dict(CFG, seed=1)
-    b = _batch(CFG)
-    model = w2v.Wav2Vec2ForCTC(CFG, state)
-    loss = model.train_step(*_device(b), update=False).copy_to_host()[0]
-    want, _ = ref.loss_and_logits(CFG, state, b.waveform, b.frames, b.labels, b.label_lengths)
-    assert np.isfinite(want) and want > 0
-    # float32 through ~40 ops of unit-scale data: a few 1e-6 relative; 1e-4 leaves room
-    assert abs(loss - want) <= 1e-4 * abs(want), (loss, want)
-
-
-def test_every_gradient_matches_finite_differences_of_the_float64_model():
-    """For every parameter tensor, <grad, u> along a random unit direction u equals the
-    central difference of the float64 loss along u: the whole backward (and that no
-    gradient is left unwritten) checked against the forward's definition."""
+def test_loss_and_every_gradient_match_the_float64_model():
+    """The loss equals the float64 model's; for every parameter tensor, <grad, u> along a
+    random unit direction u equals the central difference of the float64 loss along u: the
+    whole backward (and that no gradient is left unwritten) checked against the forward's
+    definition."""
     cfg = dataclasses.replace(CFG, layers=1)
     state = w2v.random_state_dict(cfg, seed=2)
     b = _batch(cfg, seed=3)
     model = w2v.Wav2Vec2ForCTC(cfg, state)
-    model.train_step(*_device(b), update=False)
+    loss = model.train_step(*_device(b), update=False).copy_to_host()[0]
+    want, _ = ref.loss_and_logits(cfg, state, b.waveform, b.frames, b.labels, b.label_lengths)
+    assert np.isfinite(want) and want > 0
+    # float32 through ~40 ops of unit-scale data: a few 1e-6 relative; 1e-4 leaves room
+    assert abs(loss - want) <= 1e-4 * abs(want), (loss, want)
     grads = model.grads.to_host()
     rng = np.random.default_rng(4)
     h = 1e-4
@@ -78,11 +72,11 @@ def test_every_gradient_matches_finite_differences_of_the_float64_model():
 
 @pytest.mark.slow   # (about a minute on the simulator)
 def test_graphed_phases_equal_eager_steps_bit_for_bit():
-    """Three AdamW steps, eager and through GraphedTraining (a two-phase graph per length on
+    """Two AdamW steps, eager and through GraphedTraining (a two-phase graph per length on
     one tape, the batch written into the placeholders): identical weights."""
     cfg = dataclasses.replace(CFG, layers=1)
     state = w2v.random_state_dict(cfg, seed=5)
-    batches = [_batch(cfg, frames=f, seed=s) for s, f in enumerate([(6, 4), (5, 5), (6, 2)])]
+    batches = [_batch(cfg, frames=f, seed=s) for s, f in enumerate([(6, 4), (5, 5)])]
     eager = w2v.Wav2Vec2ForCTC(cfg, state)
     losses = [eager.train_step(*_device(b)).copy_to_host()[0] for b in batches]
     graphed = w2v.Wav2Vec2ForCTC(cfg, state)
