@@ -9,7 +9,8 @@
 # Steps: lane (the GPU tests, about 4 minutes), graph_memory (the memory figure, each method
 # in its own process, about 8), sanitize (compute-sanitizer's four tools over the GPU tests,
 # at most 15), kernel_speed (every kernel against PyTorch's), gptj (GPT-J-6B in float16,
-# about 12), probes (the kernel cache's test, then where recording GPT-2 takes memory).
+# about 12), wav2vec2 (an epoch of Wav2Vec2 training per method, about 10), probes (the
+# kernel cache's test, then where recording GPT-2 takes memory).
 # The kernels load from Numba's cache after the first process compiles them: a fresh machine
 # spends about a minute on that once. The steps run in a copy of the checkout,
 # /tmp/gpu_session/tree, which later `run` calls leave alone. Each step's log is in
@@ -43,6 +44,7 @@ for s in "$@"; do case $s in
   lane) step lane 900 python3 -m tests.gpu_lane ;;
   kernel_speed) step kernel_speed 900 python3 -m experiments kernel_speed --size full ;;
   gptj) step gptj 1500 python3 -m experiments gptj --size full ;;
+  wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
   sanitize) step sanitize 900 python3 -m tests.sanitize ;;
   *) echo "unknown step $s" >> $L/steps.txt ;;
 esac; done

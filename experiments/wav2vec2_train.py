@@ -158,8 +158,8 @@ def measure(method: str, size: str) -> dict:
     t0 = time.perf_counter()
     try:
         m.build(lengths, lambda n: curve.append((n, _mib(free_ready, _free()))))
-    except Exception as exc:   # (PyTorch's out of memory: report how far it got)
-        if "out of memory" not in str(exc).lower():
+    except Exception as exc:   # out of memory (PyTorch's or the driver's): how far it got
+        if not any(w in str(exc).lower() for w in ("out of memory", "out_of_memory")):
             raise
         row.update(lengths_served=len(curve), error=str(exc).splitlines()[0][:200],
                    state_mib=_mib(free0, free_ready), **m.info())
