@@ -1,0 +1,88 @@
+"""Wav2Vec2-base's convolutions (kernels.conv1d) and weight norm, timed beside cuDNN (TF32
+off) when PyTorch is installed.  python -m dev.bench.bench_conv1d [batch]"""
+import numpy as np
+
+from kernels.conv1d import (conv1d, conv1d_bwd_data, conv1d_bwd_weight, conv1d_grouped,
+                            conv1d_grouped_bwd_data, conv1d_grouped_bwd_weight,
+                            conv1d_grouped_flops, conv1d_out_size, weight_norm, weight_norm_bwd)
+from proto.device import backend
+from proto.device.backend import cuda
+
+
+def main(argv=None):
+    """Time Wav2Vec2-base's convolutions (batch 8) and weight norm, next to PyTorch (cuDNN,
+    TF32 off) when it is installed:  python -m dev.bench.bench_conv1d [batch]"""
+    import sys
+
+    from proto.device import timing
+    argv = sys.argv[1:] if argv is None else argv
+    B = int(argv[0]) if argv else 8
+    rng = np.random.default_rng(0)
+    try:
+        import torch
+        torch.backends.cudnn.allow_tf32 = False
+        F = torch.nn.functional
+    except ImportError:
+        torch = None
+    print(f"Wav2Vec2-base convolutions, batch {B}, {backend.describe()}")
+    print(f"{'layer':>28} | {'fwd':>14} {'bwd_data':>14} {'bwd_weight':>14}   TFLOPS (ms)"
+          + ("   | cuDNN fwd, data, weight" if torch else ""))
+
+    def row(name, flops, runs, torch_runs):
+        cells = []
+        for run in runs:
+            t = timing.bench(run, warmup=2, reps=10)
+            cells.append(f"{flops / t.median_ms / 1e9:6.1f} ({t.median_ms:6.3f})")
+        line = f"{name:>28} | " + " ".join(cells)
+        if torch_runs:
+            line += "   | " + " ".join(
+                f"{flops / timing.bench(f, warmup=2, reps=10).median_ms / 1e9:6.1f}"
+                for f in torch_runs)
+        print(line, flush=True)
+
+    def arr(*shape):
+        return cuda.to_device(rng.standard_normal(shape, dtype=np.float32))
+
+    C, T = 1, 16000 * 4
+    for K, k, s in ((512, 10, 5), (512, 3, 2), (512, 3, 2), (512, 3, 2), (512, 3, 2),
+                    (512, 2, 2), (512, 2, 2)):
+        T_out = conv1d_out_size(T, k, s)
+        x, w, dy = arr(B, C, T), arr(K, C, k), arr(B, K, T_out)
+        out, dx, dw = (cuda.device_array(a.shape, np.float32) for a in (dy, x, w))
+        runs = [lambda: conv1d(x, w, None, out, stride=s),
+                lambda: conv1d_bwd_data(dy, w, dx, stride=s),
+                lambda: conv1d_bwd_weight(x, dy, dw, None, stride=s)]
+        torch_runs = None
+        if torch is not None:
+            tx, tw, ty = (torch.as_tensor(a, device="cuda") for a in (x, w, dy))
+            torch_runs = [lambda: F.conv1d(tx, tw, stride=s),
+                          lambda: torch.nn.grad.conv1d_input(tx.shape, tw, ty, stride=s),
+                          lambda: torch.nn.grad.conv1d_weight(tx, tw.shape, ty, stride=s)]
+        row(f"conv {C}->{K} k{k} s{s} T{T}", 2.0 * B * K * T_out * C * k, runs, torch_runs)
+        C, T = K, T_out
+
+    C, G, k, pad = 768, 16, 128, 64
+    v, g = arr(C, C // G, k), arr(1, 1, k)
+    for T in (65, 199):
+        x, w, b, dy = arr(B, C, T), arr(C, C // G, k), arr(C), arr(B, C, T)
+        out, dx, dw, db = (cuda.device_array(a.shape, np.float32) for a in (dy, x, w, b))
+        runs = [lambda: conv1d_grouped(x, w, b, out, groups=G, pad=pad),
+                lambda: conv1d_grouped_bwd_data(dy, w, dx, groups=G, pad=pad),
+                lambda: conv1d_grouped_bwd_weight(x, dy, dw, db, groups=G, pad=pad)]
+        torch_runs = None
+        if torch is not None:
+            tx, tw, tb = (torch.as_tensor(a, device="cuda") for a in (x, w, b))
+            ty = torch.zeros((B, C, T + 1), device="cuda")   # torch's conv gives T + 1 frames
+            torch_runs = [
+                lambda: F.conv1d(tx, tw, tb, padding=pad, groups=G),
+                lambda: torch.nn.grad.conv1d_input(tx.shape, tw, ty, padding=pad, groups=G),
+                lambda: torch.nn.grad.conv1d_weight(tx, tw.shape, ty, padding=pad, groups=G)]
+        row(f"positional T{T}", conv1d_grouped_flops(B, C, C, T, k, G), runs, torch_runs)
+    w, dv, dg = (cuda.device_array(a.shape, np.float32) for a in (v, v, g))
+    for name, run in (("weight_norm", lambda: weight_norm(v, g, w)),
+                      ("weight_norm_bwd", lambda: weight_norm_bwd(v, g, w, dv, dg))):
+        print(f"{name:>28} | {timing.bench(run, warmup=2, reps=10).median_ms:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
