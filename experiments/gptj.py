@@ -23,7 +23,9 @@ reads is its own and no method inherits another's warm driver:
   hf_generate       transformers' GPTJForCausalLM in float16, loaded with the same device
                     weights (zero copy, through the CUDA array interface), searched by its own
                     generate(num_beams=5) with its default attention and cache, as a user calls
-                    it (GPU only).
+                    it (GPU only);
+  hf_compiled       the same with transformers' recipe for fast decoding: its static cache
+                    and the forward under torch.compile(mode="reduce-overhead") (GPU only).
 
 Per method: a short warm-up generation, `reps` whole generations timed (median ms per token,
 p10 and p90 in the CSV), their tokens against ours_eager's, build time and the device memory
@@ -33,8 +35,7 @@ against its bandwidth floor: every weight and the live K and V read once at the 
 measured copy rate (`gptj_step_over_bandwidth_floor`).
 
 PyTorch's methods run where PyTorch sees a GPU; one that fails is reported in the summary's
-`unavailable` with its error, and the run goes on. Not tried yet: transformers' static cache
-with torch.compile.
+`unavailable` with its error, and the run goes on.
 Toy size: a one-layer model, 4 tokens, on the simulator (timings mean nothing there).
 
     python -m experiments gptj --size full
@@ -52,8 +53,9 @@ from proto.models.gptj import GPTJ, GPTJ_6B, GPTJConfig, random_device_state_dic
 
 NAME = "gptj"
 METHODS = ["ours_eager", "ours_per_length", "ours_device", "ours_while", "ptgraph_step",
-           "ptgraph_shared", "ptgraph_private", "hf_generate"]
-TORCH_METHODS = ("ptgraph_step", "ptgraph_shared", "ptgraph_private", "hf_generate")
+           "ptgraph_shared", "ptgraph_private", "hf_generate", "hf_compiled"]
+TORCH_METHODS = ("ptgraph_step", "ptgraph_shared", "ptgraph_private", "hf_generate",
+                 "hf_compiled")
 SIZES = {
     # (a simulated GPT-J step takes seconds: the toy generates 2 tokens, once)
     "toy": dict(config=GPTJConfig(n_layer=1, n_embd=8, n_head=1, vocab_size=11,
@@ -140,10 +142,10 @@ class _PtGraph:
 class _HF:
     """transformers' GPTJForCausalLM in float16 with the same weights, its own generate."""
 
-    def __init__(self, config: GPTJConfig, state_dict: dict, beam: int):
+    def __init__(self, config: GPTJConfig, state_dict: dict, beam: int, compiled: bool = False):
         import torch
         import transformers
-        self.torch, self.beam = torch, beam
+        self.torch, self.beam, self.compiled = torch, beam, compiled
         hf_config = transformers.GPTJConfig(
             vocab_size=config.vocab_size, n_positions=config.n_positions,
             n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
@@ -163,15 +165,21 @@ class _HF:
         if missing or unexpected:
             raise ValueError(f"GPT-J weights: missing {missing[:4]}, unexpected {unexpected[:4]}")
         self.model.eval()
+        if compiled:   # (as experiments.hf_gpt2 compiles GPT-2's, and for the same reason)
+            import torch._inductor.config as inductor
+            inductor.use_static_cuda_launcher = False
+            self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead",
+                                               fullgraph=True)
 
     def generate(self, prompt, new: int):
         torch = self.torch
         ids = torch.as_tensor(np.asarray(prompt, np.int64)[None], device="cuda")
+        extra = {"cache_implementation": "static"} if self.compiled else {}
         with torch.no_grad():
             out = self.model.generate(ids, num_beams=self.beam, num_return_sequences=1,
                                       max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                       length_penalty=1.0, early_stopping=False,
-                                      eos_token_id=None, pad_token_id=0)
+                                      eos_token_id=None, pad_token_id=0, **extra)
         torch.cuda.synchronize()
         return generate.Generation(out[0].cpu().numpy(), float("nan"),
                                    generate.PhaseTimes(steps=new, synchronized=True))
@@ -214,8 +222,8 @@ def measure(method: str, size: str) -> dict:
     t0 = time.perf_counter()
     if method == "ptgraph_step":
         return _ptgraph_step(cfg, weights, row, free_start, t0)
-    if method == "hf_generate":
-        m, model = _HF(config, weights, beam), None
+    if method.startswith("hf_"):
+        m, model = _HF(config, weights, beam, compiled=method == "hf_compiled"), None
     elif method.startswith("ptgraph"):
         m, model = _PtGraph(cfg, weights, method.split("_")[1]), None
     else:
@@ -280,7 +288,7 @@ def _available(method: str) -> str | None:
         return "needs a GPU (PyTorch on CUDA)"
     try:
         import torch
-        if method == "hf_generate":
+        if method.startswith("hf_"):
             import transformers  # noqa: F401
     except ImportError as exc:
         return f"not installed: {exc}"
@@ -312,7 +320,6 @@ def run(size: str = "toy") -> None:
             same = bool(np.array_equal(tokens, want))
         rows.append({**result["row"], "same_tokens_as_eager": same})
         common.report(NAME, rows[-1])
-    unavailable["hf_compiled"] = "transformers' static cache with torch.compile is not tried yet"
     common.write_csv(NAME, rows)
     common.write_summary(NAME, {**summarize(rows), "unavailable": unavailable})
 
@@ -324,6 +331,7 @@ def summarize(rows: list[dict]) -> dict:
     device = per["ours_device"]
     floor = device.get("floor_us")
     hf, torch_step = per.get("hf_generate"), per.get("ptgraph_step")
+    compiled = per.get("hf_compiled")
     return {
         "model": f"GPT-J ({rows[0]['n_layer']} layers, d {rows[0]['n_embd']}), beam "
                  f"{rows[0]['beam']}, prompt {rows[0]['prompt_len']}, to {rows[0]['max_len']} "
@@ -341,6 +349,8 @@ def summarize(rows: list[dict]) -> dict:
         "gptj_floor_us": floor,
         "gptj_hf_generate_over_ours_per_token": None if hf is None else
         round(float(hf["ms_per_token"]) / ours[best], 2),
+        "gptj_hf_compiled_over_ours_per_token": None if compiled is None else
+        round(float(compiled["ms_per_token"]) / ours[best], 2),
         # (the device-length graph's step against PtGraph's graph of that length)
         "gptj_ours_over_torch_graph_step": None if torch_step is None else
         round(float(device["step_us"]) / float(torch_step["step_us"]), 3),
@@ -351,6 +361,7 @@ def summarize(rows: list[dict]) -> dict:
         "all_tokens_equal": all(r["same_tokens_as_eager"] for m, r in per.items()
                                 if m.startswith("ours")),
         "hf_tokens_equal": None if hf is None else hf["same_tokens_as_eager"],
+        "hf_compiled_tokens_equal": None if compiled is None else compiled["same_tokens_as_eager"],
     }
 
 
