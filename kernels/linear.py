@@ -3,7 +3,8 @@
     forward          y  = x @ W.T + b          gemm(x, W, y, bias=b, trans_b=True)  (+ fused ReLU)
     backward-data    dx = dy @ W               gemm(dy, W, dx)
     backward-weight  dW = dy.T @ x             gemm(dy, x, dW, trans_a=True)
-                     db = dy summed over rows  bias_grad_kernel (a column sum)
+                     db = dy summed over rows  kernels.layout.column_sum (split over rows,
+                                               summed in order)
 """
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import numpy as np
 
 from kernels import _check
 from kernels.gemm import gemm
-from proto.device import backend
-from proto.device.backend import cuda, jit, launch
+from kernels.layout import column_sum
 
 
 # ---------------------------------------------------------------------------- references
@@ -28,18 +28,6 @@ def linear_bwd_ref(x, w, dy):
     return ((dy64 @ w.astype(np.float64)).astype(np.float32),
             (dy64.T @ x.astype(np.float64)).astype(np.float32),
             dy64.sum(axis=0).astype(np.float32))
-
-
-# ---------------------------------------------------------------------------- kernels
-@jit("void(float32[:,::1], float32[::1])", writes=("db",))
-def bias_grad_kernel(dy, db):
-    """db[o] = sum_b dy[b, o]: a thread per column, rows walked in order (coalesced)."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for o in range(start, dy.shape[1], stride):
-        s = np.float32(0.0)
-        for b in range(dy.shape[0]):
-            s += dy[b, o]
-        db[o] = s
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -77,9 +65,7 @@ def linear_bwd_weight(x, dy, dw, db, *, stream=0):
     _check.separate({"dw": dw, "db": db}, {"x": x, "dy": dy})   # two launches: check both
     gemm(dy, x, dw, trans_a=True, stream=stream)
     if db is not None:
-        threads = 32 if backend.SIMULATOR else 128
-        blocks = 1 if backend.SIMULATOR else (O + threads - 1) // threads
-        launch(bias_grad_kernel, blocks, threads, (dy, db), stream)
+        column_sum(dy, db, stream=stream)
 
 
 def linear_flops(B: int, I: int, O: int) -> float:
