@@ -313,7 +313,7 @@ def plot():
     loss = common.read_csv(f"{NAME}_loss")
     for i, method in enumerate(dict.fromkeys(r["method"] for r in loss)):
         pts = [(int(r["step"]), float(r["loss"])) for r in loss if r["method"] == method]
-        ax3.plot(*zip(*pts), label=method, color=f"C{i}", lw=0.8)
+        ax3.plot(*zip(*pts), label=method, color=f"C{i}", lw=0.8, marker=".", ms=3)
     ax3.set_xlabel("step")
     ax3.set_ylabel("CTC loss")
     ax3.set_title("loss curves (same batches, same weights)", fontsize=9)
