@@ -29,10 +29,7 @@ settings.register_profile(
                            HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if backend.SIMULATOR else "gpu"))
 
-# Shape scale: simulated threads cost ~0.1 ms each, so shapes stay tiny there; on a GPU the
-# same tests run at model-like sizes, except under compute-sanitizer (tests/sanitize.py sets
-# PROTO_TEST_SCALE=1: the tools check every access, so size buys only time).
-SCALE = int(os.environ.get("PROTO_TEST_SCALE", 1 if backend.SIMULATOR else 16))
+from tests.helpers import SCALE  # noqa: E402  (the shape scale: see tests.helpers)
 
 
 def pytest_report_header(config):

@@ -1,9 +1,19 @@
 """Shared test helpers: tolerances, host<->device shortcuts, and running a memory plan."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from proto.device import backend
 from proto.device.backend import cuda
+
+# Shape scale: simulated threads cost ~0.1 ms each, so shapes stay tiny there; on a GPU the
+# same tests run at model-like sizes, except under compute-sanitizer (tests/sanitize.py sets
+# PROTO_TEST_SCALE=1: the tools check every access, so size buys only time). FULL_SIZE: a
+# test may then take a model's real shapes (Wav2Vec2-base's, say) instead of scaling small ones.
+SCALE = int(os.environ.get("PROTO_TEST_SCALE", 1 if backend.SIMULATOR else 16))
+FULL_SIZE = SCALE > 1
 
 # float32 kernels against float64-accumulated NumPy references. Sums of K products carry
 # rounding ~ sqrt(K) * eps32 * |terms|; atol 1e-5 + rtol 1e-4 covers K up to a few thousand

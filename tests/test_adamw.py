@@ -15,9 +15,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import adamw
-from proto.device import backend
 from proto.device.backend import cuda
-from tests.helpers import dev, rand
+from tests.helpers import FULL_SIZE, dev, rand
 
 U = 2.0 ** -24
 
@@ -188,7 +187,7 @@ def test_three_steps_match_torch_adamw():
     |p - p_torch| <= k * 2 * (one-step bound), m and v likewise. Sizes: tiny on the simulator,
     all of Wav2Vec2-base's ~94.4 M parameters in one flat buffer on a GPU."""
     torch = pytest.importorskip("torch")
-    n = 97 if backend.SIMULATOR else 94_400_000
+    n = 97 if not FULL_SIZE else 94_400_000
     rng = np.random.default_rng(11)
     p = rand(rng, n, scale=0.05)
     kw = dict(lr=5e-4, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.005)

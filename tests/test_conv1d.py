@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 from kernels import conv, conv1d
 from proto.device import backend
 from proto.device.backend import cuda
-from tests.helpers import dev, rand
+from tests.helpers import FULL_SIZE, dev, rand
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -347,7 +347,7 @@ def test_matches_torch_autograd():
     sums of unit-scale products of the reference's inputs, so the tolerance is that of the
     reference tests (assert_sum_close over the sum's length); weight norm's as above."""
     torch = pytest.importorskip("torch")
-    big = not backend.SIMULATOR
+    big = FULL_SIZE
     rng = np.random.default_rng(5)
     t64 = lambda a: torch.from_numpy(a.astype(np.float64)).requires_grad_()   # noqa: E731
 

@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import groupnorm as GN
-from proto.device import backend
 from proto.device.backend import cuda
-from tests.helpers import dev, rand
+from tests.helpers import FULL_SIZE, dev, rand
 
 U = 2.0 ** -24    # float32's unit roundoff
 TINY = 1e-12
@@ -150,7 +149,7 @@ def test_matches_torch():
     feature encoder: 8 clips' first convolution output, 512 channels of 12735 steps, a
     group a channel, and 32 groups of 16 channels."""
     torch = pytest.importorskip("torch")
-    cases = [((2, 6, 9), 3), ((2, 4, 7), 4)] if backend.SIMULATOR else \
+    cases = [((2, 6, 9), 3), ((2, 4, 7), 4)] if not FULL_SIZE else \
         [((8, 512, 12735), 512), ((8, 512, 400), 32)]
     rng = np.random.default_rng(13)
     for (B, C, T), groups in cases:
@@ -223,7 +222,7 @@ def test_same_bits_on_every_run_and_in_a_graph():
     launch of another shape has written the same workspace, and a graph's replay (the
     workspace then in the graph's arena) give the same bits as the first run."""
     from proto.graph import capture
-    (B, C, T), groups = ((3, 4, 10), 4) if backend.SIMULATOR else ((8, 512, 12735), 512)
+    (B, C, T), groups = ((3, 4, 10), 4) if not FULL_SIZE else ((8, 512, 12735), 512)
     rng = np.random.default_rng(4)
     x, gamma, beta, dy = (dev(a) for a in arrays(rng, B, C, T))
     out, dx = cuda.device_array((B, C, T), np.float32), cuda.device_array((B, C, T), np.float32)

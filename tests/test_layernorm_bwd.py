@@ -8,9 +8,8 @@ from hypothesis import given, strategies as st
 
 from kernels import layernorm as L
 from kernels._reduce import WARP_ELEMS
-from proto.device import backend
 from proto.device.backend import cuda
-from tests.helpers import dev, rand
+from tests.helpers import FULL_SIZE, dev, rand
 
 U = 2.0 ** -24    # float32's unit roundoff
 TINY = 1e-12
@@ -127,7 +126,7 @@ def test_matches_torch_autograd():
     row), Wav2Vec2-base's on a GPU: the feature projection's 512 and the encoder's 768, over
     8 clips of up to 199 frames."""
     torch = pytest.importorskip("torch")
-    shapes = [(9, 40), (5, 70)] if backend.SIMULATOR else [(1592, 512), (1592, 768)]
+    shapes = [(9, 40), (5, 70)] if not FULL_SIZE else [(1592, 512), (1592, 768)]
     rng = np.random.default_rng(11)
     for R, C in shapes:
         x, dy = rand(rng, R, C), rand(rng, R, C)
@@ -181,7 +180,7 @@ def test_same_bits_on_every_run_and_in_a_graph():
     launch of another shape has written the same workspace, and a graph's replay (the
     workspace then in the graph's arena) give the same bits as the first run."""
     from proto.graph import capture
-    R, C = (20, 48) if backend.SIMULATOR else (1592, 768)
+    R, C = (20, 48) if not FULL_SIZE else (1592, 768)
     rng = np.random.default_rng(2)
     x, dy, gamma = dev(rand(rng, R, C)), dev(rand(rng, R, C)), dev(rand(rng, C))
     dx, dg, db = (cuda.device_array(s, np.float32) for s in ((R, C), C, C))

@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 from kernels import layout
 from proto.device import backend
 from proto.device.backend import cuda
-from tests.helpers import dev, rand
+from tests.helpers import FULL_SIZE, dev, rand
 
 U = 2.0 ** -24
 
@@ -110,7 +110,7 @@ def test_column_sum_matches_reference_and_its_order(M, N, seed, splits, scale):
 
 def test_column_sum_of_many_rows():
     """A feature encoder's frames: 100 000 rows on a GPU (a few hundred on the simulator)."""
-    M, N = (300, 5) if backend.SIMULATOR else (100_000, 512)
+    M, N = (300, 5) if not FULL_SIZE else (100_000, 512)
     x = rand(np.random.default_rng(2), M, N)
     out = cuda.device_array(N, np.float32)
     layout.column_sum(dev(x), out)
@@ -166,7 +166,7 @@ def test_matches_torch():
     pairwise, is within the same k u sum |dy|). Sizes: tiny on the simulator, the feature
     encoder's (8, 512, 199 x 5) frames on a GPU."""
     torch = pytest.importorskip("torch")
-    B, C, T = (2, 5, 7) if backend.SIMULATOR else (8, 512, 995)
+    B, C, T = (2, 5, 7) if not FULL_SIZE else (8, 512, 995)
     rng = np.random.default_rng(9)
     x = rand(rng, B, C, T)
     y = cuda.device_array((B, T, C), np.float32)
