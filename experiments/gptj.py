@@ -165,22 +165,15 @@ class _HF:
         if missing or unexpected:
             raise ValueError(f"GPT-J weights: missing {missing[:4]}, unexpected {unexpected[:4]}")
         self.model.eval()
-        if compiled:   # (as experiments.hf_gpt2 compiles GPT-2's, and for the same reason)
-            import torch._inductor.config as inductor
-            inductor.use_static_cuda_launcher = False
-            self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead",
-                                               fullgraph=True)
+        if compiled:
+            from experiments.hf_gpt2 import compile_for_decoding
+            compile_for_decoding(self.model)
 
     def generate(self, prompt, new: int):
-        torch = self.torch
-        ids = torch.as_tensor(np.asarray(prompt, np.int64)[None], device="cuda")
-        extra = {"cache_implementation": "static"} if self.compiled else {}
-        with torch.no_grad():
-            out = self.model.generate(ids, num_beams=self.beam, num_return_sequences=1,
-                                      max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                      length_penalty=1.0, early_stopping=False,
-                                      eos_token_id=None, pad_token_id=0, **extra)
-        torch.cuda.synchronize()
+        from experiments.hf_gpt2 import beam_generate
+        out = beam_generate(self.model, prompt, new, beam=self.beam, static_cache=self.compiled,
+                            device="cuda")
+        self.torch.cuda.synchronize()
         return generate.Generation(out[0].cpu().numpy(), float("nan"),
                                    generate.PhaseTimes(steps=new, synchronized=True))
 
@@ -280,39 +273,11 @@ def _ptgraph_step(cfg: dict, weights: dict, row: dict, free_start, t0) -> dict:
     return {"row": row, "tokens": None}
 
 
-def _available(method: str) -> str | None:
-    """Why a method cannot run here (None: it can)."""
-    if method not in TORCH_METHODS:
-        return None
-    if backend.SIMULATOR:
-        return "needs a GPU (PyTorch on CUDA)"
-    try:
-        import torch
-        if method.startswith("hf_"):
-            import transformers  # noqa: F401
-    except ImportError as exc:
-        return f"not installed: {exc}"
-    return None if torch.cuda.is_available() else "torch sees no CUDA device"
-
-
 def run(size: str = "toy") -> None:
     rows, unavailable, want = [], {}, None
-    for method in common.progress(METHODS, desc=NAME):
-        why = _available(method)
-        if why is not None:
-            unavailable[method] = why
-            common.report(NAME, {"method": method, "unavailable": why})
-            continue
-        try:
-            result = isolate.run(f"{__name__}:measure", {"method": method, "size": size})
-        except isolate.ChildFailed as exc:
-            if method not in TORCH_METHODS:
-                raise
-            # PyTorch's side depends on the machine's stack (and its memory beside ours at
-            # 6B): a failure costs that row, reported with its error, not the run
-            unavailable[method] = str(exc)[:300]
-            common.report(NAME, {"method": method, "unavailable": unavailable[method]})
-            continue
+    for method, result in isolate.each_method(NAME, METHODS, f"{__name__}:measure", size,
+                                              baselines=TORCH_METHODS, unavailable=unavailable,
+                                              transformers=("hf_generate", "hf_compiled")):
         same = None
         if result["tokens"] is not None:
             tokens = np.asarray(result["tokens"])

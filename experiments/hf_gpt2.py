@@ -57,6 +57,29 @@ def hf_model(config: GPT2Config, state_dict, device: str = "cuda"):
     return model.to(device).eval()
 
 
+def compile_for_decoding(model) -> None:
+    """Hugging Face's recipe for fast decoding, the model's half: its forward under
+    torch.compile(mode="reduce-overhead") (CUDA graphs under the hood). generate's half is
+    cache_implementation="static" (beam_generate's static_cache)."""
+    # Inductor's static CUDA launcher died with a segmentation fault on the H200 (torch 2.11)
+    # while CUDA graph trees recorded the second generation; Triton's own launcher does the
+    # same launches. Replays launch neither.
+    import torch._inductor.config as inductor
+    inductor.use_static_cuda_launcher = False
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+
+def beam_generate(model, prompt, new: int, *, beam: int, static_cache: bool, device):
+    """The (1, prompt + new) token tensor of `model.generate`'s beam search: exactly `new`
+    tokens (no end-of-text), as every method of the experiments searches."""
+    ids = torch.as_tensor(np.asarray(prompt, dtype=np.int64)[None], device=device)
+    extra = {"cache_implementation": "static"} if static_cache else {}
+    with torch.no_grad():
+        return model.generate(ids, num_beams=beam, num_return_sequences=1, max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, length_penalty=1.0,
+                              early_stopping=False, eos_token_id=None, pad_token_id=0, **extra)
+
+
 class HFBeamSearch:
     """`generate(prompt, new)` -> tokens (prompt included), by Hugging Face's generate."""
 
@@ -65,23 +88,11 @@ class HFBeamSearch:
         self.beam, self.compiled, self.device = beam, compiled, device
         self.model = hf_model(config, state_dict, device)
         if compiled:
-            # Inductor's static CUDA launcher died with a segmentation fault on the H200 (torch
-            # 2.11) while CUDA graph trees recorded the second generation; Triton's own
-            # launcher does the same launches. Replays launch neither.
-            import torch._inductor.config as inductor
-            inductor.use_static_cuda_launcher = False
-            self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead",
-                                               fullgraph=True)
+            compile_for_decoding(self.model)
 
     def generate(self, prompt, new: int) -> np.ndarray:
-        ids = torch.as_tensor(np.asarray(prompt, dtype=np.int64)[None], device=self.device)
-        extra = {"cache_implementation": "static"} if self.compiled else {}
-        with torch.no_grad():
-            out = self.model.generate(ids, num_beams=self.beam, num_return_sequences=1,
-                                      max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                      length_penalty=1.0, early_stopping=False,
-                                      eos_token_id=None, pad_token_id=0, **extra)
-        return out[0].cpu().numpy()
+        return beam_generate(self.model, prompt, new, beam=self.beam,
+                             static_cache=self.compiled, device=self.device)[0].cpu().numpy()
 
     def close(self) -> None:
         self.model = None

@@ -51,6 +51,46 @@ def run(target: str, spec: dict, *, timeout: float = 3600, env: dict | None = No
         return json.loads(out_path.read_text())
 
 
+def torch_missing(with_transformers: bool = True) -> str | None:
+    """Why a PyTorch baseline (torch on CUDA, and transformers if asked) cannot run here;
+    None: it can."""
+    from proto.device import backend
+    if backend.SIMULATOR:
+        return "needs a GPU (PyTorch on CUDA)"
+    try:
+        import torch
+        if with_transformers:
+            import transformers  # noqa: F401
+    except ImportError as exc:
+        return f"not installed: {exc}"
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
+
+
+def each_method(name: str, methods, target: str, size: str, *, baselines, unavailable: dict,
+                transformers=None):
+    """(method, result) of `target(method=..., size=size)`, each method in a process of its
+    own, in order. A baseline (one of `baselines`, PyTorch's; `transformers` names those that
+    need transformers too, None: all) that cannot run here, or whose child fails, is recorded
+    in `unavailable` with the reason and skipped: PyTorch's side depends on the machine's
+    stack (and its memory beside ours), so a failure there costs its row, not the run. Our
+    own methods' failures raise."""
+    for method in common.progress(methods, desc=name):
+        why = None if method not in baselines else torch_missing(
+            transformers is None or method in transformers)
+        if why is None:
+            try:
+                result = run(target, {"method": method, "size": size})
+            except ChildFailed as exc:
+                if method not in baselines:
+                    raise
+                why = str(exc)[:300]
+            else:
+                yield method, result
+                continue
+        unavailable[method] = why
+        common.report(name, {"method": method, "unavailable": why})
+
+
 def _main(argv: list[str]) -> int:
     target, spec_path, out_path = argv
     module, _, function = target.partition(":")

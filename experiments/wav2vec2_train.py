@@ -203,35 +203,10 @@ def check_bits(size: str) -> dict:
     return {"steps": len(batches), "equal": all(np.array_equal(got[k], want[k]) for k in want)}
 
 
-def _available(method: str) -> str | None:
-    if method not in TORCH_METHODS:
-        return None
-    if backend.SIMULATOR:
-        return "needs a GPU (PyTorch on CUDA)"
-    try:
-        import torch
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        return f"not installed: {exc}"
-    return None if torch.cuda.is_available() else "torch sees no CUDA device"
-
-
 def run(size: str = "toy") -> None:
     rows, losses, curves, unavailable = [], {}, [], {}
-    for method in common.progress(METHODS, desc=NAME):
-        why = _available(method)
-        if why is not None:
-            unavailable[method] = why
-            common.report(NAME, {"method": method, "unavailable": why})
-            continue
-        try:
-            result = isolate.run(f"{__name__}:measure", {"method": method, "size": size})
-        except isolate.ChildFailed as exc:
-            if method not in TORCH_METHODS:
-                raise
-            unavailable[method] = str(exc)[:300]
-            common.report(NAME, {"method": method, "unavailable": unavailable[method]})
-            continue
+    for method, result in isolate.each_method(NAME, METHODS, f"{__name__}:measure", size,
+                                              baselines=TORCH_METHODS, unavailable=unavailable):
         rows.append(result["row"])
         losses[method] = result["losses"]
         curves += [{"method": method, "lengths_served": n, "mib": mib} for n, mib in result["curve"]]

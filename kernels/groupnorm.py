@@ -26,13 +26,12 @@ partials over b in order. No atomics: the same bits every run.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from kernels import _check
 from kernels._reduce import block_allreduce
-from kernels.layernorm import MAX_THREADS, block_threads, sum_partials
+from kernels.layernorm import MAX_THREADS, block_threads, row_stats, sum_partials
 from proto.device import backend
 from proto.device.backend import cuda, jit, launch
 
@@ -77,22 +76,6 @@ def groupnorm_bwd_ref(x, gamma, dy, *, groups: int, eps: float = 1e-5):
 
 
 # ---------------------------------------------------------------------------- kernels
-@cuda.jit(device=True)
-def _group_stats(x, row, n, red, eps):
-    """(mean, rstd) of x[row, :n] over the block: two passes, at red[0:32] then red[32:64]."""
-    t, step = cuda.threadIdx.x, cuda.blockDim.x
-    inv_n = _ONE / np.float32(n)
-    s = _ZERO
-    for j in range(t, n, step):
-        s += x[row, j]
-    mean = block_allreduce(s, False, red, 0) * inv_n
-    s = _ZERO
-    for j in range(t, n, step):
-        d = x[row, j] - mean
-        s += d * d
-    return mean, _ONE / math.sqrt(block_allreduce(s, False, red, 32) * inv_n + eps)
-
-
 @jit("void(float32[:, ::1], float32[::1], float32[::1], float32[:, ::1], int32, float32)",
      writes=("out",), in_place=(("out", "x"),))
 def groupnorm_kernel(x, gamma, beta, out, steps, eps):
@@ -103,7 +86,7 @@ def groupnorm_kernel(x, gamma, beta, out, steps, eps):
     n = x.shape[1]
     cg = n // steps
     c0 = row % (gamma.shape[0] // cg) * cg
-    mean, rstd = _group_stats(x, row, n, red, eps)
+    mean, rstd = row_stats(x, row, n, red, eps)
     # Every element is read here and written by the same thread, after both reductions
     # (barriers every thread passes only once its statistics loads are done): out may be x.
     for ci in range(cg):
@@ -128,7 +111,7 @@ def groupnorm_bwd_kernel(x, gamma, dy, dx, part_g, part_b, steps, eps):
     groups = gamma.shape[0] // cg
     b, c0 = row // groups, row % groups * cg
     inv_n = _ONE / np.float32(n)
-    mean, rstd = _group_stats(x, row, n, red, eps)
+    mean, rstd = row_stats(x, row, n, red, eps)
     s1 = _ZERO   # sum over the group of g = dy * gamma[c]
     s2 = _ZERO   # ... of g * xh
     for ci in range(cg):

@@ -88,6 +88,23 @@ def layernorm_kernels(x, gamma, beta, out, eps):
         out[row, j] = (x[row, j] - mean) * rstd * gamma[j] + beta[j]
 
 
+@cuda.jit(device=True)
+def row_stats(x, row, n, red, eps):
+    """(mean, rstd) of x[row, :n] over the block's threads, float32: two passes (the mean,
+    then the mean of squared deviations), reduced at red[0:32] then red[32:64]."""
+    t, step = cuda.threadIdx.x, cuda.blockDim.x
+    inv_n = _ONE / np.float32(n)
+    s = _ZERO
+    for j in range(t, n, step):
+        s += x[row, j]
+    mean = block_allreduce(s, False, red, 0) * inv_n
+    s = _ZERO
+    for j in range(t, n, step):
+        d = x[row, j] - mean
+        s += d * d
+    return mean, _ONE / math.sqrt(block_allreduce(s, False, red, 32) * inv_n + eps)
+
+
 def _make_layernorm_warp_kernel(E: int):
     E2 = 2 * E   # (local array sizes must be plain constants)
     @jit_per_dtype(_SIGNATURE, writes=("out",), in_place=(("out", "x"),))
@@ -205,15 +222,7 @@ def layernorm_bwd_kernel(x, gamma, dy, dx, part_g, part_b, eps):
     for k in range(CHUNK_ROWS):
         r = chunk * CHUNK_ROWS + k
         if r < rows:   # the same for the whole block: its barriers stay matched
-            s = _ZERO
-            for j in range(t, n, step):
-                s += x[r, j]
-            mean = block_allreduce(s, False, red, 0) * inv_n
-            s = _ZERO
-            for j in range(t, n, step):
-                d = x[r, j] - mean
-                s += d * d
-            rstd = _ONE / math.sqrt(block_allreduce(s, False, red, 32) * inv_n + eps)
+            mean, rstd = row_stats(x, r, n, red, eps)
             s1 = _ZERO
             s2 = _ZERO
             for j in range(t, n, step):

@@ -38,6 +38,18 @@ def rand(rng: np.random.Generator, *shape, scale: float = 1.0, dtype=np.float32)
     return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
+def central_differences(loss, args: list, which: int, h: float) -> np.ndarray:
+    """d loss(*args) / d args[which], element by element, by central differences of step h
+    (float64 arrays; the others held fixed)."""
+    grad = np.zeros_like(args[which])
+    for i in np.ndindex(grad.shape):
+        hi, lo = [a.copy() for a in args], [a.copy() for a in args]
+        hi[which][i] += h
+        lo[which][i] -= h
+        grad[i] = (loss(*hi) - loss(*lo)) / (2 * h)
+    return grad
+
+
 def split_span(k: int, s: int, step: int) -> int:
     """The rows a split takes when a decode GEMM's partials cut K into s splits: ceil(K / s)
     rounded up to whole batches of `step` rows."""

@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 from kernels import groupnorm as GN
 from proto.device.backend import cuda
-from tests.helpers import FULL_SIZE, dev, rand
+from tests.helpers import FULL_SIZE, central_differences, dev, rand
 
 U = 2.0 ** -24    # float32's unit roundoff
 TINY = 1e-12
@@ -129,14 +129,7 @@ def test_reference_matches_finite_differences(groups):
         return float((w * GN.groupnorm_ref(x_, g_, b_, groups=groups, eps=eps)).sum())
 
     def numeric(which):
-        args = [x, gamma, beta]
-        grad = np.zeros_like(args[which])
-        for i in np.ndindex(grad.shape):
-            hi, lo = [a.copy() for a in args], [a.copy() for a in args]
-            hi[which][i] += h
-            lo[which][i] -= h
-            grad[i] = (loss(*hi) - loss(*lo)) / (2 * h)
-        return grad
+        return central_differences(loss, [x, gamma, beta], which, h)
 
     dx, dgamma, dbeta = GN.groupnorm_bwd_ref(x, gamma, w, groups=groups, eps=eps)
     for got, which in ((dx, 0), (dgamma, 1), (dbeta, 2)):

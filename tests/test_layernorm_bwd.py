@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 from kernels import layernorm as L
 from kernels._reduce import WARP_ELEMS
 from proto.device.backend import cuda
-from tests.helpers import FULL_SIZE, dev, rand
+from tests.helpers import FULL_SIZE, central_differences, dev, rand
 
 U = 2.0 ** -24    # float32's unit roundoff
 TINY = 1e-12
@@ -106,14 +106,7 @@ def test_reference_matches_finite_differences():
         return float((w * L.layernorm_ref(x_, g_, b_, eps=eps).astype(np.float64)).sum())
 
     def numeric(which):
-        args = [x.copy(), gamma.copy(), beta.copy()]
-        grad = np.zeros_like(args[which])
-        for i in np.ndindex(grad.shape):
-            hi, lo = [a.copy() for a in args], [a.copy() for a in args]
-            hi[which][i] += h
-            lo[which][i] -= h
-            grad[i] = (loss(*hi) - loss(*lo)) / (2 * h)
-        return grad
+        return central_differences(loss, [x, gamma, beta], which, h)
 
     dx, dgamma, dbeta = L.layernorm_bwd_ref(x, gamma, w, eps=eps)
     for got, which in ((dx, 0), (dgamma, 1), (dbeta, 2)):

@@ -40,9 +40,9 @@ from kernels import elementwise as ew
 from kernels import seq_attention
 from kernels.gemm import gemm
 from kernels.linear import linear, linear_bwd_data, linear_bwd_weight
-from proto.device import backend
 from proto.device.backend import cuda, empty, reshaped
-from proto.graph import phase
+from proto import shapes
+from proto.graph import Tape, capture, phase
 from proto.models import checked_params
 
 POS_CONV_G = "wav2vec2.encoder.pos_conv_embed.conv.parametrizations.weight.original0"
@@ -492,19 +492,26 @@ class GraphedTraining:
 
     def __init__(self, model: Wav2Vec2ForCTC, *, batch: int, max_frames: int, max_label: int,
                  planned: bool = True):
-        from proto import graph
         cfg = model.config
         self.model, self.batch = model, _check.positive("batch", batch)
         self.max_frames = _check.positive("max_frames", max_frames)
         self.max_label = _check.positive("max_label", max_label)
-        self.tape = graph.Tape(model.name) if planned else None
+        self.tape = Tape(model.name) if planned else None
         self.wave = cuda.to_device(np.zeros(batch * cfg.samples(max_frames), np.float32))
         self.frames = cuda.to_device(np.zeros(batch, np.int32))
         self.labels = cuda.to_device(np.zeros((batch, max_label), np.int32))
         self.label_lengths = cuda.to_device(np.zeros(batch, np.int32))
         self._labels_host = np.zeros((batch, max_label), np.int32)
-        self.graphs: dict = {}
+        # a graph per frame count, built only for the lengths asked (build), on one tape
+        self.shapes = shapes.ShapeDispatcher(self._capture, strategy="exact",
+                                             max_length=max_frames, dynamic=(),
+                                             largest_first=False)
         self.closed = False
+
+    @property
+    def graphs(self) -> dict:
+        """Frame count -> its two-phase graph, for the lengths built so far."""
+        return self.shapes.graphs
 
     def placeholders(self, frames: int) -> dict:
         L = self.model.config.samples(frames)
@@ -514,7 +521,6 @@ class GraphedTraining:
     def build(self, lengths, after_each=None) -> None:
         """Capture the graphs of these frame counts not built yet, largest first (a tape's
         arena is sized by its first graph); `after_each(graphs built)` after each."""
-        from proto import graph
         self._require_open("build")
         for T in sorted({int(t) for t in lengths}, reverse=True):
             if T in self.graphs:
@@ -524,11 +530,13 @@ class GraphedTraining:
             if self.graphs and T > max(self.graphs) and self.tape is not None:
                 raise ValueError(f"lengths: {T} frames is longer than the graphs built on this "
                                  f"tape ({max(self.graphs)}); build the longest first")
-            self.graphs[T] = graph.capture(self.model.train_step, self.placeholders(T),
-                                           binding="alias", warmup=0,
-                                           planned=self.tape is not None, tape=self.tape)
+            self.shapes.graph(T)
             if after_each is not None:
                 after_each(len(self.graphs))
+
+    def _capture(self, frames: int):
+        return capture(self.model.train_step, self.placeholders(frames), binding="alias",
+                             warmup=0, planned=self.tape is not None, tape=self.tape)
 
     def write(self, batch) -> int:
         """Write a host batch (experiments.timit.Batch) into the placeholders; its length."""
@@ -561,13 +569,12 @@ class GraphedTraining:
 
     @property
     def num_graphs(self) -> int:
-        return len(self.graphs)
+        return self.shapes.num_graphs
 
     @property
     def memory_bytes(self) -> int | None:
         """Driver memory of every graph's executables (None on the simulator)."""
-        sizes = [g.memory_bytes for g in self.graphs.values()]
-        return None if any(s is None for s in sizes) else sum(sizes)
+        return self.shapes.memory_bytes
 
     @property
     def arena_bytes(self) -> int:
@@ -582,9 +589,7 @@ class GraphedTraining:
             raise RuntimeError(f"{what}: this GraphedTraining is closed")
 
     def close(self) -> None:
-        for g in self.graphs.values():
-            g.close()
-        self.graphs = {}
+        self.shapes.close()
         if self.tape is not None:
             self.tape.close()
         self.closed = True
