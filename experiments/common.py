@@ -172,6 +172,18 @@ def torch_tf32() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
 
 
+def free_memory() -> int | None:
+    """Free device bytes once every dropped buffer is freed (None on the simulator): the one
+    meter of what a method keeps, read in the method's own process (experiments.isolate)."""
+    from proto.device import backend
+    return None if backend.SIMULATOR else backend.settled_free_memory()[0]
+
+
+def drop_mib(before: int | None, after: int | None) -> float | None:
+    """MiB the free memory fell from `before` to `after` (None if either was not read)."""
+    return None if before is None or after is None else round((before - after) / 2**20, 1)
+
+
 def torch_cuda_graph(fn, pool=None):
     """Capture `fn()` (PyTorch ops) as a torch.cuda.CUDAGraph; returns (graph, fn's result).
     `pool`: a graph_pool_handle() to share with other graphs (None: the graph's own pool).

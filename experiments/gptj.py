@@ -47,6 +47,7 @@ import time
 import numpy as np
 
 from experiments import common, isolate
+from experiments.common import drop_mib, free_memory
 from proto.device import backend, timing
 from proto.models import generate
 from proto.models.gptj import GPTJ, GPTJ_6B, GPTJConfig, random_device_state_dict
@@ -66,15 +67,6 @@ SIZES = {
                  step_position=512, step=dict(warmup=3, reps=20), copy_bytes=1 << 30),
 }
 SEED = 0
-
-
-def _free() -> int | None:
-    """Free device memory once every dropped buffer is freed (None on the simulator)."""
-    return None if backend.SIMULATOR else backend.settled_free_memory()[0]
-
-
-def _mib(before: int | None, after: int | None) -> float | None:
-    return None if before is None or after is None else round((before - after) / 2**20, 1)
 
 
 INFO = ("graphs", "graph_nodes", "arena_mib")   # (every row has these columns)
@@ -210,7 +202,7 @@ def measure(method: str, size: str) -> dict:
         "method": method, "n_layer": config.n_layer, "n_embd": config.n_embd, "beam": beam,
         "prompt_len": cfg["prompt_len"], "max_len": max_len,
         "copy_GBps": None if copy_GBps is None else round(copy_GBps, 1)}
-    free_start = _free()
+    free_start = free_memory()
     weights = random_device_state_dict(config, SEED)
     t0 = time.perf_counter()
     if method == "ptgraph_step":
@@ -222,7 +214,7 @@ def measure(method: str, size: str) -> dict:
     else:
         model = GPTJ(config, weights, max_batch=beam, max_tokens=max(cfg["prompt_len"] - 1, 1))
     del weights   # (the model holds what it uses; q, k and v now live stacked in it)
-    free_weights = _free()
+    free_weights = free_memory()
     if model is not None:
         m = _Ours(method, model, beam, max_len)
     setup_s = time.perf_counter() - t0
@@ -233,12 +225,12 @@ def measure(method: str, size: str) -> dict:
                           reps=cfg["reps"])
     # What the method keeps once every method has run the same warm-up and generations (every
     # length's graph replayed: uploaded; a search's own caches, eager or transformers', freed)
-    free_kept = _free()
+    free_kept = free_memory()
     row.update(tokens=new, ms_per_token=round(t.median_ms / new, 4),
                p10_ms_per_token=round(t.p10_ms / new, 4),
                p90_ms_per_token=round(t.p90_ms / new, 4), reps=t.reps,
-               setup_s=round(setup_s, 3), weights_mib=_mib(free_start, free_weights),
-               graphs_and_caches_mib=_mib(free_weights, free_kept),
+               setup_s=round(setup_s, 3), weights_mib=drop_mib(free_start, free_weights),
+               graphs_and_caches_mib=drop_mib(free_weights, free_kept),
                same_tokens_every_run=all(np.array_equal(g.tokens, out[0].tokens) for g in out),
                **m.info())
     if method == "ours_device":   # the step alone at one position, against its floor
@@ -260,15 +252,15 @@ def _ptgraph_step(cfg: dict, weights: dict, row: dict, free_start, t0) -> dict:
     config, beam, length = cfg["config"], cfg["beam"], cfg["step_position"] + 1
     dec = TorchGPTJ(config, {k: torch.as_tensor(v, device="cuda") for k, v in weights.items()},
                     batch=beam, max_len=cfg["max_len"])
-    free_weights = _free()
+    free_weights = free_memory()
     tokens = torch.zeros(beam, dtype=torch.int64, device="cuda")
     out = torch.empty(beam, config.vocab_size, dtype=dec.dtype, device="cuda")
     graph, _ = common.torch_cuda_graph(lambda: dec.decode_at(tokens, length, out))
     setup_s = time.perf_counter() - t0
     step = timing.bench(graph.replay, **cfg["step"])
-    free_kept = _free()   # (after its replays, as the other methods' after their generations)
-    row.update(setup_s=round(setup_s, 3), weights_mib=_mib(free_start, free_weights),
-               graphs_and_caches_mib=_mib(free_weights, free_kept), graphs=1,
+    free_kept = free_memory()   # (after its replays, as the other methods' after their generations)
+    row.update(setup_s=round(setup_s, 3), weights_mib=drop_mib(free_start, free_weights),
+               graphs_and_caches_mib=drop_mib(free_weights, free_kept), graphs=1,
                **_step_columns(cfg["step_position"], step))
     return {"row": row, "tokens": None}
 

@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from experiments import common, isolate, timit
+from experiments.common import drop_mib, free_memory
 from proto.device import backend
 from proto.models import wav2vec2 as w2v
 
@@ -60,14 +61,6 @@ def epoch(size: str) -> list[timit.Batch]:
     return timit.synthetic_epoch(cfg["config"], steps=cfg["steps"], batch=cfg["batch"],
                                  seed=SEED, min_frames=cfg["min_frames"],
                                  max_frames=cfg["max_frames"])
-
-
-def _free() -> int | None:
-    return None if backend.SIMULATOR else backend.settled_free_memory()[0]
-
-
-def _mib(before, after):
-    return None if before is None or after is None else round((before - after) / 2**20, 1)
 
 
 class _Ours:
@@ -151,18 +144,18 @@ def measure(method: str, size: str) -> dict:
     row = dict.fromkeys(COLUMNS) | {"method": method, "layers": config.layers,
                                     "hidden": config.hidden, "batch": cfg["batch"],
                                     "steps": len(batches), "lengths": len(lengths)}
-    free0 = _free()
+    free0 = free_memory()
     m = _Torch(method, cfg, state) if method in TORCH_METHODS else _Ours(method, cfg, state, max_label)
-    free_ready = _free()
+    free_ready = free_memory()
     curve = []
     t0 = time.perf_counter()
     try:
-        m.build(lengths, lambda n: curve.append((n, _mib(free_ready, _free()))))
+        m.build(lengths, lambda n: curve.append((n, drop_mib(free_ready, free_memory()))))
     except Exception as exc:   # out of memory (PyTorch's or the driver's): how far it got
         if not any(w in str(exc).lower() for w in ("out of memory", "out_of_memory")):
             raise
         row.update(lengths_served=len(curve), error=str(exc).splitlines()[0][:200],
-                   state_mib=_mib(free0, free_ready), **m.info())
+                   state_mib=drop_mib(free0, free_ready), **m.info())
         return {"row": row, "losses": [], "curve": curve}
     capture_s = time.perf_counter() - t0
     losses, times = [], []
@@ -170,15 +163,15 @@ def measure(method: str, size: str) -> dict:
         t = time.perf_counter()
         losses.append(m.step(b))          # (reads the loss: waits for the step)
         times.append(time.perf_counter() - t)
-    free_kept = _free()
+    free_kept = free_memory()
     timed = np.array(times[cfg["warmup"]:]) * 1e3
     row.update(lengths_served=len(lengths), capture_s=round(capture_s, 2),
                epoch_s=round(sum(times), 2), ms_per_step=round(float(timed.mean()), 3),
                median_ms_per_step=round(float(np.median(timed)), 3),
                p10_ms_per_step=round(float(np.percentile(timed, 10)), 3),
                p90_ms_per_step=round(float(np.percentile(timed, 90)), 3),
-               timed_steps=len(timed), state_mib=_mib(free0, free_ready),
-               kept_mib=_mib(free_ready, free_kept), **m.info())
+               timed_steps=len(timed), state_mib=drop_mib(free0, free_ready),
+               kept_mib=drop_mib(free_ready, free_kept), **m.info())
     m.close()
     return {"row": row, "losses": losses, "curve": curve}
 
