@@ -171,16 +171,78 @@ def test_a_tape_gives_a_name_one_address_in_every_graph(ops, lengths):
 
 
 def test_a_tape_refuses_a_larger_graph_after_a_smaller_one():
+    """A larger arena than the first graph's, or a model's tensor larger than where the tape
+    put it, cannot keep the first graph's addresses."""
     tape = graph.Tape("grow")
-    x = dev(np.ones(64, np.float32))
+    x = dev(np.ones(1024, np.float32))
     small, _ = chain_program(8, [-1, 0])
-    big, _ = chain_program(64, [-1, 0])
+    big, _ = chain_program(1024, [-1, 0])
     g = graph.capture(small, {"x": x[:8]}, warmup=0, tape=tape)
-    with pytest.raises(ValueError, match="capture the largest shape first"):
+    with pytest.raises(ValueError, match="needs an arena of .* capture the largest shape first"):
         graph.capture(big, {"x": x}, warmup=0, tape=tape)
     g.close()
     with pytest.raises(ValueError, match="needs planned=True"):
         graph.capture(small, {"x": x[:8]}, planned=False, tape=tape)
+    owner = object.__new__(type("Owner", (), {}))
+    owned = graph.Tape("owned")
+    first, _ = split_program(64, owner, [])
+    g = graph.capture(first, {"x": x}, warmup=0, tape=owned)
+    later, _ = split_program(128, owner, [])                  # "out" grows, arena or not
+    with pytest.raises(ValueError, match="buffer 'out' needs 512 bytes but the tape placed it "
+                                         "with 256 .* capture the largest shape first"):
+        graph.capture(later, {"x": x}, warmup=0, tape=owned)
+    g.close()
+
+
+def split_program(n, owner, scratch):
+    """Layers that each make an owned tensor of n elements from x, through kernel scratch of
+    scratch[i] elements (0: none) where a kernel would split its reduction; the output adds
+    them all. Returns (fn, numpy reference)."""
+    def fn(x):
+        out = empty(n, np.float32, "out", owner=owner)
+        launch(scale_kernel, 1, 32, (x, out, np.float32(0)))
+        for i, size in enumerate(scratch):
+            total = empty(n, np.float32, f"sum{i}", owner=owner)
+            t = empty(n, np.float32, f"layer{i}", owner=owner)
+            if size:
+                part = empty(size, np.float32, "partials")     # no owner: scratch
+                launch(scale_kernel, 1, 64, (x, part, np.float32(i + 1)))
+                launch(add_kernel, 1, 32, (x, part, t))
+            else:
+                launch(scale_kernel, 1, 32, (x, t, np.float32(i + 2)))
+            launch(add_kernel, 1, 32, (out, t, total))
+            out = total
+        return out
+    return fn, lambda x: sum(x[:n] * (i + 2) for i in range(len(scratch)))
+
+
+@given(n=st.integers(4, 16), layers=st.lists(st.tuples(st.sampled_from([0, 1, 3]),
+                                                        st.sampled_from([0, 1, 3])),
+                                              min_size=1, max_size=4))
+def test_kernel_scratch_that_grows_at_a_smaller_shape_is_placed_anew(n, layers):
+    """A kernel may split its reduction more ways at a smaller shape (its split count
+    rounds), and the k-th scratch of a name may then be another layer's: the smaller graph
+    still plans on the tape, computes what it should, and every owned tensor keeps its
+    address. (Scratch of 0, n or 3n elements a layer, drawn apart for the two shapes.)"""
+    owner = object.__new__(type("Owner", (), {}))
+    tape = graph.Tape("split")
+    x = np.arange(1, 3 * 2 * n + 1, dtype=np.float32)
+    graphs = []
+    try:
+        for m, which in ((2 * n, 0), (n, 1)):               # largest first
+            fn, ref = split_program(m, owner, [s[which] * m for s in layers])
+            g = graph.capture(fn, {"x": dev(x)}, warmup=0, tape=tape)
+            graphs.append(g)
+            validate(g.plan)
+            got = g.replay(x=g.placeholders["x"]).copy_to_host()
+            np.testing.assert_array_equal(got, ref(x.astype(np.float64)))
+        owned = [{b.key: address(b.array) for b in g.description.buffers if b.key[0] is not None}
+                 for g in graphs]
+        assert all(owned[0][k] == a for k, a in owned[1].items())
+    finally:
+        for g in graphs:
+            g.close()
+        tape.close()
 
 
 def test_a_name_allocated_twice_in_a_graph_is_two_tensors_with_one_address_per_graph():

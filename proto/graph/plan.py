@@ -32,6 +32,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+import numpy as np
+
 from proto.device import backend
 from proto.device.backend import ALIGN, address, align_up, cuda, extent, view_at
 from proto.graph.ir import Conditional, Description
@@ -323,8 +325,15 @@ class Tape:
 
     `plan_graph(description, outputs)` plans a graph's buffers keeping the offsets earlier
     graphs gave the same keys; the first graph planned sizes the arena (plan largest first).
-    A later graph that needs a larger arena, or a tensor larger than where the tape put it,
-    raises: its addresses could not match the graphs already built."""
+    A later graph that needs a larger arena, or a model's tensor (a key with an owner) larger
+    than where the tape put it, raises: its addresses could not match the graphs already built.
+
+    Kernel scratch (a key without an owner, proto.device.backend.empty's `owner=None`) dies
+    inside one launcher call, so no value of it crosses graphs. It keeps its first address
+    where that still fits, but a kernel may split a reduction more ways at a smaller shape
+    (its split count rounds differently), and the k-th scratch of a name may then be another
+    launch's: where the kept addresses do not fit or collide, this graph places its scratch
+    anew."""
 
     def __init__(self, name: str = "tape"):
         self.name = name
@@ -336,13 +345,16 @@ class Tape:
 
     def plan_graph(self, description: Description, outputs=()) -> Plan:
         for b in description.buffers:
-            if b.key in self.sizes and b.nbytes > self.sizes[b.key]:
+            if b.key[0] is not None and b.key in self.sizes and b.nbytes > self.sizes[b.key]:
                 raise ValueError(f"tape {self.name!r}: buffer {b.name!r} needs {b.nbytes} bytes but "
                                  f"the tape placed it with {self.sizes[b.key]} from an earlier, "
                                  "smaller graph; capture the largest shape first")
         keys = {b.key for b in description.buffers}
         fixed = {k: off for k, off in self.offsets.items() if k in keys}
-        result = plan(description, outputs, fixed)
+        result = self._plan_kept(description, outputs, fixed)
+        if result is None:           # scratch placed anew (see the class docstring)
+            result = plan(description, outputs, {k: off for k, off in fixed.items()
+                                                 if k[0] is not None})
         if self.arena is None:
             self.arena_bytes = max(align_up(result.arena_bytes), ALIGN)
             self.arena = cuda.device_array(self.arena_bytes, "u1")
@@ -354,6 +366,28 @@ class Tape:
             if blk.key not in self.offsets:
                 self.offsets[blk.key], self.sizes[blk.key] = result.offsets[blk.key], blk.nbytes
         self.plans.append(result)
+        return result
+
+    def _plan_kept(self, description, outputs, fixed) -> Plan | None:
+        """The plan that keeps every earlier offset, or None where kept scratch would not fit
+        its place, would meet a buffer alive beside it, or would outgrow the arena."""
+        if any(b.key in fixed and b.nbytes > self.sizes[b.key] for b in description.buffers):
+            return None
+        result = plan(description, outputs, fixed)
+        if self.arena is not None and result.arena_bytes > self.arena_bytes:
+            return None
+        kept = [i for i, blk in enumerate(result.blocks) if blk.key in fixed and blk.key[0] is None]
+        if kept:                     # kept scratch against every block, at once
+            spans = np.array([(b.first, b.last, result.offsets[b.key], footprint(b.nbytes))
+                              for b in result.blocks], np.int64)
+            first, last, lo = spans[:, 0], spans[:, 1], spans[:, 2]
+            hi = lo + spans[:, 3]
+            k = np.array(kept)
+            meet = (first[k, None] <= last) & (first <= last[k, None]) \
+                & (lo[k, None] < hi) & (lo < hi[k, None])
+            meet[np.arange(len(k)), k] = False
+            if meet.any():
+                return None
         return result
 
     def close(self) -> None:
