@@ -277,7 +277,8 @@ def run(size: str = "toy") -> None:
             same = bool(np.array_equal(tokens, want))
         rows.append({**result["row"], "same_tokens_as_eager": same})
         common.report(NAME, rows[-1])
-    common.write_csv(NAME, rows)
+        common.write_csv(NAME, rows)   # (each method's row as it ends: a run cut short keeps them)
+    isolate.raise_failures(NAME, unavailable)
     common.write_summary(NAME, {**summarize(rows), "unavailable": unavailable})
 
 

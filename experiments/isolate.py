@@ -69,11 +69,11 @@ def torch_missing(with_transformers: bool = True) -> str | None:
 def each_method(name: str, methods, target: str, size: str, *, baselines, unavailable: dict,
                 transformers=None):
     """(method, result) of `target(method=..., size=size)`, each method in a process of its
-    own, in order. A baseline (one of `baselines`, PyTorch's; `transformers` names those that
-    need transformers too, None: all) that cannot run here, or whose child fails, is recorded
-    in `unavailable` with the reason and skipped: PyTorch's side depends on the machine's
-    stack (and its memory beside ours), so a failure there costs its row, not the run. Our
-    own methods' failures raise."""
+    own, in order. A method that cannot run here (a baseline, one of `baselines`, without
+    PyTorch; `transformers` names those that need transformers too, None: all), or whose
+    child fails, is recorded in `unavailable` with the reason and skipped, so that one
+    failure costs its row, not the other methods' (a GPU session is short). Our own
+    methods' failures are raised by `raise_failures` once the caller has written the rest."""
     for method in common.progress(methods, desc=name):
         why = None if method not in baselines else torch_missing(
             transformers is None or method in transformers)
@@ -81,14 +81,26 @@ def each_method(name: str, methods, target: str, size: str, *, baselines, unavai
             try:
                 result = run(target, {"method": method, "size": size})
             except ChildFailed as exc:
-                if method not in baselines:
-                    raise
-                why = str(exc)[:300]
+                why = str(exc)[:300] if method in baselines else f"{OURS_FAILED}: {str(exc)[:300]}"
             else:
                 yield method, result
                 continue
         unavailable[method] = why
         common.report(name, {"method": method, "unavailable": why})
+
+
+OURS_FAILED = "our method failed"
+
+
+def raise_failures(name: str, unavailable: dict) -> None:
+    """ChildFailed naming our methods that failed in `each_method` (their tracebacks are above
+    in the log), after removing experiment `name`'s summary, which an earlier run wrote and
+    this one could not; nothing when none failed."""
+    failed = {m: why for m, why in unavailable.items() if why.startswith(OURS_FAILED)}
+    if failed:
+        (common.results_dir() / f"{name}.summary.json").unlink(missing_ok=True)
+        raise ChildFailed(f"{len(failed)} of our methods failed: " + "; ".join(
+            f"{m}: {why}" for m, why in failed.items()))
 
 
 def _main(argv: list[str]) -> int:

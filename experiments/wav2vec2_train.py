@@ -204,14 +204,19 @@ def run(size: str = "toy") -> None:
         losses[method] = result["losses"]
         curves += [{"method": method, "lengths_served": n, "mib": mib} for n, mib in result["curve"]]
         common.report(NAME, rows[-1])
+        write_rows(rows, curves, losses)   # (each method's as it ends: a run cut short keeps them)
+    isolate.raise_failures(NAME, unavailable)
     bits = isolate.run(f"{__name__}:check_bits", {"size": size})
+    common.write_summary(NAME, {**summarize(rows, losses, bits, SIZES[size]["curve_steps"]),
+                                "unavailable": unavailable})
+
+
+def write_rows(rows: list[dict], curves: list[dict], losses: dict) -> None:
     common.write_csv(NAME, rows)
     if curves:
         common.write_csv(f"{NAME}_curve", curves)
     common.write_csv(f"{NAME}_loss", [{"method": m, "step": i, "loss": v}
                                       for m, vals in losses.items() for i, v in enumerate(vals)])
-    common.write_summary(NAME, {**summarize(rows, losses, bits, SIZES[size]["curve_steps"]),
-                                "unavailable": unavailable})
 
 
 # The float32 bound on two float32 losses of one batch and weights: each is within about

@@ -41,6 +41,33 @@ def test_a_child_process_runs_the_target_and_returns_its_result():
         isolate.run("tests.test_experiment_graph_memory", {})
 
 
+def child_method(method: str, size: str) -> dict:
+    if method.startswith("broken"):
+        raise RuntimeError(f"{method} at {size}")
+    return {"method": method}
+
+
+def test_a_failed_method_costs_its_row_and_ours_are_raised_after_the_rest(tmp_path, monkeypatch):
+    """One method's failure does not stop the others; a baseline's is only recorded, ours
+    are raised once the caller has the rest, and the earlier run's summary goes."""
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    monkeypatch.setattr(isolate, "torch_missing", lambda *_: None)
+    common.write_summary("exp", {"stale": True})
+    unavailable = {}
+    done = [m for m, _ in isolate.each_method(
+        "exp", ["broken_ours", "ours", "broken_baseline", "baseline"],
+        "tests.test_experiment_graph_memory:child_method", "toy",
+        baselines=("broken_baseline", "baseline"), unavailable=unavailable)]
+    assert done == ["ours", "baseline"]
+    assert set(unavailable) == {"broken_ours", "broken_baseline"}
+    assert not unavailable["broken_baseline"].startswith(isolate.OURS_FAILED)
+    with pytest.raises(isolate.ChildFailed, match="1 of our methods failed: broken_ours"):
+        isolate.raise_failures("exp", unavailable)
+    assert not (common.results_dir() / "exp.summary.json").exists()
+    del unavailable["broken_ours"]
+    isolate.raise_failures("exp", unavailable)
+
+
 def test_the_driver_fit_recovers_bytes_a_graph_and_a_node():
     """Probes made from known costs (100 KiB a graph, 2 KiB a node, whole MiB readings as
     free memory moves in steps) give those costs back within the steps' rounding."""
