@@ -967,8 +967,9 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     skinny: 9..32-row products on the tiled path take a SKINNY tile instead of TILE (off by
     default until its A/B, dev.ab.ab_lstm_tiles, runs on a GPU).
 
-    a, b, out, bias (and ln_out's arrays) of one dtype: float32, or float16 for products of
-    at most DECODE_MAX_M rows (the decode kernels; sums and the epilogue in float32).
+    a, b, out, bias (and ln_out's arrays) of one dtype: float32, or float16 (the decode
+    kernels, sums and the epilogue in float32; a 2-D product of more than DECODE_MAX_M rows,
+    a prefill's, runs DECODE_MAX_M rows a launch).
     """
     dtype = _check.float_dtype("a", a)
     _check.device_array("a", a, dtype=dtype)
@@ -991,9 +992,10 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
                          f"trans_b={trans_b}")
     if tuple(out.shape) != (*lead, m_rows, n_cols):
         raise ValueError(f"out: expected shape {(*lead, m_rows, n_cols)}, got {tuple(out.shape)}")
-    if dtype != np.float32 and m_rows > DECODE_MAX_M:
-        raise TypeError(f"a: {dtype} products take at most {DECODE_MAX_M} rows (the decode "
-                        f"kernels; the tiled kernels are float32), got {m_rows}")
+    if dtype != np.float32 and m_rows > DECODE_MAX_M and (lead or trans_a):
+        raise TypeError(f"a: batched or transposed {dtype} products take at most "
+                        f"{DECODE_MAX_M} rows (the decode kernels; the tiled kernels are "
+                        f"float32), got {m_rows}")
     batch = lead[0] if lead else 1
     if batch > 65535:
         raise ValueError(f"a: batch {batch} exceeds the grid limit 65535")
@@ -1007,6 +1009,13 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
         _check.no_overlap({"y": y, "a": a, "b": b, "out": out, "bias": bias_arg,
                            "gamma": gamma, "beta": beta},
                           [("y", other) for other in ("a", "b", "out", "bias", "gamma", "beta")])
+    if dtype != np.float32 and m_rows > DECODE_MAX_M:   # (a prefill's rows) 8 at a time
+        for r in range(0, m_rows, DECODE_MAX_M):
+            rows = slice(r, min(r + DECODE_MAX_M, m_rows))
+            gemm(a[rows], b, out[rows], bias=bias, act=act, accumulate=accumulate,
+                 trans_b=trans_b, stream=stream,
+                 ln_out=None if ln_out is None else (gamma, beta, eps, y[rows]))
+        return
     flags = (ACTS[act], int(bool(accumulate)), int(bool(trans_a)))
     a3, b3, out3 = a, b, out
     if not lead:  # every kernel takes (B, ., .) arrays

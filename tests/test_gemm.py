@@ -761,8 +761,11 @@ def test_half_precision_is_refused_where_no_kernel_takes_it():
         G.gemm(h(3, 4), f(4, 5), h(3, 5))
     with pytest.raises(TypeError, match="bias: expected dtype float16, got float32"):
         G.gemm(h(3, 4), h(4, 5), h(3, 5), bias=f(5))
-    with pytest.raises(TypeError, match=r"a: float16 products take at most 8 rows .* got 9"):
-        G.gemm(h(9, 4), h(4, 5), h(9, 5))
+    with pytest.raises(TypeError, match=r"a: batched or transposed float16 products take at "
+                                        r"most 8 rows .* got 9"):
+        G.gemm(h(1, 9, 4), h(1, 4, 5), h(1, 9, 5))
+    with pytest.raises(TypeError, match=r"a: batched or transposed float16 .* got 9"):
+        G.gemm(h(4, 9), h(4, 5), h(9, 5), trans_a=True)
     with pytest.raises(TypeError, match="a: expected dtype float32 or float16, got float64"):
         G.gemm(dev(np.ones((3, 4))), h(4, 5), h(3, 5))
     with pytest.raises(TypeError, match="a: expected dtype float32, got float16"):

@@ -58,6 +58,45 @@ def test_prefill_then_decode_matches_reference(config, batch, prompt_len, decode
         np.testing.assert_allclose(logits.copy_to_host()[:, 0], want[:, t], **LOGIT_TOL)
 
 
+# float16: every activation the half-precision step stores is rounded once, relatively by at
+# most U16: per layer ln_1, qkv, attention's output, the residual after the projection, ln_2,
+# the MLP's hidden (after GELU) and the residual after it (7), and the embedding, ln_f and
+# the logits once. Random weights and layer norms keep activations unit-scale and each
+# layer's gain about 1, so to first order the roundings' errors add: a logit is off by at
+# most (7 L + 3) U16 of its row's scale, beside float32's own error (LOGIT_TOL).
+U16 = 2.0 ** -11
+HALF = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=30, n_positions=16)
+
+
+def test_float16_prefill_then_decode_within_the_rounding_bound():
+    """Against the reference on the weights the model holds (rounded to float16); a prefill
+    of 2 x 5 = 10 rows (more than the half-precision GEMMs take a launch) then two decode
+    steps; the greedy token agrees wherever the reference's top-2 margin exceeds twice the
+    bound."""
+    sd = random_state_dict(HALF, seed=5)
+    held = {k: v.astype(np.float16).astype(np.float32) for k, v in sd.items()}
+    seq = np.random.default_rng(5).integers(0, HALF.vocab_size, (2, 7))
+    model = GPT2(HALF, sd, max_batch=2, max_tokens=5, dtype=np.float16)
+    cache = KVCache(HALF, 2, max_len=8, dtype=np.float16)
+    out = [model.step(tokens_dev(seq[:, :5]), pos_dev(0), cache).copy_to_host()]
+    for t in (5, 6):
+        out.append(model.step(tokens_dev(seq[:, t:t + 1]), pos_dev(t), cache).copy_to_host())
+    got = np.concatenate(out, axis=1)
+    assert got.dtype == np.float16
+    want = reference.gpt2_logits(HALF, held, seq)
+    rms = np.sqrt((want ** 2).mean(axis=-1, keepdims=True))
+    bound = (7 * HALF.n_layer + 3) * U16 * (np.abs(want) + rms) + LOGIT_TOL["atol"] + \
+        LOGIT_TOL["rtol"] * np.abs(want)
+    err = np.abs(got.astype(np.float64) - want) - bound
+    assert np.all(err <= 0), float(err.max())
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * bound.max(axis=-1)
+    assert clear.any()   # (the check below checks something)
+    np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    with pytest.raises(ValueError, match="dtype"):   # a float32 cache for a float16 model
+        model.step(tokens_dev(seq[:, :1]), pos_dev(0), KVCache(HALF, 2, max_len=8))
+
+
 @pytest.mark.parametrize("most", [False, True], ids=["planned", "most_partials"])
 def test_decode_sums_qkvs_partials_in_attention(most, monkeypatch):
     """Decode on the tile kernel: qkv's projection writes its K-split partials and attention

@@ -76,7 +76,7 @@ def test_float16_prefill_then_decode_within_the_rounding_bound():
 
 @pytest.mark.slow   # (make test-all and CI run it; make test does not)
 def test_float16_prefill_of_more_than_eight_rows_runs_in_chunks():
-    """B * T = 10 rows: the half-precision GEMMs take 8 at most, so the model splits them;
+    """B * T = 10 rows: the half-precision decode GEMMs take 8 at most, so gemm splits them;
     the logits equal those of the same tokens prefilled 5 rows at a time (bit for bit: the
     same kernels on the same rows)."""
     sd = random_state_dict(SMALL, seed=3)

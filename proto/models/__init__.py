@@ -58,6 +58,26 @@ def checked_params(shapes: dict[str, tuple[int, ...]], state_dict, *, what: str,
     return params
 
 
+def model_dtype(dtype) -> np.dtype:
+    """A decoder's storage dtype: float32 or float16 (TypeError otherwise)."""
+    dtype = np.dtype(dtype)
+    if dtype not in _check.FLOATS:
+        raise TypeError(f"dtype: expected float32 or float16, got {dtype}")
+    return dtype
+
+
+def on_device_as(params: dict[str, np.ndarray], dtype, what: str) -> dict:
+    """Checked float32 `params` on the device in `dtype`: a weight float16 cannot hold is a
+    ValueError, not an infinity."""
+    with np.errstate(over="raise"):
+        try:
+            host = {k: v.astype(dtype) for k, v in params.items()}
+        except FloatingPointError:
+            raise ValueError(f"{what} state_dict: a weight exceeds {np.dtype(dtype)}'s range") \
+                from None
+    return {k: cuda.to_device(v) for k, v in host.items()}
+
+
 def zeros(shape, dtype=np.float32):
     """A zero-filled device array (caches and states must not start as garbage: a NaN read
     from an unwritten slot would survive a multiply by a zero weight)."""

@@ -22,9 +22,9 @@ import dataclasses
 
 import numpy as np
 
-from kernels import _check, embedding, gemm, layernorm, mlp, self_attention
-from proto.device.backend import cuda, empty, reshaped
-from proto.models import checked_params, random_params
+from kernels import _check, attention, embedding, gemm, layernorm, mlp, self_attention
+from proto.device.backend import empty, reshaped
+from proto.models import checked_params, model_dtype, on_device_as, random_params
 from proto.models.kv_cache import KVCache, check_step
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
@@ -116,12 +116,13 @@ class GPT2:
     """GPT-2 forward over `max_batch` sequences of up to `max_tokens` new tokens per step."""
 
     def __init__(self, config: GPT2Config, state_dict, *, max_batch: int, max_tokens: int,
-                 allow_nonfinite: bool = False):
+                 dtype=np.float32, allow_nonfinite: bool = False):
+        self.dtype = model_dtype(dtype)
         params = load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite)
         self.config = config
         self.max_batch = _check.positive("max_batch", max_batch)
         self.max_tokens = _check.positive("max_tokens", max_tokens, at_most=config.n_positions)
-        w = {k: cuda.to_device(v) for k, v in params.items()}
+        w = on_device_as(params, self.dtype, "GPT-2")
         self.wte, self.wpe = w["transformer.wte.weight"], w["transformer.wpe.weight"]
         self.ln_f_w, self.ln_f_b = w["transformer.ln_f.weight"], w["transformer.ln_f.bias"]
         self.layers = [
@@ -141,10 +142,10 @@ class GPT2:
                    for f in dataclasses.fields(layer)]
         weights = sum(a.nbytes for a in arrays) + self.wpe.nbytes // self.wpe.shape[0]
         c = self.config
-        return int(weights), 2 * c.n_layer * batch * length * c.n_embd * 4
+        return int(weights), 2 * c.n_layer * batch * length * c.n_embd * self.dtype.itemsize
 
     def _empty(self, name: str, *shape):
-        return empty(shape, np.float32, name, owner=self)
+        return empty(shape, self.dtype, name, owner=self)
 
     def step(self, tokens, pos, cache: KVCache, stream=0):
         """Run T new tokens of B sequences; return their logits.
@@ -153,11 +154,14 @@ class GPT2:
         pos:    device int32 (1,): absolute position of tokens[:, 0]; read on the device.
         cache:  KVCache with batch B; positions pos..pos+T-1 are written, 0..pos-1 are read.
                 The caller keeps pos + T <= cache.max_len (the step never reads pos on the host).
-        Returns device float32 (B, T, V) logits, overwritten by the model's next step:
-        logits[:, -1] are the next-token scores. For T = 1 it reshapes to a contiguous (B, V).
+        Returns device (B, T, V) logits of the model's dtype, overwritten by the model's next
+        step: logits[:, -1] are the next-token scores. For T = 1 it reshapes to a contiguous
+        (B, V).
         """
         B, T = check_step(tokens, pos, cache, config=self.config, max_batch=self.max_batch,
-                          max_tokens=self.max_tokens)
+                          max_tokens=self.max_tokens, dtype=self.dtype)
+        if self.dtype != np.float32:
+            return self._half_step(tokens, pos, cache, B, T, stream)
         C, V, N = self.config.n_embd, self.config.vocab_size, B * T
         x = self._empty("x", B, T, C)               # the residual stream, updated in place
         x2 = reshaped(x, (N, C))   # (the same view object step after step)
@@ -191,4 +195,39 @@ class GPT2:
         logits = self._empty("logits", B, T, V)
         gemm.gemm(ln_1, self.wte, reshaped(logits, (N, V)), trans_b=True,   # the tied head,
                   stream=stream)                                            # ln_f(x) in
+        return logits
+
+    def _half_step(self, tokens, pos, cache: KVCache, B: int, T: int, stream):
+        """`step` in half precision: the same layers on the kernels that store float16 (the
+        decode GEMMs, attention over the live prefix, the embedding), products and sums in
+        float32. The float32 step's fused MLP and fused qkv-attention kernels are float32
+        only; here the MLP is two GEMMs (the first with GELU) and qkv a GEMM before
+        attention, as in GPT-J."""
+        C, V, N = self.config.n_embd, self.config.vocab_size, B * T
+        x = self._empty("x", B, T, C)
+        x2 = reshaped(x, (N, C))
+        first, ln = self.layers[0], self._empty("ln_1", N, C)
+        if embedding.fuses_layernorm(C):
+            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
+                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
+        else:
+            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
+            layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
+        after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
+        for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
+            qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
+            gemm.gemm(ln, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, stream=stream)
+            att = self._empty(f"h{i}.att", B, T, C)
+            attention.attention(qkv, cache.k[i], cache.v[i], pos, att, n_head=self.config.n_head,
+                                rows=cache.rows, stream=stream)
+            ln_2 = self._empty(f"h{i}.ln_2", N, C)
+            gemm.gemm(reshaped(att, (N, C)), L.attn_proj_w, x2, bias=L.attn_proj_b,
+                      accumulate=True, ln_out=(L.ln_2_w, L.ln_2_b, LN_EPS, ln_2), stream=stream)
+            h = self._empty(f"h{i}.fc", N, 4 * C)
+            gemm.gemm(ln_2, L.fc_w, h, bias=L.fc_b, act="gelu", stream=stream)
+            ln = self._empty(f"h{i}.ln_next", N, C)
+            gemm.gemm(h, L.mlp_proj_w, x2, bias=L.mlp_proj_b, accumulate=True,
+                      ln_out=(gamma, beta, LN_EPS, ln), stream=stream)
+        logits = self._empty("logits", B, T, V)
+        gemm.gemm(ln, self.wte, reshaped(logits, (N, V)), trans_b=True, stream=stream)
         return logits

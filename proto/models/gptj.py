@@ -33,8 +33,8 @@ import numpy as np
 
 from kernels import _check, attention, embedding, gemm, layernorm, rotary as rotary_kernel
 from proto.device.backend import cuda, empty, is_device_array, reshaped
-from proto.models import (checked_device_params, checked_params, random_device_params,
-                          random_params)
+from proto.models import (checked_device_params, checked_params, model_dtype, on_device_as,
+                          random_device_params, random_params)
 from proto.models.kv_cache import KVCache, check_step
 
 LN_EPS = 1e-5
@@ -158,9 +158,7 @@ class GPTJ:
 
     def __init__(self, config: GPTJConfig, state_dict, *, max_batch: int, max_tokens: int,
                  dtype=np.float16, allow_nonfinite: bool = False):
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in _check.FLOATS:
-            raise TypeError(f"dtype: expected float32 or float16, got {self.dtype}")
+        self.dtype = model_dtype(dtype)
         self.config = config
         self.max_batch = _check.positive("max_batch", max_batch)
         self.max_tokens = _check.positive("max_tokens", max_tokens, at_most=config.n_positions)
@@ -191,14 +189,8 @@ class GPTJ:
         if state_dict and all(is_device_array(v) for v in state_dict.values()):
             return checked_device_params(param_shapes(config), state_dict, self.dtype,
                                          what="GPT-J", ignored=_is_buffer)
-        params = load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite)
-        with np.errstate(over="raise"):   # a weight float16 cannot hold is an error, not inf
-            try:
-                host = {k: v.astype(self.dtype) for k, v in params.items()}
-            except FloatingPointError:
-                raise ValueError(f"GPT-J state_dict: a weight exceeds {self.dtype}'s range") \
-                    from None
-        return {k: cuda.to_device(v) for k, v in host.items()}
+        return on_device_as(load_state_dict(config, state_dict, allow_nonfinite=allow_nonfinite),
+                            self.dtype, "GPT-J")
 
     def decode_read_bytes(self, batch: int, length: int) -> tuple[int, int]:
         """(weight bytes, KV-cache bytes) a decode step of `batch` sequences at `length` live
@@ -214,18 +206,10 @@ class GPTJ:
     def _empty(self, name: str, *shape):
         return empty(shape, self.dtype, name, owner=self)
 
-    def _gemm(self, a, w, out, **kw):
-        """gemm(a, w, out, trans_b=True, ...) over rows of a in chunks of DECODE_MAX_M (the
-        half-precision kernels' rows); one launch where they fit."""
-        rows, step = a.shape[0], gemm.DECODE_MAX_M
-        if rows <= step or self.dtype == np.float32:
-            gemm.gemm(a, w, out, trans_b=True, **kw)
-            return
-        ln = kw.pop("ln_out", None)
-        for r in range(0, rows, step):
-            part = slice(r, min(r + step, rows))
-            ln_part = None if ln is None else (*ln[:3], ln[3][part])
-            gemm.gemm(a[part], w, out[part], trans_b=True, ln_out=ln_part, **kw)
+    @staticmethod
+    def _gemm(a, w, out, **kw):
+        """out = a @ w.T (+ ...): Hugging Face's Linear weights are (out, in)."""
+        gemm.gemm(a, w, out, trans_b=True, **kw)
 
     def step(self, tokens, pos, cache: KVCache, stream=0):
         """Run T new tokens of B sequences; return their logits.
