@@ -6,11 +6,13 @@
 #       graph_memory sanitize > /dev/null 2>&1 & sleep 2; bash dev/gpu_session.sh poll 540")
 #   run(command="bash dev/gpu_session.sh poll 540")          # again until "all done"
 #
-# Steps: lane (the GPU tests, about 4 minutes), graph_memory (the memory figure, each method
+# Steps: lane (the GPU tests, about 6 minutes), graph_memory (the memory figure, each method
 # in its own process, about 8), sanitize (compute-sanitizer's four tools over the GPU tests,
-# at most 15), kernel_speed (every kernel against PyTorch's), gptj (GPT-J-6B in float16,
-# about 12), wav2vec2 (an epoch of Wav2Vec2 training per method, about 10), probes (the
-# kernel cache's test, then where recording GPT-2 takes memory).
+# about 7), kernel_speed (every kernel against PyTorch's), gptj (GPT-J-6B in float16,
+# over 15), wav2vec2 (an epoch of Wav2Vec2 training per method, about 10), end_to_end
+# (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
+# the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py), probes
+# (the kernel cache's test, then where recording GPT-2 takes memory).
 # The kernels load from Numba's cache after the first process compiles them: a fresh machine
 # spends about a minute on that once. The steps run in a copy of the checkout,
 # /tmp/gpu_session/tree, which later `run` calls leave alone. Each step's log is in
@@ -44,6 +46,8 @@ for s in "$@"; do case $s in
   lane) step lane 900 python3 -m tests.gpu_lane ;;
   kernel_speed) step kernel_speed 900 python3 -m experiments kernel_speed --size full ;;
   gptj) step gptj 1500 python3 -m experiments gptj --size full ;;
+  end_to_end) step end_to_end 1500 python3 -m experiments end_to_end --size full ;;
+  half_decode) step half_decode 600 env OUT=$L python3 -m dev.bench.bench_half_decode ;;
   wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
   sanitize) step sanitize 900 python3 -m tests.sanitize ;;
   *) echo "unknown step $s" >> $L/steps.txt ;;

@@ -2,7 +2,9 @@
 
 Beam search (beam 5, prompt 5, no eos, so every run generates the same number of tokens)
 with random GPT-2 weights, float32, two configurations, both generated to 1024 positions:
-4 layers d=256 (4 heads) and GPT-2 small, 12 layers d=768 (12 heads); vocabulary 50257.
+4 layers d=256 (4 heads) and GPT-2 small, 12 layers d=768 (12 heads); vocabulary 50257. Then
+GPT-2 small in float16 (HALF_METHODS: ours, and transformers' generate in float16), whose
+figures are the summary's gpt2_fp16_* keys.
 Methods, all driving the same search (proto.models.generate.beam_search, whose log-softmax,
 top-k and host choice of beams are identical for every method), except the WHILE graph:
 
@@ -59,14 +61,22 @@ from proto.models.search_loop import BeamLoop
 NAME = "end_to_end"
 METHODS = ["numba_eager", "graph_copy_exact", "graph_alias_device", "graph_while", "torch_eager",
            "torch_graph", "hf_generate", "hf_compiled"]
+# A float16 setup's methods: ours that the figures quote, and transformers' generate in
+# float16 as a user calls it (the float32 setups carry the other comparisons)
+HALF_METHODS = ["numba_eager", "graph_alias_device", "graph_while", "hf_generate"]
+TOY = GPT2Config(1, 8, 2, 13, 8)
+SMALL = GPT2Config(12, 768, 12, 50257, 1024)   # GPT-2 small
 SIZES = {
-    # (label, config, positions generated to); step: how the decode step alone is timed
-    # (replays per sample: the host's checks overlap the GPU's work)
-    "toy": dict(setups=[("toy-1L-d8", GPT2Config(1, 8, 2, 13, 8), 2)], beam=2, prompt_len=1,
+    # (label, config, positions generated to, dtype); step: how the decode step alone is
+    # timed (replays per sample: the host's checks overlap the GPU's work). The headline
+    # figures are the last float32 setup's; the float16 one's are gpt2_fp16_*.
+    "toy": dict(setups=[("toy-1L-d8", TOY, 2, np.float32),
+                        ("toy-1L-d8-fp16", TOY, 2, np.float16)], beam=2, prompt_len=1,
                 build_all=False, reps=2, step=dict(replays=1, warmup=1, reps=2,
                                                    copy_bytes=1 << 16)),
-    "full": dict(setups=[("4L-d256", GPT2Config(4, 256, 4, 50257, 1024), 1024),
-                         ("12L-d768", GPT2Config(12, 768, 12, 50257, 1024), 1024)],
+    "full": dict(setups=[("4L-d256", GPT2Config(4, 256, 4, 50257, 1024), 1024, np.float32),
+                         ("12L-d768", SMALL, 1024, np.float32),
+                         ("12L-d768-fp16", SMALL, 1024, np.float16)],
                  beam=5, prompt_len=5, build_all=True, reps=5,
                  step=dict(replays=10, warmup=3, reps=20, copy_bytes=1 << 30)),
 }
@@ -84,7 +94,8 @@ class _Method:
 class _Eager(_Method):
     def __init__(self, model, beam: int, max_len: int):
         self.model, self.beam = model, beam
-        self.caches = (KVCache(model.config, beam, max_len), KVCache(model.config, beam, max_len))
+        self.caches = tuple(KVCache(model.config, beam, max_len, dtype=model.dtype)
+                            for _ in range(2))
         self.inputs = generate.DecodeInputs.allocate(beam)
 
     def generate(self, prompt, new: int, timed: bool):
@@ -147,11 +158,12 @@ class _HF(_Method):
     no score. A compiled model warms up on a whole generation: its static cache and CUDA
     graphs are shaped by the generation length."""
 
-    def __init__(self, config, state_dict, beam: int, compiled: bool):
+    def __init__(self, config, state_dict, beam: int, compiled: bool, dtype):
         from experiments.hf_gpt2 import HFChild   # its own process, as a user runs it
         # (a generation, compilation included, takes a few minutes at most; a child silent
         # for ten is stuck, and a device session cannot wait for it)
-        self.search = HFChild(config, state_dict, beam=beam, compiled=compiled, timeout_s=600)
+        self.search = HFChild(config, state_dict, beam=beam, compiled=compiled, timeout_s=600,
+                              dtype=dtype)
 
     def warmup(self, prompt, new: int) -> None:
         self.search.generate(prompt, new if self.search.compiled else min(8, new))
@@ -195,15 +207,19 @@ def _torch_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _methods() -> list[str]:
-    """Ours always; PyTorch's on a GPU with torch; Hugging Face's where transformers is too."""
+def _methods(dtype=np.float32) -> list[str]:
+    """Ours always; PyTorch's on a GPU with torch; Hugging Face's where transformers is too;
+    of a float16 setup, those of HALF_METHODS."""
+    methods = METHODS
     if not _torch_available():
-        return METHODS[:4]
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return METHODS[:6]
-    return METHODS
+        methods = METHODS[:4]
+    else:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            methods = METHODS[:6]
+    return methods if np.dtype(dtype) == np.float32 else [m for m in methods
+                                                          if m in HALF_METHODS]
 
 
 def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bool):
@@ -216,7 +232,8 @@ def _make(method: str, model, state_dict, beam: int, max_len: int, build_all: bo
     if method == "graph_while":
         return _While(model, beam, max_len)
     if method in ("hf_generate", "hf_compiled"):
-        return _HF(model.config, state_dict, beam, compiled=method == "hf_compiled")
+        return _HF(model.config, state_dict, beam, compiled=method == "hf_compiled",
+                   dtype=model.dtype)
     return _Torch(model.config, state_dict, beam, max_len, graphed=method == "torch_graph")
 
 
@@ -260,12 +277,14 @@ def _failed_before(method: str, unavailable: dict) -> str | None:
 def run(size: str = "toy") -> None:
     cfg = SIZES[size]
     beam, prompt_len = cfg["beam"], cfg["prompt_len"]
-    methods = _methods()
     rows, step_rows, kernel_rows, unavailable, step_specs = [], [], [], {}, []
-    bar = common.progress(range(len(cfg["setups"]) * len(methods)), desc=NAME)
-    for label, config, max_len in cfg["setups"]:
+    bar = common.progress(range(sum(len(_methods(s[3])) for s in cfg["setups"])), desc=NAME)
+    last32 = [s[0] for s in cfg["setups"] if s[3] == np.float32][-1]
+    for label, config, max_len, dtype in cfg["setups"]:
+        methods = _methods(dtype)
         state_dict = random_state_dict(config, seed=0)
-        model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(prompt_len - 1, 1))
+        model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(prompt_len - 1, 1),
+                     dtype=dtype)
         if "torch_eager" in methods:
             from experiments.torch_gpt2 import check_logits
             torch_error = check_logits(model, state_dict)  # asserts: same model as ours
@@ -294,7 +313,7 @@ def run(size: str = "toy") -> None:
                 continue
             want = tokens if want is None else want
             rows.append({"setup": label, "n_layer": config.n_layer, "n_embd": config.n_embd,
-                         "beam": beam, "prompt_len": prompt_len, "max_len": max_len, **row,
+                         "dtype": np.dtype(dtype).name, "beam": beam, "prompt_len": prompt_len, "max_len": max_len, **row,
                          "torch_logit_error": round(torch_error, 8)
                          if "torch_eager" in methods else None})
             common.report(NAME, rows[-1])
@@ -303,9 +322,9 @@ def run(size: str = "toy") -> None:
             m.close()
         # The largest setup also profiles the WHILE graph's kernels (the issue's figure), after
         # its step: if that fails, only this breakdown is missing, and the summary says why.
-        profile_while = "torch_graph" in methods and label == cfg["setups"][-1][0]
+        profile_while = "torch_graph" in methods and label == last32
         step_specs.append(step_spec(label, config, beam, prompt_len, max_len, max_len // 2,
-                                    cfg["step"], use_torch="torch_graph" in methods,
+                                    cfg["step"], use_torch="torch_graph" in methods, dtype=dtype,
                                     parts=("step", "while") if profile_while else ("step",)))
     bar.close()
     for spec, (row, kernels, failed) in zip(step_specs, step_timings(step_specs)):
@@ -323,9 +342,9 @@ def run(size: str = "toy") -> None:
 
 
 def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
-    """Headline figures for the last (largest: GPT-2 small) setup, and every setup's time per
-    token by method."""
-    label = rows[-1]["setup"]
+    """Headline figures for the last (largest: GPT-2 small) float32 setup, every setup's time
+    per token by method, and the float16 setup's figures as gpt2_fp16_* (`half_summary`)."""
+    label = [r["setup"] for r in rows if r.get("dtype", "float32") == "float32"][-1]
     per = {r["method"]: r for r in rows if r["setup"] == label}
     copy, alias = per["graph_copy_exact"], per["graph_alias_device"]
     ms = {m: float(r["ms_per_token"]) for m, r in per.items()}
@@ -392,7 +411,32 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
             summary["torch_masked_graph_step_us"] = float(step["torch_masked_step_us"])
             summary["ours_over_torch_masked_graph_step"] = \
                 float(step["ours_step_us"]) / float(step["torch_masked_step_us"])
-    return summary
+    return {**summary, **half_summary(rows, step_rows)}
+
+
+def half_summary(rows: list[dict], step_rows: list[dict]) -> dict:
+    """The float16 setup's figures (none without one): its decode step against its bandwidth
+    floor (float16 weights and KV cache at the copy rate), and transformers' float16
+    generate against our WHILE graph, per token."""
+    half = [r for r in rows if r.get("dtype") == "float16"]
+    if not half:
+        return {}
+    label = half[-1]["setup"]
+    ms = {r["method"]: float(r["ms_per_token"]) for r in half if r["setup"] == label}
+    out = {"gpt2_fp16_setup": label,
+           "gpt2_fp16_ms_per_token": ms,
+           "gpt2_fp16_all_ours_same_tokens": all(
+               r["same_tokens_as_eager"] in (True, "True") for r in half
+               if r["setup"] == label and not r["method"].startswith("hf_"))}
+    if "hf_generate" in ms:
+        out["gpt2_fp16_hf_generate_over_ours_per_token"] = ms["hf_generate"] / ms["graph_while"]
+    step = next((r for r in step_rows if r["setup"] == label), None)
+    if step is not None and step.get("floor_us"):
+        out.update(gpt2_fp16_step_us=float(step["ours_step_us"]),
+                   gpt2_fp16_bandwidth_floor_us=float(step["floor_us"]),
+                   gpt2_fp16_step_over_bandwidth_floor=float(step["ours_step_us"])
+                   / float(step["floor_us"]))
+    return out
 
 
 # ------------------------------------------------------------------------- plot

@@ -30,7 +30,10 @@ reads is its own and no method inherits another's warm driver:
 Per method: a short warm-up generation, `reps` whole generations timed (median ms per token,
 p10 and p90 in the CSV), their tokens against ours_eager's, build time and the device memory
 it keeps beyond the weights once its generations are done (free memory read before and
-after, in its own process, every graph by then replayed). The device-length graph's step is also timed alone at position 512 (`step`),
+after, in its own process, every graph by then replayed, PyTorch's allocator emptied of
+blocks no graph pool holds), and of that what is not its KV caches (`graphs_mib`: pools or
+arena, executables, the driver's; `gptj_ptgraph_over_ours_memory` compares PtGraph's shared
+pool with our per-length graphs on it). The device-length graph's step is also timed alone at position 512 (`step`),
 against its bandwidth floor: every weight and the live K and V read once at the device's
 measured copy rate (`gptj_step_over_bandwidth_floor`).
 
@@ -69,7 +72,11 @@ SIZES = {
 SEED = 0
 
 
-INFO = ("graphs", "graph_nodes", "arena_mib")   # (every row has these columns)
+INFO = ("graphs", "graph_nodes", "arena_mib", "cache_mib")   # (every row has these columns)
+
+
+def _mib(nbytes: int) -> float:
+    return round(nbytes / 2**20, 1)
 
 
 class _Ours:
@@ -98,9 +105,12 @@ class _Ours:
 
     def info(self) -> dict:
         if self.g is None:
-            return {"graphs": 1 if self.loop is not None else 0}
+            if self.loop is None:   # (the eager search's caches are freed by then)
+                return {"graphs": 0, "cache_mib": 0.0}
+            return {"graphs": 1, "cache_mib": _mib(self.loop.cache.data.nbytes)}
         return {"graphs": self.g.num_graphs, "graph_nodes": self.g.num_nodes,
-                "arena_mib": round(self.g.arena_bytes / 2**20, 2)}
+                "arena_mib": round(self.g.arena_bytes / 2**20, 2),
+                "cache_mib": _mib(self.g.cache_bytes)}
 
     def close(self) -> None:
         for owner in (self.g, self.loop):
@@ -125,7 +135,9 @@ class _PtGraph:
         return self.dec.beam_search(prompt, max_new_tokens=new)
 
     def info(self) -> dict:
-        return {"graphs": len(self.dec.graphs)}
+        model = self.dec.model
+        return {"graphs": len(self.dec.graphs),
+                "cache_mib": _mib(sum(t.numel() * t.element_size() for t in (model.k, model.v)))}
 
     def close(self) -> None:
         self.dec.close()
@@ -170,7 +182,7 @@ class _HF:
                                    generate.PhaseTimes(steps=new, synchronized=True))
 
     def info(self) -> dict:
-        return {}
+        return {"cache_mib": 0.0}   # (its search's cache is freed by then)
 
     def close(self) -> None:
         self.model = None
@@ -179,7 +191,8 @@ class _HF:
 
 COLUMNS = ("method", "n_layer", "n_embd", "beam", "prompt_len", "max_len", "tokens",
            "ms_per_token", "p10_ms_per_token", "p90_ms_per_token", "reps", "setup_s",
-           "weights_mib", "graphs_and_caches_mib", "copy_GBps", "same_tokens_every_run",
+           "weights_mib", "graphs_and_caches_mib", "graphs_mib", "copy_GBps",
+           "same_tokens_every_run",
            *INFO, "step_position", "step_us", "step_p10_us", "step_p90_us", "step_read_bytes",
            "floor_us")
 
@@ -224,7 +237,11 @@ def measure(method: str, size: str) -> dict:
     t = timing.bench_host(lambda: out.append(m.generate(prompt, new)), warmup=0,
                           reps=cfg["reps"])
     # What the method keeps once every method has run the same warm-up and generations (every
-    # length's graph replayed: uploaded; a search's own caches, eager or transformers', freed)
+    # length's graph replayed: uploaded; a search's own caches, eager or transformers', freed;
+    # PyTorch's allocator gives back the blocks no graph's pool holds, as a user can ask)
+    if method in TORCH_METHODS:
+        import torch
+        torch.cuda.empty_cache()
     free_kept = free_memory()
     row.update(tokens=new, ms_per_token=round(t.median_ms / new, 4),
                p10_ms_per_token=round(t.p10_ms / new, 4),
@@ -233,6 +250,10 @@ def measure(method: str, size: str) -> dict:
                graphs_and_caches_mib=drop_mib(free_weights, free_kept),
                same_tokens_every_run=all(np.array_equal(g.tokens, out[0].tokens) for g in out),
                **m.info())
+    # the graphs' own memory (pools or arena, executables, the driver's): what it keeps
+    # beside its KV caches, which every method needs (ours with alias binding: two sets)
+    if row["graphs_and_caches_mib"] is not None:
+        row["graphs_mib"] = round(row["graphs_and_caches_mib"] - row["cache_mib"], 1)
     if method == "ours_device":   # the step alone at one position, against its floor
         step = timing.bench(m.g.replayer(cfg["step_position"]), **cfg["step"])
         weight_bytes, kv_bytes = model.decode_read_bytes(beam, cfg["step_position"] + 1)
@@ -314,13 +335,36 @@ def summarize(rows: list[dict]) -> dict:
         round(float(device["step_us"]) / float(torch_step["step_us"]), 3),
         "gptj_torch_graph_step_us": None if torch_step is None else float(torch_step["step_us"]),
         "graphs_and_caches_mib": {m: r["graphs_and_caches_mib"] for m, r in per.items()},
+        "graphs_mib": {m: r["graphs_mib"] for m, r in per.items()},
+        # PtGraph's per-length graphs in one shared pool over ours per length (planner, tape,
+        # shared executables), each method in its own process, beside their KV caches
+        "gptj_ptgraph_over_ours_memory": _ratio(per, "ptgraph_shared", "ours_per_length",
+                                                "graphs_mib"),
+        "gptj_all_tokens_equal": all(r["same_tokens_as_eager"] for m, r in per.items()
+                                     if m.startswith("ours")),
+        "gptj_decode_gemm_min_fraction_of_bandwidth": _kernel_speed_figure(),
         # ours run the same kernels on the same weights; transformers' float16 GEMMs round
         # other sums, so its tokens may part from ours at a near-tie (reported, not required)
-        "all_tokens_equal": all(r["same_tokens_as_eager"] for m, r in per.items()
-                                if m.startswith("ours")),
         "hf_tokens_equal": None if hf is None else hf["same_tokens_as_eager"],
         "hf_compiled_tokens_equal": None if compiled is None else compiled["same_tokens_as_eager"],
     }
+
+
+def _ratio(per: dict, num: str, den: str, key: str):
+    a, b = (per.get(m, {}).get(key) for m in (num, den))
+    return None if a in (None, "") or b in (None, "") or float(b) <= 0 else \
+        round(float(a) / float(b), 2)
+
+
+def _kernel_speed_figure():
+    """kernel_speed's slowest GPT-J decode GEMM as a share of copy bandwidth, where that
+    experiment ran on this device at this run's commit (None otherwise: run it too)."""
+    try:
+        ks = common.read_summary("kernel_speed")
+    except (FileNotFoundError, ValueError):
+        return None
+    same = ks.get("provenance", {}).get("git_commit") == common.provenance()["git_commit"]
+    return ks.get("gptj_decode_gemm_min_fraction_of_bandwidth") if same else None
 
 
 def plot():

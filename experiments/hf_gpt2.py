@@ -40,8 +40,9 @@ from experiments import common
 from proto.models.gpt2 import GPT2Config, load_state_dict
 
 
-def hf_model(config: GPT2Config, state_dict, device: str = "cuda"):
-    """GPT2LMHeadModel with our weights: every parameter loaded, the head tied to wte."""
+def hf_model(config: GPT2Config, state_dict, device: str = "cuda", dtype="float32"):
+    """GPT2LMHeadModel with our weights in `dtype` (float32 or float16, as a user would load
+    it with torch_dtype): every parameter loaded, the head tied to wte."""
     common.no_tf32()
     hf_config = transformers.GPT2Config(
         n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
@@ -54,7 +55,7 @@ def hf_model(config: GPT2Config, state_dict, device: str = "cuda"):
     if set(missing) - {"lm_head.weight"} or unexpected:
         raise ValueError(f"state_dict: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     model.tie_weights()   # lm_head is wte, as in GPT-2 and in ours
-    return model.to(device).eval()
+    return model.to(device, dtype=getattr(torch, np.dtype(dtype).name)).eval()
 
 
 def compile_for_decoding(model) -> None:
@@ -84,9 +85,9 @@ class HFBeamSearch:
     """`generate(prompt, new)` -> tokens (prompt included), by Hugging Face's generate."""
 
     def __init__(self, config: GPT2Config, state_dict, *, beam: int, compiled: bool,
-                 device: str = "cuda"):
+                 device: str = "cuda", dtype="float32"):
         self.beam, self.compiled, self.device = beam, compiled, device
-        self.model = hf_model(config, state_dict, device)
+        self.model = hf_model(config, state_dict, device, dtype)
         if compiled:
             compile_for_decoding(self.model)
 
@@ -108,13 +109,13 @@ class HFChild:
     stopped and raises too."""
 
     def __init__(self, config: GPT2Config, state_dict, *, beam: int, compiled: bool,
-                 device: str = "cuda", timeout_s: float = 1800.0):
+                 device: str = "cuda", timeout_s: float = 1800.0, dtype="float32"):
         self.compiled, self.timeout_s = compiled, timeout_s
         self._folder = tempfile.TemporaryDirectory()
         weights = pathlib.Path(self._folder.name, "weights.npz")
         np.savez(weights, **state_dict)
         spec = {"config": dataclasses.asdict(config), "beam": beam, "compiled": compiled,
-                "device": device, "weights": str(weights)}
+                "device": device, "weights": str(weights), "dtype": np.dtype(dtype).name}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "experiments.hf_gpt2", "--serve", json.dumps(spec)],
             cwd=common.REPO, env=common.child_env(), stdin=subprocess.PIPE,
@@ -167,7 +168,8 @@ def _serve(spec: dict) -> None:
     with np.load(spec["weights"]) as f:
         state_dict = {k: f[k] for k in f.files}
     search = HFBeamSearch(GPT2Config(**spec["config"]), state_dict, beam=spec["beam"],
-                          compiled=spec["compiled"], device=spec["device"])
+                          compiled=spec["compiled"], device=spec["device"],
+                          dtype=spec.get("dtype", "float32"))
     for line in sys.stdin:
         request = json.loads(line)
         try:

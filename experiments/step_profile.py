@@ -157,7 +157,8 @@ def _measure_step(spec: dict) -> dict:
     kernels over a whole generation (`_while_kernels`). Returns {"row": ..., "kernels": [...]}."""
     config, beam, max_len = GPT2Config(**spec["config"]), spec["beam"], spec["max_len"]
     state_dict = random_state_dict(config, seed=0)
-    model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(spec["prompt_len"] - 1, 1))
+    model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(spec["prompt_len"] - 1, 1),
+                 dtype=spec.get("dtype", "float32"))
     if spec["part"] == "while":
         kernel_rows: list = []
         row = _while_kernels(spec["label"], model, beam, max_len, spec["prompt_len"],
@@ -183,10 +184,16 @@ def _measure_step(spec: dict) -> dict:
 
 
 def step_spec(label: str, config: GPT2Config, beam: int, prompt_len: int, max_len: int,
-              position: int, step: dict, use_torch: bool, parts: tuple = ("step",)) -> dict:
-    """What the child measures for one setup (JSON): `parts` in order, "step" first."""
+              position: int, step: dict, use_torch: bool, parts: tuple = ("step",),
+              dtype=np.float32) -> dict:
+    """What the child measures for one setup (JSON): `parts` in order, "step" first; the
+    model in `dtype` (PyTorch's steps, `use_torch`, are float32's)."""
+    if use_torch and np.dtype(dtype) != np.float32:
+        raise ValueError("use_torch: PyTorch's graphed steps here are float32; got dtype "
+                         f"{np.dtype(dtype).name}")
     return dict(label=label, config=dataclasses.asdict(config), beam=beam, prompt_len=prompt_len,
-                max_len=max_len, position=position, step=step, torch=use_torch, parts=list(parts))
+                max_len=max_len, position=position, step=step, torch=use_torch, parts=list(parts),
+                dtype=np.dtype(dtype).name)
 
 
 def step_timings(specs: list[dict]) -> list[tuple[dict, list[dict], dict]]:

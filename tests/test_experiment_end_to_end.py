@@ -28,7 +28,8 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
         assert float(r["model_ms"]) > 0 and min(float(r[k]) for k, _ in end_to_end.PHASES) >= 0
         assert r["git_commit"] and r["device"]  # provenance on every row
     step = common.read_csv("end_to_end_step")   # measured by the child process
-    assert [r["setup"] for r in step] == ["toy-1L-d8"] and float(step[0]["ours_step_us"]) > 0
+    assert [r["setup"] for r in step] == ["toy-1L-d8", "toy-1L-d8-fp16"]
+    assert float(step[0]["ours_step_us"]) > 0
     # the step's spread over its samples, as every per-token figure has
     assert float(step[0]["ours_step_p10_us"]) <= float(step[0]["ours_step_us"]) \
         <= float(step[0]["ours_step_p90_us"]) and int(step[0]["step_samples"]) == 2
@@ -40,8 +41,14 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     d, V = 8, 13
     assert int(step[0]["weight_bytes"]) == 4 * (V * d + 3 * d + 12 * d * d + 13 * d)
     assert int(step[0]["kv_bytes"]) == 4 * 2 * 1 * 2 * d * 2
+    # the float16 setup: the same elements, two bytes each
+    assert int(step[1]["weight_bytes"]) == 2 * (V * d + 3 * d + 12 * d * d + 13 * d)
+    assert int(step[1]["kv_bytes"]) == 2 * 2 * 1 * 2 * d * 2
+    half = [r for r in rows if r["setup"] == "toy-1L-d8-fp16"]
+    assert [r["method"] for r in half] == [m for m in end_to_end.HALF_METHODS if m in methods]
+    assert all(r["dtype"] == "float16" for r in half)
     assert float(step[0]["floor_us"]) > 0 and float(step[0]["copy_GBps"]) > 0
-    by = {r["method"]: r for r in rows}
+    by = {r["method"]: r for r in rows if r["setup"] == "toy-1L-d8"}
     assert int(by["graph_alias_device"]["bytes_copied_per_step"]) == 0
     # PtGraph copies, at position p, the tokens (beam 2, int32) and the reordered KV cache's
     # live prefix (1 layer, k and v, beam 2, 8 wide, p positions); positions 0 and 1.
@@ -60,6 +67,10 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert summary["ours_step_p10_us"] <= summary["ours_step_us"] <= summary["ours_step_p90_us"]
     for key in ("graphed_step_over_kernel_sum", "ours_over_torch_graph_step"):
         assert key in summary  # measured on a GPU only (None on the simulator)
+    assert summary["setup"] == "toy-1L-d8" and summary["gpt2_fp16_setup"] == "toy-1L-d8-fp16"
+    assert summary["gpt2_fp16_step_over_bandwidth_floor"] == \
+        float(step[1]["ours_step_us"]) / float(step[1]["floor_us"])
+    assert summary["gpt2_fp16_all_ours_same_tokens"] is True
     figure = end_to_end.plot()
     assert figure.exists() and figure.stat().st_size > 10_000
     assert figure.is_relative_to(tmp_path)

@@ -24,9 +24,10 @@ def test_gptj_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     assert float(device["step_us"]) > 0 and int(device["step_read_bytes"]) > 0
     summary = common.read_summary("gptj")
     for key in ("gptj_step_over_bandwidth_floor", "gptj_hf_generate_over_ours_per_token",
-                "gptj_ours_over_torch_graph_step", "all_tokens_equal", "unavailable"):
+                "gptj_ours_over_torch_graph_step", "gptj_all_tokens_equal", "unavailable",
+                "gptj_ptgraph_over_ours_memory", "gptj_decode_gemm_min_fraction_of_bandwidth"):
         assert key in summary
-    assert summary["all_tokens_equal"] is True
+    assert summary["gptj_all_tokens_equal"] is True
     measured = {r["method"] for r in rows}   # PyTorch's methods: measured or said why not
     assert all(m in measured or m in summary["unavailable"]
                for m in ("ptgraph_step", "hf_generate"))

@@ -194,6 +194,8 @@ def test_graphs_built_up_front_are_captured_largest_first_and_reused():
         assert g.num_graphs == 6 and g.stats().bytes_copied == 0
         assert g.stats().replays == 3  # no graph was built during the search
         assert g.repad_bytes > 0  # lengths 2 -> 3 crossed from bucket 2 into 4
+        # two cache sets a capacity (1, 2, 4): K and V of 1 layer, 2 beams, 1 head of 2 floats
+        assert g.cache_bytes == sum(2 * 2 * 1 * 2 * 1 * cap * 2 * 4 for cap in (1, 2, 4))
 
 
 # ---------------------------------------------------------------------------- the real GPT-2

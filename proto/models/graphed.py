@@ -561,6 +561,12 @@ class GraphedDecoder(_GraphedModel):
     def num_reorder_graphs(self) -> int:
         return len(self._reorders)
 
+    @property
+    def cache_bytes(self) -> int:
+        """Device bytes of the KV cache sets (two a capacity: a reorder gathers into the
+        other set)."""
+        return sum(c.data.nbytes for pair in self._sets.values() for c in pair)
+
     def close(self) -> None:
         """Destroy every graph (the reorders with them) and free the cache sets."""
         self.graphed.close()
