@@ -13,7 +13,8 @@ in a process of its own (experiments.isolate), on the same batches from the same
   ours_planned     the same graphs with every length's temporaries on one memory tape (the
                    activations the backward reads kept from their forward write);
   hf_eager         transformers' Wav2Vec2ForCTC, forward with the attention mask, backward,
-                   torch.optim.AdamW, float32 (GPU only);
+                   torch.optim.AdamW, float32 with TF32 off (cuDNN's default would
+                   round the convolutions' products; the CSV's torch_tf32 says) (GPU only);
   hf_amp           the same under float16 autocast with a GradScaler (GPU only);
   ptgraph_private / ptgraph_shared   PtGraph: per length, the forward and backward up to the
                    logits as graphs (torch.cuda.make_graphed_callables), a private memory
@@ -103,6 +104,8 @@ class _Torch:
         from experiments import torch_wav2vec2 as tw
         import torch
         self.torch = torch
+        if method != "hf_amp":   # float32 beside ours: no TF32 (cuDNN's default rounds convs)
+            common.no_tf32()
         if method.startswith("hf"):
             self.t = tw.HFTrainer(cfg["config"], state, amp=method == "hf_amp")
         else:
@@ -120,7 +123,8 @@ class _Torch:
     def info(self) -> dict:
         graphs = getattr(self.t, "graphed", None)
         return {"graphs": 0 if graphs is None else 2 * len(graphs),
-                "pool_mib": round((self.torch.cuda.memory_reserved() - self.reserved0) / 2**20, 1)}
+                "pool_mib": round((self.torch.cuda.memory_reserved() - self.reserved0) / 2**20, 1),
+                "torch_tf32": common.torch_tf32()}
 
     def close(self) -> None:
         self.t.close()
@@ -129,7 +133,7 @@ class _Torch:
 COLUMNS = ("method", "layers", "hidden", "batch", "steps", "lengths", "lengths_served",
            "graphs", "capture_s", "epoch_s", "ms_per_step", "median_ms_per_step",
            "p10_ms_per_step", "p90_ms_per_step", "timed_steps", "state_mib", "kept_mib",
-           "arena_mib", "private_mib", "executables_mib", "pool_mib", "error")
+           "arena_mib", "private_mib", "executables_mib", "pool_mib", "torch_tf32", "error")
 
 
 def measure(method: str, size: str) -> dict:
