@@ -786,3 +786,63 @@ def test_decode_gptj_shapes_in_half_precision(k, n, trans_b):
     G.gemm(dev(a), dev(b), out, bias=dev(bias), trans_b=trans_b, accumulate=True)
     v, e = _half_sum_bound(a, b, bias, old, False, trans_b)
     _assert_within(out.copy_to_host(), v, e + U16 * np.abs(v) + 2.0 ** -25)
+
+
+# The 16-byte-load kernel (make_decode_nt_vec): float16 only, K a multiple of VEC. On the
+# simulator (NT_VEC_CONFIG there) one warp, one batch of loads a block (its span is 256).
+
+
+def _vec_decode(geometry, a, b, old, bias, accumulate, act=None, grid_cap=None):
+    """out (M, N) float16 of the 16-byte-load kernel on float16 a (M, K), b (N, K)."""
+    dk = G.make_decode_nt_vec(*geometry, rows=a.shape[0])
+    out = dev((old if accumulate else np.full_like(old, np.nan))[None])
+    b_dev = dev(b)
+    bias_arg = dev(bias) if bias is not None else b_dev.reshape(b.size)
+    G.decode(dk, dev(a[None]), b_dev.reshape(1, *b.shape), out, bias_arg,
+             int(bias is not None), G.ACTS[act], int(accumulate), 0, 0, grid_cap=grid_cap)
+    return out.copy_to_host()[0]
+
+
+@settings(max_examples=6)
+@given(m=st.integers(1, G.DECODE_MAX_M), k8=st.integers(1, 70), n=st.integers(1, 12),
+       accumulate=st.booleans(), has_bias=st.booleans(), act=st.sampled_from([None, "gelu"]),
+       seed=st.integers(0, 2**16))
+def test_sixteen_byte_loads_round_once(m, k8, n, accumulate, has_bias, act, seed):
+    """Eight float16 elements a load, K split over several blocks (K up to 560 against the
+    simulator's 256-element span) or not, against float64 within the same bound as every
+    decode kernel."""
+    rng = np.random.default_rng(seed)
+    k = 8 * k8
+    a, b, old = _halves(rng, m, k), _halves(rng, n, k), _halves(rng, m, n)
+    bias = _halves(rng, n) if has_bias else None
+    got = _vec_decode(G.NT_VEC_CONFIG, a, b, old, bias, accumulate, act)
+    v, e = _half_sum_bound(a, b, bias, old if accumulate else None, False, True)
+    want, e = _half_result(v, e, act)
+    _assert_within(got, want, e + U16 * np.abs(want) + 2.0 ** -25)
+
+
+def test_sixteen_byte_loads_refuse_what_they_cannot_load():
+    h = lambda *s: dev(np.ones(s, np.float16))   # noqa: E731
+    dk = G.make_decode_nt_vec(*G.NT_VEC_CONFIG, rows=2)
+    out, a = h(1, 2, 3), h(1, 2, 12)
+    with pytest.raises(ValueError, match="needs K a multiple of 8 .* got K=12"):
+        G.decode(dk, a, h(1, 3, 12), out, h(3), 1, 0, 0, 0, 0)
+    b = h(3 * 16 + 1)[1:]   # a view one element in: 2 bytes past 16-byte alignment
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        G.decode(dk, h(1, 2, 16), b.reshape(1, 3, 16), out, h(3), 1, 0, 0, 0, 0)
+    with pytest.raises(TypeError, match="float16's, not float32"):
+        G.dtype_variant(dk, np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(4096, 12288), (4096, 4096), (4096, 16384), (16384, 4096),
+                                 (4096, 50400)])
+def test_sixteen_byte_loads_at_gptj_shapes(k, n):
+    """GPT-J-6B's trans_b decode GEMMs through the 16-byte-load kernel (NT_VEC_CONFIG), 5
+    beams, bias and accumulation, against float64."""
+    rng = np.random.default_rng(n + k + 1)
+    a, old, bias = _halves(rng, 5, k), _halves(rng, 5, n), _halves(rng, n)
+    b = _halves(rng, n, k) * np.float16(0.02)
+    got = _vec_decode(G.NT_VEC_CONFIG, a, b, old, bias, True)
+    v, e = _half_sum_bound(a, b, bias, old, False, True)
+    _assert_within(got, v, e + U16 * np.abs(v) + 2.0 ** -25)
