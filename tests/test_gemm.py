@@ -772,6 +772,30 @@ def test_half_precision_is_refused_where_no_kernel_takes_it():
         G.partials(h(3, 4), h(4, 5), dev(np.ones((1, 3, 5), np.float32)))
 
 
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_half_precision_rows_beyond_eight_run_eight_at_a_time(trans_b):
+    """A 2-D float16 product of 13 rows (a prefill's) with its bias, accumulation and fused
+    layer norm: bit for bit what launches of rows 0-7 and 8-12 give (the same kernels on the
+    same rows), and within the decode bound of float64."""
+    rng = np.random.default_rng(11 + trans_b)
+    m, k, n = 13, 24, 10
+    a, old, bias = _halves(rng, m, k), _halves(rng, m, n), _halves(rng, n)
+    b = _halves(rng, *((n, k) if trans_b else (k, n)))
+    gamma, beta = dev(_halves(rng, n)), dev(_halves(rng, n))
+
+    def run(rows):
+        out, y = dev(old[rows]), dev(np.zeros((len(range(m)[rows]), n), np.float16))
+        G.gemm(dev(a[rows]), dev(b), out, bias=dev(bias), accumulate=True, trans_b=trans_b,
+               ln_out=(gamma, beta, 1e-5, y))
+        return out.copy_to_host(), y.copy_to_host()
+    whole = run(slice(None))
+    parts = [run(slice(0, 8)), run(slice(8, None))]
+    for i in range(2):
+        np.testing.assert_array_equal(whole[i], np.concatenate([p[i] for p in parts]))
+    v, e = _half_sum_bound(a, b, bias, old, False, trans_b)
+    _assert_within(whole[0], v, e + U16 * np.abs(v) + 2.0 ** -25)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n,trans_b", [(4096, 12288, True), (4096, 4096, True),
                                          (4096, 16384, True), (16384, 4096, True),

@@ -74,19 +74,6 @@ def test_float16_prefill_then_decode_within_the_rounding_bound():
     np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
-@pytest.mark.slow   # (make test-all and CI run it; make test does not)
-def test_float16_prefill_of_more_than_eight_rows_runs_in_chunks():
-    """B * T = 10 rows: the half-precision decode GEMMs take 8 at most, so gemm splits them;
-    the logits equal those of the same tokens prefilled 5 rows at a time (bit for bit: the
-    same kernels on the same rows)."""
-    sd = random_state_dict(SMALL, seed=3)
-    seq = _sequence(3, 2, 5)
-    model = GPTJ(SMALL, sd, max_batch=2, max_tokens=5)
-    whole = _run(model, seq, 5, np.float16)
-    halves = np.concatenate([_run(model, seq[b:b + 1], 5, np.float16) for b in range(2)])
-    np.testing.assert_array_equal(whole, halves)
-
-
 def test_float16_beam_caches_reorder_rows():
     a, b = KVCache.pair(SMALL, 2, 8, dtype=np.float16)
     assert a.data.dtype == np.float16 and a.data is b.data
