@@ -160,7 +160,7 @@ def measure(method: str, size: str) -> dict:
             raise
         row.update(lengths_served=len(curve), error=str(exc).splitlines()[0][:200],
                    state_mib=drop_mib(free0, free_ready), **m.info())
-        return {"row": row, "losses": [], "curve": curve}
+        return {"row": row, "losses": [], "steps": [], "curve": curve}
     capture_s = time.perf_counter() - t0
     losses, times = [], []
     for b in common.progress(batches, desc=method):
@@ -177,7 +177,9 @@ def measure(method: str, size: str) -> dict:
                timed_steps=len(timed), state_mib=drop_mib(free0, free_ready),
                kept_mib=drop_mib(free_ready, free_kept), **m.info())
     m.close()
-    return {"row": row, "losses": losses, "curve": curve}
+    # each step's frames and time beside its loss: where a slow step falls in the epoch
+    steps = [{"frames": b.length, "ms": round(t * 1e3, 3)} for b, t in zip(batches, times)]
+    return {"row": row, "losses": losses, "steps": steps, "curve": curve}
 
 
 def check_bits(size: str) -> dict:
@@ -201,26 +203,29 @@ def check_bits(size: str) -> dict:
 
 
 def run(size: str = "toy") -> None:
-    rows, losses, curves, unavailable = [], {}, [], {}
+    rows, losses, curves, steps, unavailable = [], {}, [], [], {}
     for method, result in isolate.each_method(NAME, METHODS, f"{__name__}:measure", size,
                                               baselines=TORCH_METHODS, unavailable=unavailable):
         rows.append(result["row"])
         losses[method] = result["losses"]
         curves += [{"method": method, "lengths_served": n, "mib": mib} for n, mib in result["curve"]]
+        steps += [{"method": method, "step": i, "loss": loss, **at}
+                  for i, (loss, at) in enumerate(zip(result["losses"], result["steps"]))]
         common.report(NAME, rows[-1])
-        write_rows(rows, curves, losses)   # (each method's as it ends: a run cut short keeps them)
+        write_rows(rows, curves, steps)   # (each method's as it ends: a run cut short keeps them)
     isolate.raise_failures(NAME, unavailable)
     bits = isolate.run(f"{__name__}:check_bits", {"size": size})
     common.write_summary(NAME, {**summarize(rows, losses, bits, SIZES[size]["curve_steps"]),
                                 "unavailable": unavailable})
 
 
-def write_rows(rows: list[dict], curves: list[dict], losses: dict) -> None:
+def write_rows(rows: list[dict], curves: list[dict], steps: list[dict]) -> None:
+    """The methods' rows, memory against lengths served, and every step's loss, frames and
+    milliseconds (`{NAME}_loss`)."""
     common.write_csv(NAME, rows)
     if curves:
         common.write_csv(f"{NAME}_curve", curves)
-    common.write_csv(f"{NAME}_loss", [{"method": m, "step": i, "loss": v}
-                                      for m, vals in losses.items() for i, v in enumerate(vals)])
+    common.write_csv(f"{NAME}_loss", steps)
 
 
 # The float32 bound on two float32 losses of one batch and weights: each is within about
