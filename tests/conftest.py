@@ -39,9 +39,6 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     if not backend.SIMULATOR:
         return
-    # The slow tests first (a stable sort): pytest-xdist's two workers then end on short
-    # tests, not one of them on a 90-second experiment while the other waits.
-    items.sort(key=lambda item: "slow" not in item.keywords)
     skip = pytest.mark.skip(reason="needs a real CUDA device (run this lane on the GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
