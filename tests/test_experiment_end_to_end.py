@@ -45,7 +45,8 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
     assert int(step[1]["weight_bytes"]) == 2 * (V * d + 3 * d + 12 * d * d + 13 * d)
     assert int(step[1]["kv_bytes"]) == 2 * 2 * 1 * 2 * d * 2
     half = [r for r in rows if r["setup"] == "toy-1L-d8-fp16"]
-    assert [r["method"] for r in half] == [m for m in end_to_end.HALF_METHODS if m in methods]
+    assert [r["method"] for r in half] == [m for m in end_to_end.SIZES["toy"]["half_methods"]
+                                           if m in methods]
     assert all(r["dtype"] == "float16" for r in half)
     assert float(step[0]["floor_us"]) > 0 and float(step[0]["copy_GBps"]) > 0
     by = {r["method"]: r for r in rows if r["setup"] == "toy-1L-d8"}

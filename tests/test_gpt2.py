@@ -65,7 +65,7 @@ def test_prefill_then_decode_matches_reference(config, batch, prompt_len, decode
 # layer's gain about 1, so to first order the roundings' errors add: a logit is off by at
 # most (7 L + 3) U16 of its row's scale, beside float32's own error (LOGIT_TOL).
 U16 = 2.0 ** -11
-HALF = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=30, n_positions=16)
+HALF = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=30, n_positions=16)
 
 
 def test_float16_prefill_then_decode_within_the_rounding_bound():
