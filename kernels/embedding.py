@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels import _check
+from kernels import _check, layernorm
 from kernels._reduce import block_layernorm_row, load_ln_params
 from proto.device import backend
 from proto.device.backend import cuda, jit_per_dtype, launch
@@ -96,7 +96,8 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
     int32 (1,), default position 0). tokens: device int32 (B, T); the tables, out and ln_out
     of one dtype, float32 or float16. Ids or positions outside the tables give NaN rows.
     ln_out=(gamma, beta, eps, y): also y (B, T, C) = layernorm(out) row by row, gamma and
-    beta (C,), y overlapping nothing; C at most LN_COLS * MAX_THREADS."""
+    beta (C,), y overlapping nothing: in the same launch where C fits its registers
+    (`fuses_layernorm`), else by kernels.layernorm right after."""
     _check.device_array("tokens", tokens, dtype=np.int32, ndim=2)
     dtype = _check.float_dtype("wte", wte)
     _check.device_array("wte", wte, dtype=dtype, ndim=2)
@@ -117,9 +118,13 @@ def embed(tokens, wte, out, *, wpe=None, pos0=None, ln_out=None, stream=0):
         eps, y = 1.0, backend.empty((1, 1, 1), dtype, "embed.no_ln")
     else:
         gamma, beta, eps, y = _check.ln_out(ln_out, (batch, steps, width), dtype)
-        if not fuses_layernorm(width):
-            raise ValueError(f"ln_out: rows of {width} exceed the fused layer norm's "
-                             f"{LN_COLS * threads} (run kernels.layernorm after)")
+        if not fuses_layernorm(width):   # rows wider than the registers hold: two launches
+            embed(tokens, wte, out, wpe=wpe, pos0=pos0, stream=stream)
+            rows = batch * steps
+            layernorm.layernorm(backend.reshaped(out, (rows, width)), gamma, beta,
+                                backend.reshaped(y, (rows, width)), eps=float(eps),
+                                stream=stream)
+            return
     # Unused tables are replaced by ones of the right type, never read (flags are 0).
     args = (tokens, wte, out, wte if wpe is None else wpe,
             backend.reshaped(tokens, (tokens.size,)) if pos0 is None else pos0,

@@ -496,6 +496,28 @@ def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: 
                   ("nn", warps, groups, cols, unroll, min_blocks), x_rows, np.dtype(dtype))
 
 
+def _warp_sums_store(acc_size: int, cols: int):
+    """The trans_b kernels' epilogue for `acc_size` sums a lane, `cols` columns a warp (both
+    compile-time, so acc stays in registers): each (m, c) summed over the warp's 32 lanes
+    with shuffles (no barrier: the warps of a block stream independently), lane i storing
+    the i-th result to out (`direct`) or to its split's partials. Rows past m_rows are
+    padding: their reductions are skipped."""
+    @cuda.jit(device=True, inline="always")
+    def store(acc, lane, n_done, m_rows, n_cols, out, part, bz, split, bias, has_bias, act,
+              accumulate, direct):
+        for i in range(acc_size):
+            if i // cols < m_rows:
+                v = warp_allreduce(acc[i], False)
+                n = n_done + _u(i % cols)
+                if lane == _u(i) and n < n_cols:
+                    m = _u(i // cols)
+                    if direct:
+                        _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
+                    else:
+                        part[bz, split, m, n] = v
+    return store
+
+
 def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
                    rows: int = DECODE_MAX_M, dtype=np.float32):
     """The trans_b decode kernel for one geometry: warp w of a block takes `cols` output
@@ -506,6 +528,7 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
     step = 32 * unroll
     x_rows = rows     # (a name the kernels' own locals do not take)
     acc_size, wv_size = x_rows * cols, unroll * cols
+    store = _warp_sums_store(acc_size, cols)
     if not 1 <= rows <= M8:
         raise ValueError(f"make_decode_nt: rows {rows} is not in 1..{M8}")
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
@@ -575,19 +598,8 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
                 for c in range(cols):
                     rows[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
                 load(wv, b, bz, k_lo, lane, length, rows)
-            # Sum each (m, c) over the warp's 32 lanes with shuffles (no barrier: the warps
-            # of a block stream independently); lane i then stores the i-th result. Rows
-            # past m_rows are padding: skip their reductions.
-            for i in range(acc_size):
-                if i // cols < m_rows:
-                    v = warp_allreduce(acc[i], False)
-                    n = n_done + _u(i % cols)
-                    if lane == _u(i) and n < n_cols:
-                        m = _u(i // cols)
-                        if direct:
-                            _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
-                        else:
-                            part[bz, split, m, n] = v
+            store(acc, lane, n_done, m_rows, n_cols, out, part, bz, split, bias, has_bias, act,
+                  accumulate, direct)
 
     return Decode(gemm_decode_nt_kernel, 32 * warps, tile, step, True,
                   ("nt", warps, cols, unroll, min_blocks), x_rows, np.dtype(dtype))
@@ -610,6 +622,7 @@ def make_decode_nt_vec(warps: int, cols: int, unroll: int, min_blocks: int = 0,
     xs_size = M8 * span_max
     x_rows = rows
     acc_size, wv_size = x_rows * cols, unroll * cols * VEC
+    store = _warp_sums_store(acc_size, cols)
     if not 1 <= rows <= M8:
         raise ValueError(f"make_decode_nt_vec: rows {rows} is not in 1..{M8}")
     if span_max % step:
@@ -693,16 +706,8 @@ def make_decode_nt_vec(warps: int, cols: int, unroll: int, min_blocks: int = 0,
                 for c in range(cols):
                     rows_[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
                 load(wv, b, bz, k_lo, lane * _u(VEC), length, rows_, n_cols, k_len)
-            for i in range(acc_size):
-                if i // cols < m_rows:
-                    v = warp_allreduce(acc[i], False)
-                    n = n_done + _u(i % cols)
-                    if lane == _u(i) and n < n_cols:
-                        m = _u(i // cols)
-                        if direct:
-                            _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
-                        else:
-                            part[bz, split, m, n] = v
+            store(acc, lane, n_done, m_rows, n_cols, out, part, bz, split, bias, has_bias, act,
+                  accumulate, direct)
 
     return Decode(gemm_decode_nt_vec_kernel, 32 * warps, tile, step, True,
                   ("ntv", warps, cols, unroll, min_blocks), x_rows, np.dtype(np.float16),

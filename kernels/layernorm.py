@@ -66,28 +66,6 @@ def layernorm_bwd_ref(x, gamma, dy, eps: float = 1e-5):
 _SIGNATURE = "void({t}[:, ::1], {t}[::1], {t}[::1], {t}[:, ::1], float32)"
 
 
-@jit_per_dtype(_SIGNATURE, writes=("out",), in_place=(("out", "x"),))
-def layernorm_kernels(x, gamma, beta, out, eps):
-    # Warp butterflies then the warps in order (one barrier a reduction, not one a tree level);
-    # the two sums use separate halves of red, so the second needs no barrier before it.
-    red = cuda.shared.array(64, np.float32)
-    row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
-    n = x.shape[1]
-    inv_n = _ONE / np.float32(n)
-    s = _ZERO
-    for j in range(t, n, step):
-        s += x[row, j]
-    mean = block_allreduce(s, False, red, 0) * inv_n
-    s = _ZERO
-    for j in range(t, n, step):
-        d = x[row, j] - mean
-        s += d * d
-    rstd = _ONE / math.sqrt(block_allreduce(s, False, red, 32) * inv_n + eps)
-    # Each element is read and written by the same thread after every reduction, so out may be x.
-    for j in range(t, n, step):
-        out[row, j] = (x[row, j] - mean) * rstd * gamma[j] + beta[j]
-
-
 @cuda.jit(device=True)
 def row_stats(x, row, n, red, eps):
     """(mean, rstd) of x[row, :n] over the block's threads, float32: two passes (the mean,
@@ -103,6 +81,19 @@ def row_stats(x, row, n, red, eps):
         d = x[row, j] - mean
         s += d * d
     return mean, _ONE / math.sqrt(block_allreduce(s, False, red, 32) * inv_n + eps)
+
+
+@jit_per_dtype(_SIGNATURE, writes=("out",), in_place=(("out", "x"),))
+def layernorm_kernels(x, gamma, beta, out, eps):
+    # Warp butterflies then the warps in order (one barrier a reduction, not one a tree level);
+    # the two sums use separate halves of red, so the second needs no barrier before it.
+    red = cuda.shared.array(64, np.float32)
+    row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    n = x.shape[1]
+    mean, rstd = row_stats(x, row, n, red, eps)
+    # Each element is read and written by the same thread after every reduction, so out may be x.
+    for j in range(t, n, step):
+        out[row, j] = (x[row, j] - mean) * rstd * gamma[j] + beta[j]
 
 
 def _make_layernorm_warp_kernel(E: int):

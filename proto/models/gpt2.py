@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels import _check, attention, embedding, gemm, layernorm, mlp, self_attention
+from kernels import _check, attention, embedding, gemm, mlp, self_attention
 from proto.device.backend import empty, reshaped
 from proto.models import checked_params, model_dtype, on_device_as, random_params
 from proto.models.kv_cache import KVCache, check_step
@@ -170,14 +170,8 @@ class GPT2:
         # reduction), the next layer's ln_1 and finally ln_f on the MLP (in its sum's launch:
         # each row's last block, kernels.mlp). ln_1 holds the rows the next qkv reads.
         first, ln_1 = self.layers[0], self._empty("ln_1", N, C)
-        if embedding.fuses_layernorm(C):
-            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
-                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS,
-                                    reshaped(ln_1, (B, T, C))))
-        else:   # rows wider than the embedding's registers hold: a layer norm launch
-            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
-            layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln_1, eps=LN_EPS,
-                                stream=stream)
+        embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
+                        ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln_1, (B, T, C))))
         # the layer norm each layer's MLP writes: the next layer's ln_1, after the last ln_f
         after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
         for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
@@ -207,12 +201,8 @@ class GPT2:
         x = self._empty("x", B, T, C)
         x2 = reshaped(x, (N, C))
         first, ln = self.layers[0], self._empty("ln_1", N, C)
-        if embedding.fuses_layernorm(C):
-            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
-                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
-        else:
-            embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream)
-            layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
+        embedding.embed(tokens, self.wte, x, wpe=self.wpe, pos0=pos, stream=stream,
+                        ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
         after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
         for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
             qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)

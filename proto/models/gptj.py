@@ -31,7 +31,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels import _check, attention, embedding, gemm, layernorm, rotary as rotary_kernel
+from kernels import _check, attention, embedding, gemm, rotary as rotary_kernel
 from proto.device.backend import cuda, empty, is_device_array, reshaped
 from proto.models import (checked_device_params, checked_params, model_dtype, on_device_as,
                           random_device_params, random_params)
@@ -230,12 +230,8 @@ class GPTJ:
         # that launch can: ln_1 of the first layer on the embedding, each next ln_1 and ln_f
         # on fc_out (gemm fuses it into its split-K reduction or runs it right after).
         first, ln = self.layers[0], self._empty("ln_1", N, C)
-        if embedding.fuses_layernorm(C):
-            embedding.embed(tokens, self.wte, x, stream=stream,
-                            ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
-        else:   # rows wider than the embedding's registers hold: a layer norm launch
-            embedding.embed(tokens, self.wte, x, stream=stream)
-            layernorm.layernorm(x2, first.ln_1_w, first.ln_1_b, ln, eps=LN_EPS, stream=stream)
+        embedding.embed(tokens, self.wte, x, stream=stream,
+                        ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
         after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
         for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
             qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
