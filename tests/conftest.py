@@ -8,7 +8,6 @@ shapes scaled to the device, and the `gpu` marker.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -48,19 +47,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def scale() -> int:
     return SCALE
-
-
-@pytest.fixture(scope="session", autouse=True)
-def fast_simulated_barriers():
-    """A simulated `syncthreads` waits on Python's thread switch interval (5 ms by default);
-    0.1 ms makes barrier-heavy kernels about 8x faster on the simulator. No-op on a GPU."""
-    if not backend.SIMULATOR:
-        yield
-        return
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 @pytest.fixture

@@ -67,36 +67,9 @@ from numba import cuda  # noqa: E402  (must follow the environment set-up above)
 from proto.device import launcher  # noqa: E402  (imports numba too)
 
 
-def _lock_simulated_shared_arrays() -> None:
-    """The simulator creates a block's `cuda.shared.array` on first use without a lock, so two
-    of its threads can each get a private copy: an occasional wrong result in any kernel that
-    shares data through shared memory. Serialize the creation (keyed, like the simulator, by
-    the calling source line)."""
-    import threading
-
-    from numba.core import types
-    from numba.cuda.simulator.kernelapi import FakeCUDAShared
-    from numba.np import numpy_support
-
-    unlocked, lock = FakeCUDAShared.array, threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:  # dynamic shared memory: as the simulator does
-            return unlocked(self, shape, dtype, alignment)
-        caller = sys._getframe(1)
-        key = (caller.f_code.co_filename, caller.f_lineno)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        with lock:
-            if key not in self._allocations:
-                self._allocations[key] = np.empty(shape, dtype)
-            return self._allocations[key]
-
-    FakeCUDAShared.array = array
-
-
 if SIMULATOR:
-    _lock_simulated_shared_arrays()
+    from proto.device import simulator
+    simulator.install()
 else:
     # Numba warns at every launch of fewer than 128 blocks (building a warning object and
     # going through the warnings registry each time). The decode kernels launch small grids
