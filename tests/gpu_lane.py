@@ -83,7 +83,8 @@ def _run(files: list[str]) -> tuple[str, int, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--shards", type=int, default=4, help="phase 1's parallel processes")
+    ap.add_argument("--shards", type=int, default=8,   # (the GPU machines have 16 cores)
+                    help="phase 1's parallel processes")
     ap.add_argument("--out", type=pathlib.Path, help="the log (default: results/<device>/"
                                                      "gpu_tests_<commit>.txt)")
     args = ap.parse_args(argv)
