@@ -69,7 +69,6 @@ import numpy as np
 
 from kernels import _check, _pdl
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
-from kernels._halfload import load8
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto.device import backend
@@ -96,10 +95,10 @@ if not backend.SIMULATOR:
     NN_COLUMNS = (8, 4, 2, 8, 3)  # 16-column tiles, whole K: one launch for N ~2048-8192
     NN_WIDE = (8, 1, 4, 4, 3)     # 128-column tiles, persistent: wider N (50257)
     NT_CONFIG = (8, 2, 8, 3)
-    # the float16 16-byte-load trans_b kernel (make_decode_nt_vec): 4 columns a warp, one
-    # load a column a batch (bigger bodies leave ptxas' registers for local memory); not
-    # chosen by pick_decode until dev/bench/bench_half_decode.py measures it
-    NT_VEC_CONFIG = (8, 4, 1, 3)
+    # float16's trans_b geometry: fewer warps a block, more blocks an SM, more loads a lane
+    # in flight; 8 to 18% faster than float32's on GPT-J's five decode shapes (H200,
+    # dev/bench/bench_half_decode.py), still 0.33-0.54 of copy bandwidth
+    NT_HALF_CONFIG = (4, 4, 12, 4)
     TARGET_BLOCKS = 2 * 132  # K splits until the grid has about this many blocks
     PARTIALS_TARGET = TARGET_BLOCKS   # ... for `partials` (switched by dev.ab.ab_qkv_partials)
     RED_CHUNK = 16           # partials a reduce thread loads before adding any
@@ -118,7 +117,7 @@ else:
     NN_COLUMNS = (2, 4, 1, 2)
     NN_WIDE = (1, 1, 2, 2)
     NT_CONFIG = (1, 2, 2)
-    NT_VEC_CONFIG = (1, 2, 1)
+    NT_HALF_CONFIG = (1, 4, 2)
     TARGET_BLOCKS = 2
     PARTIALS_TARGET = TARGET_BLOCKS
     RED_CHUNK = 2
@@ -376,7 +375,6 @@ class Decode(NamedTuple):
     config: tuple
     rows: int = DECODE_MAX_M   # rows of x it multiplies (compile time; M <= rows; rows_variant)
     dtype: np.dtype = np.dtype(np.float32)   # storage of a, b, out, bias (dtype_variant)
-    span_max: int = SPAN_MAX   # most K rows a block covers (op(a) staged in shared memory)
 
 
 def make_decode_nn(warps: int, groups: int, cols: int, unroll: int, min_blocks: int = 0,
@@ -605,115 +603,6 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
                   ("nt", warps, cols, unroll, min_blocks), x_rows, np.dtype(dtype))
 
 
-VEC = 8   # float16 elements a 16-byte load brings (kernels._halfload.load8)
-
-
-def make_decode_nt_vec(warps: int, cols: int, unroll: int, min_blocks: int = 0,
-                       rows: int = DECODE_MAX_M):
-    """The trans_b decode kernel for float16 with 16-byte weight loads: as `make_decode_nt`,
-    but a lane's load brings VEC consecutive elements of K (kernels._halfload.load8), so a
-    warp's load is 512 contiguous bytes and a lane keeps cols * unroll * 16 bytes in flight.
-    A batch covers 32 * VEC * unroll elements of K. The launcher checks what the loads need:
-    K a multiple of VEC and b's data 16-byte aligned."""
-    tile = warps * cols
-    step = 32 * VEC * unroll
-    span_max = max(SPAN_MAX, 32 * VEC)   # (the simulator's SPAN_MAX is below one batch)
-    planes = span_max // VEC           # xs's stride between the VEC planes of a row
-    xs_size = M8 * span_max
-    x_rows = rows
-    acc_size, wv_size = x_rows * cols, unroll * cols * VEC
-    store = _warp_sums_store(acc_size, cols)
-    if not 1 <= rows <= M8:
-        raise ValueError(f"make_decode_nt_vec: rows {rows} is not in 1..{M8}")
-    if span_max % step:
-        raise ValueError(f"make_decode_nt_vec: its span {span_max} is not a multiple of {step}")
-    bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
-
-    @cuda.jit(device=True)
-    def stage(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
-        """`_stage_x` with element k of row m at xs[m * span_max + (k % VEC) * planes +
-        k // VEC]: the 32 lanes, each multiplying the VEC elements of its own load, then read
-        32 consecutive words of shared memory for each of the VEC (no bank conflicts)."""
-        vals = cuda.local.array(M8, np.float32)
-        last = m_rows - 1
-        for kk in range(_u(cuda.threadIdx.x), padded, _u(cuda.blockDim.x)):   # (see _BOUNDS)
-            k = _u(k_lo + min(kk, length - _u(1)))
-            for m in range(M8):
-                mm = _u(min(m, last))
-                vals[m] = a[bz, k, mm] if trans_a else a[bz, mm, k]
-            at = (kk % _u(VEC)) * _u(planes) + kk // _u(VEC)
-            for m in range(M8):
-                xs[_u(m * span_max) + at] = vals[m] if kk < length else _ZERO
-
-    @cuda.jit(device=True)
-    def load(wv, b, bz, k_lo, kb, length, rows_, n_cols, k_len):
-        """wv[(u * cols + c) * VEC + e] = b[bz, rows_[c], k_lo + kb + u * 32 * VEC + e] (kb:
-        this lane's first element); a vector past `length` is zeros (K, and so every split,
-        is whole vectors)."""
-        for u in range(unroll):
-            k = kb + _u(32 * VEC * u)
-            for c in range(cols):
-                at = (u * cols + c) * VEC
-                if k < length:
-                    load8(wv, at, b, (bz * n_cols + rows_[c]) * k_len + k_lo + k)
-                else:
-                    for e in range(VEC):
-                        wv[at + e] = _ZERO
-
-    @jit(_decode_signature(np.float16), writes=("out", "part"), early_launch=True, **bounds)
-    def gemm_decode_nt_vec_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
-                                  direct, span):
-        """Grid (column tiles, K splits, batch): as gemm_decode_nt_kernel, float16."""
-        xs = cuda.shared.array(xs_size, np.float32)  # (8, VEC, planes) op(a), this K range
-        acc = cuda.local.array(acc_size, np.float32)  # [m * cols + c]
-        wv = cuda.local.array(wv_size, np.float32)    # [(u * cols + c) * VEC + e]
-        rows_ = cuda.local.array(cols, np.uint32)
-        lane, warp = _u(cuda.threadIdx.x % 32), _u(cuda.threadIdx.x // 32)
-        bz, split = _u(cuda.blockIdx.z), _u(cuda.blockIdx.y)
-        m_rows, n_cols, k_len = _u(out.shape[1]), _u(out.shape[2]), _u(b.shape[2])
-        k_lo = split * _u(span)
-        length = _u(min(k_lo + _u(span), k_len)) - k_lo
-        n_tiles = (n_cols + tile - 1) // tile
-        tile_i = cuda.blockIdx.x
-        n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
-        for c in range(cols):  # past the last column, re-read the last row; never stored
-            rows_[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
-        load(wv, b, bz, k_lo, lane * _u(VEC), length, rows_, n_cols, k_len)
-        _pdl.wait()
-        _pdl.launch_dependents()
-        stage(xs, a, bz, k_lo, length, (length + _u(step - 1)) // _u(step) * _u(step), m_rows,
-              trans_a)
-        cuda.syncthreads()
-        while tile_i < n_tiles:
-            for i in range(acc_size):
-                acc[i] = _ZERO
-            kb = _u(0)
-            while kb < length:  # uniform over the block
-                r = kb // _u(VEC) + lane   # this lane's vector, in xs's planes
-                for u in range(unroll):
-                    for e in range(VEC):
-                        for m in range(x_rows):
-                            xm = xs[_u(m * span_max + e * planes + 32 * u) + r]
-                            for c in range(cols):
-                                acc[m * cols + c] += xm * wv[(u * cols + c) * VEC + e]
-                kb += _u(step)
-                if kb < length:
-                    load(wv, b, bz, k_lo, kb + lane * _u(VEC), length, rows_, n_cols, k_len)
-            n_done = n0
-            tile_i += cuda.gridDim.x
-            if tile_i < n_tiles:  # the next tile's first loads fly during this tile's sums
-                n0 = _u(tile_i) * _u(tile) + warp * _u(cols)
-                for c in range(cols):
-                    rows_[c] = _u(min(n0 + _u(c), n_cols - _u(1)))
-                load(wv, b, bz, k_lo, lane * _u(VEC), length, rows_, n_cols, k_len)
-            store(acc, lane, n_done, m_rows, n_cols, out, part, bz, split, bias, has_bias, act,
-                  accumulate, direct)
-
-    return Decode(gemm_decode_nt_vec_kernel, 32 * warps, tile, step, True,
-                  ("ntv", warps, cols, unroll, min_blocks), x_rows, np.dtype(np.float16),
-                  span_max)
-
-
 @jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32)",
                writes=("out",), early_launch=True)
 def gemm_splitk_reduce_kernels(part, out, bias, has_bias, act, accumulate):
@@ -798,6 +687,7 @@ NN = make_decode_nn(*NN_SPLIT)
 NN_COLS = make_decode_nn(*NN_COLUMNS)
 NN_WIDE_K = make_decode_nn(*NN_WIDE)
 NT = make_decode_nt(*NT_CONFIG)
+NT_HALF = make_decode_nt(*NT_HALF_CONFIG, dtype=np.float16)
 gemm_decode_nn_kernel = NN.kernel
 gemm_decode_nt_kernel = NT.kernel
 
@@ -805,10 +695,6 @@ gemm_decode_nt_kernel = NT.kernel
 @functools.cache
 def _variant(config: tuple, rows: int, dtype: np.dtype) -> Decode:
     kind, *geometry = config
-    if kind == "ntv":
-        if np.dtype(dtype) != np.float16:
-            raise TypeError(f"the 16-byte-load decode kernel is float16's, not {dtype}")
-        return make_decode_nt_vec(*geometry, rows=rows)
     return (make_decode_nt if kind == "nt" else make_decode_nn)(*geometry, rows=rows,
                                                                 dtype=dtype)
 
@@ -830,19 +716,20 @@ def dtype_variant(dk: Decode, dtype) -> Decode:
 if not backend.SIMULATOR:   # compiled at import (compile_check): GPT-2's beam of 5 (qkv's
     # partials, attention projection, head), and every half-precision geometry
     GPT2_BEAM = (rows_variant(NN, 5), rows_variant(NT, 5))
-    HALF_GEOMETRIES = tuple(dtype_variant(dk, np.float16) for dk in (NN, NN_COLS, NN_WIDE_K, NT)) \
-        + (make_decode_nt_vec(*NT_VEC_CONFIG),)
+    HALF_GEOMETRIES = tuple(dtype_variant(dk, np.float16) for dk in (NN, NN_COLS, NN_WIDE_K)) \
+        + (NT_HALF,)
 
 
 # ---------------------------------------------------------------------------- launcher
-def pick_decode(trans_b: bool, batch: int, n_cols: int) -> Decode:
-    """The decode kernel for a shape (H200 measurements, dev/notes/decode.md): trans_b has one;
+def pick_decode(trans_b: bool, batch: int, n_cols: int, dtype=np.float32) -> Decode:
+    """The decode kernel for a shape (H200 measurements, dev/notes/decode.md): trans_b has one
+    a storage dtype (float16's geometry its own);
     [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
     per SM (no split, so no reduction launch: GPT-2's 2304 and 3072 columns), 128-column
     persistent tiles when N is wide enough for two per SM, else 64-column tiles with K
     split (768 columns)."""
     if trans_b:
-        return NT
+        return NT_HALF if np.dtype(dtype) == np.float16 else NT
     sms = _check.sm_count()
     if -(-n_cols // NN_WIDE_K.tile) * batch >= 2 * sms:
         return NN_WIDE_K
@@ -875,11 +762,11 @@ def _column_blocks(dk: Decode, n_tiles: int, others: int, grid_cap: int | None =
 
 def _split_k(dk: Decode, k_len: int, want: int) -> tuple[int, int]:
     """(splits, span) of K: about `want` splits of whole batches of the kernel's loads, never
-    more than one batch or fewer than the kernel's span_max rows allow."""
-    step = min(dk.k_step, dk.span_max)
-    splits = max(-(-k_len // dk.span_max), min(want, -(-k_len // step)))
+    more than one batch or fewer than SPAN_MAX rows allow."""
+    step = min(dk.k_step, SPAN_MAX)
+    splits = max(-(-k_len // SPAN_MAX), min(want, -(-k_len // step)))
     span = -(-(-(-k_len // splits)) // step) * step  # whole batches per split
-    span = min(span, dk.span_max)
+    span = min(span, SPAN_MAX)
     return -(-k_len // span), span
 
 
@@ -917,9 +804,6 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
     batch, m_rows, n_cols = out.shape
     dk = rows_variant(dtype_variant(dk, out.dtype), m_rows)
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
-    if dk.config[0] == "ntv" and (k_len % VEC or backend.address(b) % 16):
-        raise ValueError(f"b: the 16-byte-load decode kernel needs K a multiple of {VEC} and "
-                         f"b 16-byte aligned; got K={k_len} at address {backend.address(b):#x}")
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
     direct = splits == 1 and ln_out is None and keep is None
     part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
@@ -1156,7 +1040,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     a3, b3, out3 = a, b, out
     if not lead:  # every kernel takes (B, ., .) arrays
         a3, b3, out3 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, out))
-    dk = pick_decode(trans_b, batch, n_cols) if m_rows <= DECODE_MAX_M else None
+    dk = pick_decode(trans_b, batch, n_cols, out.dtype) if m_rows <= DECODE_MAX_M else None
     if dk is not None:
         fused = None
         if ln_out is not None and n_cols <= LN_COLS * LN_THREADS:
