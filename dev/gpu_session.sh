@@ -6,10 +6,11 @@
 #       graph_memory sanitize > /dev/null 2>&1 & sleep 2; bash dev/gpu_session.sh poll 540")
 #   run(command="bash dev/gpu_session.sh poll 540")          # again until "all done"
 #
-# Steps: lane (the GPU tests, about 6 minutes), graph_memory (the memory figure, each method
-# in its own process, about 8), sanitize (compute-sanitizer's four tools over the GPU tests,
-# about 7), kernel_speed (every kernel against PyTorch's), gptj (GPT-J-6B in float16,
-# over 15), wav2vec2 (an epoch of Wav2Vec2 training per method, about 10), end_to_end
+# Steps: lane (the GPU tests, 8 processes: about 5 minutes), graph_memory (the memory
+# figure, each method in its own process, about 8), sanitize (compute-sanitizer's four tools
+# over the GPU tests, about 7), kernel_speed (every kernel against PyTorch's), gptj (GPT-J-6B
+# in float16, over 20), wav2vec2 (an epoch of Wav2Vec2 training per method: ours took 6
+# minutes on the H200, PyTorch's four have not run to the end yet), end_to_end
 # (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
 # the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py), probes
 # (the kernel cache's test, then where recording GPT-2 takes memory).
