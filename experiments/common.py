@@ -172,11 +172,26 @@ def torch_tf32() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
 
 
+def release_torch_cache() -> int | None:
+    """Give the blocks PyTorch's allocator caches but no graph's pool holds back to the
+    driver, as a user can ask (torch.cuda.empty_cache); PyTorch's reserved bytes after, or
+    None where this process never started PyTorch's CUDA (a method of ours)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
 def free_memory() -> int | None:
-    """Free device bytes once every dropped buffer is freed (None on the simulator): the one
-    meter of what a method keeps, read in the method's own process (experiments.isolate)."""
-    from proto.device import backend
-    return None if backend.SIMULATOR else backend.settled_free_memory()[0]
+    """Free device bytes once every dropped buffer is freed, Numba's and PyTorch's alike
+    (None on the simulator): the one meter of what a method keeps, read in the method's own
+    process (experiments.isolate)."""
+    if backend.SIMULATOR:
+        return None
+    release_torch_cache()
+    return backend.settled_free_memory()[0]
 
 
 def drop_mib(before: int | None, after: int | None) -> float | None:

@@ -238,10 +238,7 @@ def measure(method: str, size: str) -> dict:
                           reps=cfg["reps"])
     # What the method keeps once every method has run the same warm-up and generations (every
     # length's graph replayed: uploaded; a search's own caches, eager or transformers', freed;
-    # PyTorch's allocator gives back the blocks no graph's pool holds, as a user can ask)
-    if method in TORCH_METHODS:
-        import torch
-        torch.cuda.empty_cache()
+    # PyTorch's allocator gives back the blocks no graph's pool holds: free_memory)
     free_kept = free_memory()
     row.update(tokens=new, ms_per_token=round(t.median_ms / new, 4),
                p10_ms_per_token=round(t.p10_ms / new, 4),

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import sys
 import time
 
 import numpy as np
@@ -121,12 +120,9 @@ class Meter:
     def read(self, name: str) -> int | None:
         if backend.SIMULATOR:
             return None
-        torch = sys.modules.get("torch")   # (a process of ours never starts PyTorch's CUDA)
-        if torch is not None and torch.cuda.is_initialized():
-            # blocks PyTorch caches but no graph holds go back to the driver
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            self.torch[name] = torch.cuda.memory_reserved()
+        reserved = common.release_torch_cache()
+        if reserved is not None:
+            self.torch[name] = reserved
         self.free[name], self.numba[name] = backend.settled_free_memory()
         return self.free[name]
 

@@ -722,9 +722,8 @@ if not backend.SIMULATOR:   # compiled at import (compile_check): GPT-2's beam o
 
 # ---------------------------------------------------------------------------- launcher
 def pick_decode(trans_b: bool, batch: int, n_cols: int, dtype=np.float32) -> Decode:
-    """The decode kernel for a shape (H200 measurements, dev/notes/decode.md): trans_b has one
-    a storage dtype (float16's geometry its own);
-    [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
+    """The decode kernel for a shape and storage dtype (H200 measurements, dev/notes/decode.md):
+    trans_b has one geometry a dtype (float16's NT_HALF, float32's NT); [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
     per SM (no split, so no reduction launch: GPT-2's 2304 and 3072 columns), 128-column
     persistent tiles when N is wide enough for two per SM, else 64-column tiles with K
     split (768 columns)."""

@@ -80,7 +80,7 @@ def _pooled_blocks() -> None:
             self.start()
 
         def assign(self, block, grid_point, point, kernel) -> None:
-            x, y, _ = (tuple(block._block_dim) + (1, 1))[:3]
+            x, y, _ = block._block_dim   # (the simulator's normalized 3-D block)
             self._manager, self.blockIdx, self.threadIdx = block, Dim3(*grid_point), Dim3(*point)
             self.thread_id = point[0] + x * (point[1] + y * point[2])
             self.exception, self.abort, self.syncthreads_blocked = None, False, False

@@ -54,6 +54,12 @@ class Block:
     nbytes: int
 
 
+def _overlapping(first, last, lo, hi, a, b):
+    """Whether blocks a and b (indices, slices or broadcasting index arrays into the spans'
+    arrays: steps first..last, bytes [lo, hi)) are alive at a common step and share bytes."""
+    return (first[a] <= last[b]) & (first[b] <= last[a]) & (lo[a] < hi[b]) & (lo[b] < hi[a])
+
+
 def footprint(nbytes: int, align: int = ALIGN) -> int:
     """The bytes a block holds in the arena: its size aligned up, and at least one aligned
     unit, so that a zero-size temporary still has an address of its own (a kernel given it
@@ -239,8 +245,7 @@ def validate(plan: Plan) -> None:
             raise PlanError(f"buffer {blk.key} at [{off}, {off + blk.nbytes}) is misaligned or "
                             f"outside the arena of {plan.arena_bytes} bytes")
         first[i], last[i], lo[i], hi[i] = blk.first, blk.last, off, off + footprint(blk.nbytes)
-        clash = np.flatnonzero((first[:i] <= blk.last) & (last[:i] >= blk.first)
-                               & (lo[:i] < hi[i]) & (lo[i] < hi[:i]))
+        clash = np.flatnonzero(_overlapping(first, last, lo, hi, i, slice(0, i)))
         if clash.size:                     # (the earliest block it overlaps)
             other = plan.blocks[int(clash[0])]
             raise PlanError(f"buffers {blk.key} and {other.key} are alive at once (steps "
@@ -391,8 +396,7 @@ class Tape:
             first, last, lo = spans[:, 0], spans[:, 1], spans[:, 2]
             hi = lo + spans[:, 3]
             k = np.array(kept)
-            meet = (first[k, None] <= last) & (first <= last[k, None]) \
-                & (lo[k, None] < hi) & (lo < hi[k, None])
+            meet = _overlapping(first, last, lo, hi, k[:, None], slice(None))
             meet[np.arange(len(k)), k] = False
             if meet.any():
                 return None
