@@ -25,7 +25,7 @@ time reported); gradients and AdamW's moments are allocated before the first mem
 by every method. Per method: milliseconds per step over the epoch after `warmup` steps (mean,
 median, p10, p90), the epoch's seconds, the loss of every step, and the device memory it
 holds beyond its weights, gradients and optimizer state once the epoch is done (free memory,
-read in its own process), split into buffers and executables where the method can tell them
+read in its own process, PyTorch's allocator emptied of blocks no graph pool holds), split into buffers and executables where the method can tell them
 apart. The memory after each length's capture is also read: memory against lengths served.
 A method that runs out of memory while capturing reports how many lengths it served.
 
