@@ -13,7 +13,8 @@
 # minutes on the H200, PyTorch's four have not run to the end yet), end_to_end
 # (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
 # the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py), probes
-# (the kernel cache's test, then where recording GPT-2 takes memory).
+# (the kernel cache's test, then where recording GPT-2 takes memory), w2v_profile (a Wav2Vec2
+# training step's kernels, ours beside transformers', about 2 minutes).
 # The kernels load from Numba's cache after the first process compiles them: a fresh machine
 # spends about a minute on that once. The steps run in a copy of the checkout,
 # /tmp/gpu_session/tree, which later `run` calls leave alone. Each step's log is in
@@ -50,6 +51,7 @@ for s in "$@"; do case $s in
   end_to_end) step end_to_end 1500 python3 -m experiments end_to_end --size full ;;
   half_decode) step half_decode 600 env OUT=$L python3 -m dev.bench.bench_half_decode ;;
   wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
+  w2v_profile) step w2v_profile 600 python3 -m dev.probe.wav2vec2_profile ;;
   sanitize) step sanitize 900 python3 -m tests.sanitize ;;
   *) echo "unknown step $s" >> $L/steps.txt ;;
 esac; done
