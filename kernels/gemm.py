@@ -99,6 +99,9 @@ if not backend.SIMULATOR:
     # in flight; 8 to 18% faster than float32's on GPT-J's five decode shapes (H200,
     # dev/bench/bench_half_decode.py), still 0.33-0.54 of copy bandwidth
     NT_HALF_CONFIG = (4, 4, 12, 4)
+    # float16's trans_b on tensor cores (make_decode_mma): (warps a block along K, chunks of
+    # 32 a warp's batch of loads, blocks/SM); not yet measured against NT_HALF_CONFIG
+    MMA_HALF_CONFIG = (8, 2, 0)
     TARGET_BLOCKS = 2 * 132  # K splits until the grid has about this many blocks
     PARTIALS_TARGET = TARGET_BLOCKS   # ... for `partials` (switched by dev.ab.ab_qkv_partials)
     RED_CHUNK = 16           # partials a reduce thread loads before adding any
@@ -603,6 +606,124 @@ def make_decode_nt(warps: int, cols: int, unroll: int, min_blocks: int = 0,
                   ("nt", warps, cols, unroll, min_blocks), x_rows, np.dtype(dtype))
 
 
+MMA_CHUNK = 32   # K elements a warp's two k-steps take (a lane's three 16-byte loads)
+MMA_TILE = 16    # output columns a block: the rows of mma's A operand
+
+
+@cuda.jit(device=True, inline="always")
+def _mma_store(v, m, n, m_rows, n_cols, out, part, bz, split, bias, has_bias, act, accumulate,
+               direct):
+    """One of a lane's four results: the epilogue to out (`direct`) or the split's partial;
+    padding rows and columns past the product are dropped."""
+    if m < m_rows and n < n_cols:
+        if direct:
+            _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
+        else:
+            part[bz, split, m, n] = v
+
+
+def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
+    """The float16 trans_b decode kernel on tensor cores: out (B, M<=8, N) = a (B, M, K) @
+    b (B, N, K).T, K a multiple of MMA_CHUNK, a and b 16-byte aligned (`mma_fits`).
+
+    One warp instruction (mma.sync m16n8k16, float16 products summed in float32) multiplies
+    16 rows of b (16 output columns) by x^T, x the 8 rows of a (M real, the rest zero words).
+    The SIMT kernel spends about 400 warp instructions on 3 KB of float16 weight (loads,
+    conversions, 5 FMAs an element) and stops at half the copy rate; here 3 KB is 6 loads
+    and 4 mma a warp. K is permuted inside each chunk of 32 so that every operand is one
+    16-byte load a lane (a dot product does not care about K's order as long as a is read in
+    the same one): lane (g, t) = (lane / 4, lane % 4) loads b's rows n0 + g and n0 + g + 8 and
+    a's row g at k + 8t .. k + 8t + 7, and those four words feed the A and B fragments of two
+    k-steps. A block is `warps_k` warps over one 16-column tile and the split's K range,
+    each warp `unroll` chunks a batch, every load of the batch issued before its multiplies;
+    the warps' sums meet in shared memory in warp order (deterministic). The first batch of
+    weights is loaded before the early-launch wait; a is read after it, by coherent loads
+    (an earlier kernel's output). Grid (column tiles, K splits, batch), as `decode` plans
+    it (`decode_plan`): no staging of a in shared memory, so no SPAN_MAX bound on a split."""
+    from kernels._mma import ld16, ldg16, mma16816
+    chunk = MMA_CHUNK * unroll       # K a warp's batch of loads covers
+    step, words = chunk * warps_k, 4 * unroll
+    bounds = {"launch_bounds": (32 * warps_k, min_blocks)} if min_blocks else {}
+    zero = np.uint32(0)
+
+    @jit(_decode_signature(np.float16), writes=("out", "part"), early_launch=True, **bounds)
+    def gemm_decode_mma_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
+                               direct, span):
+        red = cuda.shared.array((warps_k, 32, 4), np.float32)
+        wa = cuda.local.array(words, np.uint32)   # b's row n0 + g, chunk by chunk
+        wb = cuda.local.array(words, np.uint32)   # b's row n0 + g + 8
+        xa = cuda.local.array(words, np.uint32)   # a's row g
+        lane, wk = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        g, t = lane >> 2, lane & 3
+        bz, split = cuda.blockIdx.z, cuda.blockIdx.y
+        m_rows, n_cols, k_len = out.shape[1], out.shape[2], b.shape[2]
+        k_lo = split * span
+        length = min(k_lo + span, k_len) - k_lo
+        n0 = cuda.blockIdx.x * MMA_TILE
+        # flat offsets of this lane's first elements; past the last column the last row is
+        # re-read (never stored)
+        w0 = (bz * n_cols + min(n0 + g, n_cols - 1)) * k_len + k_lo + 8 * t
+        w1 = (bz * n_cols + min(n0 + g + 8, n_cols - 1)) * k_len + k_lo + 8 * t
+        x0 = (bz * m_rows + min(g, m_rows - 1)) * k_len + k_lo + 8 * t
+        real = g < m_rows   # x's rows past M: zero words
+        kc = wk * chunk
+        for u in range(unroll):   # the first weights: before the wait (no kernel writes b)
+            if kc + MMA_CHUNK * u < length:
+                p, q = ldg16(b, w0 + kc + MMA_CHUNK * u), ldg16(b, w1 + kc + MMA_CHUNK * u)
+                for e in range(4):
+                    wa[4 * u + e], wb[4 * u + e] = p[e], q[e]
+        _pdl.wait()
+        _pdl.launch_dependents()
+        c0 = c1 = c2 = c3 = _ZERO
+        while kc < length:   # (uniform over the warp: mma.sync needs every lane)
+            for u in range(unroll):
+                if real and kc + MMA_CHUNK * u < length:
+                    v = ld16(a, x0 + kc + MMA_CHUNK * u)
+                    for e in range(4):
+                        xa[4 * u + e] = v[e]
+                else:
+                    for e in range(4):
+                        xa[4 * u + e] = zero
+            for u in range(unroll):
+                if kc + MMA_CHUNK * u < length:
+                    for s in range(2):   # k-step s: this lane's elements 4s .. 4s + 3
+                        i = 4 * u + 2 * s
+                        c0, c1, c2, c3 = mma16816(wa[i], wb[i], wa[i + 1], wb[i + 1],
+                                                  xa[i], xa[i + 1], c0, c1, c2, c3)
+            kc += step
+            for u in range(unroll):   # the next batch's weights, in flight with its a
+                if kc + MMA_CHUNK * u < length:
+                    p, q = ldg16(b, w0 + kc + MMA_CHUNK * u), ldg16(b, w1 + kc + MMA_CHUNK * u)
+                    for e in range(4):
+                        wa[4 * u + e], wb[4 * u + e] = p[e], q[e]
+        if warps_k > 1:
+            red[wk, lane, 0], red[wk, lane, 1] = c0, c1
+            red[wk, lane, 2], red[wk, lane, 3] = c2, c3
+            cuda.syncthreads()
+            if wk != 0:
+                return
+            for j in range(1, warps_k):
+                c0 += red[j, lane, 0]
+                c1 += red[j, lane, 1]
+                c2 += red[j, lane, 2]
+                c3 += red[j, lane, 3]
+        # D[r][c]: r the tile's column of out (n0 + g, n0 + g + 8), c a's row (2t, 2t + 1)
+        for i in range(4):   # c_i at out[2t + i % 2, n0 + g + 8 (i // 2)]
+            v = c0 if i == 0 else c1 if i == 1 else c2 if i == 2 else c3
+            _mma_store(v, 2 * t + i % 2, n0 + g + 8 * (i // 2), m_rows, n_cols, out, part,
+                       bz, split, bias, has_bias, act, accumulate, direct)
+
+    return Decode(gemm_decode_mma_kernel, 32 * warps_k, MMA_TILE, chunk, True,
+                  ("mma", warps_k, unroll, min_blocks), DECODE_MAX_M, np.dtype(np.float16))
+
+
+def mma_fits(a, b, trans_a: bool) -> bool:
+    """Whether the tensor-core kernel can take this float16 product: a not transposed, K a
+    multiple of MMA_CHUNK, a and b 16-byte aligned (every load is 16 bytes)."""
+    return (not trans_a and b.shape[2] % MMA_CHUNK == 0
+            and backend.address(a) % 16 == 0 and backend.address(b) % 16 == 0)
+
+
 @jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32)",
                writes=("out",), early_launch=True)
 def gemm_splitk_reduce_kernels(part, out, bias, has_bias, act, accumulate):
@@ -688,6 +809,8 @@ NN_COLS = make_decode_nn(*NN_COLUMNS)
 NN_WIDE_K = make_decode_nn(*NN_WIDE)
 NT = make_decode_nt(*NT_CONFIG)
 NT_HALF = make_decode_nt(*NT_HALF_CONFIG, dtype=np.float16)
+# (inline PTX: none on the simulator, whose float16 trans_b products take NT_HALF)
+MMA_HALF = None if backend.SIMULATOR else make_decode_mma(*MMA_HALF_CONFIG)
 gemm_decode_nn_kernel = NN.kernel
 gemm_decode_nt_kernel = NT.kernel
 
@@ -703,6 +826,8 @@ def rows_variant(dk: Decode, m_rows: int) -> Decode:
     """`dk`'s geometry compiled for exactly m_rows (<= DECODE_MAX_M) rows of x: a launch of
     5 rows then multiplies 5, where the 8-row kernel spent 3/8 of its multiply-adds and
     shared-memory loads on padding. Compiled on first use, once."""
+    if dk.config[0] == "mma":   # (reads M at run time: rows past it are zero words)
+        return dk
     return dk if dk.rows == m_rows else _variant(dk.config, m_rows, dk.dtype)
 
 
@@ -710,6 +835,8 @@ def dtype_variant(dk: Decode, dtype) -> Decode:
     """`dk`'s geometry and rows compiled for storage `dtype` (float32 or float16): the same
     source, its loads converting to float32. Compiled on first use, once."""
     dtype = np.dtype(dtype)
+    if dk.dtype != dtype and dk.config[0] == "mma":
+        raise TypeError(f"the tensor-core decode kernel is float16 only, not {dtype}")
     return dk if dk.dtype == dtype else _variant(dk.config, dk.rows, dtype)
 
 
@@ -717,18 +844,22 @@ if not backend.SIMULATOR:   # compiled at import (compile_check): GPT-2's beam o
     # partials, attention projection, head), and every half-precision geometry
     GPT2_BEAM = (rows_variant(NN, 5), rows_variant(NT, 5))
     HALF_GEOMETRIES = tuple(dtype_variant(dk, np.float16) for dk in (NN, NN_COLS, NN_WIDE_K)) \
-        + (NT_HALF,)
+        + (NT_HALF, MMA_HALF)
 
 
 # ---------------------------------------------------------------------------- launcher
 def pick_decode(trans_b: bool, batch: int, n_cols: int, dtype=np.float32) -> Decode:
     """The decode kernel for a shape and storage dtype (H200 measurements, dev/notes/decode.md):
-    trans_b has one geometry a dtype (float16's NT_HALF, float32's NT); [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
+    trans_b has one kernel a dtype (float32's NT; float16's MMA_HALF on tensor cores, NT_HALF
+    on the simulator and where `decode` finds the product does not fit it, `mma_fits`);
+    [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
     per SM (no split, so no reduction launch: GPT-2's 2304 and 3072 columns), 128-column
     persistent tiles when N is wide enough for two per SM, else 64-column tiles with K
     split (768 columns)."""
     if trans_b:
-        return NT_HALF if np.dtype(dtype) == np.float16 else NT
+        if np.dtype(dtype) != np.float16:
+            return NT
+        return NT_HALF if MMA_HALF is None else MMA_HALF
     sms = _check.sm_count()
     if -(-n_cols // NN_WIDE_K.tile) * batch >= 2 * sms:
         return NN_WIDE_K
@@ -743,6 +874,8 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
     grid to reach `target_blocks` (at most one batch of loads per block), never fewer than
     SPAN_MAX allows. Column tiles beyond `grid_cap` blocks (default: one wave of resident
     blocks) are looped over by the blocks (persistent), so op(a) is staged once per block."""
+    if dk.config[0] == "mma":
+        return _mma_plan(dk, batch, n_cols, k_len, target_blocks)
     target = target_blocks
     if target is None:  # the whole-K kernels split only where K exceeds SPAN_MAX (by
         # geometry, not identity: their rows_variant twins are other objects)
@@ -750,6 +883,20 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
     n_tiles = -(-n_cols // dk.tile)
     splits, span = _split_k(dk, k_len, -(-target // (n_tiles * batch)))
     return _column_blocks(dk, n_tiles, splits * batch, grid_cap), splits, span
+
+
+def _mma_plan(dk: Decode, batch: int, n_cols: int, k_len: int, target_blocks: int | None):
+    """(column tiles, K splits, span) for the tensor-core kernel: a block per 16-column tile
+    (no persistence: nothing is staged to share), K split until the grid makes one wave of
+    resident blocks (`target_blocks`, default) or each warp has one batch of loads left."""
+    n_tiles = -(-n_cols // dk.tile)
+    target = _check.resident_blocks(dk.kernel, dk.threads) if target_blocks is None \
+        else target_blocks
+    warps_k = dk.config[1]
+    most = max(1, k_len // (dk.k_step * warps_k))
+    splits = max(1, min(most, -(-target // (n_tiles * batch))))
+    span = -(-(-(-k_len // splits)) // dk.k_step) * dk.k_step   # whole batches of loads
+    return n_tiles, -(-k_len // span), span
 
 
 def _column_blocks(dk: Decode, n_tiles: int, others: int, grid_cap: int | None = None) -> int:
@@ -801,6 +948,8 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
     splits, M, N), the partials are written there and left for the caller: no reduction,
     out untouched."""
     batch, m_rows, n_cols = out.shape
+    if dk.config[0] == "mma" and not mma_fits(a, b, trans_a):
+        dk = NT_HALF
     dk = rows_variant(dtype_variant(dk, out.dtype), m_rows)
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)

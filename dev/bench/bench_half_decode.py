@@ -1,18 +1,19 @@
-"""GPT-J's float16 decode GEMMs (beam 5): the trans_b kernel's geometries and a tensor-core
-kernel against cuBLAS.
+"""GPT-J's float16 decode GEMMs (beam 5): the tensor-core kernel's and the SIMT trans_b
+kernel's geometries against cuBLAS.
 
     PYTHONUNBUFFERED=1 python3 -m dev.bench.bench_half_decode 2>&1 | tee $OUT/half.txt
 
-GPT-J holds its Linear weights (out, in), so every decode GEMM is gemm's trans_b kernel
-(make_decode_nt). This sweeps its geometries (warps, columns a warp, K loads a lane a batch,
-blocks an SM; a batch of loads must divide SPAN_MAX) in float16 on GPT-J's five shapes,
-M = 5 rows: float32's NT_CONFIG and float16's NT_HALF_CONFIG first. Each is checked against
-the float64 reference within float16's bound first, then timed in a CUDA graph over
-rotating weight copies (at least 2.5x the L2, so every launch reads HBM), beside cuBLAS
-(torch, float16, tensor cores) on the same copies. Fractions: bytes over time over the
-copy bandwidth measured here. First the tensor-core kernel of dev/bench/mma_decode.py (no
-epilogue: its ceiling) over its geometries: can a Numba kernel read these weights at the
-copy rate at all?
+GPT-J holds its Linear weights (out, in), so every decode GEMM is trans_b. This sweeps, in
+float16 on GPT-J's five shapes, M = 5 rows, with each shape's epilogue: first the
+tensor-core kernel's geometries (make_decode_mma: warps a block along K, chunks of 32 a
+warp's batch of loads, blocks an SM), MMA_HALF_CONFIG first; then the SIMT kernel's
+(make_decode_nt: warps, columns a warp, K loads a lane a batch, blocks an SM; a batch of
+loads must divide SPAN_MAX), float32's NT_CONFIG and float16's NT_HALF_CONFIG first. Each
+is checked against the float64 reference within float16's bound first (twice the bound's
+float32 part on tensor cores, whose additions truncate: tests/test_gemm_mma.py), then timed
+in a CUDA graph over rotating weight copies (at least 2.5x the L2, so every launch reads
+HBM), beside cuBLAS (torch, float16, tensor cores) on the same copies. Fractions: bytes over
+time over the copy bandwidth measured here.
 Writes $OUT/bench_half_decode.json when OUT is set.
 """
 from __future__ import annotations
@@ -37,9 +38,9 @@ SHAPES = [("qkv", D, 3 * D, False, False), ("out_proj", D, D, False, True),
 # (warps, columns a warp, K loads a lane a batch, blocks an SM); the first is the float32 one
 NT_VARIANTS = [G.NT_CONFIG, G.NT_HALF_CONFIG, (8, 4, 8, 2), (8, 2, 12, 2), (8, 4, 12, 2),
                (8, 2, 24, 2), (8, 8, 6, 2)]
-# the tensor-core kernel (dev/bench/mma_decode.py, no epilogue): (warps a block over K,
-# chunks of 32 K a warp's loads cover before its multiplies)
-MMA_VARIANTS = [(4, 2), (4, 4), (8, 2), (2, 4), (8, 4), (16, 2)]
+# the tensor-core kernel: (warps a block along K, chunks of 32 a warp's batch, blocks/SM)
+MMA_VARIANTS = [G.MMA_HALF_CONFIG, (4, 2, 0), (4, 4, 0), (16, 2, 0), (8, 4, 0), (16, 1, 0),
+                (32, 1, 0)]
 GRID_CAPS = [None, 1 << 20]   # persistent (one wave of blocks) or a block per column tile
 LOG: dict = {"device": None, "rows": [], "errors": []}
 U16 = 2.0 ** -11
@@ -83,7 +84,8 @@ class HalfShape:
         want = x @ w.T + (self.b.copy_to_host().astype(np.float64) if self.bias else 0)
         want = want + (old[0].astype(np.float64) if self.accumulate else 0)
         terms = np.abs(x) @ np.abs(w).T
-        bound = U16 * np.abs(want) + 2.0 ** -24 * (self.K + 2) * terms + 2.0 ** -25
+        per_add = 2.0 ** (-23 if dk.config[0] == "mma" else -24)   # (truncating adds)
+        bound = U16 * np.abs(want) + per_add * (self.K + 2) * terms + 2.0 ** -25
         ratio = np.abs(runs[0][0].astype(np.float64) - want) / bound
         if not np.all(ratio <= 1):   # (NaN, an unwritten element, fails too)
             raise AssertionError(f"error {np.nanmax(ratio):.3g} of the bound")
@@ -106,42 +108,6 @@ def bench(shape: HalfShape, dk, copy_GBps, grid_cap=None):
                             fraction=round(frac, 4), error_over_bound=round(ratio, 3)))
     print(f"{shape.name:9s} {str(dk.config):22s} cap={str(grid_cap):8s} grid={blocks}x{splits} "
           f"{us:9.2f} us [{spread[0]:.2f}, {spread[1]:.2f}]  frac={frac:.3f}", flush=True)
-
-
-def bench_mma(shape: HalfShape, copy_GBps, warps_k: int, unroll: int):
-    """The tensor-core kernel on x padded to 8 rows, out float32 (8, N): checked against
-    float64 (the bound of dev/bench/test_mma_decode.py), then timed over the same weight
-    copies as every kernel here."""
-    from dev.bench.mma_decode import mma_decode
-    name = f"{shape.name} mma{(warps_k, unroll)}"
-    try:
-        xs = []
-        for x in shape.x:
-            x8 = np.zeros((8, shape.K), np.float16)
-            x8[:M] = x.copy_to_host()[0]
-            xs.append(cuda.to_device(x8))
-        outs = [cuda.device_array((8, shape.N), np.float32) for _ in shape.w]
-        mma_decode(xs[0], shape.w[0], outs[0], warps_k, unroll)
-        x64, w64 = xs[0].copy_to_host().astype(np.float64), shape.w_host.astype(np.float64)
-        want = x64 @ w64.T
-        bound = 2.0 ** -23 * (shape.K + 2) * (np.abs(x64) @ np.abs(w64).T) + 2.0 ** -30
-        ratio = float(np.max(np.abs(outs[0].copy_to_host() - want) / bound))
-        if not ratio <= 1:
-            raise AssertionError(f"error {ratio:.3g} of the bound")
-        us, spread, _ = bd.graph_time_us([
-            lambda s, i=i: mma_decode(xs[i], shape.w[i], outs[i], warps_k, unroll, s)
-            for i in range(shape.copies)])
-    except Exception as exc:  # noqa: BLE001
-        bd.log_error(name, exc)
-        return
-    nbytes = 2 * shape.K * shape.N + 2 * 8 * shape.K + 4 * 8 * shape.N
-    frac = nbytes / (us * 1e3) / copy_GBps
-    LOG["rows"].append(dict(shape=shape.name, K=shape.K, N=shape.N,
-                            config=["mma", warps_k, unroll], grid_cap=None, us=round(us, 2),
-                            p10=round(spread[0], 2), p90=round(spread[1], 2),
-                            fraction=round(frac, 4), error_over_bound=round(ratio, 3)))
-    print(f"{name:22s} {'(no epilogue)':31s} {us:9.2f} us [{spread[0]:.2f}, {spread[1]:.2f}]  "
-          f"frac={frac:.3f}", flush=True)
 
 
 def bench_cublas(shape: HalfShape, copy_GBps):
@@ -181,9 +147,14 @@ def main() -> None:
     shapes = [HalfShape(*s) for s in SHAPES]
     for shape in shapes:
         bench_cublas(shape, copy_GBps)
-    for warps_k, unroll in MMA_VARIANTS:   # (first: the question this bench now asks)
+    for cfg in MMA_VARIANTS:   # (first: the question this bench now asks)
+        try:
+            dk = G.make_decode_mma(*cfg)
+        except Exception as exc:  # noqa: BLE001
+            bd.log_error(f"compile make_decode_mma {cfg}", exc)
+            continue
         for shape in shapes:
-            bench_mma(shape, copy_GBps, warps_k, unroll)
+            bench(shape, dk, copy_GBps)
     for cfg in NT_VARIANTS:
         try:
             dk = G.make_decode_nt(*cfg, rows=M, dtype=np.float16)
@@ -202,8 +173,7 @@ def summary() -> None:
         rows = [r for r in LOG["rows"] if r["shape"] == name]
         ours = [r for r in rows if r["config"] != "cublas"]
         cublas = next((r for r in rows if r["config"] == "cublas"), None)
-        default = next((r for r in ours if tuple(r["config"]) == ("nt", *G.NT_HALF_CONFIG)
-                        and r["grid_cap"] is None), None)
+        default = next((r for r in ours if tuple(r["config"]) == G.MMA_HALF.config), None)
         if ours:
             best = min(ours, key=lambda r: r["us"])
             print(f"{name:9s} best {best['config']} cap={best['grid_cap']} {best['us']} us "

@@ -1,0 +1,74 @@
+"""Tensor-core instructions Numba does not expose, as device functions of inline PTX: the
+float16 operand loads and the warp-wide multiply of `kernels.gemm.make_decode_mma`.
+
+    ldg16(src, j)  the 16 bytes of float16 elements j .. j+7 of C-contiguous `src` (j a
+                   multiple of 8, the address 16-byte aligned) as four uint32, two halves
+                   each with the lower element in the low bits, through the read-only
+                   cache (ld.global.nc): for data no kernel writes while this one runs;
+    ld16(src, j)   the same by a coherent load (ld.global): for an earlier kernel's output
+                   read after the early-launch wait;
+    mma16816(a0..a3, b0, b1, c0..c3)
+                   D = A B + C for one warp, mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32:
+                   A 16 x 16 and B 16 x 8 float16 in fragments of uint32 words, C and D
+                   16 x 8 float32, four values a lane (PTX ISA, "Matrix fragments for
+                   mma.m16n8k16 with floating point type").
+
+GPU only (sm_80 and later): the simulator has no PTX, and nothing here is defined there.
+"""
+from __future__ import annotations
+
+from proto.device.backend import SIMULATOR
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+    def _load16(instruction: str):
+        """An intrinsic (src, j) -> four uint32 loading `src`'s float16 elements j .. j+7
+        with `instruction` (ld.global.nc or ld.global: read-only or coherent)."""
+        @intrinsic
+        def load(typingctx, src, j):
+            if not (isinstance(src, types.Array) and src.dtype == types.float16
+                    and src.layout == "C" and isinstance(j, types.Integer)):
+                return None
+            sig = types.UniTuple(types.uint32, 4)(src, j)
+
+            def codegen(context, builder, sig, args):
+                s = context.make_array(sig.args[0])(context, builder, args[0])
+                jj = context.cast(builder, args[1], sig.args[1], types.int64)
+                addr = builder.ptrtoint(builder.gep(s.data, [jj]), _I64)
+                fn = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64])
+                # (a generic pointer: cvta.to.global makes it a global-window address)
+                asm = ir.InlineAsm(fn, "{ .reg .u64 g; cvta.to.global.u64 g, $4; "
+                                       f"{instruction}.v4.b32 {{$0, $1, $2, $3}}, [g]; }}",
+                                   "=r,=r,=r,=r,l", side_effect=False)
+                out = builder.call(asm, [addr])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(out, i) for i in range(4)])
+            return sig, codegen
+        return load
+
+    ldg16 = _load16("ld.global.nc")
+    ld16 = _load16("ld.global")
+
+    @intrinsic
+    def mma16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        if not all(a == types.uint32 for a in (a0, a1, a2, a3, b0, b1)) or \
+                not all(c == types.float32 for c in (c0, c1, c2, c3)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            fn = ir.FunctionType(ir.LiteralStructType([f32] * 4), [_I32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(fn, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+                                   "{$10, $11, $12, $13};",
+                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
+            out = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(out, i) for i in range(4)])
+        return sig, codegen

@@ -1,0 +1,141 @@
+"""The tensor-core float16 decode kernel (kernels.gemm.make_decode_mma) on the GPU, against
+float64 on the same float16 values: every epilogue, K split or whole, rows 1..8, columns
+that are no multiple of its 16-column tile, batches; what `gemm` routes to it; and that it
+writes nothing outside out.
+
+The bound. Each product of two float16 values is exact in float32. mma.sync adds a k-step's
+16 products to the accumulator with its significands aligned to the largest and truncated,
+not rounded (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores",
+2021): each addition may lose up to one float32 ulp, 2 U32 relative, where round to nearest
+loses U32. So a sum of K products, then the splits, old and bias, is off by at most
+2 (K + 4) U32 (sum |a||b| + |old| + |bias|): twice the SIMT kernels' bound
+(tests/test_gemm.py). The activation and the one float16 rounding add what they add there.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from kernels import gemm as G
+from proto.device import backend
+from tests.helpers import dev
+from tests.test_gemm import U16, U32, _assert_within, _half_result, _halves
+
+pytestmark = pytest.mark.gpu
+
+
+def _bound(a, b, bias, old):
+    """(float64 a @ b.T + old + bias, its bound before the activation): 2 (K + 4) U32."""
+    a64, b64 = a.astype(np.float64), np.swapaxes(b.astype(np.float64), -1, -2)
+    v, mag = a64 @ b64, np.abs(a64) @ np.abs(b64)
+    for extra in (old, bias):
+        if extra is not None:
+            v, mag = v + extra.astype(np.float64), mag + np.abs(extra.astype(np.float64))
+    return v, 2 * (a64.shape[-1] + 4) * U32 * mag
+
+
+def _launched(monkeypatch):
+    """The kernels gemm launches, in order."""
+    seen = []
+    real = G.launch
+
+    def spy(kernel, *args, **kw):
+        seen.append(kernel)
+        return real(kernel, *args, **kw)
+    monkeypatch.setattr(G, "launch", spy)
+    return seen
+
+
+@given(m=st.integers(1, G.DECODE_MAX_M), n=st.integers(1, 100), chunks=st.integers(1, 24),
+       batch=st.sampled_from([1, 2]), act=st.sampled_from([None, "gelu", "relu"]),
+       has_bias=st.booleans(), accumulate=st.booleans(),
+       target=st.sampled_from([None, 1, 64, 4096]), seed=st.integers(0, 2**16))
+def test_tensor_core_decode_matches_float64(m, n, chunks, batch, act, has_bias, accumulate,
+                                            target, seed):
+    """Any M <= 8, any N, K in whole chunks of 32, K split over 1 or more blocks (the
+    `target` grid), every epilogue: within the bound above; out (B, M, N) all written."""
+    rng = np.random.default_rng(seed)
+    k = chunks * G.MMA_CHUNK
+    a, b = _halves(rng, batch, m, k), _halves(rng, batch, n, k)
+    old, bias = _halves(rng, batch, m, n), _halves(rng, n) if has_bias else None
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    bias_arg = dev(bias) if has_bias else backend.reshaped(dev(b), (b.size,))
+    G.decode(G.MMA_HALF, dev(a), dev(b), out, bias_arg, int(has_bias), G.ACTS[act],
+             int(accumulate), 0, 0, target_blocks=target)
+    v, e = _bound(a, b, bias, old if accumulate else None)
+    want, e = _half_result(v, e, act)
+    got = out.copy_to_host()
+    _assert_within(got, want, e + U16 * np.abs(want) + 2.0 ** -25)
+
+
+@pytest.mark.parametrize("target", [None, 1, 10**6])
+def test_tensor_core_plan_covers_k_in_whole_batches(target):
+    """The plan's splits: spans of whole batches of loads covering K exactly, at most one
+    split per warp's batch, a block per 16-column tile."""
+    for n, k in [(4096, 4096), (16384, 4096), (4096, 16384), (50400, 4096), (17, 32)]:
+        blocks, splits, span = G.decode_plan(G.MMA_HALF, 1, n, k, target)
+        assert blocks == -(-n // 16) and span % G.MMA_HALF.k_step == 0
+        assert (splits - 1) * span < k <= splits * span
+        assert splits <= max(1, k // (G.MMA_HALF.k_step * G.MMA_HALF.config[1]))
+
+
+def test_gemm_routes_float16_trans_b_to_tensor_cores_where_they_fit(monkeypatch):
+    """float16 trans_b with K a multiple of 32 takes the tensor-core kernel; K = 40 (no whole
+    chunk) and a 2-byte-offset view of b (no 16-byte loads) take the SIMT kernel; both
+    right."""
+    rng = np.random.default_rng(0)
+    seen = _launched(monkeypatch)
+    for k, offset in [(64, 0), (40, 0), (64, 1)]:
+        a = _halves(rng, 5, k)
+        flat = _halves(rng, 24 * k + offset)
+        b = flat[offset:].reshape(24, k)
+        db = backend.view_at(dev(flat), 2 * offset, dev(b)) if offset else dev(b)
+        out = dev(np.full((5, 24), np.nan, np.float16))
+        seen.clear()
+        G.gemm(dev(a), db, out, trans_b=True)
+        mma = k % 32 == 0 and not offset
+        assert (G.MMA_HALF.kernel in seen) == mma, (k, offset)
+        v, e = _bound(a, b, None, None)
+        _assert_within(out.copy_to_host(), v, e + U16 * np.abs(v) + 2.0 ** -25)
+
+
+def test_tensor_core_decode_writes_nothing_past_out():
+    """out as the leading rows of a larger buffer whose rest holds a pattern: a 5-row product
+    over 40 columns (its 16-column tiles and 8-row fragments overhang both) leaves the
+    pattern as it was."""
+    rng = np.random.default_rng(1)
+    m, n, k = 5, 40, 96
+    a, b = _halves(rng, 1, m, k), _halves(rng, 1, n, k)
+    whole = np.full((1, m + 3, n), 7.0, np.float16)
+    dwhole = dev(whole)
+    flat = backend.reshaped(dwhole, (whole.size,))
+    out = backend.reshaped(backend.view_at(flat, 0, dev(np.zeros(m * n, np.float16))),
+                           (1, m, n))
+    bias_arg = backend.reshaped(dev(b), (b.size,))
+    G.decode(G.MMA_HALF, dev(a), dev(b), out, bias_arg, 0, 0, 0, 0, 0)
+    got = dwhole.copy_to_host()
+    assert np.all(got[0, m:] == 7.0)
+    v, e = _bound(a, b, None, None)
+    _assert_within(got[:, :m], v, e + U16 * np.abs(v) + 2.0 ** -25)
+
+
+@pytest.mark.parametrize("k,n,act,bias,accumulate", [
+    (4096, 12288, None, False, False), (4096, 4096, None, False, True),
+    (4096, 16384, "gelu", True, False), (16384, 4096, None, True, True),
+    (4096, 50400, None, True, False)])
+def test_gptj_decode_shapes_are_deterministic_and_right(k, n, act, bias, accumulate):
+    """GPT-J-6B's five decode products (beam 5) through gemm: within the bound, and three
+    runs bit-identical (the warps' and splits' sums in a fixed order)."""
+    rng = np.random.default_rng(k + n)
+    a, w, old = _halves(rng, 5, k), _halves(rng, n, k), _halves(rng, 5, n)
+    bv = _halves(rng, n) if bias else None
+    da, dw, db = dev(a), dev(w), None if bv is None else dev(bv)
+    runs = []
+    for _ in range(3):
+        out = dev(old if accumulate else np.full_like(old, np.nan))
+        G.gemm(da, dw, out, bias=db, act=act, trans_b=True, accumulate=accumulate)
+        runs.append(out.copy_to_host())
+    v, e = _bound(a, w, bv, old if accumulate else None)
+    want, e = _half_result(v, e, act)
+    _assert_within(runs[0], want, e + U16 * np.abs(want) + 2.0 ** -25)
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r, runs[0])
