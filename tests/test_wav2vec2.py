@@ -94,6 +94,29 @@ def test_graphed_phases_equal_eager_steps_bit_for_bit():
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def test_load_state_dict_replaces_the_weights_and_keeps_the_optimizer():
+    """A model loaded with another's weights after that one's step computes the same loss
+    bit for bit; its own step count and moments stay; a bad state dict changes nothing."""
+    cfg = dataclasses.replace(CFG, layers=1)
+    a = w2v.Wav2Vec2ForCTC(cfg, w2v.random_state_dict(cfg, seed=1))
+    b = w2v.Wav2Vec2ForCTC(cfg, w2v.random_state_dict(cfg, seed=2))
+    first, second = _batch(cfg, seed=0), _batch(cfg, frames=(5, 5), seed=1)
+    a.train_step(*_device(first))
+    trained = a.params.to_host()
+    b.load_state_dict(trained)
+    for name, value in b.params.to_host().items():
+        np.testing.assert_array_equal(value, trained[name], err_msg=name)
+    assert b.step_count.copy_to_host()[0] == 0
+    assert all(not v.any() for v in b.m.to_host().values())
+    want = a.train_step(*_device(second), update=False).copy_to_host()[0]
+    assert b.train_step(*_device(second), update=False).copy_to_host()[0] == want
+    broken = dict(trained)
+    broken.pop("lm_head.bias")
+    with pytest.raises(ValueError, match="lm_head.bias"):
+        b.load_state_dict(broken)
+    np.testing.assert_array_equal(b.params.to_host()["lm_head.weight"], trained["lm_head.weight"])
+
+
 def test_bad_batches_are_refused_before_any_launch():
     model = w2v.Wav2Vec2ForCTC(CFG, w2v.random_state_dict(CFG))
     wave, frames, labels, lengths = _device(_batch(CFG))

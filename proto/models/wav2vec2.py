@@ -191,13 +191,20 @@ class FlatParams:
         for name, shape in self.shapes.items():
             self.offsets[name] = n
             n += -(-math.prod(shape) // self.ALIGN) * self.ALIGN
-        flat = np.zeros(max(n, 1), np.float32)
-        for name, value in (host or {}).items():
-            lo = self.offsets[name]
-            flat[lo:lo + value.size] = value.ravel()
-        self.flat = cuda.to_device(flat)
+        self.flat = cuda.to_device(self._flat(host or {}, n))
         self.views = {name: self.flat[lo:lo + math.prod(shape)].reshape(shape)
                       for (name, shape), lo in zip(self.shapes.items(), self.offsets.values())}
+
+    def _flat(self, host: dict, n: int) -> np.ndarray:
+        flat = np.zeros(max(n, 1), np.float32)
+        for name, value in host.items():
+            lo = self.offsets[name]
+            flat[lo:lo + value.size] = value.ravel()
+        return flat
+
+    def load(self, host: dict) -> None:
+        """Overwrite the buffer with `host` ({name: array}, every name; the padding zero)."""
+        self.flat.copy_to_device(self._flat(host, self.flat.size))
 
     def __getitem__(self, name: str):
         return self.views[name]
@@ -223,13 +230,22 @@ class Wav2Vec2ForCTC:
     name = "wav2vec2"
 
     def __init__(self, config: Wav2Vec2Config, state_dict, optimizer: AdamWConfig = AdamWConfig()):
-        state = {_OLD_NAMES.get(k, k): v for k, v in state_dict.items()}
         shapes = config.param_shapes()
         self.config, self.optimizer = config, optimizer
-        self.params = FlatParams(shapes, checked_params(shapes, state, what="Wav2Vec2ForCTC",
-                                                        ignored=_ignored))
+        self.params = FlatParams(shapes, self._checked(state_dict))
         self.grads, self.m, self.v = (FlatParams(shapes) for _ in range(3))
         self.step_count = cuda.to_device(np.zeros(1, np.int32))   # AdamW's t, on the device
+
+    def _checked(self, state_dict) -> dict[str, np.ndarray]:
+        state = {_OLD_NAMES.get(k, k): v for k, v in state_dict.items()}
+        return checked_params(self.config.param_shapes(), state, what="Wav2Vec2ForCTC",
+                              ignored=_ignored)
+
+    def load_state_dict(self, state_dict) -> None:
+        """Replace the weights (transformers' names, checked as the constructor checks
+        them); gradients, AdamW's moments and step count stay: to go on from weights
+        another run holds, or to take a step from the weights another implementation has."""
+        self.params.load(self._checked(state_dict))
 
     # ------------------------------------------------------------------ the step
     def check_batch(self, waveform, frames, labels, label_lengths) -> tuple[int, int, int]:
