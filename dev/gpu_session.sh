@@ -9,12 +9,13 @@
 # Steps: lane (the GPU tests, 8 processes: about 5 minutes), graph_memory (the memory
 # figure, each method in its own process, about 8), sanitize (compute-sanitizer's four tools
 # over the GPU tests, about 7), kernel_speed (every kernel against PyTorch's), gptj (GPT-J-6B
-# in float16, over 20), wav2vec2 (an epoch of Wav2Vec2 training per method: ours took 6
-# minutes on the H200, PyTorch's four have not run to the end yet), end_to_end
+# in float16, over 20), wav2vec2 (an epoch of Wav2Vec2 training per method, all seven: 12
+# minutes on the H200), end_to_end
 # (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
 # the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py), probes
 # (the kernel cache's test, then where recording GPT-2 takes memory), w2v_profile (a Wav2Vec2
-# training step's kernels, ours beside transformers', about 2 minutes).
+# training step's kernels, ours beside transformers', half a minute), gptj_profile (GPT-J's
+# decode step's kernels at position 512, ours beside PtGraph's).
 # The kernels load from Numba's cache after the first process compiles them: a fresh machine
 # spends about a minute on that once. The steps run in a copy of the checkout,
 # /tmp/gpu_session/tree, which later `run` calls leave alone. Each step's log is in
@@ -52,6 +53,7 @@ for s in "$@"; do case $s in
   half_decode) step half_decode 600 env OUT=$L python3 -m dev.bench.bench_half_decode ;;
   wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
   w2v_profile) step w2v_profile 600 python3 -m dev.probe.wav2vec2_profile ;;
+  gptj_profile) step gptj_profile 600 python3 -m dev.probe.gptj_profile ;;
   sanitize) step sanitize 900 python3 -m tests.sanitize ;;
   *) echo "unknown step $s" >> $L/steps.txt ;;
 esac; done

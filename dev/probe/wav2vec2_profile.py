@@ -12,14 +12,13 @@ context aborts at interpreter teardown (experiments/step_profile.py says more).
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 import numpy as np
 
 from experiments import common, timit
-from experiments.step_profile import _kernels
+from dev.probe import _profile
 from proto.device import backend
 from proto.models import wav2vec2 as w2v
 
@@ -45,19 +44,10 @@ def wall_ms(step, b) -> float:
 
 
 def show(label: str, step, b) -> None:
-    ms = wall_ms(step, b)
-    kernels = _kernels(lambda: step(b), n=STEPS)
-    total = sum(us for us, _ in kernels.values())
-    launches = sum(c for _, c in kernels.values())
-    print(f"\n== {label}: {ms:.2f} ms a step (wall), kernels {total / 1e3:.2f} ms GPU, "
-          f"{launches:.0f} launches", flush=True)
-    for name, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP]:
-        print(f"  {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  x{count:5.1f}  {name[:100]}")
+    _profile.show(label, lambda: step(b), wall_ms(step, b), n=STEPS, top=TOP)
 
 
 def main(frames: list[int]) -> None:
-    if backend.SIMULATOR:
-        raise SystemExit("wav2vec2_profile needs a GPU")
     config = w2v.BASE
     state = w2v.random_state_dict(config, SEED)
     ours = w2v.Wav2Vec2ForCTC(config, state)
@@ -80,8 +70,6 @@ def main(frames: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main([int(a) for a in sys.argv[1:]] or [120, 199])
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    if backend.SIMULATOR:
+        sys.exit("wav2vec2_profile needs a GPU")
+    _profile.run_then_exit(lambda: main([int(a) for a in sys.argv[1:]] or [120, 199]))
