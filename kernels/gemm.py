@@ -367,6 +367,13 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
     return gemm_tiled_kernel
 
 
+@functools.cache
+def tiled_kernel(trans_a: bool, trans_b: bool, t: Tiles):
+    """The tiled kernel of a layout and tile shape: TILED_KERNELS' (compiled at import) or,
+    for another tile, compiled on first use."""
+    return TILED_KERNELS.get((trans_a, trans_b, t)) or _make_tiled(trans_a, trans_b, t)
+
+
 # One kernel per layout of a and b and tile shape: (trans_a, trans_b, tile) -> kernel
 TILED_KERNELS = {(ta, tb, t): _make_tiled(ta, tb, t)
                  for t in (TILE, WIDE_TILE, *SKINNY) for ta in (False, True)
@@ -1103,20 +1110,25 @@ def tiled_launch_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
 
 
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
-          target_blocks=None, keep=None, skinny=False) -> None:
+          target_blocks=None, keep=None, skinny=False, tile: Tiles | None = None) -> None:
     """The tiled kernel on validated 3-D arguments, K split where `tiled_launch_plan` says,
     the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernels;
-    with `keep` (batch, splits, M, N) written there and left for the caller instead."""
+    with `keep` (batch, splits, M, N) written there and left for the caller instead.
+    `tile`: launch this tile shape instead, K split as `tiled_plan` says for it (a bench
+    comparing tiles; compiled on first use)."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
     for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
         if x.size >= 2**32:
             raise ValueError(f"{name}: {x.size} elements exceed the tiled GEMM's 2**32")
-    t, splits, span = tiled_launch_plan(batch, m_rows, n_cols, k_len, target_blocks, skinny)
+    if tile is None:
+        t, splits, span = tiled_launch_plan(batch, m_rows, n_cols, k_len, target_blocks, skinny)
+    else:
+        t, (splits, span) = tile, tiled_plan(tile, batch, m_rows, n_cols, k_len, target_blocks)
     direct = splits == 1 and keep is None
     part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
     grid = (-(-n_cols // t.bn), -(-m_rows // t.bm), batch * splits)
-    launch(TILED_KERNELS[(bool(trans_a), bool(trans_b), t)], grid, t.threads,
+    launch(tiled_kernel(bool(trans_a), bool(trans_b), t), grid, t.threads,
            (backend.reshaped(a, (a.size,)), backend.reshaped(b, (b.size,)), out, bias,
             has_bias, act, accumulate, part, int(direct), np.int32(span), np.int32(k_len)),
            stream)

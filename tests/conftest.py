@@ -28,7 +28,7 @@ settings.register_profile(
                            HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if backend.SIMULATOR else "gpu"))
 
-from tests.helpers import SCALE  # noqa: E402  (the shape scale: see tests.helpers)
+from tests.helpers import SCALE, launches_of  # noqa: E402  (the shape scale: see tests.helpers)
 
 
 def pytest_report_header(config):
@@ -53,11 +53,4 @@ def scale() -> int:
 def attention_launches(monkeypatch):
     """The kernels kernels.attention's launcher launched, in order (which variant ran)."""
     from kernels import attention
-    seen = []
-    real = attention.launch
-
-    def spy(kernel, *args, **kw):
-        seen.append(kernel)
-        return real(kernel, *args, **kw)
-    monkeypatch.setattr(attention, "launch", spy)
-    return seen
+    return launches_of(monkeypatch, attention)

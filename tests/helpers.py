@@ -118,3 +118,16 @@ def per_signature(value):
     """A compiled kernel's figure (registers, local or shared memory): Numba returns a dict
     per signature unless the kernel is specialized; the largest of them."""
     return max(value.values()) if isinstance(value, dict) else value
+
+
+def launches_of(monkeypatch, module) -> list:
+    """The kernels `module`'s launcher (its `launch`) launches from now on, in order: which
+    variant a call ran."""
+    seen = []
+    real = module.launch
+
+    def spy(kernel, *args, **kw):
+        seen.append(kernel)
+        return real(kernel, *args, **kw)
+    monkeypatch.setattr(module, "launch", spy)
+    return seen

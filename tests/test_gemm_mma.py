@@ -17,7 +17,7 @@ from hypothesis import given, strategies as st
 
 from kernels import gemm as G
 from proto.device import backend
-from tests.helpers import dev
+from tests.helpers import dev, launches_of
 from tests.test_gemm import U16, U32, _assert_within, _half_result, _halves
 
 pytestmark = pytest.mark.gpu
@@ -31,18 +31,6 @@ def _bound(a, b, bias, old):
         if extra is not None:
             v, mag = v + extra.astype(np.float64), mag + np.abs(extra.astype(np.float64))
     return v, 2 * (a64.shape[-1] + 4) * U32 * mag
-
-
-def _launched(monkeypatch):
-    """The kernels gemm launches, in order."""
-    seen = []
-    real = G.launch
-
-    def spy(kernel, *args, **kw):
-        seen.append(kernel)
-        return real(kernel, *args, **kw)
-    monkeypatch.setattr(G, "launch", spy)
-    return seen
 
 
 @given(m=st.integers(1, G.DECODE_MAX_M), n=st.integers(1, 100), chunks=st.integers(1, 24),
@@ -83,7 +71,7 @@ def test_gemm_routes_float16_trans_b_to_tensor_cores_where_they_fit(monkeypatch)
     chunk) and a 2-byte-offset view of b (no 16-byte loads) take the SIMT kernel; both
     right."""
     rng = np.random.default_rng(0)
-    seen = _launched(monkeypatch)
+    seen = launches_of(monkeypatch, G)
     for k, offset in [(64, 0), (40, 0), (64, 1)]:
         a = _halves(rng, 5, k)
         flat = _halves(rng, 24 * k + offset)

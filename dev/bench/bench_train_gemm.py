@@ -1,0 +1,136 @@
+"""Wav2Vec2's training GEMMs in float32: the tiled kernel's tile shapes against cuBLAS.
+
+    PYTHONUNBUFFERED=1 python3 -m dev.bench.bench_train_gemm 2>&1 | tee $OUT/train_gemm.txt
+
+Why: a Wav2Vec2 training step spends half its GPU time in the tiled GEMMs
+(results/h200/profiles/wav2vec2_profile_04e0405.txt: 26 of 52 ms at 120 frames, against
+about 17 for cuBLAS's), and the step's goal (1.3x transformers' eager step) needs them near
+cuBLAS's speed. At batch 8 and 120 to 199 frames a product has 960 to 1592 rows against 768
+or 3072 columns: too few 128 x 128 tiles for two blocks an SM, so `tiled_tile` gives the
+64 x 64 tile (4 x 4 outputs a thread, half the multiply-adds per shared load of the wide
+tile's 8 x 8) and `tiled_plan` splits K in two, a reduction launch each.
+
+Per shape (a transformer layer's Linear forward, backward-data and backward-weight, as
+kernels.linear calls them) and frame count: the library's choice, then every tile in TILES
+whole (no K split) and split as `tiled_plan` splits it, each checked against float64 first
+(the float32 bound of a sum of K products: K * 2^-24 of sum |a||b|, twice for the splits'
+sum), timed in a CUDA graph (median of 7 samples of 5 replays, p10 and p90), beside
+torch.matmul in float32 with TF32 off on the same operands. TFLOP/s and the time over
+cuBLAS's. GPU only.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from dev.bench import bench_decode as bd
+from kernels import gemm as G
+from kernels._tile import Tiles
+from proto.device import backend
+from proto.device.backend import cuda
+
+B, D, F = 8, 768, 3072
+FRAMES = (120, 199)
+# (bm, bn, bk, tm, tn): 8 x 8 outputs a thread on smaller tiles (more blocks than the wide
+# tile, its multiply-adds per shared load), and the library's two
+TILES = [G.TILE, G.WIDE_TILE, Tiles(64, 64, 8, 8, 8), Tiles(128, 64, 8, 8, 8),
+         Tiles(128, 64, 16, 8, 4)]
+
+
+def shapes(M: int):
+    """(name, M, N, K, trans_a, trans_b) of one layer's Linear products at M = B x frames."""
+    out = []
+    for name, i, o in (("attn", D, D), ("fc1", D, F), ("fc2", F, D)):
+        out += [(f"{name} fwd", M, o, i, False, True),      # x (M, I) @ W (O, I).T
+                (f"{name} bwd_data", M, i, o, False, False),  # dy (M, O) @ W (O, I)
+                (f"{name} bwd_weight", o, i, M, True, False)]  # dy (M, O).T @ x (M, I)
+    return out
+
+
+def operands(rng, M, N, K, trans_a, trans_b):
+    a = rng.standard_normal((K, M) if trans_a else (M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
+    return a, b
+
+
+def error_over_bound(got, a, b, trans_a, trans_b, splits) -> float:
+    a64 = a.astype(np.float64).T if trans_a else a.astype(np.float64)
+    b64 = b.astype(np.float64).T if trans_b else b.astype(np.float64)
+    want, mag = a64 @ b64, np.abs(a64) @ np.abs(b64)
+    bound = (a64.shape[1] + splits) * 2.0 ** -24 * mag + 1e-30
+    return float(np.max(np.abs(got.astype(np.float64) - want) / bound))
+
+
+def main() -> None:
+    import torch
+    bd.torch = torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"device {backend.describe()}; torch {torch.__version__}, TF32 off", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for frames in FRAMES:
+        for name, M, N, K, ta, tb in shapes(B * frames):
+            a, b = operands(rng, M, N, K, ta, tb)
+            da, db = cuda.to_device(a), cuda.to_device(b)
+            out = cuda.device_array((M, N), np.float32)
+            a3, b3, out3 = (x.reshape(1, *x.shape) for x in (da, db, out))
+            bias = db.reshape(db.size)
+            flops = 2.0 * M * N * K
+            ta_, tb_ = torch.as_tensor(da, device="cuda"), torch.as_tensor(db, device="cuda")
+            to = torch.as_tensor(out, device="cuda")
+            opa, opb = (ta_.T if ta else ta_), (tb_.T if tb else tb_)
+            us, spread, _ = bd.graph_time_us([lambda s: torch.matmul(opa, opb, out=to)])
+            cublas = us
+            print(f"\n{name:16s} M={M} N={N} K={K}  cuBLAS {us:8.1f} us "
+                  f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+            default = G.tiled_launch_plan(1, M, N, K)
+            variants = [("default", None, None)] + [
+                (f"{tuple(t)} {'whole' if target == 1 else 'split'}", t, target)
+                for t in TILES for target in (1, None)]
+            for label, t, target in variants:
+                try:
+                    def call(s, t=t, target=target):
+                        G.tiled(a3, b3, out3, bias, 0, 0, 0, int(ta), int(tb), s,
+                                target_blocks=target, tile=t)
+                    call(0)
+                    splits = default[1] if t is None else G.tiled_plan(t, 1, M, N, K, target)[0]
+                    err = error_over_bound(out.copy_to_host(), a, b, ta, tb, splits)
+                    if not err <= 1:
+                        raise AssertionError(f"error {err:.3g} of the bound")
+                    us, spread, _ = bd.graph_time_us([call])
+                except Exception as exc:  # noqa: BLE001
+                    bd.log_error(f"{name} {frames} {label}", exc)
+                    continue
+                if t is None:
+                    label = f"default {tuple(default[0])} x{default[1]}"
+                rows.append(dict(frames=frames, shape=name, variant=label, us=us,
+                                 over_cublas=us / cublas))
+                print(f"  {label:36s} splits {splits:2d} {us:8.1f} us [{spread[0]:.1f}, "
+                      f"{spread[1]:.1f}] {flops / us / 1e6:6.1f} TFLOP/s  "
+                      f"{us / cublas:5.2f}x cuBLAS", flush=True)
+    print("\n==== per frame count: the summed time of every shape, by variant, over cuBLAS's ====")
+    for frames in FRAMES:
+        per = {}
+        for r in rows:
+            if r["frames"] == frames:
+                key = "default" if r["variant"].startswith("default") else r["variant"]
+                per.setdefault(key, []).append(r)
+        n = len(shapes(1))
+        for key, rs in sorted(per.items(), key=lambda kv: sum(r["us"] for r in kv[1])):
+            if len(rs) == n:
+                total = sum(r["us"] for r in rs)
+                over = total / sum(r["us"] / r["over_cublas"] for r in rs)
+                print(f"  T={frames} {key:36s} {total:9.1f} us  {over:5.2f}x cuBLAS")
+        best = sum(min(r["us"] for r in rows if r["frames"] == frames and r["shape"] == s)
+                   for s, *_ in shapes(1))
+        print(f"  T={frames} best tile per shape           {best:9.1f} us")
+    print(f"errors: {len(bd.LOG['errors'])}")
+    for e in bd.LOG["errors"]:
+        print("  ", e)
+
+
+if __name__ == "__main__":
+    if backend.SIMULATOR:
+        sys.exit("bench_train_gemm times a GPU: run it where CUDA is")
+    main()
