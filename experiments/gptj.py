@@ -56,8 +56,11 @@ from proto.models import generate
 from proto.models.gptj import GPTJ, GPTJ_6B, GPTJConfig, random_device_state_dict
 
 NAME = "gptj"
-METHODS = ["ours_eager", "ours_per_length", "ours_device", "ours_while", "ptgraph_step",
-           "ptgraph_shared", "ptgraph_private", "hf_generate", "hf_compiled"]
+# ours_eager first (every other method's tokens are compared with its), then the summary's
+# pairs (the step against PtGraph's, the per-length graphs' memory against PtGraph's shared
+# pool, transformers' generate against ours), so that a run cut short keeps them
+METHODS = ["ours_eager", "ours_device", "ptgraph_step", "ours_per_length", "ptgraph_shared",
+           "hf_generate", "ours_while", "hf_compiled", "ptgraph_private"]
 TORCH_METHODS = ("ptgraph_step", "ptgraph_shared", "ptgraph_private", "hf_generate",
                  "hf_compiled")
 SIZES = {
