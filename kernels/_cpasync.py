@@ -14,6 +14,16 @@ memory once `wait_all()` and a block barrier say it has arrived.
     wait_all()               this thread's copies have landed (cp.async.wait_all); follow it
                              with cuda.syncthreads() before reading other threads' copies.
 
+A pipeline of stages (the tiled GEMM's `stages`): each stage's copies are a group,
+    copy4(dst, i, src, j, n)  dst[i] = src's flat element j where n = 4, zero where n = 0
+                             (the element lies outside the operand: src is not read), a
+                             4-byte copy, so a thread may scatter a tile into shared memory
+                             transposed;
+    commit()                 closes this thread's group of copies (cp.async.commit_group);
+    wait_pending(n)          returns once at most n of this thread's groups are still in
+                             flight (cp.async.wait_group n; n a compile-time constant:
+                             `wait_pending` is a factory).
+
 The simulator copies at once (its threads run one Python statement at a time).
 """
 from __future__ import annotations
@@ -29,6 +39,17 @@ if SIMULATOR:
 
     def wait_all():
         pass
+
+    def copy4(dst, i, src, j, n):
+        dst[i] = src[int(j)] if n else np.float32(0)
+
+    def commit():
+        pass
+
+    def wait_pending(n: int):
+        def wait():
+            pass
+        return wait
 else:
     from llvmlite import ir
     from numba import types
@@ -63,3 +84,40 @@ else:
             builder.call(asm, [])
             return context.get_dummy_value()
         return types.void(), codegen
+
+    @intrinsic
+    def copy4(typingctx, dst, i, src, j, n):
+        def codegen(context, builder, sig, args):
+            dty, ity, sty, jty, nty = sig.args
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            d = context.make_array(dty)(context, builder, args[0])
+            s = context.make_array(sty)(context, builder, args[2])
+            di = context.cast(builder, args[1], ity, types.int64)
+            sj = context.cast(builder, args[3], jty, types.int64)
+            nn = context.cast(builder, args[4], nty, types.uint32)
+            daddr = builder.ptrtoint(builder.gep(d.data, [di]), i64)
+            saddr = builder.ptrtoint(builder.gep(s.data, [sj]), i64)
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [i64, i64, i32]),
+                "{ .reg .u64 a; .reg .u32 b; cvta.to.shared.u64 a, $0; cvt.u32.u64 b, a; "
+                "cp.async.ca.shared.global [b], [$1], 4, $2; }",
+                "l,l,r,~{memory}", side_effect=True)
+            builder.call(asm, [daddr, saddr, nn])
+            return context.get_dummy_value()
+        return types.void(dst, i, src, j, n), codegen
+
+    def _instruction(text: str):
+        @intrinsic
+        def instruction(typingctx):
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return instruction
+
+    commit = _instruction("cp.async.commit_group;")
+
+    def wait_pending(n: int):
+        return _instruction(f"cp.async.wait_group {int(n)};")

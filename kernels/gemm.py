@@ -8,7 +8,10 @@ Two kernel families, chosen by `gemm` from the shapes:
   K 8 rows a step) where those tiles alone make two blocks an SM (`tiled_tile`). Both
   stage op(a) and op(b) in double-buffered shared memory and multiply with the convolutions'
   register tile (kernels._tile), whose rows and columns are read as 16-byte shared loads;
-  the next step's rows of K are loaded into registers while the current ones are multiplied.
+  the next step's rows of K are loaded into registers while the current ones are multiplied
+  (`_make_tiled(..., stages=n)` copies them by cp.async into a ring of n buffers instead,
+  as cuBLAS's SIMT kernels do; `dev/bench/bench_train_gemm.py` measures it, and nothing
+  takes it until that says so).
   The operands arrive flattened and are addressed with uint32 offsets (at most 2**32
   elements each, checked): a step whose tile lies inside the bounds, as nearly every step of
   a large product does, loads at constant steps with no per-element test (PTX: one add a
@@ -70,7 +73,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels import _check, _pdl
+from kernels import _check, _cpasync, _pdl
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
@@ -258,11 +261,34 @@ def _decode_signature(dtype) -> str:
     return "void(" + _DECODE_ARGS.format(t=np.dtype(dtype).name) + ")"
 
 
-def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
+def _async_stager(count: int, DR: int, DK: int, stride: int):
+    """A device function issue(tile, dst, src, at, step, row, k, rows, k_end, whole): the
+    `_operand_loader`'s elements copied by cp.async straight into the staged tile (element i
+    to tile[dst + i * (DK * stride + DR)]), 4 bytes each so that the copies may transpose;
+    an element past (rows, k_end) is zero-filled without reading src."""
+    @cuda.jit(device=True)
+    def issue(tile, dst, src, at, step, row, k, rows, k_end, whole):
+        for i in range(count):
+            r, kk = row + _u(i * DR), k + _u(i * DK)
+            ok = whole or (r < rows and kk < k_end)
+            _cpasync.copy4(tile, dst + _u(i * (DK * stride + DR)), src,
+                           at + _u(i) * step if ok else _u(0), _u(4) if ok else _u(0))
+    return issue
+
+
+def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
     per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
-    accumulate, part, direct, span; a 1-D block of t.threads."""
+    accumulate, part, direct, span; a 1-D block of t.threads.
+
+    `stages` 0: each K step's operands pass through registers, double-buffered in shared
+    memory (the next step's loads issued before this step's multiply-adds). `stages` >= 2:
+    they are copied by cp.async straight into a ring of `stages` shared buffers, so
+    stages - 1 steps are in flight while one is multiplied, and no register holds a load
+    (cuBLAS's SIMT kernels run 3 to 5 stages)."""
     TBM, TBN, TBK, TM, TN = t
+    if stages == 1 or stages < 0:
+        raise ValueError(f"stages: expected 0 (through registers) or at least 2, got {stages}")
     NT, DX = t.threads, TBM // TM
     if (TBM * TBK) % NT or (TBN * TBK) % NT:   # (stager checks the rest)
         raise ValueError(f"{t}: the tiled GEMM stages whole tiles: {NT} threads must divide them")
@@ -270,13 +296,17 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
     # +4 columns: the transposed staging writes spread over the banks, and every row stays
     # 16-byte aligned for the register tile's 16-byte shared loads. Double-buffered.
     BMP, BNP = TBM + 4, TBN + 4
-    A_SIZE, B_SIZE = 2 * TBK * BMP, 2 * TBK * BNP
+    BUFFERS = max(stages, 2)
+    A_SIZE, B_SIZE = BUFFERS * TBK * BMP, BUFFERS * TBK * BNP
     multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=2 if TBK % 2 == 0 else 1)
     a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
 
     load_a = _operand_loader(A_PER, A_DR, A_DK, k_first=trans_a)      # a (K, M) or (M, K)
     load_b = _operand_loader(B_PER, B_DR, B_DK, k_first=not trans_b)  # b (K, N) or (N, K)
+    issue_a = _async_stager(A_PER, A_DR, A_DK, BMP)
+    issue_b = _async_stager(B_PER, B_DR, B_DK, BNP)
+    wait_oldest = _cpasync.wait_pending(max(stages - 2, 0))   # (stages >= 2 only)
 
     # Launch bounds (threads, blocks per SM) cap registers so that two wide blocks (64
     # accumulators a thread) or three of the others fit on an SM.
@@ -324,36 +354,62 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
         a_step = _u(A_DK) * a_kstep + _u(A_DR) * (_u(1) if trans_a else k_all)
         b_step = _u(B_DK) * b_kstep + _u(B_DR) * (k_all if trans_b else _u(1))
         inside_a, inside_b = m0 + _u(TBM) <= m_rows, n0 + _u(TBN) <= n_cols
-        # Step 0's loads, then each step stores the loads made during the step before and
-        # issues its successor's before it multiplies: global memory latency overlaps the
-        # arithmetic.
-        a_next = cuda.local.array(A_PER, np.float32)
-        b_next = cuda.local.array(B_PER, np.float32)
-        ka, kb = _u(k_lo) + a_kk, _u(k_lo) + b_kk
-        whole_k = _u(k_lo + TBK) <= k_end
-        load_a(a_next, a, a_row + ka * a_kstep, a_step, a_m, ka, m_rows, k_end,
-               inside_a and whole_k)
-        load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
-               inside_b and whole_k)
-        buf = _u(0)
-        for k0 in range(k_lo, k_len, TBK):
-            for i in range(A_PER):
-                a_tile[buf * _u(TBK * BMP) + a_at + _u(i * (A_DK * BMP + A_DR))] = a_next[i]
-            for i in range(B_PER):
-                b_tile[buf * _u(TBK * BNP) + b_at + _u(i * (B_DK * BNP + B_DR))] = b_next[i]
-            # One barrier per step: the next step fills the other buffer, and no thread can
-            # refill this one before every thread has passed the next step's barrier.
-            cuda.syncthreads()
-            if k0 + TBK < k_len:
-                ka, kb = _u(k0 + TBK) + a_kk, _u(k0 + TBK) + b_kk
-                whole_k = _u(k0 + 2 * TBK) <= k_end
-                load_a(a_next, a, a_row + ka * a_kstep, a_step, a_m, ka, m_rows, k_end,
-                       inside_a and whole_k)
-                load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
-                       inside_b and whole_k)
-            multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(TBK * BMP),
-                     buf * _u(TBK * BNP), tx, ty)
-            buf = _u(1) - buf
+        if stages:
+            # The ring: steps 0 .. stages-2 issued, then step i waits for its own copies
+            # (at most stages - 2 younger groups in flight), passes the barrier (every
+            # thread's copies landed, every thread done with step i - 1), issues step
+            # i + stages - 1 into step i - 1's buffer and multiplies. A group is committed
+            # every step, empty or not, so the count of groups in flight stays exact.
+            steps = (k_len - k_lo + TBK - 1) // TBK
+            for i in range(stages - 1 + steps):
+                if i >= stages - 1:
+                    wait_oldest()
+                    cuda.syncthreads()
+                k0 = k_lo + i * TBK
+                if k0 < k_len:
+                    slot = _u(i % stages)
+                    ka, kb = _u(k0) + a_kk, _u(k0) + b_kk
+                    whole_k = _u(k0 + TBK) <= k_end
+                    issue_a(a_tile, slot * _u(TBK * BMP) + a_at, a, a_row + ka * a_kstep,
+                            a_step, a_m, ka, m_rows, k_end, inside_a and whole_k)
+                    issue_b(b_tile, slot * _u(TBK * BNP) + b_at, b, b_row + kb * b_kstep,
+                            b_step, b_n, kb, n_cols, k_end, inside_b and whole_k)
+                _cpasync.commit()
+                if i >= stages - 1:
+                    now = _u((i - stages + 1) % stages)
+                    multiply(acc, a_reg, b_reg, a_tile, b_tile, now * _u(TBK * BMP),
+                             now * _u(TBK * BNP), tx, ty)
+        else:
+            # Step 0's loads, then each step stores the loads made during the step before and
+            # issues its successor's before it multiplies: global memory latency overlaps the
+            # arithmetic.
+            a_next = cuda.local.array(A_PER, np.float32)
+            b_next = cuda.local.array(B_PER, np.float32)
+            ka, kb = _u(k_lo) + a_kk, _u(k_lo) + b_kk
+            whole_k = _u(k_lo + TBK) <= k_end
+            load_a(a_next, a, a_row + ka * a_kstep, a_step, a_m, ka, m_rows, k_end,
+                   inside_a and whole_k)
+            load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
+                   inside_b and whole_k)
+            buf = _u(0)
+            for k0 in range(k_lo, k_len, TBK):
+                for i in range(A_PER):
+                    a_tile[buf * _u(TBK * BMP) + a_at + _u(i * (A_DK * BMP + A_DR))] = a_next[i]
+                for i in range(B_PER):
+                    b_tile[buf * _u(TBK * BNP) + b_at + _u(i * (B_DK * BNP + B_DR))] = b_next[i]
+                # One barrier per step: the next step fills the other buffer, and no thread can
+                # refill this one before every thread has passed the next step's barrier.
+                cuda.syncthreads()
+                if k0 + TBK < k_len:
+                    ka, kb = _u(k0 + TBK) + a_kk, _u(k0 + TBK) + b_kk
+                    whole_k = _u(k0 + 2 * TBK) <= k_end
+                    load_a(a_next, a, a_row + ka * a_kstep, a_step, a_m, ka, m_rows, k_end,
+                           inside_a and whole_k)
+                    load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
+                           inside_b and whole_k)
+                multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(TBK * BMP),
+                         buf * _u(TBK * BNP), tx, ty)
+                buf = _u(1) - buf
         for i in range(TM):
             m = m0 + row(tx, i)
             for j in range(TN):
@@ -368,10 +424,12 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles):
 
 
 @functools.cache
-def tiled_kernel(trans_a: bool, trans_b: bool, t: Tiles):
-    """The tiled kernel of a layout and tile shape: TILED_KERNELS' (compiled at import) or,
-    for another tile, compiled on first use."""
-    return TILED_KERNELS.get((trans_a, trans_b, t)) or _make_tiled(trans_a, trans_b, t)
+def tiled_kernel(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
+    """The tiled kernel of a layout, tile shape and staging (`_make_tiled`): TILED_KERNELS'
+    (compiled at import) or, for another, compiled on first use."""
+    if not stages and (trans_a, trans_b, t) in TILED_KERNELS:
+        return TILED_KERNELS[(trans_a, trans_b, t)]
+    return _make_tiled(trans_a, trans_b, t, stages)
 
 
 # One kernel per layout of a and b and tile shape: (trans_a, trans_b, tile) -> kernel
@@ -1110,12 +1168,13 @@ def tiled_launch_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
 
 
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
-          target_blocks=None, keep=None, skinny=False, tile: Tiles | None = None) -> None:
+          target_blocks=None, keep=None, skinny=False, tile: Tiles | None = None,
+          stages: int = 0) -> None:
     """The tiled kernel on validated 3-D arguments, K split where `tiled_launch_plan` says,
     the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernels;
     with `keep` (batch, splits, M, N) written there and left for the caller instead.
-    `tile`: launch this tile shape instead, K split as `tiled_plan` says for it (a bench
-    comparing tiles; compiled on first use)."""
+    `tile`, `stages`: launch this tile shape and staging instead (`_make_tiled`), K split as
+    `tiled_plan` says for the tile (a bench comparing them; compiled on first use)."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
     for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
@@ -1128,7 +1187,7 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     direct = splits == 1 and keep is None
     part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
     grid = (-(-n_cols // t.bn), -(-m_rows // t.bm), batch * splits)
-    launch(tiled_kernel(bool(trans_a), bool(trans_b), t), grid, t.threads,
+    launch(tiled_kernel(bool(trans_a), bool(trans_b), t, stages), grid, t.threads,
            (backend.reshaped(a, (a.size,)), backend.reshaped(b, (b.size,)), out, bias,
             has_bias, act, accumulate, part, int(direct), np.int32(span), np.int32(k_len)),
            stream)

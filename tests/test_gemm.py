@@ -207,6 +207,33 @@ def test_the_tiled_kernel_with_k_split_matches_reference(m, n, k, batch, flags, 
     np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
 
 
+@given(m=st.integers(1, 40), n=st.integers(1, 40), k=st.integers(1, 120),
+       batch=st.sampled_from([1, 2]), flags=st.sampled_from(FLAGS),
+       stages=st.sampled_from([2, 3, 4]), target=st.sampled_from([1, 8]),
+       wide=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_tiled_kernel_through_cp_async_stages_matches_reference(m, n, k, batch, flags,
+                                                                    stages, target, wide, seed):
+    """The tiled kernel whose operands reach shared memory by cp.async in a ring of
+    `stages` buffers: every layout and epilogue, edges zero-filled, K split or whole."""
+    trans_a, trans_b, act, has_bias, accumulate = flags
+    rng = np.random.default_rng(seed)
+    a, b, old = _operands(rng, (batch,), m, n, k, trans_a, trans_b)
+    bias = rand(rng, n)
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    db = dev(b)
+    G.tiled(dev(a), db, out, dev(bias) if has_bias else db.reshape(db.size), int(has_bias),
+            G.ACTS[act], int(accumulate), int(trans_a), int(trans_b), 0, target_blocks=target,
+            tile=G.WIDE_TILE if wide else G.TILE, stages=stages)
+    want = G.gemm_ref(a, b, bias if has_bias else None, act, trans_a, trans_b,
+                      old=old if accumulate else None)
+    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
+
+
+def test_stages_are_zero_or_at_least_two():
+    with pytest.raises(ValueError, match="stages: expected 0"):
+        G.tiled_kernel(False, False, G.TILE, 1)
+
+
 @pytest.fixture
 def tiled_launches(monkeypatch):
     """(kernel, grid, threads, args) of every launch gemm makes, in order; the launches run."""

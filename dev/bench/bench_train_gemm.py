@@ -11,8 +11,8 @@ or 3072 columns: too few 128 x 128 tiles for two blocks an SM, so `tiled_tile` g
 tile's 8 x 8) and `tiled_plan` splits K in two, a reduction launch each.
 
 Per shape (a transformer layer's Linear forward, backward-data and backward-weight, as
-kernels.linear calls them) and frame count: the library's choice, then every tile in TILES
-whole (no K split) and split as `tiled_plan` splits it, each checked against float64 first
+kernels.linear calls them) and frame count: the library's choice, then every tile and
+staging in VARIANTS whole (no K split) and split as `tiled_plan` splits it, each checked against float64 first
 (the float32 bound of a sum of K products: K * 2^-24 of sum |a||b|, twice for the splits'
 sum), timed in a CUDA graph (median of 7 samples of 5 replays, p10 and p90), beside
 torch.matmul in float32 with TF32 off on the same operands. TFLOP/s and the time over
@@ -31,11 +31,14 @@ from proto.device import backend
 from proto.device.backend import cuda
 
 B, D, F = 8, 768, 3072
-FRAMES = (120, 199)
-# (bm, bn, bk, tm, tn): 8 x 8 outputs a thread on smaller tiles (more blocks than the wide
-# tile, its multiply-adds per shared load), and the library's two
-TILES = [G.TILE, G.WIDE_TILE, Tiles(64, 64, 8, 8, 8), Tiles(128, 64, 8, 8, 8),
-         Tiles(128, 64, 16, 8, 4)]
+FRAMES = (120,)   # the epoch's median batch (`python -m dev.bench.bench_train_gemm 120 199`)
+# ((bm, bn, bk, tm, tn), stages): 8 x 8 outputs a thread on smaller tiles (more blocks than
+# the wide tile, its multiply-adds per shared load), the library's two, and each staged
+# through registers (0) or by cp.async in a ring of buffers (cuBLAS's SIMT kernels: 64 x 64
+# tiles of 128 threads, 3 stages; 128 x 256, 4)
+VARIANTS = [(G.TILE, 0), (G.WIDE_TILE, 0), (Tiles(64, 64, 8, 8, 8), 0),
+            (Tiles(128, 64, 8, 8, 8), 0), (G.TILE, 3), (G.WIDE_TILE, 3),
+            (Tiles(64, 64, 8, 4, 8), 4), (Tiles(128, 64, 8, 8, 8), 3)]
 
 
 def shapes(M: int):
@@ -69,7 +72,8 @@ def main() -> None:
     print(f"device {backend.describe()}; torch {torch.__version__}, TF32 off", flush=True)
     rng = np.random.default_rng(0)
     rows = []
-    for frames in FRAMES:
+    frames_list = [int(a) for a in sys.argv[1:]] or FRAMES
+    for frames in frames_list:
         for name, M, N, K, ta, tb in shapes(B * frames):
             a, b = operands(rng, M, N, K, ta, tb)
             da, db = cuda.to_device(a), cuda.to_device(b)
@@ -85,14 +89,14 @@ def main() -> None:
             print(f"\n{name:16s} M={M} N={N} K={K}  cuBLAS {us:8.1f} us "
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
             default = G.tiled_launch_plan(1, M, N, K)
-            variants = [("default", None, None)] + [
-                (f"{tuple(t)} {'whole' if target == 1 else 'split'}", t, target)
-                for t in TILES for target in (1, None)]
-            for label, t, target in variants:
+            variants = [("default", None, 0, None)] + [
+                (f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}", t, stages,
+                 target) for t, stages in VARIANTS for target in (1, None)]
+            for label, t, stages, target in variants:
                 try:
-                    def call(s, t=t, target=target):
+                    def call(s, t=t, stages=stages, target=target):
                         G.tiled(a3, b3, out3, bias, 0, 0, 0, int(ta), int(tb), s,
-                                target_blocks=target, tile=t)
+                                target_blocks=target, tile=t, stages=stages)
                     call(0)
                     splits = default[1] if t is None else G.tiled_plan(t, 1, M, N, K, target)[0]
                     err = error_over_bound(out.copy_to_host(), a, b, ta, tb, splits)
@@ -106,11 +110,11 @@ def main() -> None:
                     label = f"default {tuple(default[0])} x{default[1]}"
                 rows.append(dict(frames=frames, shape=name, variant=label, us=us,
                                  over_cublas=us / cublas))
-                print(f"  {label:36s} splits {splits:2d} {us:8.1f} us [{spread[0]:.1f}, "
+                print(f"  {label:40s} splits {splits:2d} {us:8.1f} us [{spread[0]:.1f}, "
                       f"{spread[1]:.1f}] {flops / us / 1e6:6.1f} TFLOP/s  "
                       f"{us / cublas:5.2f}x cuBLAS", flush=True)
     print("\n==== per frame count: the summed time of every shape, by variant, over cuBLAS's ====")
-    for frames in FRAMES:
+    for frames in frames_list:
         per = {}
         for r in rows:
             if r["frames"] == frames:
