@@ -55,6 +55,8 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    from kernels._ptx import instruction
+
     @intrinsic
     def copy16(typingctx, dst, i, src, j):
         def codegen(context, builder, sig, args):
@@ -76,14 +78,7 @@ else:
             return context.get_dummy_value()
         return types.void(dst, i, src, j), codegen
 
-    @intrinsic
-    def wait_all(typingctx):
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;",
-                               "~{memory}", side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-        return types.void(), codegen
+    wait_all = instruction("cp.async.wait_all;")
 
     @intrinsic
     def copy4(typingctx, dst, i, src, j, n):
@@ -106,18 +101,7 @@ else:
             return context.get_dummy_value()
         return types.void(dst, i, src, j, n), codegen
 
-    def _instruction(text: str):
-        @intrinsic
-        def instruction(typingctx):
-            def codegen(context, builder, sig, args):
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
-                                   side_effect=True)
-                builder.call(asm, [])
-                return context.get_dummy_value()
-            return types.void(), codegen
-        return instruction
-
-    commit = _instruction("cp.async.commit_group;")
+    commit = instruction("cp.async.commit_group;")
 
     def wait_pending(n: int):
-        return _instruction(f"cp.async.wait_group {int(n)};")
+        return instruction(f"cp.async.wait_group {int(n)};")

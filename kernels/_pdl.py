@@ -24,22 +24,7 @@ if SIMULATOR:   # the simulator runs one kernel at a time: there is nothing to w
     def launch_dependents():
         pass
 else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
+    from kernels._ptx import instruction
 
-    def _ptx(text: str):
-        """A device function of no arguments that is one PTX instruction, ordered against
-        the memory accesses around it (the "memory" clobber)."""
-        @intrinsic
-        def instruction(typingctx):
-            def codegen(context, builder, sig, args):
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
-                                   side_effect=True)
-                builder.call(asm, [])
-                return context.get_dummy_value()
-            return types.void(), codegen
-        return instruction
-
-    wait = _ptx("griddepcontrol.wait;")
-    launch_dependents = _ptx("griddepcontrol.launch_dependents;")
+    wait = instruction("griddepcontrol.wait;")
+    launch_dependents = instruction("griddepcontrol.launch_dependents;")

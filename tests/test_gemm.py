@@ -194,6 +194,12 @@ def test_the_wide_tile_matches_reference(k, flags, seed):
 def test_the_tiled_kernel_with_k_split_matches_reference(m, n, k, batch, flags, target, seed):
     """The tiled kernel with K split into as many spans as `target` blocks ask for (1: none):
     the partial tiles summed in order and the epilogue applied once."""
+    _check_tiled(seed, batch, m, n, k, flags, target_blocks=target)
+
+
+def _check_tiled(seed, batch, m, n, k, flags, **launch):
+    """`G.tiled` (its keyword arguments `launch`) on random operands of the given shape and
+    flags, against gemm_ref."""
     trans_a, trans_b, act, has_bias, accumulate = flags
     rng = np.random.default_rng(seed)
     a, b, old = _operands(rng, (batch,), m, n, k, trans_a, trans_b)
@@ -201,7 +207,7 @@ def test_the_tiled_kernel_with_k_split_matches_reference(m, n, k, batch, flags, 
     out = dev(old if accumulate else np.full_like(old, np.nan))
     db = dev(b)
     G.tiled(dev(a), db, out, dev(bias) if has_bias else db.reshape(db.size), int(has_bias),
-            G.ACTS[act], int(accumulate), int(trans_a), int(trans_b), 0, target_blocks=target)
+            G.ACTS[act], int(accumulate), int(trans_a), int(trans_b), 0, **launch)
     want = G.gemm_ref(a, b, bias if has_bias else None, act, trans_a, trans_b,
                       old=old if accumulate else None)
     np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
@@ -215,18 +221,8 @@ def test_the_tiled_kernel_through_cp_async_stages_matches_reference(m, n, k, bat
                                                                     stages, target, wide, seed):
     """The tiled kernel whose operands reach shared memory by cp.async in a ring of
     `stages` buffers: every layout and epilogue, edges zero-filled, K split or whole."""
-    trans_a, trans_b, act, has_bias, accumulate = flags
-    rng = np.random.default_rng(seed)
-    a, b, old = _operands(rng, (batch,), m, n, k, trans_a, trans_b)
-    bias = rand(rng, n)
-    out = dev(old if accumulate else np.full_like(old, np.nan))
-    db = dev(b)
-    G.tiled(dev(a), db, out, dev(bias) if has_bias else db.reshape(db.size), int(has_bias),
-            G.ACTS[act], int(accumulate), int(trans_a), int(trans_b), 0, target_blocks=target,
-            tile=G.WIDE_TILE if wide else G.TILE, stages=stages)
-    want = G.gemm_ref(a, b, bias if has_bias else None, act, trans_a, trans_b,
-                      old=old if accumulate else None)
-    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
+    _check_tiled(seed, batch, m, n, k, flags, target_blocks=target,
+                 tile=G.WIDE_TILE if wide else G.TILE, stages=stages)
 
 
 def test_stages_are_zero_or_at_least_two():
