@@ -17,6 +17,12 @@ staging in VARIANTS whole (no K split) and split as `tiled_plan` splits it, each
 sum), timed in a CUDA graph (median of 7 samples of 5 replays, p10 and p90), beside
 torch.matmul in float32 with TF32 off on the same operands. TFLOP/s and the time over
 cuBLAS's. GPU only.
+
+Decision rule, fixed before the first run: a variant becomes `tiled`'s choice for products
+of this size (M of 960 to 1600 rows) only if the sum of its times over the nine shapes is
+below the library default's by more than 5% at 120 frames and not above it at 199, and
+every one of its results passed the float64 check; then wav2vec2_train runs again to see
+what the step gains.
 """
 from __future__ import annotations
 
