@@ -73,6 +73,12 @@ def epoch(size: str) -> list[timit.Batch]:
                                  max_frames=cfg["max_frames"])
 
 
+def on_device(b: timit.Batch) -> tuple:
+    """The batch's arrays on the device, in Wav2Vec2ForCTC.train_step's order."""
+    return tuple(backend.cuda.to_device(np.ascontiguousarray(a))
+                 for a in (b.waveform, b.frames, b.labels, b.label_lengths))
+
+
 class _Ours:
     def __init__(self, method: str, cfg: dict, state: dict, max_label: int):
         self.model = w2v.Wav2Vec2ForCTC(cfg["config"], state)
@@ -89,10 +95,7 @@ class _Ours:
     def step(self, b: timit.Batch) -> float:
         if self.g is not None:
             return float(self.g.step(b).copy_to_host()[0])
-        arrays = (b.waveform, b.frames, b.labels, b.label_lengths)
-        loss = self.model.train_step(*(backend.cuda.to_device(np.ascontiguousarray(a))
-                                       for a in arrays))
-        return float(loss.copy_to_host()[0])
+        return float(self.model.train_step(*on_device(b)).copy_to_host()[0])
 
     def info(self) -> dict:
         if self.g is None:
@@ -231,10 +234,7 @@ def check_loss(size: str) -> dict:
     for b in batches:
         ours.load_state_dict({k: v.detach().cpu().numpy()
                               for k, v in ref.model.state_dict().items()})
-        arrays = (b.waveform, b.frames, b.labels, b.label_lengths)
-        loss = ours.train_step(*(backend.cuda.to_device(np.ascontiguousarray(a))
-                                 for a in arrays), update=False)
-        mine.append(float(loss.copy_to_host()[0]))
+        mine.append(float(ours.train_step(*on_device(b), update=False).copy_to_host()[0]))
         theirs.append(ref.step(b))
     return {"ours": mine, "reference": theirs}
 

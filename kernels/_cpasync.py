@@ -55,20 +55,15 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from kernels._ptx import instruction
+    from kernels._ptx import element_address, instruction
 
     @intrinsic
     def copy16(typingctx, dst, i, src, j):
         def codegen(context, builder, sig, args):
             dty, ity, sty, jty = sig.args
             i64 = ir.IntType(64)
-            d = context.make_array(dty)(context, builder, args[0])
-            s = context.make_array(sty)(context, builder, args[2])
-            di = context.cast(builder, args[1], ity, types.int64)
-            sj = context.cast(builder, args[3], jty, types.int64)
-            # generic addresses; a C-contiguous array's flat element j is data + j
-            daddr = builder.ptrtoint(builder.gep(d.data, [di]), i64)
-            saddr = builder.ptrtoint(builder.gep(s.data, [sj]), i64)
+            daddr = element_address(context, builder, dty, args[0], ity, args[1])
+            saddr = element_address(context, builder, sty, args[2], jty, args[3])
             asm = ir.InlineAsm(
                 ir.FunctionType(ir.VoidType(), [i64, i64]),
                 "{ .reg .u64 a; .reg .u32 b; cvta.to.shared.u64 a, $0; cvt.u32.u64 b, a; "
@@ -85,13 +80,9 @@ else:
         def codegen(context, builder, sig, args):
             dty, ity, sty, jty, nty = sig.args
             i64, i32 = ir.IntType(64), ir.IntType(32)
-            d = context.make_array(dty)(context, builder, args[0])
-            s = context.make_array(sty)(context, builder, args[2])
-            di = context.cast(builder, args[1], ity, types.int64)
-            sj = context.cast(builder, args[3], jty, types.int64)
+            daddr = element_address(context, builder, dty, args[0], ity, args[1])
+            saddr = element_address(context, builder, sty, args[2], jty, args[3])
             nn = context.cast(builder, args[4], nty, types.uint32)
-            daddr = builder.ptrtoint(builder.gep(d.data, [di]), i64)
-            saddr = builder.ptrtoint(builder.gep(s.data, [sj]), i64)
             asm = ir.InlineAsm(
                 ir.FunctionType(ir.VoidType(), [i64, i64, i32]),
                 "{ .reg .u64 a; .reg .u32 b; cvta.to.shared.u64 a, $0; cvt.u32.u64 b, a; "

@@ -24,6 +24,8 @@ if not SIMULATOR:
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    from kernels._ptx import element_address
+
     _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
     def _load16(instruction: str):
@@ -37,9 +39,8 @@ if not SIMULATOR:
             sig = types.UniTuple(types.uint32, 4)(src, j)
 
             def codegen(context, builder, sig, args):
-                s = context.make_array(sig.args[0])(context, builder, args[0])
-                jj = context.cast(builder, args[1], sig.args[1], types.int64)
-                addr = builder.ptrtoint(builder.gep(s.data, [jj]), _I64)
+                addr = element_address(context, builder, sig.args[0], args[0], sig.args[1],
+                                       args[1])
                 fn = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64])
                 # (a generic pointer: cvta.to.global makes it a global-window address)
                 asm = ir.InlineAsm(fn, "{ .reg .u64 g; cvta.to.global.u64 g, $4; "

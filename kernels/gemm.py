@@ -716,6 +716,16 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
     bounds = {"launch_bounds": (32 * warps_k, min_blocks)} if min_blocks else {}
     zero = np.uint32(0)
 
+    @cuda.jit(device=True, inline="always")
+    def load_weights(wa, wb, b, w0, w1, kc, length):
+        """The batch of b's two rows at kc (flat offsets w0 + kc, w1 + kc) into wa and wb;
+        chunks past length are left as they are (never multiplied)."""
+        for u in range(unroll):
+            if kc + MMA_CHUNK * u < length:
+                p, q = ldg16(b, w0 + kc + MMA_CHUNK * u), ldg16(b, w1 + kc + MMA_CHUNK * u)
+                for e in range(4):
+                    wa[4 * u + e], wb[4 * u + e] = p[e], q[e]
+
     @jit(_decode_signature(np.float16), writes=("out", "part"), early_launch=True, **bounds)
     def gemm_decode_mma_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
                                direct, span):
@@ -737,11 +747,7 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
         x0 = (bz * m_rows + min(g, m_rows - 1)) * k_len + k_lo + 8 * t
         real = g < m_rows   # x's rows past M: zero words
         kc = wk * chunk
-        for u in range(unroll):   # the first weights: before the wait (no kernel writes b)
-            if kc + MMA_CHUNK * u < length:
-                p, q = ldg16(b, w0 + kc + MMA_CHUNK * u), ldg16(b, w1 + kc + MMA_CHUNK * u)
-                for e in range(4):
-                    wa[4 * u + e], wb[4 * u + e] = p[e], q[e]
+        load_weights(wa, wb, b, w0, w1, kc, length)   # before the wait: no kernel writes b
         _pdl.wait()
         _pdl.launch_dependents()
         c0 = c1 = c2 = c3 = _ZERO
@@ -761,11 +767,7 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
                         c0, c1, c2, c3 = mma16816(wa[i], wb[i], wa[i + 1], wb[i + 1],
                                                   xa[i], xa[i + 1], c0, c1, c2, c3)
             kc += step
-            for u in range(unroll):   # the next batch's weights, in flight with its a
-                if kc + MMA_CHUNK * u < length:
-                    p, q = ldg16(b, w0 + kc + MMA_CHUNK * u), ldg16(b, w1 + kc + MMA_CHUNK * u)
-                    for e in range(4):
-                        wa[4 * u + e], wb[4 * u + e] = p[e], q[e]
+            load_weights(wa, wb, b, w0, w1, kc, length)   # in flight with the next a
         if warps_k > 1:
             red[wk, lane, 0], red[wk, lane, 1] = c0, c1
             red[wk, lane, 2], red[wk, lane, 3] = c2, c3
@@ -790,8 +792,9 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
 def mma_fits(a, b, trans_a: bool) -> bool:
     """Whether the tensor-core kernel can take this float16 product: a not transposed, K a
     multiple of MMA_CHUNK, a and b 16-byte aligned (every load is 16 bytes)."""
+    # (extent: the arrays' byte ranges, remembered per array object: no driver call a launch)
     return (not trans_a and b.shape[2] % MMA_CHUNK == 0
-            and backend.address(a) % 16 == 0 and backend.address(b) % 16 == 0)
+            and backend.extent(a)[0] % 16 == 0 and backend.extent(b)[0] % 16 == 0)
 
 
 @jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32)",

@@ -15,10 +15,9 @@ from __future__ import annotations
 import sys
 import time
 
-import numpy as np
-
-from experiments import common, timit
 from dev.probe import _profile
+from experiments import common, timit
+from experiments.wav2vec2_train import on_device
 from proto.device import backend
 from proto.models import wav2vec2 as w2v
 
@@ -53,10 +52,7 @@ def main(frames: list[int]) -> None:
     ours = w2v.Wav2Vec2ForCTC(config, state)
 
     def ours_step(b):
-        arrays = (b.waveform, b.frames, b.labels, b.label_lengths)
-        loss = ours.train_step(*(backend.cuda.to_device(np.ascontiguousarray(a))
-                                 for a in arrays))
-        return float(loss.copy_to_host()[0])
+        return float(ours.train_step(*on_device(b)).copy_to_host()[0])
 
     from experiments import torch_wav2vec2 as tw
     common.no_tf32()
