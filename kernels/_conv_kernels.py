@@ -154,7 +154,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     `unit_stride` (backward-data): compiled for stride 1 only, where every tap feeds an
     output pixel, so no divisibility test (VGG's layers).
     """
-    BM, BN, BK, TM, TN = t
+    BM, BN, BK, TM, TN = t[:5]
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     BNP = BN + 4                       # +4 columns: the k-fastest staging hits distinct banks,
@@ -300,7 +300,7 @@ def make_wgrad_kernel(t: Tiles):
     the dy tile at part_b[split][k]); every element is written by exactly one block. With one
     split, part_w and part_b are dw and db themselves.
     """
-    BM, BN, BK, TM, TN = t
+    BM, BN, BK, TM, TN = t[:5]
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     BIAS_ROWS = (BM + NT - 1) // NT
@@ -465,7 +465,7 @@ def make_conv_taps_kernel(t: Tiles):
     patch tile (bk x bm, pixels fastest so loads coalesce, zero off the image) and the
     weight tile (bk x bn: w is (K, C, R, S), so j is its fastest index), multiplies once with
     the register tile, and stores bias and ReLU as the kernel above does."""
-    BM, BN, BK, TM, TN = t
+    BM, BN, BK, TM, TN = t[:5]
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     BNP = BN + 4
@@ -537,7 +537,7 @@ def make_wgrad_taps_kernel(t: Tiles):
     products. For the bias, each thread also sums its tm rows of dy over every DY-th row of
     the step (the work spread evenly: a barrier waits for the slowest warp), and the block
     adds those DY partial sums in a fixed order at the end."""
-    BM, BN, BK, TM, TN = t
+    BM, BN, BK, TM, TN = t[:5]
     DX, DY = BM // TM, BN // TN
     NT = DX * DY
     A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)

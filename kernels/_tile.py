@@ -24,6 +24,9 @@ class Tiles(NamedTuple):
     bk: int   # reduction step
     tm: int   # rows per thread
     tn: int   # columns per thread
+    # True: the warps multiply on tensor cores, three TF32 products a float32 one
+    # (kernels._tf32.mma_tile); tm x tn is then a lane's accumulators, 2 x 2 per mma tile
+    mma: bool = False
 
     @property
     def threads(self) -> int:
@@ -40,7 +43,7 @@ def register_tile(t: Tiles, a_stride: int, b_stride: int, rows_per_pass: int):
     b_stride) into acc, `rows_per_pass` reduction rows written out a loop pass (more: fewer
     instructions of counting and addressing, more registers);
     `row(tx, i)` and `col(ty, j)` say which tile row and column acc[i, j] holds."""
-    BM, BN, BK, TM, TN = t
+    BM, BN, BK, TM, TN = t[:5]
     DX, DY = BM // TM, BN // TN
     VA, VB = (4 if TM % 4 == 0 else 1), (4 if TN % 4 == 0 else 1)
 

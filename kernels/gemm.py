@@ -74,6 +74,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl
+from kernels._tf32 import mma_tile
 from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
@@ -276,6 +277,14 @@ def _async_stager(count: int, DR: int, DK: int, stride: int):
     return issue
 
 
+def _grid_place(DX: int):
+    """register_tile's thread coordinates: (tx, ty) = (tid % DX, tid // DX)."""
+    @cuda.jit(device=True)
+    def place(tid):
+        return tid % _u(DX), tid // _u(DX)
+    return place
+
+
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
     per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
@@ -286,19 +295,25 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     they are copied by cp.async straight into a ring of `stages` shared buffers, so
     stages - 1 steps are in flight while one is multiplied, and no register holds a load
     (cuBLAS's SIMT kernels run 3 to 5 stages)."""
-    TBM, TBN, TBK, TM, TN = t
+    TBM, TBN, TBK, TM, TN = t[:5]
     if stages == 1 or stages < 0:
         raise ValueError(f"stages: expected 0 (through registers) or at least 2, got {stages}")
-    NT, DX = t.threads, TBM // TM
+    NT = t.threads
     if (TBM * TBK) % NT or (TBN * TBK) % NT:   # (stager checks the rest)
         raise ValueError(f"{t}: the tiled GEMM stages whole tiles: {NT} threads must divide them")
     A_PER, B_PER = TBM * TBK // NT, TBN * TBK // NT   # staged elements per thread
-    # +4 columns: the transposed staging writes spread over the banks, and every row stays
-    # 16-byte aligned for the register tile's 16-byte shared loads. Double-buffered.
-    BMP, BNP = TBM + 4, TBN + 4
     BUFFERS = max(stages, 2)
+    if t.mma:
+        # +8 columns: a warp's fragment reads (lanes t * stride + g apart) hit 32 banks
+        BMP, BNP = TBM + 8, TBN + 8
+        multiply, row, col, place = mma_tile(t, BMP, BNP)
+    else:
+        # +4 columns: the transposed staging writes spread over the banks, and every row
+        # stays 16-byte aligned for the register tile's 16-byte shared loads
+        BMP, BNP = TBM + 4, TBN + 4
+        multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=2 if TBK % 2 == 0 else 1)
+        place = _grid_place(TBM // TM)
     A_SIZE, B_SIZE = BUFFERS * TBK * BMP, BUFFERS * TBK * BNP
-    multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=2 if TBK % 2 == 0 else 1)
     a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
 
@@ -325,7 +340,7 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         a_reg = cuda.local.array(TM, np.float32)
         b_reg = cuda.local.array(TN, np.float32)
         tid = _u(cuda.threadIdx.x)
-        tx, ty = tid % _u(DX), tid // _u(DX)
+        tx, ty = place(tid)   # (what row and col take)
         splits = part.shape[1]
         bz, split = _u(cuda.blockIdx.z // splits), cuda.blockIdx.z % splits
         m0, n0 = _u(cuda.blockIdx.y) * _u(TBM), _u(cuda.blockIdx.x) * _u(TBN)

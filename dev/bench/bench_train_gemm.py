@@ -1,4 +1,5 @@
-"""Wav2Vec2's training GEMMs in float32: the tiled kernel's tile shapes against cuBLAS.
+"""Wav2Vec2's training GEMMs in float32: the tiled kernel's tile shapes, on SIMT cores and on
+tensor cores (3xTF32), against cuBLAS.
 
     PYTHONUNBUFFERED=1 python3 -m dev.bench.bench_train_gemm 2>&1 | tee $OUT/train_gemm.txt
 
@@ -44,7 +45,12 @@ FRAMES = (120,)   # the epoch's median batch (`python -m dev.bench.bench_train_g
 # tiles of 128 threads, 3 stages; 128 x 256, 4)
 VARIANTS = [(G.TILE, 0), (G.WIDE_TILE, 0), (Tiles(64, 64, 8, 8, 8), 0),
             (Tiles(128, 64, 8, 8, 8), 0), (G.TILE, 3), (G.WIDE_TILE, 3),
-            (Tiles(64, 64, 8, 4, 8), 4), (Tiles(128, 64, 8, 8, 8), 3)]
+            (Tiles(64, 64, 8, 4, 8), 4), (Tiles(128, 64, 8, 8, 8), 3),
+            # on tensor cores, three TF32 products a float32 one (kernels._tf32): warp tiles
+            # of 64 x 32 (8 x 8 accumulators a lane), 32 x 32 and 32 x 16
+            (Tiles(128, 128, 8, 8, 8, True), 3), (Tiles(128, 128, 8, 8, 8, True), 4),
+            (Tiles(128, 128, 16, 8, 8, True), 0), (Tiles(128, 64, 16, 8, 4, True), 3),
+            (Tiles(64, 128, 16, 4, 8, True), 3), (Tiles(64, 64, 16, 4, 4, True), 3)]
 
 
 def shapes(M: int):
@@ -63,11 +69,15 @@ def operands(rng, M, N, K, trans_a, trans_b):
     return a, b
 
 
-def error_over_bound(got, a, b, trans_a, trans_b, splits) -> float:
+def error_over_bound(got, a, b, trans_a, trans_b, splits, mma=False) -> float:
+    """The largest error against float64 over its bound: (K + splits) * 2^-24 of
+    sum |a||b| for float32's multiply-adds; on tensor cores (`mma`) twice the K term (the
+    additions truncate) plus 12 * 2^-24 for the split operands (kernels._tf32)."""
     a64 = a.astype(np.float64).T if trans_a else a.astype(np.float64)
     b64 = b.astype(np.float64).T if trans_b else b.astype(np.float64)
     want, mag = a64 @ b64, np.abs(a64) @ np.abs(b64)
-    bound = (a64.shape[1] + splits) * 2.0 ** -24 * mag + 1e-30
+    k = a64.shape[1]
+    bound = ((2 * k + 12 if mma else k) + splits) * 2.0 ** -24 * mag + 1e-30
     return float(np.max(np.abs(got.astype(np.float64) - want) / bound))
 
 
@@ -105,7 +115,8 @@ def main() -> None:
                                 target_blocks=target, tile=t, stages=stages)
                     call(0)
                     splits = default[1] if t is None else G.tiled_plan(t, 1, M, N, K, target)[0]
-                    err = error_over_bound(out.copy_to_host(), a, b, ta, tb, splits)
+                    err = error_over_bound(out.copy_to_host(), a, b, ta, tb, splits,
+                                           mma=t is not None and t.mma)
                     if not err <= 1:
                         raise AssertionError(f"error {err:.3g} of the bound")
                     us, spread, _ = bd.graph_time_us([call])

@@ -1,0 +1,194 @@
+"""Float32 products on tensor cores, three TF32 multiplies each (3xTF32): the warp tile that
+the tiled GEMM multiplies with when its tile asks for tensor cores (`Tiles(..., mma=True)`).
+
+Why: a float32 multiply-add runs at 128 a clock on an SM, a TF32 mma.sync m16n8k8 (1024 of
+them) at about one. TF32 keeps 10 of float32's 23 fraction bits, too few for a float32
+result, so each operand is split into two TF32 numbers, x = big + small + r with
+big = tf32(x), small = tf32(x - big) and |r| <= 2**-22 |x|, and the product takes the three
+terms that matter, small*big + big*small + big*big (the smallest first), dropping
+small*small (<= 2**-22 |ab|). A product is then off by at most about 2**-20 |a||b| before
+summation, against float32's 2**-24; over a reduction of K terms the sum's rounding
+(K * 2**-24) dominates once K passes a few dozen (CUTLASS's "fast accurate" float32 GEMM,
+OpMultiplyAddFastF32, does the same).
+
+    split(x)      (big, small) of float32 x as TF32 bit patterns (uint32; cvt.rna.tf32.f32:
+                  round to nearest, ties away from zero, as CUTLASS rounds);
+    mma1688(a0..a3, b0, b1, c0..c3)
+                  D = A B + C for one warp, mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32:
+                  A 16 x 8 and B 8 x 8 in TF32, C and D 16 x 8 float32. Lane l holds, with
+                  g = l // 4 and t = l % 4 (PTX ISA, "Matrix fragments for mma.m16n8k8"):
+                  a0 A[g, t], a1 A[g+8, t], a2 A[g, t+4], a3 A[g+8, t+4];
+                  b0 B[t, g], b1 B[t+4, g];
+                  c0 C[g, 2t], c1 C[g, 2t+1], c2 C[g+8, 2t], c3 C[g+8, 2t+1];
+    mma_tile(t, a_stride, b_stride)
+                  (multiply, row, col, place) for a block tile: the interface of
+                  kernels._tile.register_tile, with a warp's share of the tile in mma tiles.
+
+The simulator runs the same kernel: `split` rounds the bits as the instruction does, and
+`mma1688` gathers the warp's fragments through shared memory (a barrier: every thread of the
+block must call it together, as every lane of a warp must call mma.sync) and multiplies them
+in float64, so a test there checks every fragment's index; the GPU's tests check the
+instruction.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from kernels._tile import Tiles
+from proto.device.backend import SIMULATOR, cuda
+
+_u = np.uint32
+MAX_THREADS = 1024
+
+if SIMULATOR:
+    def _tf32_bits(x) -> np.uint32:
+        """cvt.rna.tf32.f32: the 13 low bits rounded off, half away from zero (on the
+        magnitude: the sign bit is apart), as bits of a float32."""
+        bits = int(np.float32(x).view(np.uint32))
+        if (bits >> 23) & 0xFF == 0xFF:   # inf and NaN pass as they are
+            return np.uint32(bits)
+        return np.uint32(((bits & 0x7FFFFFFF) + 0x1000 & 0x7FFFE000) | (bits & 0x80000000))
+
+    def split(x):
+        big = _tf32_bits(x)
+        rest = np.float32(np.float32(x) - big.view(np.float32))
+        return big, _tf32_bits(rest)
+
+    def _value(bits) -> float:
+        return float(np.uint32(bits).view(np.float32))
+
+    @cuda.jit(device=True)
+    def mma1688(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        buf = cuda.shared.array((2, MAX_THREADS, 10), np.float64)
+        me = threading.current_thread()
+        phase = getattr(me, "mma_phase", 0)   # (two buffers: one barrier a call)
+        me.mma_phase = phase ^ 1
+        tid = cuda.threadIdx.x
+        for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
+            buf[phase, tid, i] = _value(v)
+        for i, v in enumerate((c0, c1, c2, c3)):
+            buf[phase, tid, 6 + i] = float(v)
+        cuda.syncthreads()
+        lanes = buf[phase, tid & ~31:(tid & ~31) + 32]
+        A, B, C = np.zeros((16, 8)), np.zeros((8, 8)), np.zeros((16, 8))
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            f = lanes[lane]
+            A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = f[0:4]
+            B[t, g], B[t + 4, g] = f[4:6]
+            C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = f[6:10]
+        D = A @ B + C
+        g, t = (tid % 32) // 4, tid % 4
+        return (np.float32(D[g, 2 * t]), np.float32(D[g, 2 * t + 1]),
+                np.float32(D[g + 8, 2 * t]), np.float32(D[g + 8, 2 * t + 1]))
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I32, _F32 = ir.IntType(32), ir.FloatType()
+
+    @intrinsic
+    def split(typingctx, x):
+        if x != types.float32:
+            return None
+        sig = types.UniTuple(types.uint32, 2)(x)
+
+        def codegen(context, builder, sig, args):
+            fn = ir.FunctionType(ir.LiteralStructType([_I32, _I32]), [_F32])
+            # x - big is exact (big is x rounded), so only the two conversions round
+            asm = ir.InlineAsm(fn, "{ .reg .f32 f; cvt.rna.tf32.f32 $0, $2; mov.b32 f, $0; "
+                                   "sub.f32 f, $2, f; cvt.rna.tf32.f32 $1, f; }",
+                               "=r,=r,f", side_effect=False)
+            out = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(out, i) for i in range(2)])
+        return sig, codegen
+
+    @intrinsic
+    def mma1688(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        if not all(a == types.uint32 for a in (a0, a1, a2, a3, b0, b1)) or \
+                not all(c == types.float32 for c in (c0, c1, c2, c3)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            fn = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+            asm = ir.InlineAsm(fn, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+                                   "{$10, $11, $12, $13};",
+                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
+            out = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(out, i) for i in range(4)])
+        return sig, codegen
+
+
+def mma_tile(t: Tiles, a_stride: int, b_stride: int):
+    """The warp tile of block tile `t` (t.mma): (multiply, row, col, place), as
+    kernels._tile.register_tile's (multiply, row, col) with place(tid) -> (p, q), the
+    arguments a thread passes to the other three.
+
+    The block's t.bm x t.bn outputs are a grid of warp tiles of 16 MI x 8 NI (MI = t.tm / 2
+    mma tiles down, NI = t.tn / 2 across), warps numbered down the rows first; a lane holds
+    its 4 accumulators of each of its warp's MI x NI mma tiles, acc[2 mi + h, 2 ni + c] at
+    row p + 16 mi + 8 h and column q + 8 ni + c, where p = (warp's first row) + g and q =
+    (warp's first column) + 2 t. `multiply` adds one t.bk step of the staged tiles (k-major:
+    a row of a_tile every a_stride floats, of b_tile every b_stride): per 8 rows of K it
+    loads and splits the lane's A fragments of every mma tile down, then per mma tile across
+    its B fragments, and runs three mma per pair. Fragment reads are free of bank conflicts
+    when both strides are 8 or 24 modulo 32 (lanes t * stride + g apart)."""
+    BM, BN, BK, TM, TN = t[:5]
+    if TM % 2 or TN % 2 or BK % 8:
+        raise ValueError(f"{t}: a tensor-core tile needs even tm and tn and bk a multiple of 8")
+    MI, NI = TM // 2, TN // 2
+    ROWS, COLS = 16 * MI, 8 * NI   # a warp's share
+    if BM % ROWS or BN % COLS:
+        raise ValueError(f"{t}: warp tiles of {ROWS} x {COLS} must tile {BM} x {BN}")
+    WARPS_M = BM // ROWS
+    frag = np.uint32
+
+    @cuda.jit(device=True)
+    def place(tid):
+        warp, lane = tid // _u(32), tid % _u(32)
+        return ((warp % _u(WARPS_M)) * _u(ROWS) + lane // _u(4),
+                (warp // _u(WARPS_M)) * _u(COLS) + _u(2) * (lane % _u(4)))
+
+    @cuda.jit(device=True)
+    def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
+        g, t = p % _u(8), (q // _u(2)) % _u(4)
+        a_base = a_start + t * _u(a_stride) + p               # A[p, t] of mma tile 0
+        b_base = b_start + t * _u(b_stride) + q - _u(2) * t + g   # B[t, g] of mma tile 0
+        big = cuda.local.array((MI, 4), frag)
+        small = cuda.local.array((MI, 4), frag)
+        for k8 in range(BK // 8):
+            for mi in range(MI):
+                for v in range(4):   # a0..a3: rows + 8 (v odd), k + 4 (v >= 2)
+                    x = a_tile[a_base + _u((8 * k8 + 4 * (v // 2)) * a_stride
+                                           + 16 * mi + 8 * (v % 2))]
+                    big[mi, v], small[mi, v] = split(x)
+            for ni in range(NI):
+                b0, b0s = split(b_tile[b_base + _u(8 * k8 * b_stride + 8 * ni)])
+                b1, b1s = split(b_tile[b_base + _u((8 * k8 + 4) * b_stride + 8 * ni)])
+                for mi in range(MI):
+                    i, j = 2 * mi, 2 * ni
+                    c0, c1, c2, c3 = acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1]
+                    c0, c1, c2, c3 = mma1688(small[mi, 0], small[mi, 1], small[mi, 2],
+                                             small[mi, 3], b0, b1, c0, c1, c2, c3)
+                    c0, c1, c2, c3 = mma1688(big[mi, 0], big[mi, 1], big[mi, 2], big[mi, 3],
+                                             b0s, b1s, c0, c1, c2, c3)
+                    c0, c1, c2, c3 = mma1688(big[mi, 0], big[mi, 1], big[mi, 2], big[mi, 3],
+                                             b0, b1, c0, c1, c2, c3)
+                    acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1] = c0, c1, c2, c3
+
+    @cuda.jit(device=True)
+    def row(p, i):
+        return p + _u(16 * (i // 2) + 8 * (i % 2))
+
+    @cuda.jit(device=True)
+    def col(q, j):
+        return q + _u(8 * (j // 2) + j % 2)
+
+    return multiply, row, col, place

@@ -1,0 +1,104 @@
+"""The tiled GEMM on tensor cores (a tile with mma=True: kernels._tf32, three TF32 products a
+float32 one): the operand split against its definition, and the product against float64
+over every layout, epilogue, staging and K split. On the simulator the warp's multiply is
+a stand-in that gathers the fragments by the PTX ISA's layout, so these tests check every
+fragment index there; on the GPU they check the instruction itself."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from kernels import gemm as G
+from kernels._tf32 import mma_tile, split
+from kernels._tile import Tiles
+from proto.device import backend
+from proto.device.backend import cuda
+from tests.helpers import dev, rand
+from tests.test_gemm import FLAGS, _check_tiled
+
+U = 2.0 ** -24   # float32's unit roundoff
+if backend.SIMULATOR:   # (each simulated thread is a Python thread: one or two warps)
+    TILES = (Tiles(16, 16, 8, 2, 2, True), Tiles(32, 16, 16, 4, 2, True))
+else:   # warp tiles of 64 x 32 (8 warps) and 32 x 32 (4 warps)
+    TILES = (Tiles(128, 128, 8, 8, 8, True), Tiles(64, 64, 16, 4, 4, True))
+
+
+def tf32_ref(x: np.ndarray) -> np.ndarray:
+    """x (float32) rounded to 10 fraction bits, ties away from zero: the significand of
+    frexp (in [0.5, 1)) times 2**11, rounded half away, scaled back."""
+    m, e = np.frexp(x.astype(np.float64))
+    r = np.sign(m) * np.floor(np.abs(m) * 2.0 ** 11 + 0.5)
+    return np.ldexp(r / 2.0 ** 11, e).astype(np.float32)
+
+
+@cuda.jit
+def _split_kernel(x, big, small):
+    i = cuda.grid(1)
+    if i < x.size:
+        big[i], small[i] = split(x[i])
+
+
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([1e-30, 1e-3, 1.0, 3e4, 1e30]))
+def test_split_gives_the_rounded_value_and_the_rounded_rest(seed, scale):
+    """big = tf32(x) and small = tf32(x - big), bit for bit, so x - big - small is within
+    2**-22 |x|: the three products the kernel takes miss only 2**-22-sized terms."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(256) * scale).astype(np.float32)
+    x[:4] = [0.0, -0.0, 1.0 + 2.0 ** -11, -(1.0 + 3 * 2.0 ** -12)]   # a tie, away from zero
+    big, small = dev(np.zeros(x.size, np.uint32)), dev(np.zeros(x.size, np.uint32))
+    _split_kernel[4, 64](dev(x), big, small)
+    big, small = big.copy_to_host().view(np.float32), small.copy_to_host().view(np.float32)
+    want_big = tf32_ref(x)
+    np.testing.assert_array_equal(big, want_big)
+    np.testing.assert_array_equal(small, tf32_ref(x - want_big))   # (x - big: exact)
+    assert big[2] == np.float32(1.0 + 2.0 ** -10) and big[3] == np.float32(-(1.0 + 2.0 ** -10))
+    rest = x.astype(np.float64) - big - small
+    assert np.all(np.abs(rest) <= 2.0 ** -22 * np.abs(x.astype(np.float64)))
+
+
+SIM = backend.SIMULATOR
+
+
+@given(m=st.integers(1, 33 if SIM else 300), n=st.integers(1, 33 if SIM else 300),
+       k=st.integers(1, 40 if SIM else 600),
+       batch=st.sampled_from([1, 2]), flags=st.sampled_from(FLAGS),
+       stages=st.sampled_from([0, 2, 3]), target=st.sampled_from([1, 8]),
+       tile=st.sampled_from(TILES), seed=st.integers(0, 2**16))
+def test_the_tensor_core_tile_matches_reference(m, n, k, batch, flags, stages, target, tile,
+                                                seed):
+    """Every layout and epilogue, partial tiles on both edges, K not a whole number of mma
+    steps, staged through registers or by cp.async, K split or whole."""
+    _check_tiled(seed, batch, m, n, k, flags, target_blocks=target, tile=tile, stages=stages)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, True), (False, False), (True, False)])
+def test_the_tensor_core_product_is_within_its_derived_bound(trans_a, trans_b):
+    """|op(a) op(b) - exact| <= (2K + 12 + splits) u sum |a||b|, u = 2**-24: the split's
+    dropped terms (small*small and the two rests, each <= 2**-22 |a||b|: 12u) and K
+    additions that may truncate rather than round (2u each; Fasi et al. 2021 measured
+    truncating tensor-core sums), then the splits' float32 sum. The SIMT kernel's bound
+    is (K + splits) u."""
+    rng = np.random.default_rng(7)
+    m, n, k = (24, 16, 64) if SIM else (300, 260, 3000)
+    tile = TILES[0]
+    a = rand(rng, *((k, m) if trans_a else (m, k)))
+    b = rand(rng, *((n, k) if trans_b else (k, n)))
+    for target in (1, None):
+        out = dev(np.full((1, m, n), np.nan, np.float32))
+        db = dev(b[None])
+        G.tiled(dev(a[None]), db, out, db.reshape(db.size), 0, 0, 0, int(trans_a),
+                int(trans_b), 0, target_blocks=target, tile=tile, stages=3)
+        splits = G.tiled_plan(tile, 1, m, n, k, target)[0]
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        a64, b64 = (a64.T if trans_a else a64), (b64.T if trans_b else b64)
+        err = np.abs(out.copy_to_host()[0] - a64 @ b64)
+        bound = (2 * k + 12 + splits) * U * (np.abs(a64) @ np.abs(b64))
+        assert np.all(err <= bound), float(np.max(err / bound))
+
+
+def test_a_tensor_core_tile_needs_whole_mma_tiles():
+    with pytest.raises(ValueError, match="even tm and tn"):
+        mma_tile(Tiles(64, 64, 16, 3, 4, True), 72, 72)
+    with pytest.raises(ValueError, match="bk a multiple of 8"):
+        mma_tile(Tiles(64, 64, 12, 4, 4, True), 72, 72)
+    with pytest.raises(ValueError, match="warp tiles of 32 x 16"):
+        mma_tile(Tiles(48, 64, 16, 4, 4, True), 56, 72)
