@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
+from kernels._tf32 import mma_tile
+from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from proto.device.backend import cuda, jit
 
 # Hot-loop indices are unsigned (`_u`): Numba guards every signed index against Python's
@@ -155,17 +156,24 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     output pixel, so no divisibility test (VGG's layers).
     """
     BM, BN, BK, TM, TN = t[:5]
-    DX, DY = BM // TM, BN // TN
-    NT = DX * DY
-    BNP = BN + 4                       # +4 columns: the k-fastest staging hits distinct banks,
-    A_SIZE, B_SIZE = 2 * BK * BM, 2 * BK * BNP   # and rows stay 16-byte aligned
-    # The forward writes a whole step's reduction rows out (one pass, 7% fewer instructions a
-    # step than pairs); so does backward-data at stride 1 with the wide tile (767 SASS
-    # instructions a step of 512 multiply-adds, ~870 in pairs); with its stride test it would
-    # need 149 registers, and the medium tile would spill at its 80, so those take pairs.
-    whole = BK <= 8 and (not transposed or (unit_stride and t.tm * t.tn >= 64))
-    per_pass = BK if whole else (2 if BK % 2 == 0 else 1)
-    multiply, row, col = register_tile(t, BM, BNP, rows_per_pass=per_pass)
+    NT = t.threads
+    if t.mma:   # on tensor cores (kernels._tf32): +8 columns each, conflict-free fragments
+        BMP, BNP = BM + 8, BN + 8
+        multiply, row, col, place = mma_tile(t, BMP, BNP)
+    else:
+        BMP = BM
+        BNP = BN + 4                   # +4 columns: the k-fastest staging hits distinct banks,
+                                       # and rows stay 16-byte aligned
+        # The forward writes a whole step's reduction rows out (one pass, 7% fewer
+        # instructions a step than pairs); so does backward-data at stride 1 with the wide
+        # tile (767 SASS instructions a step of 512 multiply-adds, ~870 in pairs); with its
+        # stride test it would need 149 registers, and the medium tile would spill at its 80,
+        # so those take pairs.
+        whole = BK <= 8 and (not transposed or (unit_stride and t.tm * t.tn >= 64))
+        per_pass = BK if whole else (2 if BK % 2 == 0 else 1)
+        multiply, row, col = register_tile(t, BM, BNP, rows_per_pass=per_pass)
+        place = grid_place(BM // TM)
+    A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP
     store = _tile_store(TM, TN, row, col)
     # The wide tile (64 accumulators a thread) must stay within 128 registers, so that two
     # 256-thread blocks share an SM; the medium one (32) within 80, so that three do (the
@@ -221,7 +229,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     @jit(_CONV_SIG, writes=("dst",), **regs)
     def conv_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S, stride, pad):
         tid = _u(cuda.threadIdx.x)
-        tx, ty = tid % _u(DX), tid // _u(DX)
+        tx, ty = place(tid)   # (what multiply, row and col take)
         m0, n0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
         HWI, HWO, RS = HI * WI, HO * WO, R * S
         M = N * HWO
@@ -247,7 +255,8 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         a_mm, a_kk = a_place(tid)                      # this thread's staging coordinates
         b_nn, b_kk = b_place(tid)
         p_base, p_h, p_w = pix_src[a_mm], pix_h[a_mm], pix_w[a_mm]
-        b_at = b_kk * _u(BNP) + b_nn                   # where its weight elements go
+        a_at = a_kk * _u(BMP) + a_mm                   # where its patch elements go
+        b_at = b_kk * _u(BNP) + b_nn                   # ... and its weight elements
 
         # Steps run tap-major ((r, s) outer, channel chunks of BK inner), counted forward
         # instead of divided out of the step number. Step 0's loads, then each step stores
@@ -261,9 +270,8 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         for step in range(steps):
             buf = _u(step) & _u(1)   # step >= 0: no signed-remainder fix-up
             for i in range(A_PER):
-                e = tid + _u(i * NT)
-                if e < _u(BK * BM):
-                    a_tile[buf * _u(BK * BM) + e] = a_next[i]
+                if a_kk + _u(i * KS) < _u(BK):
+                    a_tile[buf * _u(BK * BMP) + a_at + _u(i * KS * BMP)] = a_next[i]
             for i in range(B_PER):
                 if b_nn + _u(i * NS) < _u(BN):
                     b_tile[buf * _u(BK * BNP) + b_at + _u(i * NS)] = b_next[i]
@@ -280,8 +288,8 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
             if step + 1 < steps:
                 load_a(a_next, src, p_base, p_h, p_w, a_kk, c0, r, s, CI, HI, WI, HWI, stride)
                 load_b(b_next, w, b_kk, b_nn, c0, n0, r * S + s, CI, CO, RS)
-            multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(BK * BM), buf * _u(BK * BNP),
-                     tx, ty)
+            multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(BK * BMP),
+                     buf * _u(BK * BNP), tx, ty)
         store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty)
 
     return conv_kernel

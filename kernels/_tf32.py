@@ -62,28 +62,24 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def mma1688(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        buf = cuda.shared.array((2, MAX_THREADS, 10), np.float64)
+        buf = cuda.shared.array((2, MAX_THREADS, 6), np.float64)
         me = threading.current_thread()
         phase = getattr(me, "mma_phase", 0)   # (two buffers: one barrier a call)
         me.mma_phase = phase ^ 1
         tid = cuda.threadIdx.x
         for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
             buf[phase, tid, i] = _value(v)
-        for i, v in enumerate((c0, c1, c2, c3)):
-            buf[phase, tid, 6 + i] = float(v)
-        cuda.syncthreads()
+        cuda.syncthreads()   # (C's elements are this lane's own: c0 C[g, 2t] and so on)
         lanes = buf[phase, tid & ~31:(tid & ~31) + 32]
-        A, B, C = np.zeros((16, 8)), np.zeros((8, 8)), np.zeros((16, 8))
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            f = lanes[lane]
-            A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = f[0:4]
-            B[t, g], B[t + 4, g] = f[4:6]
-            C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = f[6:10]
-        D = A @ B + C
         g, t = (tid % 32) // 4, tid % 4
-        return (np.float32(D[g, 2 * t]), np.float32(D[g, 2 * t + 1]),
-                np.float32(D[g + 8, 2 * t]), np.float32(D[g + 8, 2 * t + 1]))
+        # Row g of A is a0 (k 0..3) then a2 (k 4..7) of lanes 4g .. 4g+3, row g+8 a1 then
+        # a3; column n of B is b0 (k 0..3) then b1 (k 4..7) of lanes 4n .. 4n+3.
+        quad = lanes[4 * g:4 * g + 4]
+        a_lo, a_hi = np.r_[quad[:, 0], quad[:, 2]], np.r_[quad[:, 1], quad[:, 3]]
+        b_0 = np.r_[lanes[8 * t:8 * t + 4, 4], lanes[8 * t:8 * t + 4, 5]]        # column 2t
+        b_1 = np.r_[lanes[8 * t + 4:8 * t + 8, 4], lanes[8 * t + 4:8 * t + 8, 5]]  # 2t + 1
+        return (np.float32(a_lo @ b_0 + float(c0)), np.float32(a_lo @ b_1 + float(c1)),
+                np.float32(a_hi @ b_0 + float(c2)), np.float32(a_hi @ b_1 + float(c3)))
 else:
     from llvmlite import ir
     from numba import types

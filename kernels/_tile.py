@@ -86,6 +86,15 @@ def register_tile(t: Tiles, a_stride: int, b_stride: int, rows_per_pass: int):
     return multiply, row, col
 
 
+def grid_place(DX: int):
+    """register_tile's thread coordinates, place(tid) -> (tx, ty) = (tid % DX, tid // DX)
+    for DX = bm // tm (kernels._tf32.mma_tile gives its own)."""
+    @cuda.jit(device=True)
+    def place(tid):
+        return tid % _u(DX), tid // _u(DX)
+    return place
+
+
 def _twice(rows, a_gap: int, b_gap: int):
     """`rows` (some reduction rows of the register tile), then as many after them (a_gap and
     b_gap floats further on)."""

@@ -75,7 +75,7 @@ import numpy as np
 
 from kernels import _check, _cpasync, _pdl
 from kernels._tf32 import mma_tile
-from kernels._tile import TILE_ALIGN, Tiles, register_tile, stager
+from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto.device import backend
@@ -277,14 +277,6 @@ def _async_stager(count: int, DR: int, DK: int, stride: int):
     return issue
 
 
-def _grid_place(DX: int):
-    """register_tile's thread coordinates: (tx, ty) = (tid % DX, tid // DX)."""
-    @cuda.jit(device=True)
-    def place(tid):
-        return tid % _u(DX), tid // _u(DX)
-    return place
-
-
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
     per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
@@ -312,7 +304,7 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         # stays 16-byte aligned for the register tile's 16-byte shared loads
         BMP, BNP = TBM + 4, TBN + 4
         multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=2 if TBK % 2 == 0 else 1)
-        place = _grid_place(TBM // TM)
+        place = grid_place(TBM // TM)
     A_SIZE, B_SIZE = BUFFERS * TBK * BMP, BUFFERS * TBK * BNP
     a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import conv
+from proto.device import backend
 from proto.device.backend import cuda
 from tests.helpers import dev, rand, relu_output
 
@@ -120,7 +121,7 @@ def test_split_wgrad_at_vgg_size_is_deterministic():
     assert all(np.array_equal(a, runs[0][0]) and np.array_equal(b, runs[0][1]) for a, b in runs)
 
 
-@pytest.mark.parametrize("tiles", conv.GPU_CONV_TILES)
+@pytest.mark.parametrize("tiles", conv.GPU_CONV_TILES + conv.GPU_CONV_MMA_TILES)
 def test_gpu_conv_tiles_on_a_small_problem(tiles):
     """The GPU's 256-thread tiles run here too (one block each, one reduction step: a 1x1
     conv with few channels), so the simulator covers the code the GPU runs."""
@@ -135,12 +136,18 @@ def test_gpu_conv_tiles_on_a_small_problem(tiles):
     assert_sum_close(dx, conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=2), 5)
 
 
-@pytest.mark.parametrize("tiles", conv.GPU_CONV_TILES)
+# (on the simulator the tensor-core tile is its own: the GPU's 8 warps would take minutes)
+MMA_TILES = conv.SIM_CONV_MMA_TILES if backend.SIMULATOR else conv.GPU_CONV_MMA_TILES
+
+
+@pytest.mark.parametrize("tiles", conv.GPU_CONV_TILES + MMA_TILES)
 @pytest.mark.parametrize("stride", [1, 2])
 def test_gpu_conv_tiles_over_many_steps(tiles, stride):
     """A 3x3 conv over 10 channels: two channel chunks of the GPU tiles' 8 for each of the
     nine taps, so the steps' tap and chunk counters wrap, and padding and stride put some
-    taps off the image."""
+    taps off the image. The tensor-core tiles' products are each within 12 units of
+    roundoff and their sums may truncate (kernels._tf32): inside assert_sum_close's 8
+    units a product for these sums of 54 and 90."""
     rng = np.random.default_rng(4)
     x, w, b = rand(rng, 1, 10, 5, 4), rand(rng, 6, 10, 3, 3), rand(rng, 6)
     P, Q = conv.conv_out_size(5, 3, stride, 1), conv.conv_out_size(4, 3, stride, 1)

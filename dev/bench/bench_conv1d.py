@@ -1,10 +1,12 @@
 """Wav2Vec2-base's convolutions (kernels.conv1d) and weight norm, timed beside cuDNN (TF32
-off) when PyTorch is installed.  python -m dev.bench.bench_conv1d [batch]"""
+off) when PyTorch is installed; the feature encoder's 512-channel layers also on the
+tensor-core tiles (kernels.conv.GPU_CONV_MMA_TILES).  python -m dev.bench.bench_conv1d [batch]"""
 import numpy as np
 
 from kernels.conv1d import (conv1d, conv1d_bwd_data, conv1d_bwd_weight, conv1d_grouped,
                             conv1d_grouped_bwd_data, conv1d_grouped_bwd_weight,
                             conv1d_grouped_flops, conv1d_out_size, weight_norm, weight_norm_bwd)
+from kernels import conv
 from proto.device import backend
 from proto.device.backend import cuda
 
@@ -40,6 +42,10 @@ def main(argv=None):
                 for f in torch_runs)
         print(line, flush=True)
 
+    def run_and_copy(run, dst):
+        run()
+        return dst.copy_to_host()
+
     def arr(*shape):
         return cuda.to_device(rng.standard_normal(shape, dtype=np.float32))
 
@@ -59,6 +65,19 @@ def main(argv=None):
                           lambda: torch.nn.grad.conv1d_input(tx.shape, tw, ty, stride=s),
                           lambda: torch.nn.grad.conv1d_weight(tx, tw.shape, ty, stride=s)]
         row(f"conv {C}->{K} k{k} s{s} T{T}", 2.0 * B * K * T_out * C * k, runs, torch_runs)
+        if C > 1:   # the same forward and backward-data on tensor cores (kernels._tf32)
+            x4, w4 = x.reshape(B, C, 1, T), w.reshape(K, C, 1, k)
+            out4, dy4, dx4 = (a.reshape(a.shape[0], a.shape[1], 1, a.shape[2]) for a in (out, dy, dx))
+            for t in conv.GPU_CONV_MMA_TILES:
+                want_out, want_dx = run_and_copy(runs[0], out), run_and_copy(runs[1], dx)
+                mma = [lambda t=t: conv.conv2d(x4, w4, None, out4, stride=s, tiles=t),
+                       lambda t=t: conv.conv2d_bwd_data(dy4, w4, dx4, stride=s, tiles=t)]
+                # (against the SIMT kernels' results: both sums of C*k products)
+                for run, dst, want in zip(mma, (out, dx), (want_out, want_dx)):
+                    err = np.max(np.abs(run_and_copy(run, dst) - want)) / np.max(np.abs(want))
+                    print(f"{'':>28}   {t.bm}x{t.bn} tensor cores: max deviation from SIMT "
+                          f"{err:.2e} of the largest output")
+                row(f"  tensor cores {t.bm}x{t.bn}", 2.0 * B * K * T_out * C * k, mma, None)
         C, T = K, T_out
 
     C, G, k, pad = 768, 16, 128, 64
