@@ -309,22 +309,27 @@ def make_wgrad_kernel(t: Tiles):
     split, part_w and part_b are dw and db themselves.
     """
     BM, BN, BK, TM, TN = t[:5]
-    DX, DY = BM // TM, BN // TN
-    NT = DX * DY
+    NT = t.threads
     BIAS_ROWS = (BM + NT - 1) // NT
     place, NS, _ = stager(True, BM, BK, NT)   # both tiles walk the reduction (contiguous)
     A_PER, B_PER = -(-BM // NS), -(-BN // NS)
     # Whether every staged element lands inside its tile (a thread's first row is below NS):
     # then the stores need no bounds check, which also keeps their addresses in registers.
     A_FULL, B_FULL = BM % NS == 0, BN % NS == 0
-    BMP, BNP = BM + 4, BN + 4          # +4: the l-fastest staging spreads over the banks,
-    A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # rows 16-byte aligned; [buf][l][k | c]
-    # Reduction rows a loop pass: two for the wide tile (128 registers, no spills; four
-    # spill), four for the others (the 64 x 64 tile's step: 966 SASS instructions, 1022 in
-    # pairs, still no spills).
-    per_pass = 2 if t.tm * t.tn >= 64 else 4
-    multiply, row, col = register_tile(t, BMP, BNP,
-                                       rows_per_pass=per_pass if BK % per_pass == 0 else 1)
+    if t.mma:   # on tensor cores (kernels._tf32): +8, conflict-free fragment reads
+        BMP, BNP = BM + 8, BN + 8
+        multiply, row, col, tile_place = mma_tile(t, BMP, BNP)
+    else:
+        BMP, BNP = BM + 4, BN + 4      # +4: the l-fastest staging spreads over the banks,
+                                       # rows 16-byte aligned
+        # Reduction rows a loop pass: two for the wide tile (128 registers, no spills; four
+        # spill), four for the others (the 64 x 64 tile's step: 966 SASS instructions, 1022
+        # in pairs, still no spills).
+        per_pass = 2 if t.tm * t.tn >= 64 else 4
+        multiply, row, col = register_tile(t, BMP, BNP,
+                                           rows_per_pass=per_pass if BK % per_pass == 0 else 1)
+        tile_place = grid_place(BM // TM)
+    A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP   # [buf][l][k | c]
     L_SIZE = 2 * BK
 
     @cuda.jit(device=True)
@@ -365,7 +370,7 @@ def make_wgrad_kernel(t: Tiles):
          max_registers=128)
     def wgrad_kernel(x, dy, part_w, part_b, has_bias, N, C, H, W, K, P, Q, R, S, stride, pad, chunk):
         tid = _u(cuda.threadIdx.x)
-        tx, ty = tid % _u(DX), tid // _u(DX)
+        tx, ty = tile_place(tid)   # (what multiply, row and col take)
         k0, c0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
         RS = R * S
         rs = cuda.blockIdx.z % RS

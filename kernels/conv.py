@@ -36,16 +36,19 @@ from proto.device.backend import cuda, launch
 # GPU tiles: 256 threads each (but one, below), wide (8x8 outputs a thread: 64 FMAs per 16
 # shared loads) for wide layers, then narrower ones so layers with few channels waste little.
 GPU_CONV_TILES = (Tiles(128, 128, 8, 8, 8), Tiles(128, 64, 8, 8, 4), Tiles(128, 16, 8, 8, 1))
-# The same two on tensor cores (kernels._tf32: three TF32 products a float32 one), for
-# tests and dev/bench/bench_conv1d.py until a bench on the GPU routes a layer to them.
+# The first two on tensor cores (kernels._tf32: three TF32 products a float32 one), here and
+# for the weight gradient below, for tests and dev/bench/bench_conv1d.py until a bench on
+# the GPU routes a layer to them.
 GPU_CONV_MMA_TILES = (Tiles(128, 128, 8, 8, 8, True), Tiles(128, 64, 8, 8, 4, True))
 # The weight gradient's 64 x 64 tile has 128 threads of 8 x 4: per 512 multiply-adds a step
 # takes ~1020 SASS instructions, where 256 threads of 4 x 4 took ~1190 (static count).
 GPU_WGRAD_TILES = (Tiles(128, 128, 16, 8, 8), Tiles(64, 64, 16, 8, 4), Tiles(64, 16, 16, 4, 1))
+GPU_WGRAD_MMA_TILES = (Tiles(128, 128, 16, 8, 8, True), Tiles(64, 64, 16, 4, 4, True))
 # Simulator tiles: few threads; column count follows the channel count. As on the GPU, the
 # thread count is a multiple of bm and bk (each thread stages one pixel's channels).
 SIM_CONV_TILES = (Tiles(4, 4, 4, 1, 4), Tiles(8, 8, 4, 2, 4), Tiles(16, 16, 4, 4, 4))
 SIM_CONV_MMA_TILES = (Tiles(16, 16, 8, 2, 2, True),)   # (one warp along each axis: 64 threads)
+SIM_WGRAD_MMA_TILES = (Tiles(16, 16, 8, 2, 2, True),)
 SIM_WGRAD_TILES = tuple(Tiles(bm, bn, bm * bn // 16, 4, 4) for bm in (4, 8, 16) for bn in (4, 8, 16))
 # Backward-weight with all taps in a block (make_wgrad_taps_kernel): layers whose C*R*S fits
 # the column tile, VGG's first conv (27 columns). 256 threads on the GPU, 8 on the simulator.
@@ -108,7 +111,8 @@ def _build(tiles, make):
 
 _CONV_TILES = GPU_CONV_TILES + GPU_CONV_MMA_TILES + (
     SIM_CONV_TILES + SIM_CONV_MMA_TILES if backend.SIMULATOR else ())
-_WGRAD_TILES = GPU_WGRAD_TILES + (SIM_WGRAD_TILES if backend.SIMULATOR else ())
+_WGRAD_TILES = GPU_WGRAD_TILES + GPU_WGRAD_MMA_TILES + (
+    SIM_WGRAD_TILES + SIM_WGRAD_MMA_TILES if backend.SIMULATOR else ())
 _FWD = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=False))
 _BWD_DATA = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=True))
 _BWD_DATA_UNIT = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=True,

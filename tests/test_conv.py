@@ -98,6 +98,28 @@ def test_conv2d_backward_weight_matches_reference(data, splits, scale):
     assert np.array_equal(dw.copy_to_host(), first)
 
 
+WGRAD_MMA_TILES = conv.SIM_WGRAD_MMA_TILES if backend.SIMULATOR else conv.GPU_WGRAD_MMA_TILES
+
+
+@pytest.mark.parametrize("tiles", WGRAD_MMA_TILES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tensor_core_wgrad_over_many_steps(tiles, splits):
+    """The weight gradient on a tensor-core tile (kernels._tf32) over a 3x3 layer of 10 by 6
+    channels: 40 pixels of reduction, several steps a split, the bias from the dy tile; the
+    products' split error (12 units of roundoff) and truncating sums sit inside
+    assert_sum_close's 8 units a product."""
+    rng = np.random.default_rng(6)
+    x, dy = rand(rng, 2, 10, 5, 4), rand(rng, 2, 6, 5, 4)
+    dw = dev(np.full((6, 10, 3, 3), np.nan, np.float32))
+    db = dev(np.full(6, np.nan, np.float32))
+    geometry = dict(stride=1, pad=1, splits=splits)
+    part = _workspace(x.shape, (6, 10, 3, 3), **geometry, tiles=tiles)
+    conv.conv2d_bwd_weight(dev(x), dev(dy), dw, db, workspace=part, tiles=tiles, **geometry)
+    ref_w, ref_b = conv.conv2d_bwd_weight_ref(x, dy, (6, 10, 3, 3), stride=1, pad=1)
+    assert_sum_close(dw, ref_w, 40)
+    assert_sum_close(db, ref_b, 40)
+
+
 def _workspace(x_shape, w_shape, **geometry):
     size = conv.wgrad_workspace_size(x_shape, w_shape, **geometry)
     return cuda.device_array(size, np.float32) if size else None
@@ -231,7 +253,8 @@ def test_all_taps_wgrad_refuses_a_layer_wider_than_its_tile():
         conv.conv2d_bwd_weight(x, dy, dw, None, pad=1, tiles=t)
 
 
-@pytest.mark.parametrize("tiles", conv.GPU_WGRAD_TILES + conv.GPU_WGRAD_TAPS_TILES)
+@pytest.mark.parametrize("tiles", conv.GPU_WGRAD_TILES + conv.GPU_WGRAD_TAPS_TILES
+                         + conv.GPU_WGRAD_MMA_TILES)
 def test_gpu_wgrad_tiles_on_a_small_problem(tiles):
     rng = np.random.default_rng(2)
     x, dy = rand(rng, 2, 3, 3, 3), rand(rng, 2, 5, 3, 3)

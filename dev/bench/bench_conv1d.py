@@ -68,16 +68,22 @@ def main(argv=None):
         if C > 1:   # the same forward and backward-data on tensor cores (kernels._tf32)
             x4, w4 = x.reshape(B, C, 1, T), w.reshape(K, C, 1, k)
             out4, dy4, dx4 = (a.reshape(a.shape[0], a.shape[1], 1, a.shape[2]) for a in (out, dy, dx))
-            for t in conv.GPU_CONV_MMA_TILES:
-                want_out, want_dx = run_and_copy(runs[0], out), run_and_copy(runs[1], dx)
+            dw4 = dw.reshape(K, C, 1, k)
+            for t, tw in zip(conv.GPU_CONV_MMA_TILES, conv.GPU_WGRAD_MMA_TILES):
+                want = [run_and_copy(r, d) for r, d in zip(runs, (out, dx, dw))]
+                size = conv.wgrad_workspace_size(x4.shape, dw4.shape, stride=s, tiles=tw)
+                ws = cuda.device_array(size, np.float32) if size else None
                 mma = [lambda t=t: conv.conv2d(x4, w4, None, out4, stride=s, tiles=t),
-                       lambda t=t: conv.conv2d_bwd_data(dy4, w4, dx4, stride=s, tiles=t)]
-                # (against the SIMT kernels' results: both sums of C*k products)
-                for run, dst, want in zip(mma, (out, dx), (want_out, want_dx)):
+                       lambda t=t: conv.conv2d_bwd_data(dy4, w4, dx4, stride=s, tiles=t),
+                       lambda tw=tw, ws=ws: conv.conv2d_bwd_weight(
+                           x4, dy4, dw4, None, stride=s, tiles=tw, workspace=ws)]
+                # (against the SIMT kernels' results: sums of C*k, K*k and B*T_out products)
+                for run, dst, want in zip(mma, (out, dx, dw), want):
                     err = np.max(np.abs(run_and_copy(run, dst) - want)) / np.max(np.abs(want))
-                    print(f"{'':>28}   {t.bm}x{t.bn} tensor cores: max deviation from SIMT "
-                          f"{err:.2e} of the largest output")
-                row(f"  tensor cores {t.bm}x{t.bn}", 2.0 * B * K * T_out * C * k, mma, None)
+                    print(f"{'':>28}   tensor cores {t.bm}x{t.bn} (weight {tw.bm}x{tw.bn}): "
+                          f"max deviation from SIMT {err:.2e} of the largest output")
+                row(f"tensor cores {t.bm}x{t.bn}/{tw.bm}x{tw.bn}", 2.0 * B * K * T_out * C * k,
+                    mma, None)
         C, T = K, T_out
 
     C, G, k, pad = 768, 16, 128, 64
