@@ -28,7 +28,7 @@ OpMultiplyAddFastF32, does the same).
                   (multiply, row, col, place) for a block tile: the interface of
                   kernels._tile.register_tile, with a warp's share of the tile in mma tiles.
 
-The simulator runs the same kernel: `split` rounds the bits as the instruction does, and
+The simulator runs the same kernel: `split` rounds the bits as the GPU's does, and
 `mma1688` gathers the warp's fragments through shared memory (a barrier: every thread of the
 block must call it together, as every lane of a warp must call mma.sync) and multiplies them
 in float64, so a test there checks every fragment's index; the GPU's tests check the
@@ -127,7 +127,7 @@ else:
         return sig, codegen
 
 
-def mma_tile(t: Tiles, a_stride: int, b_stride: int):
+def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step: int = 1):
     """The warp tile of block tile `t` (t.mma): (multiply, row, col, place), as
     kernels._tile.register_tile's (multiply, row, col) with place(tid) -> (p, q), the
     arguments a thread passes to the other three.
@@ -136,11 +136,14 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int):
     mma tiles down, NI = t.tn / 2 across), warps numbered down the rows first; a lane holds
     its 4 accumulators of each of its warp's MI x NI mma tiles, acc[2 mi + h, 2 ni + c] at
     row p + 16 mi + 8 h and column q + 8 ni + c, where p = (warp's first row) + g and q =
-    (warp's first column) + 2 t. `multiply` adds one t.bk step of the staged tiles (k-major:
-    a row of a_tile every a_stride floats, of b_tile every b_stride): per 8 rows of K it
-    loads and splits the lane's A fragments of every mma tile down, then per mma tile across
-    its B fragments, and runs three mma per pair. Fragment reads are free of bank conflicts
-    when both strides are 8 or 24 modulo 32 (lanes t * stride + g apart)."""
+    (warp's first column) + 2 t. `multiply` adds one t.bk step of the staged tiles, A's
+    element (m, k) at a_start + k * a_stride + m * a_step, B's (k, n) at b_start +
+    k * b_stride + n * b_step (k-major tiles: steps 1; a Toeplitz window, A (m, k) =
+    win[m + k]: a_stride = a_step = 1): per 8 rows of K it loads and splits the lane's A
+    fragments of every mma tile down, then per mma tile across its B fragments, and runs
+    three mma per pair. Fragment reads are free of bank conflicts when the lanes' addresses,
+    t * stride + g * step apart, fall in distinct banks or coincide (k-major: strides 8 or
+    24 modulo 32)."""
     BM, BN, BK, TM, TN = t[:5]
     if TM % 2 or TN % 2 or BK % 8:
         raise ValueError(f"{t}: a tensor-core tile needs even tm and tn and bk a multiple of 8")
@@ -160,19 +163,20 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int):
     @cuda.jit(device=True)
     def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
         g, t = p % _u(8), (q // _u(2)) % _u(4)
-        a_base = a_start + t * _u(a_stride) + p               # A[p, t] of mma tile 0
-        b_base = b_start + t * _u(b_stride) + q - _u(2) * t + g   # B[t, g] of mma tile 0
+        a_base = a_start + t * _u(a_stride) + p * _u(a_step)   # A[p, t] of mma tile 0
+        b_base = b_start + t * _u(b_stride) + (q - _u(2) * t + g) * _u(b_step)   # B[t, g]
         big = cuda.local.array((MI, 4), frag)
         small = cuda.local.array((MI, 4), frag)
         for k8 in range(BK // 8):
             for mi in range(MI):
                 for v in range(4):   # a0..a3: rows + 8 (v odd), k + 4 (v >= 2)
                     x = a_tile[a_base + _u((8 * k8 + 4 * (v // 2)) * a_stride
-                                           + 16 * mi + 8 * (v % 2))]
+                                           + (16 * mi + 8 * (v % 2)) * a_step)]
                     big[mi, v], small[mi, v] = split(x)
             for ni in range(NI):
-                b0, b0s = split(b_tile[b_base + _u(8 * k8 * b_stride + 8 * ni)])
-                b1, b1s = split(b_tile[b_base + _u((8 * k8 + 4) * b_stride + 8 * ni)])
+                b0, b0s = split(b_tile[b_base + _u(8 * k8 * b_stride + 8 * ni * b_step)])
+                b1, b1s = split(b_tile[b_base + _u((8 * k8 + 4) * b_stride
+                                                   + 8 * ni * b_step)])
                 for mi in range(MI):
                     i, j = 2 * mi, 2 * ni
                     c0, c1, c2, c3 = acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1]

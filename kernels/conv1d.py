@@ -49,6 +49,8 @@ import numpy as np
 from kernels import _check, conv
 from kernels._conv_kernels import sum_splits_kernel
 from kernels._reduce import block_reduce
+from kernels._tf32 import mma_tile
+from kernels._tile import Tiles, grid_place
 from proto.device import backend
 from proto.device.backend import cuda, jit, launch
 
@@ -193,21 +195,28 @@ GPU_GROUPED_TILES = (GroupTiles(8, 8, 8, 6, 8), GroupTiles(8, 4, 8, 6, 8))
 # Backward-weight: 128 threads of 8 taps x 6 channels (all 128 taps, 48 channels a block), 32
 # frames a step (a sequence's last step wastes at most 31 frames).
 GPU_GROUPED_WGRAD_TILES = (GroupTiles(16, 8, 8, 6, 2),)
+# Forward and backward-data on tensor cores (kernels._tf32: three TF32 products a float32
+# one), the A operand the window itself (A[p, q] = win[p + q]): 4 warps of 16 frames x 48
+# channels, 64 taps a step; 2 warps for short sequences. Not routed: for tests and
+# dev/bench/bench_conv1d.py until a GPU measures them.
+GPU_GROUPED_MMA_TILES = (Tiles(64, 48, 64, 2, 12, True), Tiles(32, 48, 64, 2, 12, True))
 # The simulator: 4 threads, tiles small enough that tiny tests cross several of them.
 SIM_GROUPED_TILES = (GroupTiles(2, 2, 2, 2, 2),)
+SIM_GROUPED_MMA_TILES = (Tiles(16, 8, 16, 2, 2, True),)   # (one warp)
 SIM_GROUPED_WGRAD_TILES = (GroupTiles(2, 2, 2, 2, 2),)
 
 
 def _toeplitz_multiply(t: GroupTiles):
-    """multiply(acc, a_reg, b_reg, win, bt, tx, ty): acc[j, n] += sum_{q < depth}
-    win[tx + dx*j + q] * bt[(ty*tn + n) * QS + q], QS = depth + 1 (the B tile is staged
-    column-major with its columns a row apart, padded so that the threads of a warp with
-    different ty read distinct banks)."""
+    """multiply(acc, a_reg, b_reg, win, bt, a_start, b_start, tx, ty): acc[j, n] +=
+    sum_{q < depth} win[tx + dx*j + q] * bt[(ty*tn + n) * QS + q], QS = depth + 1 (the B
+    tile is staged column-major with its columns a row apart, padded so that the threads of
+    a warp with different ty read distinct banks); a_start and b_start are 0 (they are
+    kernels._tf32.mma_tile's interface)."""
     DX, TM, DY, TN, M = t
     A_REGS, QS = TM + M - 1, t.depth + 1
 
     @cuda.jit(device=True)
-    def multiply(acc, a_reg, b_reg, win, bt, tx, ty):
+    def multiply(acc, a_reg, b_reg, win, bt, a_start, b_start, tx, ty):
         b_row = ty * _u(TN * QS)
         for rho in range(DX):
             a_at = tx + _u(rho)
@@ -227,26 +236,33 @@ _GROUPED_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, float32[:
                 "int32, int32, int32, int32, int32, int32, int32, int32)")
 
 
-def make_grouped_kernel(t: GroupTiles, transposed: bool):
-    """Forward (transposed=False) or backward-data (True) of the grouped convolution.
+def make_grouped_kernel(t: GroupTiles | Tiles, transposed: bool):
+    """Forward (transposed=False) or backward-data (True) of the grouped convolution, on a
+    Toeplitz register tile (GroupTiles) or on tensor cores (Tiles with mma: frames bm,
+    channels bn, taps a step bk).
 
     Arguments: src (B, C_src, T_src), w (K, C/groups, k), bias, has_bias, dst (B, C_dst,
     T_dst), then B, C_src, T_src, C_dst, T_dst, groups, k, pad. Grid (T_dst tiles, output
     channel tiles, B * groups). Forward: src x, dst out. Backward-data: src dy, dst dx, the
     weight read transposed ((g*Cr + c) * Co + o, c the reduction channel) with its taps
     reversed (k-1-r), pad the forward's k-1-pad."""
-    DX, TM, DY, TN, M = t
-    BT, BO, DEPTH, NT = t.rows, t.cols, t.depth, t.threads
-    WIN, QS = BT + DEPTH - 1, DEPTH + 1
-    B_SIZE, A_REGS = BO * QS, TM + M - 1
+    if isinstance(t, Tiles):   # tensor cores (kernels._tf32): A (p, q) = win[p + q]
+        BT, BO, DEPTH, NT, TM, TN = t.bm, t.bn, t.bk, t.threads, t.tm, t.tn
+        QS = DEPTH + 4   # B's columns 4 banks apart: a warp's B fragments hit 32 banks
+        multiply, row, col, place = mma_tile(t, 1, 1, a_step=1, b_step=QS)
+        A_REGS = 1
+    else:
+        BT, BO, DEPTH, NT, TM, TN = t.rows, t.cols, t.depth, t.threads, t.tm, t.tn
+        QS, A_REGS = DEPTH + 1, TM + t.m - 1
+        multiply, row, col, place = (_toeplitz_multiply(t), *_toeplitz_places(t))
+    WIN, B_SIZE = BT + DEPTH - 1, BO * QS
     WIN_PER, B_PER = -(-WIN // NT), -(-(DEPTH * BO) // NT)   # staged elements a thread
-    multiply = _toeplitz_multiply(t)
 
     @jit(_GROUPED_SIG, writes=("dst",))
     def grouped_kernel(src, w, bias, has_bias, dst, B, C_src, T_src, C_dst, T_dst, groups, k,
                        pad):
         tid = cuda.threadIdx.x
-        tx, ty = _u(tid % DX), _u(tid // DX)
+        tx, ty = place(_u(tid))   # (what multiply, row and col take)
         t0 = cuda.blockIdx.x * BT
         o0 = cuda.blockIdx.y * BO
         b = cuda.blockIdx.z // groups
@@ -268,14 +284,14 @@ def make_grouped_kernel(t: GroupTiles, transposed: bool):
             # The window: frames t0 - pad + r0 + [0, WIN) of channel c (zero off the
             # sequence), consecutive threads on consecutive frames.
             first = t0 - pad + r0
-            row = src_base + c * T_src
+            src_row = src_base + c * T_src
             for e in range(WIN_PER):
                 p = tid + NT * e
                 if p < WIN:
                     at = first + p
                     v = np.float32(0.0)
                     if at >= 0 and at < T_src:
-                        v = src[row + at]
+                        v = src[src_row + at]
                     win[p] = v
             # The weight tile bt[oo*QS + rr] = tap r0 + rr of output channel o0 + oo,
             # consecutive threads on consecutive taps (contiguous in w).
@@ -293,23 +309,39 @@ def make_grouped_kernel(t: GroupTiles, transposed: bool):
                             v = w[((g * Co + o) * Cr + c) * k + r]
                     bt[oo * QS + rr] = v
             cuda.syncthreads()
-            multiply(acc, a_reg, b_reg, win, bt, tx, ty)
+            multiply(acc, a_reg, b_reg, win, bt, _u(0), _u(0), tx, ty)
             cuda.syncthreads()   # the next step overwrites both tiles
             r0 += DEPTH
             if r0 >= k:
                 r0 = 0
                 c += 1
         for n in range(TN):
-            o = o0 + np.int32(ty) * TN + n
+            o = o0 + np.int32(col(ty, n))
             if o < Co:
                 add = bias[g * Co + o] if has_bias != 0 else np.float32(0.0)
-                row = (b * C_dst + g * Co + o) * T_dst
+                at = (b * C_dst + g * Co + o) * T_dst
                 for j in range(TM):
-                    tt = t0 + np.int32(tx) + DX * j
+                    tt = t0 + np.int32(row(tx, j))
                     if tt < T_dst:
-                        dst[row + tt] = acc[j, n] + add
+                        dst[at + tt] = acc[j, n] + add
 
     return grouped_kernel
+
+
+def _toeplitz_places(t: GroupTiles):
+    """(row, col, place) of the Toeplitz tile: acc[j, n] is frame tx + dx*j, channel
+    ty*tn + n, for (tx, ty) = place(tid) = (tid % dx, tid // dx)."""
+    DX, TN = t.dx, t.tn
+
+    @cuda.jit(device=True)
+    def row(tx, j):
+        return tx + _u(DX * j)
+
+    @cuda.jit(device=True)
+    def col(ty, n):
+        return ty * _u(TN) + _u(n)
+
+    return row, col, grid_place(DX)
 
 
 _GROUPED_WGRAD_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, int32, "
@@ -376,7 +408,7 @@ def make_grouped_wgrad_kernel(t: GroupTiles):
                         v = dy[dy_base + oo * T_out + tt]
                     bt[oo * QS + tt] = v
             cuda.syncthreads()
-            multiply(acc, a_reg, b_reg, win, bt, tx, ty)
+            multiply(acc, a_reg, b_reg, win, bt, _u(0), _u(0), tx, ty)
             cuda.syncthreads()
             t0 += DEPTH
             if t0 >= T_out:
@@ -499,10 +531,10 @@ def weight_norm_bwd_kernel(v, dw, coef, dv):
         dv[e] = coef[r] * dw[e] - coef[k + r] * v[e]
 
 
-_FWD = {t: make_grouped_kernel(t, False)
-        for t in GPU_GROUPED_TILES + (SIM_GROUPED_TILES if backend.SIMULATOR else ())}
-_BWD_DATA = {t: make_grouped_kernel(t, True)
-             for t in GPU_GROUPED_TILES + (SIM_GROUPED_TILES if backend.SIMULATOR else ())}
+_GROUPED_ALL = GPU_GROUPED_TILES + GPU_GROUPED_MMA_TILES + (
+    SIM_GROUPED_TILES + SIM_GROUPED_MMA_TILES if backend.SIMULATOR else ())
+_FWD = {t: make_grouped_kernel(t, False) for t in _GROUPED_ALL}
+_BWD_DATA = {t: make_grouped_kernel(t, True) for t in _GROUPED_ALL}
 _WGRAD = {t: make_grouped_wgrad_kernel(t)
           for t in GPU_GROUPED_WGRAD_TILES + (SIM_GROUPED_WGRAD_TILES if backend.SIMULATOR else ())}
 
@@ -610,7 +642,8 @@ def _launch_grouped(kernel_table, tiles, src, w, bias, dst, groups, k, pad, stre
     if t not in kernel_table:
         raise ValueError(f"tiles: {t} is not built; choose from {sorted(kernel_table)}")
     flat_w = backend.reshaped(w, (w.size,))
-    grid = (-(-T_dst // t.rows), -(-(C_dst // groups) // t.cols), B * groups)
+    frames, channels = (t.bm, t.bn) if isinstance(t, Tiles) else (t.rows, t.cols)
+    grid = (-(-T_dst // frames), -(-(C_dst // groups) // channels), B * groups)
     launch(kernel_table[t], grid, t.threads,
            (backend.reshaped(src, (src.size,)), flat_w, flat_w if bias is None else bias,
             int(bias is not None), backend.reshaped(dst, (dst.size,)), B, C_src, T_src, C_dst,

@@ -172,8 +172,30 @@ def test_grouped_backward_weight_matches_reference(data, splits, scale):
     assert db is None or np.array_equal(db.copy_to_host(), first[1])
 
 
+GROUPED_MMA = conv1d.SIM_GROUPED_MMA_TILES if backend.SIMULATOR else conv1d.GPU_GROUPED_MMA_TILES
+
+
+@given(data=st.data(), tiles=st.sampled_from(GROUPED_MMA))
+def test_grouped_on_tensor_cores_matches_reference(data, tiles, scale):
+    """Forward and backward-data on a tensor-core tile, whose A operand is the staged window
+    itself (A[p, q] = win[p + q]): within assert_sum_close's 8 units of roundoff a product
+    (the split's 12 and truncating sums fit it for these short sums; kernels._tf32)."""
+    c = data.draw(grouped_cases(scale))
+    x, w, b, dy = _grouped_arrays(c)
+    out, dx = nans(dy.shape), nans(x.shape)
+    conv1d.conv1d_grouped(dev(x), dev(w), dev(b), out, tiles=tiles, **_geometry(c))
+    assert_sum_close(out, conv1d.conv1d_grouped_ref(x, w, b, c["T_out"], **_geometry(c)),
+                     c["Cr"] * c["k"])
+    conv1d.conv1d_grouped_bwd_data(dev(dy), dev(w), dx, tiles=tiles, **_geometry(c))
+    assert_sum_close(dx, conv1d.conv1d_grouped_bwd_data_ref(dy, w, c["T"], **_geometry(c)),
+                     c["Co"] * c["k"])
+
+
+# (the tensor-core tiles only on the GPU: the simulator takes over a minute each, and its
+# own mma tile runs the same fragment code above)
 @pytest.mark.slow   # (5 to 10 s each on the simulator; make test-all and CI run them)
-@pytest.mark.parametrize("tiles", conv1d.GPU_GROUPED_TILES)
+@pytest.mark.parametrize("tiles", conv1d.GPU_GROUPED_TILES
+                         + (() if backend.SIMULATOR else conv1d.GPU_GROUPED_MMA_TILES))
 def test_gpu_grouped_tiles_on_a_small_problem(tiles):
     """The GPU's tiles run here too: 3 output channels of a group (of the tile's 48), 40
     frames (the 64-frame tile part full, the 32-frame one's second tile mostly past the end),
@@ -214,15 +236,16 @@ def _positional(scale_to_model: bool):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [65, 199])
-def test_grouped_at_wav2vec2_positional_conv_size(T):
+@pytest.mark.parametrize("tiles", [None, *conv1d.GPU_GROUPED_MMA_TILES])
+def test_grouped_at_wav2vec2_positional_conv_size(T, tiles):
     rng = np.random.default_rng(9)
     s = _positional(True)
     g = dict(groups=s["groups"], pad=s["pad"])
     x, w, b = rand(rng, 8, 768, T), rand(rng, 768, 48, 128, scale=0.1), rand(rng, 768)
     dy = rand(rng, 8, 768, T)
     out, dx, dw, db = nans((8, 768, T)), nans(x.shape), nans(w.shape), nans(768)
-    conv1d.conv1d_grouped(dev(x), dev(w), dev(b), out, **g)
-    conv1d.conv1d_grouped_bwd_data(dev(dy), dev(w), dx, **g)
+    conv1d.conv1d_grouped(dev(x), dev(w), dev(b), out, tiles=tiles, **g)
+    conv1d.conv1d_grouped_bwd_data(dev(dy), dev(w), dx, tiles=tiles, **g)
     conv1d.conv1d_grouped_bwd_weight(dev(x), dev(dy), dw, db, **g)
     assert_sum_close(out, conv1d.conv1d_grouped_ref(x, w, b, T, **g), 48 * 128)
     assert_sum_close(dx, conv1d.conv1d_grouped_bwd_data_ref(dy, w, T, **g), 48 * 128)

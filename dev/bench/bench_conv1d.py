@@ -1,12 +1,14 @@
 """Wav2Vec2-base's convolutions (kernels.conv1d) and weight norm, timed beside cuDNN (TF32
-off) when PyTorch is installed; the feature encoder's 512-channel layers also on the
-tensor-core tiles (kernels.conv.GPU_CONV_MMA_TILES).  python -m dev.bench.bench_conv1d [batch]"""
+off) when PyTorch is installed; the feature encoder's 512-channel layers and the positional
+convolution also on the tensor-core tiles (kernels.conv.GPU_CONV_MMA_TILES,
+GPU_WGRAD_MMA_TILES, kernels.conv1d.GPU_GROUPED_MMA_TILES), each checked against the SIMT
+kernels' result.  python -m dev.bench.bench_conv1d [batch]"""
 import numpy as np
 
-from kernels.conv1d import (conv1d, conv1d_bwd_data, conv1d_bwd_weight, conv1d_grouped,
-                            conv1d_grouped_bwd_data, conv1d_grouped_bwd_weight,
-                            conv1d_grouped_flops, conv1d_out_size, weight_norm, weight_norm_bwd)
 from kernels import conv
+from kernels.conv1d import (GPU_GROUPED_MMA_TILES, conv1d, conv1d_bwd_data, conv1d_bwd_weight,
+                            conv1d_grouped, conv1d_grouped_bwd_data, conv1d_grouped_bwd_weight,
+                            conv1d_grouped_flops, conv1d_out_size, weight_norm, weight_norm_bwd)
 from proto.device import backend
 from proto.device.backend import cuda
 
@@ -103,6 +105,15 @@ def main(argv=None):
                 lambda: torch.nn.grad.conv1d_input(tx.shape, tw, ty, padding=pad, groups=G),
                 lambda: torch.nn.grad.conv1d_weight(tx, tw.shape, ty, padding=pad, groups=G)]
         row(f"positional T{T}", conv1d_grouped_flops(B, C, C, T, k, G), runs, torch_runs)
+        want = [run_and_copy(r, d) for r, d in zip(runs[:2], (out, dx))]
+        for t in GPU_GROUPED_MMA_TILES:   # forward and backward-data on tensor cores
+            mma = [lambda t=t: conv1d_grouped(x, w, b, out, groups=G, pad=pad, tiles=t),
+                   lambda t=t: conv1d_grouped_bwd_data(dy, w, dx, groups=G, pad=pad, tiles=t)]
+            for run, dst, ref in zip(mma, (out, dx), want):
+                err = np.max(np.abs(run_and_copy(run, dst) - ref)) / np.max(np.abs(ref))
+                print(f"{'':>28}   tensor cores {t.bm}x{t.bn}: max deviation from SIMT "
+                      f"{err:.2e} of the largest output")
+            row(f"tensor cores {t.bm}x{t.bn}", conv1d_grouped_flops(B, C, C, T, k, G), mma, None)
     w, dv, dg = (cuda.device_array(a.shape, np.float32) for a in (v, v, g))
     for name, run in (("weight_norm", lambda: weight_norm(v, g, w)),
                       ("weight_norm_bwd", lambda: weight_norm_bwd(v, g, w, dv, dg))):
