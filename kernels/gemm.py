@@ -804,25 +804,42 @@ def mma_fits(a, b, trans_a: bool) -> bool:
             and backend.extent(a)[0] % 16 == 0 and backend.extent(b)[0] % 16 == 0)
 
 
-@jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32)",
+@jit_per_dtype("void(float32[::1], int32, {t}[:,:,::1], {t}[::1], int32, int32, int32)",
                writes=("out",), early_launch=True)
-def gemm_splitk_reduce_kernels(part, out, bias, has_bias, act, accumulate):
-    """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order: grid-stride
-    over the outputs. Every load of an output (old value, bias, RED_CHUNK partials) is
-    issued before any is used: one memory round trip per chunk, not one per partial."""
+def gemm_splitk_reduce_kernels(part, splits, out, bias, has_bias, act, accumulate):
+    """out[bz, m, n] = epilogue(sum over s of part[bz, s, m, n]), s in order, `part` the
+    (B, splits, M, N) partials flattened (uint32 offsets: a partial's address is one add
+    from the last, where 4-D indexing multiplied four runtime strides a load). Grid (column
+    blocks, row blocks): threads along n, each y index a row r = bz * M + m at a time
+    (grid-stride), so a row's coordinates cost one 32-bit division a row, not the four 64-bit
+    divisions an element of a flat grid-stride loop (about 300 instructions an element: the
+    reductions ran instruction-bound, Wav2Vec2's at a third of copy bandwidth). Every load of
+    an output (old value, bias, RED_CHUNK partials) is issued before any is used: one memory
+    round trip per chunk, not one per partial."""
     vals = cuda.local.array(RED_CHUNK, np.float32)
-    B, S, M, N = part.shape
+    B, M, N = out.shape
+    S = splits
+    n_rows, n_cols = _u(B * M), _u(N)
+    plane = _u(M) * n_cols   # one split's partials of a batch
+    n = _u(cuda.blockIdx.x) * _u(cuda.blockDim.x) + _u(cuda.threadIdx.x)
     _pdl.wait()   # (early launch: everything it reads but the bias is an earlier output)
     _pdl.launch_dependents()
-    for e in range(cuda.grid(1), B * M * N, cuda.gridsize(1)):
-        bm, n = e // N, _u(e % N)
-        bz, m = _u(bm // M), _u(bm % M)
+    if n >= n_cols:
+        return
+    bv = bias[n] if has_bias else _ZERO
+    r = _u(cuda.blockIdx.y)
+    while r < n_rows:
+        bz, m = _u(r // _u(M)), _u(r % _u(M))
+        at = _u(_u(_u(bz * _u(S)) * _u(M) + m) * n_cols + n)   # part[bz, 0, m, n]
         old = out[bz, m, n] if accumulate else _ZERO
-        bv = bias[n] if has_bias else _ZERO
         v = _ZERO
         for s0 in range(0, S, RED_CHUNK):
+            # (predicated, not clamped: the addresses a plane apart, one 32-bit add each;
+            # Numba widens uint32 arithmetic to 64 bits unless each result is cast back)
             for u in range(RED_CHUNK):
-                vals[u] = part[bz, _u(min(s0 + u, S - 1)), m, n]
+                if s0 + u < S:
+                    vals[u] = part[at]
+                at = _u(at + plane)
             for u in range(RED_CHUNK):
                 if s0 + u < S:
                     v += vals[u]
@@ -831,6 +848,7 @@ def gemm_splitk_reduce_kernels(part, out, bias, has_bias, act, accumulate):
         if has_bias:
             v += bv
         out[bz, m, n] = _act(v, act)
+        r = _u(r + _u(cuda.gridDim.y))
 
 
 @jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32, "
@@ -1014,10 +1032,17 @@ def _kept(part, splits: int):
 
 
 def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
-    """out = epilogue(sum of the partials in split order): gemm_splitk_reduce_kernels."""
-    blocks, threads = _check.grid_stride_launch(out.size)
-    launch(gemm_splitk_reduce_kernels[np.dtype(out.dtype)], blocks, threads,
-           (part, out, bias, has_bias, act, accumulate), stream)
+    """out = epilogue(sum of the partials in split order): gemm_splitk_reduce_kernels, its
+    columns across blocks of threads, rows over about 8 blocks an SM in all (the simulator:
+    32 threads, one row block)."""
+    rows, n_cols = out.shape[0] * out.shape[1], out.shape[2]
+    threads = 32 if backend.SIMULATOR else 256
+    col_blocks = -(-n_cols // threads)
+    want = 1 if backend.SIMULATOR else 8 * _check.sm_count()
+    row_blocks = max(1, min(rows, -(-want // col_blocks), 65535))
+    launch(gemm_splitk_reduce_kernels[np.dtype(out.dtype)], (col_blocks, row_blocks), threads,
+           (backend.reshaped(part, (part.size,)), np.int32(part.shape[1]), out, bias, has_bias,
+            act, accumulate), stream)
 
 
 def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stream,
