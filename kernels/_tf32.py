@@ -47,6 +47,9 @@ _u = np.uint32
 MAX_THREADS = 1024
 
 if SIMULATOR:
+    def converge():
+        pass   # (the stand-in's barrier holds every thread of the block)
+
     def _tf32_bits(x) -> np.uint32:
         """The GPU's rounding, on the bits: 2**12 added, the 13 low bits cleared."""
         bits = int(np.float32(x).view(np.uint32))
@@ -86,6 +89,12 @@ else:
     from numba.cuda.extending import intrinsic
 
     _I32, _F32 = ir.IntType(32), ir.FloatType()
+
+    @cuda.jit(device=True)
+    def converge():
+        """Reconverge the warp: the staging before a multiply branches per thread (a conv's
+        gather loops a thread's own count), and mma.sync.aligned needs all 32 lanes."""
+        cuda.syncwarp(0xFFFFFFFF)
 
     @intrinsic
     def split(typingctx, x):
@@ -162,6 +171,7 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step:
 
     @cuda.jit(device=True)
     def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
+        converge()   # (mma.sync.aligned: every lane of the warp at the same instruction)
         g, t = p % _u(8), (q // _u(2)) % _u(4)
         a_base = a_start + t * _u(a_stride) + p * _u(a_step)   # A[p, t] of mma tile 0
         b_base = b_start + t * _u(b_stride) + (q - _u(2) * t + g) * _u(b_step)   # B[t, g]
