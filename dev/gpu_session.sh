@@ -16,7 +16,8 @@
 # (the kernel cache's test, then where recording GPT-2 takes memory), w2v_profile (a Wav2Vec2
 # training step's kernels, ours beside transformers', half a minute), gptj_profile (GPT-J's
 # decode step's kernels at position 512, ours beside PtGraph's), train_gemm (Wav2Vec2's
-# float32 GEMMs over the tiled kernel's tile shapes against cuBLAS: dev/bench/bench_train_gemm.py),
+# float32 GEMMs over the tiled kernel's tile shapes against cuBLAS: dev/bench/bench_train_gemm.py;
+# train_gemm_mma: only the default and the tensor-core tiles, a few minutes less),
 # conv_bench (Wav2Vec2's convolutions against cuDNN, the feature encoder's also on tensor
 # cores: dev/bench/bench_conv1d.py, about a minute).
 # The kernels load from Numba's cache after the first process compiles them: a fresh machine
@@ -58,6 +59,7 @@ for s in "$@"; do case $s in
   w2v_profile) step w2v_profile 600 python3 -m dev.probe.wav2vec2_profile ;;
   gptj_profile) step gptj_profile 600 python3 -m dev.probe.gptj_profile ;;
   train_gemm) step train_gemm 600 python3 -m dev.bench.bench_train_gemm ;;
+  train_gemm_mma) step train_gemm_mma 600 python3 -m dev.bench.bench_train_gemm 120 --mma ;;
   conv_bench) step conv_bench 600 python3 -m dev.bench.bench_conv1d ;;
   sanitize) step sanitize 900 python3 -m tests.sanitize ;;
   *) echo "unknown step $s" >> $L/steps.txt ;;

@@ -2,6 +2,7 @@
 tensor cores (3xTF32), against cuBLAS.
 
     PYTHONUNBUFFERED=1 python3 -m dev.bench.bench_train_gemm 2>&1 | tee $OUT/train_gemm.txt
+    python3 -m dev.bench.bench_train_gemm 120 199 --mma   # frame counts; tensor cores alone
 
 Why: a Wav2Vec2 training step spends half its GPU time in the tiled GEMMs
 (results/h200/profiles/wav2vec2_profile_04e0405.txt: 26 of 52 ms at 120 frames, against
@@ -88,7 +89,9 @@ def main() -> None:
     print(f"device {backend.describe()}; torch {torch.__version__}, TF32 off", flush=True)
     rng = np.random.default_rng(0)
     rows = []
-    frames_list = [int(a) for a in sys.argv[1:]] or FRAMES
+    args = sys.argv[1:]
+    only_mma = "--mma" in args   # the SIMT tiles as routed and the tensor-core tiles alone
+    frames_list = [int(a) for a in args if a != "--mma"] or FRAMES
     for frames in frames_list:
         for name, M, N, K, ta, tb in shapes(B * frames):
             a, b = operands(rng, M, N, K, ta, tb)
@@ -107,7 +110,8 @@ def main() -> None:
             default = G.tiled_launch_plan(1, M, N, K)
             variants = [("default", None, 0, None)] + [
                 (f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}", t, stages,
-                 target) for t, stages in VARIANTS for target in (1, None)]
+                 target) for t, stages in VARIANTS for target in (1, None)
+                if t.mma or not only_mma or (stages == 0 and t in (G.TILE, G.WIDE_TILE))]
             for label, t, stages, target in variants:
                 try:
                     def call(s, t=t, stages=stages, target=target):
@@ -116,7 +120,7 @@ def main() -> None:
                     call(0)
                     splits = default[1] if t is None else G.tiled_plan(t, 1, M, N, K, target)[0]
                     err = error_over_bound(out.copy_to_host(), a, b, ta, tb, splits,
-                                           mma=t is not None and t.mma)
+                                           mma=(default[0] if t is None else t).mma)
                     if not err <= 1:
                         raise AssertionError(f"error {err:.3g} of the bound")
                     us, spread, _ = bd.graph_time_us([call])
