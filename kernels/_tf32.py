@@ -12,11 +12,12 @@ summation, against float32's 2**-24; over a reduction of K terms the sum's round
 OpMultiplyAddFastF32, does the same).
 
     split(x)      (big, small) of float32 x as TF32 bit patterns (uint32), each rounded to
-                  nearest, ties away from zero (as cvt.rna.tf32.f32 and CUTLASS round), by
-                  adding 2**12 to the bits and clearing the 13 low ones: the sign bit is
-                  apart, so this rounds the magnitude; infinities stay, and so does a NaN
-                  unless its payload lies only in the 13 low bits (the GPU's own NaN,
-                  0x7FFFFFFF, does not);
+                  nearest, ties away from zero (as CUTLASS rounds): big by cvt.rna.tf32.f32,
+                  which keeps infinities and NaN, small by adding 2**12 to the bits and
+                  clearing the 13 low ones (the rest is finite wherever x is). A NaN operand
+                  gives NaN; an infinite one gives NaN too where float32 would give an
+                  infinity (inf times the other operand's small part, often 0): either way
+                  the result is not finite;
     mma1688(a0..a3, b0, b1, c0..c3)
                   D = A B + C for one warp, mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32:
                   A 16 x 8 and B 8 x 8 in TF32, C and D 16 x 8 float32. Lane l holds, with
@@ -51,13 +52,15 @@ if SIMULATOR:
         pass   # (the stand-in's barrier holds every thread of the block)
 
     def _tf32_bits(x) -> np.uint32:
-        """The GPU's rounding, on the bits: 2**12 added, the 13 low bits cleared."""
+        """The GPU's rounding of the rest, on the bits: 2**12 added (in 32 bits), the 13 low
+        bits cleared."""
         bits = int(np.float32(x).view(np.uint32))
         return np.uint32((bits + 0x1000) & 0xFFFFE000)
 
     def split(x):
-        big = _tf32_bits(x)
-        rest = np.float32(np.float32(x) - big.view(np.float32))
+        x = np.float32(x)
+        big = np.float32(x).view(np.uint32) if not np.isfinite(x) else _tf32_bits(x)
+        rest = np.float32(x - big.view(np.float32)) if np.isfinite(x) else np.float32(0)
         return big, _tf32_bits(rest)
 
     def _value(bits) -> float:
@@ -81,8 +84,9 @@ if SIMULATOR:
         a_lo, a_hi = np.r_[quad[:, 0], quad[:, 2]], np.r_[quad[:, 1], quad[:, 3]]
         b_0 = np.r_[lanes[8 * t:8 * t + 4, 4], lanes[8 * t:8 * t + 4, 5]]        # column 2t
         b_1 = np.r_[lanes[8 * t + 4:8 * t + 8, 4], lanes[8 * t + 4:8 * t + 8, 5]]  # 2t + 1
-        return (np.float32(a_lo @ b_0 + float(c0)), np.float32(a_lo @ b_1 + float(c1)),
-                np.float32(a_hi @ b_0 + float(c2)), np.float32(a_hi @ b_1 + float(c3)))
+        with np.errstate(invalid="ignore", over="ignore"):   # (inf * 0 is NaN, as on the GPU)
+            return (np.float32(a_lo @ b_0 + float(c0)), np.float32(a_lo @ b_1 + float(c1)),
+                    np.float32(a_hi @ b_0 + float(c2)), np.float32(a_hi @ b_1 + float(c3)))
 else:
     from llvmlite import ir
     from numba import types
@@ -104,11 +108,11 @@ else:
 
         def codegen(context, builder, sig, args):
             fn = ir.FunctionType(ir.LiteralStructType([_I32, _I32]), [_F32])
-            # Rounding by integer adds on the bits: 2 instructions where cvt.rna.tf32.f32
-            # takes 4 (it tests for NaN), 5 a split instead of 9. x - big is exact (big is
-            # x rounded), so only the two roundings round.
-            asm = ir.InlineAsm(fn, "{ .reg .b32 t; .reg .f32 f; mov.b32 t, $2; "
-                                   "add.u32 t, t, 0x1000; and.b32 $0, t, 0xFFFFE000; "
+            # big by cvt.rna.tf32.f32 (4 SASS instructions: it keeps NaN, which the integer
+            # add would carry into the sign: 0x7FFFFFFF, the GPU's NaN, became -0.0); small
+            # by the integer add on the bits (2): the rest is finite unless x is not, and
+            # then big carries the infinity or NaN. x - big is exact (big is x rounded).
+            asm = ir.InlineAsm(fn, "{ .reg .b32 t; .reg .f32 f; cvt.rna.tf32.f32 $0, $2; "
                                    "mov.b32 f, $0; sub.f32 f, $2, f; mov.b32 t, f; "
                                    "add.u32 t, t, 0x1000; and.b32 $1, t, 0xFFFFE000; }",
                                "=r,=r,f", side_effect=False)

@@ -1035,6 +1035,8 @@ def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
     """out = epilogue(sum of the partials in split order): gemm_splitk_reduce_kernels, its
     columns across blocks of threads, rows over about 8 blocks an SM in all (the simulator:
     32 threads, one row block)."""
+    if part.size >= 2**32:   # (the kernel's offsets are uint32)
+        raise ValueError(f"part: {part.size} partials exceed the reduction's 2**32")
     rows, n_cols = out.shape[0] * out.shape[1], out.shape[2]
     threads = 32 if backend.SIMULATOR else 256
     col_blocks = -(-n_cols // threads)

@@ -581,6 +581,19 @@ def test_tiled_refuses_operands_past_its_32_bit_offsets(monkeypatch):
     assert recorder.launches == []
 
 
+def test_the_split_k_reduction_refuses_partials_past_its_32_bit_offsets(monkeypatch):
+    """The reduction addresses the flattened partials with uint32 offsets: 2**32 of them are
+    refused before its launch (stand-ins carry the shapes)."""
+    from types import SimpleNamespace
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(backend, "_recorder", recorder)
+    part = SimpleNamespace(shape=(1, 2**12, 2**10, 2**10), size=2**32)
+    out = SimpleNamespace(shape=(1, 2**10, 2**10), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"part: 4294967296 partials exceed"):
+        G._sum_partials(part, out, None, 0, 0, 0, 0)
+    assert recorder.launches == []
+
+
 def _valid_splits(k):
     return split_counts(k, G.NN.k_step, G.SPAN_MAX)
 

@@ -58,6 +58,35 @@ def test_split_gives_the_rounded_value_and_the_rounded_rest(seed, scale):
 SIM = backend.SIMULATOR
 
 
+def test_split_keeps_infinities_and_nan_in_the_big_part():
+    x = np.array([np.inf, -np.inf, np.nan, 0.0], np.float32)
+    x[3] = np.uint32(0x7FFFFFFF).view(np.float32)   # the GPU's own NaN: all fraction bits
+    big, small = dev(np.zeros(x.size, np.uint32)), dev(np.zeros(x.size, np.uint32))
+    _split_kernel[1, 32](dev(x), big, small)
+    big = big.copy_to_host().view(np.float32)
+    assert big[0] == np.inf and big[1] == -np.inf and np.isnan(big[2]) and np.isnan(big[3])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_operand_gives_a_non_finite_row(bad):
+    """NaN propagates; an infinity gives an infinity or NaN (3xTF32 multiplies it by the other
+    operand's small part, often 0: NaN where float32 would give an infinity), never a finite
+    number; the other rows are untouched."""
+    rng = np.random.default_rng(3)
+    m, n, k = (20, 12, 24) if SIM else (300, 260, 600)
+    a, b = rand(rng, m, k), rand(rng, k, n)
+    a[5, 7] = bad
+    out = dev(np.full((1, m, n), np.nan, np.float32))
+    db = dev(b[None])
+    G.tiled(dev(a[None]), db, out, db.reshape(db.size), 0, 0, 0, 0, 0, 0, tile=TILES[0],
+            stages=2)
+    got = out.copy_to_host()[0]
+    assert not np.any(np.isfinite(got[5]))
+    rows = np.arange(m) != 5
+    np.testing.assert_allclose(got[rows], (a.astype(np.float64) @ b)[rows], rtol=1e-4,
+                               atol=1e-4)
+
+
 @given(m=st.integers(1, 33 if SIM else 300), n=st.integers(1, 33 if SIM else 300),
        k=st.integers(1, 40 if SIM else 600),
        batch=st.sampled_from([1, 2]), flags=st.sampled_from(FLAGS),
