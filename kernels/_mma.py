@@ -24,9 +24,7 @@ if not SIMULATOR:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from kernels._ptx import element_address
-
-    _I32, _I64 = ir.IntType(32), ir.IntType(64)
+    from kernels._ptx import asm_tuple, element_address, warp_mma
 
     def _load16(instruction: str):
         """An intrinsic (src, j) -> four uint32 loading `src`'s float16 elements j .. j+7
@@ -41,35 +39,15 @@ if not SIMULATOR:
             def codegen(context, builder, sig, args):
                 addr = element_address(context, builder, sig.args[0], args[0], sig.args[1],
                                        args[1])
-                fn = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64])
                 # (a generic pointer: cvta.to.global makes it a global-window address)
-                asm = ir.InlineAsm(fn, "{ .reg .u64 g; cvta.to.global.u64 g, $4; "
-                                       f"{instruction}.v4.b32 {{$0, $1, $2, $3}}, [g]; }}",
-                                   "=r,=r,=r,=r,l", side_effect=False)
-                out = builder.call(asm, [addr])
-                return context.make_tuple(builder, sig.return_type,
-                                          [builder.extract_value(out, i) for i in range(4)])
+                return asm_tuple(context, builder, sig,
+                                 "{ .reg .u64 g; cvta.to.global.u64 g, $4; "
+                                 f"{instruction}.v4.b32 {{$0, $1, $2, $3}}, [g]; }}",
+                                 "=r,=r,=r,=r,l", [ir.IntType(32)] * 4, [addr])
             return sig, codegen
         return load
 
     ldg16 = _load16("ld.global.nc")
     ld16 = _load16("ld.global")
 
-    @intrinsic
-    def mma16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        if not all(a == types.uint32 for a in (a0, a1, a2, a3, b0, b1)) or \
-                not all(c == types.float32 for c in (c0, c1, c2, c3)):
-            return None
-        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-
-        def codegen(context, builder, sig, args):
-            f32 = ir.FloatType()
-            fn = ir.FunctionType(ir.LiteralStructType([f32] * 4), [_I32] * 6 + [f32] * 4)
-            asm = ir.InlineAsm(fn, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-                                   "{$10, $11, $12, $13};",
-                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
-            out = builder.call(asm, list(args))
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(out, i) for i in range(4)])
-        return sig, codegen
+    mma16816 = warp_mma("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")

@@ -92,7 +92,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    _I32, _F32 = ir.IntType(32), ir.FloatType()
+    from kernels._ptx import asm_tuple, warp_mma
 
     @cuda.jit(device=True)
     def converge():
@@ -107,38 +107,18 @@ else:
         sig = types.UniTuple(types.uint32, 2)(x)
 
         def codegen(context, builder, sig, args):
-            fn = ir.FunctionType(ir.LiteralStructType([_I32, _I32]), [_F32])
             # big by cvt.rna.tf32.f32 (4 SASS instructions: it keeps NaN, which the integer
             # add would carry into the sign: 0x7FFFFFFF, the GPU's NaN, became -0.0); small
             # by the integer add on the bits (2): the rest is finite unless x is not, and
             # then big carries the infinity or NaN. x - big is exact (big is x rounded).
-            asm = ir.InlineAsm(fn, "{ .reg .b32 t; .reg .f32 f; cvt.rna.tf32.f32 $0, $2; "
-                                   "mov.b32 f, $0; sub.f32 f, $2, f; mov.b32 t, f; "
-                                   "add.u32 t, t, 0x1000; and.b32 $1, t, 0xFFFFE000; }",
-                               "=r,=r,f", side_effect=False)
-            out = builder.call(asm, list(args))
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(out, i) for i in range(2)])
+            return asm_tuple(context, builder, sig,
+                             "{ .reg .b32 t; .reg .f32 f; cvt.rna.tf32.f32 $0, $2; "
+                             "mov.b32 f, $0; sub.f32 f, $2, f; mov.b32 t, f; "
+                             "add.u32 t, t, 0x1000; and.b32 $1, t, 0xFFFFE000; }",
+                             "=r,=r,f", [ir.IntType(32)] * 2, args)
         return sig, codegen
 
-    @intrinsic
-    def mma1688(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        if not all(a == types.uint32 for a in (a0, a1, a2, a3, b0, b1)) or \
-                not all(c == types.float32 for c in (c0, c1, c2, c3)):
-            return None
-        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-
-        def codegen(context, builder, sig, args):
-            fn = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
-            asm = ir.InlineAsm(fn, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-                                   "{$10, $11, $12, $13};",
-                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
-            out = builder.call(asm, list(args))
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(out, i) for i in range(4)])
-        return sig, codegen
-
+    mma1688 = warp_mma("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
 
 def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step: int = 1):
     """The warp tile of block tile `t` (t.mma): (multiply, row, col, place), as
