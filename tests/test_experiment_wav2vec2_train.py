@@ -52,3 +52,20 @@ def test_summary_ratios_and_the_loss_check():
     assert w.summarize(rows, losses, bits, same, 2)["loss_matches_reference"] is True
     none = w.summarize(rows, losses, bits, None, 2)
     assert none["loss_matches_reference"] is None and none["loss_steps_compared"] == 0
+
+
+def test_a_run_cut_short_keeps_a_summary_naming_what_did_not_run(tmp_path, monkeypatch):
+    """After the headline methods, before the checks: the summary holds their ratios, None
+    for the checks' figures, and names every method and check still to come, in run order."""
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    rows = [{"method": m, "layers": 1, "hidden": 8, "batch": 2, "steps": 3, "lengths": 2,
+             "ms_per_step": ms, "kept_mib": 10.0, "lengths_served": 2}
+            for m, ms in (("ours_planned", 5.0), ("hf_eager", 7.5))]
+    w._write_summary(rows, {"ours_planned": [1.0], "hf_eager": [1.0]}, {},
+                     {"ptgraph_shared": "no GPU"}, "toy")
+    s = common.read_summary(w.NAME)
+    assert s["eager_over_ours_step"] == 1.5
+    assert s["graphed_equals_eager"] is None and s["loss_matches_reference"] is None
+    assert s["methods_not_run"] == ["check_bits", "check_loss"] + w.METHODS[w.HEADLINE:]
+    w._write_summary(rows[1:], {}, {}, {}, "toy")   # (no ours_planned row: nothing written
+    assert common.read_summary(w.NAME)["eager_over_ours_step"] == 1.5   # over the last one)
