@@ -69,3 +69,31 @@ def test_a_run_cut_short_keeps_a_summary_naming_what_did_not_run(tmp_path, monke
     assert s["methods_not_run"] == ["check_bits", "check_loss"] + w.METHODS[w.HEADLINE:]
     w._write_summary(rows[1:], {}, {}, {}, "toy")   # (no ours_planned row: nothing written
     assert common.read_summary(w.NAME)["eager_over_ours_step"] == 1.5   # over the last one)
+
+
+def test_a_failing_check_costs_no_later_method_and_fails_the_run(tmp_path, monkeypatch):
+    """check_bits failing is ours failing: the methods after it still run, then the run
+    raises naming it (and keeps no summary, as for a method of ours that fails)."""
+    from experiments import isolate
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    asked = []
+
+    def each_method(name, methods, target, size, *, baselines, unavailable):
+        for m in methods:
+            asked.append(m)
+            yield m, {"row": {"method": m, "layers": 1, "hidden": 8, "batch": 2, "steps": 1,
+                              "lengths": 1, "ms_per_step": 1.0, "kept_mib": 1.0,
+                              "lengths_served": 1},
+                      "losses": [1.0], "curve": [], "steps": [{"frames": 4, "ms": 1.0}]}
+
+    def run(target, spec):
+        if target.endswith("check_bits"):
+            raise isolate.ChildFailed("check_bits: the child process failed")
+        return {"ours": [1.0], "reference": [1.0]}
+    monkeypatch.setattr(isolate, "each_method", each_method)
+    monkeypatch.setattr(isolate, "run", run)
+    monkeypatch.setattr(isolate, "torch_missing", lambda *a: None)
+    with pytest.raises(isolate.ChildFailed, match="check_bits"):
+        w.run("toy")
+    assert asked == w.METHODS
+    assert not (common.results_dir() / f"{w.NAME}.summary.json").exists()
