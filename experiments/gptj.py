@@ -63,6 +63,10 @@ METHODS = ["ours_eager", "ours_device", "ptgraph_step", "ours_per_length", "ptgr
            "hf_generate", "ours_while", "hf_compiled", "ptgraph_private"]
 TORCH_METHODS = ("ptgraph_step", "ptgraph_shared", "ptgraph_private", "hf_generate",
                  "hf_compiled")
+# torch.compile's first generation compiles the 28-layer forward (and again for each shape
+# it meets): held to 15 minutes, so that a compile that runs away costs its own row, not
+# ptgraph_private's after it (the whole run takes about 25 minutes of a GPU session's 30)
+TIMEOUTS = {"hf_compiled": 900}
 SIZES = {
     # (a simulated GPT-J step takes seconds: the toy generates 2 tokens, once)
     "toy": dict(config=GPTJConfig(n_layer=1, n_embd=8, n_head=1, vocab_size=11,
@@ -290,7 +294,8 @@ def run(size: str = "toy") -> None:
     rows, unavailable, want = [], {}, None
     for method, result in isolate.each_method(NAME, METHODS, f"{__name__}:measure", size,
                                               baselines=TORCH_METHODS, unavailable=unavailable,
-                                              transformers=("hf_generate", "hf_compiled")):
+                                              transformers=("hf_generate", "hf_compiled"),
+                                              timeouts=TIMEOUTS):
         same = None
         if result["tokens"] is not None:
             tokens = np.asarray(result["tokens"])

@@ -67,19 +67,22 @@ def torch_missing(with_transformers: bool = True) -> str | None:
 
 
 def each_method(name: str, methods, target: str, size: str, *, baselines, unavailable: dict,
-                transformers=None):
+                transformers=None, timeouts: dict | None = None):
     """(method, result) of `target(method=..., size=size)`, each method in a process of its
     own, in order. A method that cannot run here (a baseline, one of `baselines`, without
     PyTorch; `transformers` names those that need transformers too, None: all), or whose
-    child fails, is recorded in `unavailable` with the reason and skipped, so that one
-    failure costs its row, not the other methods' (a GPU session is short). Our own
-    methods' failures are raised by `raise_failures` once the caller has written the rest."""
+    child fails or outlives its time (`timeouts`: seconds by method, else run's default), is
+    recorded in `unavailable` with the reason and skipped, so that one failure costs its
+    row, not the other methods' (a GPU session is short). Our own methods' failures are
+    raised by `raise_failures` once the caller has written the rest."""
     for method in common.progress(methods, desc=name):
         why = None if method not in baselines else torch_missing(
             transformers is None or method in transformers)
         if why is None:
             try:
-                result = run(target, {"method": method, "size": size})
+                result = run(target, {"method": method, "size": size},
+                             **({"timeout": timeouts[method]} if method in (timeouts or {})
+                                else {}))
             except ChildFailed as exc:
                 why = str(exc)[:300] if method in baselines else f"{OURS_FAILED}: {str(exc)[:300]}"
             else:

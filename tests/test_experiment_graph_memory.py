@@ -170,3 +170,20 @@ def test_per_length_graphs_uploaded_in_a_fresh_process_hold_a_kib_a_node():
     KiB were measured on the H100 and H200)."""
     out = isolate.run("experiments.graph_memory:driver_probe", {"graphs": 256, "nodes": 64})
     assert out["taken_mib"] * 2**20 >= 256 * 64 * 1024, json.dumps(out)
+
+
+def slow_child_method(method: str, size: str) -> dict:
+    import time
+    time.sleep(60 if method == "slow" else 0)
+    return {"method": method}
+
+
+def test_a_method_that_outlives_its_time_costs_only_its_row(tmp_path, monkeypatch):
+    """`timeouts` stops one method's child at its limit; the next method still runs."""
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    unavailable = {}
+    done = [m for m, _ in isolate.each_method(
+        "exp", ["slow", "quick"], "tests.test_experiment_graph_memory:slow_child_method",
+        "toy", baselines=(), unavailable=unavailable, timeouts={"slow": 5})]
+    assert done == ["quick"]
+    assert "no answer in 5 s" in unavailable["slow"]
