@@ -30,7 +30,10 @@ class ChildFailed(RuntimeError):
     """The child process raised, died, or gave no answer in time."""
 
 
-def run(target: str, spec: dict, *, timeout: float = 3600, env: dict | None = None) -> dict:
+TIMEOUT = 3600   # seconds a child may take unless its caller says otherwise
+
+
+def run(target: str, spec: dict, *, timeout: float = TIMEOUT, env: dict | None = None) -> dict:
     """`target` ("package.module:function") called with `spec` in a fresh process; returns
     its result (a JSON-able dict)."""
     module, _, function = target.partition(":")
@@ -71,25 +74,37 @@ def each_method(name: str, methods, target: str, size: str, *, baselines, unavai
     """(method, result) of `target(method=..., size=size)`, each method in a process of its
     own, in order. A method that cannot run here (a baseline, one of `baselines`, without
     PyTorch; `transformers` names those that need transformers too, None: all), or whose
-    child fails or outlives its time (`timeouts`: seconds by method, else run's default), is
+    child fails or outlives its time (`timeouts`: seconds by method, else TIMEOUT), is
     recorded in `unavailable` with the reason and skipped, so that one failure costs its
     row, not the other methods' (a GPU session is short). Our own methods' failures are
     raised by `raise_failures` once the caller has written the rest."""
     for method in common.progress(methods, desc=name):
         why = None if method not in baselines else torch_missing(
             transformers is None or method in transformers)
-        if why is None:
-            try:
-                result = run(target, {"method": method, "size": size},
-                             **({"timeout": timeouts[method]} if method in (timeouts or {})
-                                else {}))
-            except ChildFailed as exc:
-                why = str(exc)[:300] if method in baselines else f"{OURS_FAILED}: {str(exc)[:300]}"
-            else:
-                yield method, result
-                continue
-        unavailable[method] = why
-        common.report(name, {"method": method, "unavailable": why})
+        if why is not None:
+            unavailable[method] = why
+            common.report(name, {"method": method, "unavailable": why})
+            continue
+        result = attempt(name, method, target, {"method": method, "size": size}, unavailable,
+                         ours=method not in baselines,
+                         timeout=(timeouts or {}).get(method, TIMEOUT))
+        if result is not None:
+            yield method, result
+
+
+def attempt(name: str, label: str, target: str, spec: dict, unavailable: dict, *, ours: bool,
+            timeout: float = TIMEOUT) -> dict | None:
+    """run(target, spec); or, where the child fails or outlives `timeout`, None, with the
+    reason recorded as unavailable[label] and reported under experiment `name`: marked as
+    ours failing (OURS_FAILED, which `raise_failures` raises) when `ours`, else a baseline's
+    that is only recorded."""
+    try:
+        return run(target, spec, timeout=timeout)
+    except ChildFailed as exc:
+        why = f"{OURS_FAILED}: {str(exc)[:300]}" if ours else str(exc)[:300]
+    unavailable[label] = why
+    common.report(name, {"method": label, "unavailable": why})
+    return None
 
 
 OURS_FAILED = "our method failed"

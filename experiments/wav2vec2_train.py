@@ -263,20 +263,19 @@ def run(size: str = "toy") -> None:
             write_rows(rows, curves, steps)
             _write_summary(rows, losses, checks, unavailable, size)
 
-    def check(key: str, name: str) -> None:
-        # (a check that fails is ours failing: recorded, raised once the methods after it ran)
-        try:
-            checks[key] = isolate.run(f"{__name__}:{name}", {"size": size})
-        except isolate.ChildFailed as exc:
-            unavailable[name] = f"{isolate.OURS_FAILED}: {str(exc)[:300]}"
+    def check(name: str) -> None:   # (one that fails is ours failing: raised at the end)
+        result = isolate.attempt(NAME, name, f"{__name__}:{name}", {"size": size},
+                                 unavailable, ours=True)
+        if result is not None:
+            checks[name] = result
 
     measured(METHODS[:HEADLINE])
-    check("bits", "check_bits")
+    check("check_bits")
     why = isolate.torch_missing()
     if why:
         unavailable["check_loss"] = why
     else:
-        check("same_weights", "check_loss")
+        check("check_loss")
     _write_summary(rows, losses, checks, unavailable, size)
     measured(METHODS[HEADLINE:])
     isolate.raise_failures(NAME, unavailable)
@@ -288,12 +287,11 @@ def _write_summary(rows: list[dict], losses: dict, checks: dict, unavailable: di
     among it), naming the methods and checks not run yet."""
     if not any(r["method"] == "ours_planned" for r in rows):
         return
-    done = {r["method"] for r in rows} | set(unavailable) | {
-        {"bits": "check_bits", "same_weights": "check_loss"}[k] for k in checks}
+    done = {r["method"] for r in rows} | set(unavailable) | set(checks)
     pending = [m for m in METHODS[:HEADLINE] + ["check_bits", "check_loss"]
                + METHODS[HEADLINE:] if m not in done]
-    common.write_summary(NAME, {**summarize(rows, losses, checks.get("bits"),
-                                            checks.get("same_weights"),
+    common.write_summary(NAME, {**summarize(rows, losses, checks.get("check_bits"),
+                                            checks.get("check_loss"),
                                             SIZES[size]["curve_steps"]),
                                 "unavailable": unavailable, "methods_not_run": pending})
 

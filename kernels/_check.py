@@ -149,10 +149,8 @@ def resident_blocks(kernel, threads: int) -> int:
 
 
 @functools.cache
-@functools.cache
 def sm_count() -> int:
-    """The device's SMs (2 on the simulator); asked of the driver once, not at every launch
-    that plans a grid by it."""
+    """The device's SMs (2 on the simulator)."""
     from proto.device.backend import SIMULATOR, cuda
     return 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 

@@ -86,7 +86,7 @@ def test_a_failing_check_costs_no_later_method_and_fails_the_run(tmp_path, monke
                               "lengths_served": 1},
                       "losses": [1.0], "curve": [], "steps": [{"frames": 4, "ms": 1.0}]}
 
-    def run(target, spec):
+    def run(target, spec, **_):
         if target.endswith("check_bits"):
             raise isolate.ChildFailed("check_bits: the child process failed")
         return {"ours": [1.0], "reference": [1.0]}
