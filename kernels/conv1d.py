@@ -197,8 +197,7 @@ GPU_GROUPED_TILES = (GroupTiles(8, 8, 8, 6, 8), GroupTiles(8, 4, 8, 6, 8))
 GPU_GROUPED_WGRAD_TILES = (GroupTiles(16, 8, 8, 6, 2),)
 # Forward and backward-data on tensor cores (kernels._tf32: three TF32 products a float32
 # one), the A operand the window itself (A[p, q] = win[p + q]): 4 warps of 16 frames x 48
-# channels, 64 taps a step; 2 warps for short sequences. Not routed: for tests and
-# dev/bench/bench_conv1d.py until a GPU measures them.
+# channels, 64 taps a step; 2 warps for short sequences (`_grouped_tiles`).
 GPU_GROUPED_MMA_TILES = (Tiles(64, 48, 64, 2, 12, True), Tiles(32, 48, 64, 2, 12, True))
 # The simulator: 4 threads, tiles small enough that tiny tests cross several of them.
 SIM_GROUPED_TILES = (GroupTiles(2, 2, 2, 2, 2),)
@@ -540,6 +539,23 @@ _WGRAD = {t: make_grouped_wgrad_kernel(t)
 
 
 # ---------------------------------------------------------------------------- feature encoder
+# The feature encoder's layers past the first (512 channels by 3 or 2 taps: 1536 or 1024
+# reduction columns) multiply on tensor cores (kernels._tf32: three TF32 products a float32
+# one); the first (one channel by 10 taps) fits kernels.conv's all-taps kernels, which take
+# layers of at most 32 columns (C * k) in one step. dev/bench/bench_conv1d.py times both.
+if backend.SIMULATOR:
+    ENCODER_TILES, ENCODER_WGRAD_TILES = conv.SIM_CONV_MMA_TILES[0], conv.SIM_WGRAD_MMA_TILES[0]
+else:
+    ENCODER_TILES, ENCODER_WGRAD_TILES = conv.GPU_CONV_MMA_TILES[0], conv.GPU_WGRAD_MMA_TILES[1]
+ALL_TAPS_COLUMNS = 32
+
+
+def _encoder_tiles(C: int, k: int, tiles: Tiles) -> Tiles | None:
+    """`tiles` for a layer of C channels by k taps past ALL_TAPS_COLUMNS, else None (the
+    all-taps kernels, kernels.conv's choice)."""
+    return tiles if C * k > ALL_TAPS_COLUMNS else None
+
+
 def _check_encoder(x_shape, w, stride, w_name: str):
     """(stride, K, k, T_out) of a groups-1 unpadded conv1d of x_shape by w (checked)."""
     stride = _check.positive("stride", stride)
@@ -566,7 +582,8 @@ def conv1d(x, w, b, out, *, stride=1, stream=0):
         _check.device_array("b", b, shape=(K,))
     _check.separate({"out": out}, {"x": x, "w": w, "b": b})
     conv.conv2d(backend.reshaped(x, (B, C, 1, T)), backend.reshaped(w, (K, C, 1, k)), b,
-                backend.reshaped(out, (B, K, 1, T_out)), stride=stride, stream=stream)
+                backend.reshaped(out, (B, K, 1, T_out)), stride=stride,
+                tiles=_encoder_tiles(C, k, ENCODER_TILES), stream=stream)
 
 
 def conv1d_bwd_data(dy, w, dx, *, stride=1, stream=0):
@@ -577,7 +594,8 @@ def conv1d_bwd_data(dy, w, dx, *, stride=1, stream=0):
     _check.device_array("dy", dy, shape=(B, K, T_out))
     _check.separate({"dx": dx}, {"dy": dy, "w": w})
     conv.conv2d_bwd_data(backend.reshaped(dy, (B, K, 1, T_out)), backend.reshaped(w, (K, C, 1, k)),
-                         backend.reshaped(dx, (B, C, 1, T)), stride=stride, stream=stream)
+                         backend.reshaped(dx, (B, C, 1, T)), stride=stride,
+                         tiles=_encoder_tiles(C, k, ENCODER_TILES), stream=stream)
 
 
 def conv1d_bwd_weight(x, dy, dw, db, *, stride=1, stream=0):
@@ -592,10 +610,11 @@ def conv1d_bwd_weight(x, dy, dw, db, *, stride=1, stream=0):
         _check.device_array("db", db, shape=(K,))
     _check.separate({"dw": dw, "db": db}, {"x": x, "dy": dy})
     x4, w_shape = backend.reshaped(x, (B, C, 1, T)), (K, C, 1, k)
-    size = conv.wgrad_workspace_size(x4.shape, w_shape, stride=stride)
+    tiles = _encoder_tiles(C, k, ENCODER_WGRAD_TILES)
+    size = conv.wgrad_workspace_size(x4.shape, w_shape, stride=stride, tiles=tiles)
     workspace = backend.empty((size,), np.float32, "conv1d_wgrad_partials") if size else None
     conv.conv2d_bwd_weight(x4, backend.reshaped(dy, (B, K, 1, T_out)),
-                           backend.reshaped(dw, w_shape), db, stride=stride,
+                           backend.reshaped(dw, w_shape), db, stride=stride, tiles=tiles,
                            workspace=workspace, stream=stream)
 
 
@@ -625,13 +644,13 @@ def _check_grouped(x_shape, w, T_out: int, groups, pad, w_name: str):
     return groups, pad, K, Cr, k
 
 
-def _grouped_tiles(T_dst: int) -> GroupTiles:
-    """The forward/backward-data tile for T_dst output frames: the 64-frame tile unless the
-    32-frame one computes a quarter fewer padded frames."""
+def _grouped_tiles(T_dst: int) -> Tiles:
+    """The forward/backward-data tile for T_dst output frames, on tensor cores: the 64-frame
+    tile unless the 32-frame one computes a quarter fewer padded frames."""
     if backend.SIMULATOR:
-        return SIM_GROUPED_TILES[0]
-    wide, narrow = GPU_GROUPED_TILES
-    padded = [-(-T_dst // t.rows) * t.rows for t in (wide, narrow)]
+        return SIM_GROUPED_MMA_TILES[0]
+    wide, narrow = GPU_GROUPED_MMA_TILES
+    padded = [-(-T_dst // t.bm) * t.bm for t in (wide, narrow)]
     return narrow if padded[1] * 4 <= padded[0] * 3 else wide
 
 
