@@ -10,7 +10,8 @@
 # figure, each method in its own process, about 8), sanitize (compute-sanitizer's four tools
 # over the GPU tests, about 7), kernel_speed (every kernel against PyTorch's), gptj (GPT-J-6B
 # in float16, over 20), wav2vec2 (an epoch of Wav2Vec2 training per method, all seven: 12
-# minutes on the H200), end_to_end
+# minutes on the H200; wav2vec2_head: the same, stopped at 10 minutes, after the summary's
+# three methods and the two checks, whose summary is written as each ends), end_to_end
 # (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
 # the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py), probes
 # (the kernel cache's test, then where recording GPT-2 takes memory), w2v_profile (a Wav2Vec2
@@ -56,6 +57,7 @@ for s in "$@"; do case $s in
   end_to_end) step end_to_end 1500 python3 -m experiments end_to_end --size full ;;
   half_decode) step half_decode 600 env OUT=$L python3 -m dev.bench.bench_half_decode ;;
   wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
+  wav2vec2_head) step wav2vec2 600 python3 -m experiments wav2vec2_train --size full ;;
   w2v_profile) step w2v_profile 600 python3 -m dev.probe.wav2vec2_profile ;;
   gptj_profile) step gptj_profile 600 python3 -m dev.probe.gptj_profile ;;
   train_gemm) step train_gemm 600 python3 -m dev.bench.bench_train_gemm ;;
