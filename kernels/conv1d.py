@@ -4,7 +4,8 @@ as torch.nn.Conv1d: forward, backward-data and backward-weight; and weight norma
 The feature encoder's strided convolutions (groups 1, no padding) are kernels.conv's 2-D
 implicit GEMMs over a one-pixel-high image: x (B, C, 1, T), w (K, C, 1, k), stride s, pad 0,
 so the output is one pixel high as well (views, no copies; its split weight gradient gets its
-workspace from backend.empty).
+workspace from backend.empty). The layers past the first run on kernels.conv's tensor-core
+tiles (`ENCODER_TILES`, `ENCODER_WGRAD_TILES`: three TF32 products a float32 one).
 
     conv1d            out[b,o,t] = bias[o] + sum_{c,r} w[o,c,r] * x[b,c,t*s+r],  t < (T-k)//s + 1
 
@@ -31,7 +32,9 @@ TM * M loads. The forward's rows are time steps and its reduction the taps of on
 channel; the weight gradient's rows are taps and its reduction time steps, its other operand
 the output gradient. The weight gradient's reduction over (batch, time) may be split across
 blocks; each split stores its partial tile in a workspace and a second kernel adds the
-partials in split order (no atomics: the same bits every run).
+partials in split order (no atomics: the same bits every run). The forward and backward-data
+run on tensor cores (`GPU_GROUPED_MMA_TILES`): the same Toeplitz operand, read by
+kernels._tf32's warp tile; the SIMT tiles (`GPU_GROUPED_TILES`) stay for tests and benches.
 
 Weight norm (torch.nn.utils.weight_norm(conv, dim=2)): w = g * v / ||v||, the norm over
 dims (0, 1) for each tap r; g (1, 1, k). A tap's norm (and in the backward its v.dw sum) is
