@@ -4,8 +4,8 @@ as torch.nn.Conv1d: forward, backward-data and backward-weight; and weight norma
 The feature encoder's strided convolutions (groups 1, no padding) are kernels.conv's 2-D
 implicit GEMMs over a one-pixel-high image: x (B, C, 1, T), w (K, C, 1, k), stride s, pad 0,
 so the output is one pixel high as well (views, no copies; its split weight gradient gets its
-workspace from backend.empty). The layers past the first run on kernels.conv's tensor-core
-tiles (`ENCODER_TILES`, `ENCODER_WGRAD_TILES`: three TF32 products a float32 one).
+workspace from backend.empty). They stay on kernels.conv's SIMT tiles: on its tensor-core
+tiles (three TF32 products a float32 one) they ran slower (dev/notes/wav2vec2.md).
 
     conv1d            out[b,o,t] = bias[o] + sum_{c,r} w[o,c,r] * x[b,c,t*s+r],  t < (T-k)//s + 1
 
@@ -200,12 +200,15 @@ GPU_GROUPED_TILES = (GroupTiles(8, 8, 8, 6, 8), GroupTiles(8, 4, 8, 6, 8))
 GPU_GROUPED_WGRAD_TILES = (GroupTiles(16, 8, 8, 6, 2),)
 # Forward and backward-data on tensor cores (kernels._tf32: three TF32 products a float32
 # one), the A operand the window itself (A[p, q] = win[p + q]): 4 warps of 16 frames x 48
-# channels, 64 taps a step; 2 warps for short sequences (`_grouped_tiles`).
-GPU_GROUPED_MMA_TILES = (Tiles(64, 48, 64, 2, 12, True), Tiles(32, 48, 64, 2, 12, True))
+# channels, 64 taps a step. 1.5 to 1.6x the SIMT tiles' speed at 65 and 199 frames (H100,
+# dev/bench/bench_conv1d.py; a 2-warp 32-frame tile was no faster than SIMT at either).
+GPU_GROUPED_MMA_TILES = (Tiles(64, 48, 64, 2, 12, True),)
 # The simulator: 4 threads, tiles small enough that tiny tests cross several of them.
 SIM_GROUPED_TILES = (GroupTiles(2, 2, 2, 2, 2),)
 SIM_GROUPED_MMA_TILES = (Tiles(16, 8, 16, 2, 2, True),)   # (one warp)
 SIM_GROUPED_WGRAD_TILES = (GroupTiles(2, 2, 2, 2, 2),)
+# What the forward and backward-data launch unless a test or bench forces another
+GROUPED_TILE = (SIM_GROUPED_MMA_TILES if backend.SIMULATOR else GPU_GROUPED_MMA_TILES)[0]
 
 
 def _toeplitz_multiply(t: GroupTiles):
@@ -542,23 +545,6 @@ _WGRAD = {t: make_grouped_wgrad_kernel(t)
 
 
 # ---------------------------------------------------------------------------- feature encoder
-# The feature encoder's layers past the first (512 channels by 3 or 2 taps: 1536 or 1024
-# reduction columns) multiply on tensor cores (kernels._tf32: three TF32 products a float32
-# one); the first (one channel by 10 taps) fits kernels.conv's all-taps kernels, which take
-# layers of at most 32 columns (C * k) in one step. dev/bench/bench_conv1d.py times both.
-if backend.SIMULATOR:
-    ENCODER_TILES, ENCODER_WGRAD_TILES = conv.SIM_CONV_MMA_TILES[0], conv.SIM_WGRAD_MMA_TILES[0]
-else:
-    ENCODER_TILES, ENCODER_WGRAD_TILES = conv.GPU_CONV_MMA_TILES[0], conv.GPU_WGRAD_MMA_TILES[1]
-ALL_TAPS_COLUMNS = 32
-
-
-def _encoder_tiles(C: int, k: int, tiles: Tiles) -> Tiles | None:
-    """`tiles` for a layer of C channels by k taps past ALL_TAPS_COLUMNS, else None (the
-    all-taps kernels, kernels.conv's choice)."""
-    return tiles if C * k > ALL_TAPS_COLUMNS else None
-
-
 def _check_encoder(x_shape, w, stride, w_name: str):
     """(stride, K, k, T_out) of a groups-1 unpadded conv1d of x_shape by w (checked)."""
     stride = _check.positive("stride", stride)
@@ -585,8 +571,7 @@ def conv1d(x, w, b, out, *, stride=1, stream=0):
         _check.device_array("b", b, shape=(K,))
     _check.separate({"out": out}, {"x": x, "w": w, "b": b})
     conv.conv2d(backend.reshaped(x, (B, C, 1, T)), backend.reshaped(w, (K, C, 1, k)), b,
-                backend.reshaped(out, (B, K, 1, T_out)), stride=stride,
-                tiles=_encoder_tiles(C, k, ENCODER_TILES), stream=stream)
+                backend.reshaped(out, (B, K, 1, T_out)), stride=stride, stream=stream)
 
 
 def conv1d_bwd_data(dy, w, dx, *, stride=1, stream=0):
@@ -597,8 +582,7 @@ def conv1d_bwd_data(dy, w, dx, *, stride=1, stream=0):
     _check.device_array("dy", dy, shape=(B, K, T_out))
     _check.separate({"dx": dx}, {"dy": dy, "w": w})
     conv.conv2d_bwd_data(backend.reshaped(dy, (B, K, 1, T_out)), backend.reshaped(w, (K, C, 1, k)),
-                         backend.reshaped(dx, (B, C, 1, T)), stride=stride,
-                         tiles=_encoder_tiles(C, k, ENCODER_TILES), stream=stream)
+                         backend.reshaped(dx, (B, C, 1, T)), stride=stride, stream=stream)
 
 
 def conv1d_bwd_weight(x, dy, dw, db, *, stride=1, stream=0):
@@ -613,11 +597,10 @@ def conv1d_bwd_weight(x, dy, dw, db, *, stride=1, stream=0):
         _check.device_array("db", db, shape=(K,))
     _check.separate({"dw": dw, "db": db}, {"x": x, "dy": dy})
     x4, w_shape = backend.reshaped(x, (B, C, 1, T)), (K, C, 1, k)
-    tiles = _encoder_tiles(C, k, ENCODER_WGRAD_TILES)
-    size = conv.wgrad_workspace_size(x4.shape, w_shape, stride=stride, tiles=tiles)
+    size = conv.wgrad_workspace_size(x4.shape, w_shape, stride=stride)
     workspace = backend.empty((size,), np.float32, "conv1d_wgrad_partials") if size else None
     conv.conv2d_bwd_weight(x4, backend.reshaped(dy, (B, K, 1, T_out)),
-                           backend.reshaped(dw, w_shape), db, stride=stride, tiles=tiles,
+                           backend.reshaped(dw, w_shape), db, stride=stride,
                            workspace=workspace, stream=stream)
 
 
@@ -647,20 +630,10 @@ def _check_grouped(x_shape, w, T_out: int, groups, pad, w_name: str):
     return groups, pad, K, Cr, k
 
 
-def _grouped_tiles(T_dst: int) -> Tiles:
-    """The forward/backward-data tile for T_dst output frames, on tensor cores: the 64-frame
-    tile unless the 32-frame one computes a quarter fewer padded frames."""
-    if backend.SIMULATOR:
-        return SIM_GROUPED_MMA_TILES[0]
-    wide, narrow = GPU_GROUPED_MMA_TILES
-    padded = [-(-T_dst // t.bm) * t.bm for t in (wide, narrow)]
-    return narrow if padded[1] * 4 <= padded[0] * 3 else wide
-
-
 def _launch_grouped(kernel_table, tiles, src, w, bias, dst, groups, k, pad, stream):
     B, C_src, T_src = src.shape
     _, C_dst, T_dst = dst.shape
-    t = _grouped_tiles(T_dst) if tiles is None else tiles
+    t = GROUPED_TILE if tiles is None else tiles
     if t not in kernel_table:
         raise ValueError(f"tiles: {t} is not built; choose from {sorted(kernel_table)}")
     flat_w = backend.reshaped(w, (w.size,))

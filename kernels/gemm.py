@@ -93,11 +93,6 @@ if not backend.SIMULATOR:
     # skinny: 16 x 256 and 32 x 128 (256 threads, 4 x 4 each) for M <= 16 and M <= 32
     # (skinny=True)
     SKINNY = (Tiles(16, 256, 16, 4, 4), Tiles(32, 128, 16, 4, 4))
-    # Products of at least TENSOR_MIN rows and columns (a Wav2Vec2 training step's: 960 to
-    # 1600 rows of 768 or 3072) multiply on tensor cores, three TF32 products a float32 one
-    # (kernels._tf32), operands staged by cp.async in a ring of TENSOR_STAGES buffers:
-    # dev/bench/bench_train_gemm.py measured them against the SIMT tiles and cuBLAS
-    TENSOR_TILE, TENSOR_STAGES, TENSOR_MIN = Tiles(128, 128, 8, 8, 8, True), 3, 256
     MIN_SPAN_STEPS = 8   # tiled: K steps a split takes at least (tiled_min_span)
     SPAN_MAX = 768           # decode: most K rows one block covers (op(a) staged in shared)
     # Decode geometries, measured on the H200 (dev/notes/decode.md). [K, N]: (warps, row
@@ -128,7 +123,6 @@ else:
     # The GPU's thresholds (16 and 32 rows), so 9..32-row products reach them past the
     # decode path; a K step other than TILE's, so a plan made with TILE's shows; 32 threads.
     SKINNY = (Tiles(16, 32, 16, 4, 4), Tiles(32, 16, 16, 4, 4))
-    TENSOR_TILE, TENSOR_STAGES, TENSOR_MIN = Tiles(16, 16, 8, 2, 2, True), 3, 48   # 2 warps
     MIN_SPAN_STEPS = 2
     SPAN_MAX = 64
     NN_SPLIT = (2, 2, 2, 2)
@@ -436,24 +430,18 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     return gemm_tiled_kernel
 
 
-def library_stages(t: Tiles) -> int:
-    """The staging `tiled` launches tile `t` with: TENSOR_STAGES for TENSOR_TILE, else 0."""
-    return TENSOR_STAGES if t == TENSOR_TILE else 0
-
-
 @functools.cache
 def tiled_kernel(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     """The tiled kernel of a layout, tile shape and staging (`_make_tiled`): TILED_KERNELS'
     (compiled at import) or, for another, compiled on first use."""
-    if stages == library_stages(t) and (trans_a, trans_b, t) in TILED_KERNELS:
+    if not stages and (trans_a, trans_b, t) in TILED_KERNELS:
         return TILED_KERNELS[(trans_a, trans_b, t)]
     return _make_tiled(trans_a, trans_b, t, stages)
 
 
-# One kernel per layout of a and b and tile shape, at its library_stages:
-# (trans_a, trans_b, tile) -> kernel
-TILED_KERNELS = {(ta, tb, t): _make_tiled(ta, tb, t, library_stages(t))
-                 for t in (TILE, WIDE_TILE, *SKINNY, TENSOR_TILE) for ta in (False, True)
+# One kernel per layout of a and b and tile shape: (trans_a, trans_b, tile) -> kernel
+TILED_KERNELS = {(ta, tb, t): _make_tiled(ta, tb, t)
+                 for t in (TILE, WIDE_TILE, *SKINNY) for ta in (False, True)
                  for tb in (False, True)}
 
 
@@ -1192,12 +1180,9 @@ def tiled_plan(t: Tiles, batch: int, m_rows: int, n_cols: int, k_len: int,
 
 
 def tiled_tile(batch: int, m_rows: int, n_cols: int, skinny: bool = False) -> Tiles:
-    """TENSOR_TILE (tensor cores) for products of at least TENSOR_MIN rows and columns;
-    else WIDE_TILE (8 x 8 outputs a thread: twice the multiply-adds per shared load and per
+    """WIDE_TILE (8 x 8 outputs a thread: twice the multiply-adds per shared load and per
     staged element) where its tiles alone make two blocks an SM; else, with `skinny`, the
     first SKINNY tile of at least m_rows rows; else TILE."""
-    if min(m_rows, n_cols) >= TENSOR_MIN:
-        return TENSOR_TILE
     wide = -(-m_rows // WIDE_TILE.bm) * -(-n_cols // WIDE_TILE.bn) * batch
     if wide >= 2 * _check.sm_count():
         return WIDE_TILE
@@ -1225,9 +1210,8 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     """The tiled kernel on validated 3-D arguments, K split where `tiled_launch_plan` says,
     the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernels;
     with `keep` (batch, splits, M, N) written there and left for the caller instead.
-    `tile`, `stages`: launch this tile shape and staging instead of `tiled_launch_plan`'s
-    and its `library_stages` (`_make_tiled`), K split as `tiled_plan` says for the tile (a
-    bench comparing them; compiled on first use)."""
+    `tile`, `stages`: launch this tile shape and staging instead (`_make_tiled`), K split as
+    `tiled_plan` says for the tile (a bench comparing them; compiled on first use)."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
     for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
@@ -1235,7 +1219,6 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
             raise ValueError(f"{name}: {x.size} elements exceed the tiled GEMM's 2**32")
     if tile is None:
         t, splits, span = tiled_launch_plan(batch, m_rows, n_cols, k_len, target_blocks, skinny)
-        stages = library_stages(t)
     else:
         t, (splits, span) = tile, tiled_plan(tile, batch, m_rows, n_cols, k_len, target_blocks)
     direct = splits == 1 and keep is None

@@ -191,6 +191,24 @@ def test_grouped_on_tensor_cores_matches_reference(data, tiles, scale):
                      c["Co"] * c["k"])
 
 
+def test_grouped_forward_and_backward_data_launch_the_tensor_core_tile(monkeypatch):
+    """Unforced, the positional convolution's forward and backward-data run the device's
+    tensor-core tile (its kernels, its threads), not a SIMT one."""
+    seen = []
+    real = conv1d.launch
+    monkeypatch.setattr(conv1d, "launch", lambda kernel, grid, threads, *rest: (
+        seen.append((kernel, threads)), real(kernel, grid, threads, *rest)))
+    rng = np.random.default_rng(3)
+    c = _positional(False)
+    g = dict(groups=c["groups"], pad=c["pad"])
+    x, w = rand(rng, c["B"], c["C"], c["T"]), rand(rng, c["C"], c["C"] // c["groups"], c["k"])
+    conv1d.conv1d_grouped(dev(x), dev(w), None, nans(x.shape), **g)
+    conv1d.conv1d_grouped_bwd_data(dev(x), dev(w), nans(x.shape), **g)
+    t = conv1d.GROUPED_TILE
+    assert t.mma and t in GROUPED_MMA
+    assert seen == [(conv1d._FWD[t], t.threads), (conv1d._BWD_DATA[t], t.threads)]
+
+
 # (the tensor-core tiles only on the GPU: the simulator takes over a minute each, and its
 # own mma tile runs the same fragment code above)
 @pytest.mark.slow   # (5 to 10 s each on the simulator; make test-all and CI run them)

@@ -170,12 +170,11 @@ def test_split_k_is_deterministic():
 
 @given(k=st.integers(1, 40), flags=st.sampled_from(FLAGS), seed=st.integers(0, 2**16))
 def test_the_wide_tile_matches_reference(k, flags, seed):
-    """A product big enough for the 8 x 8-a-thread tile (two blocks an SM of it) but of
-    fewer rows than the tensor-core tile takes, with partial tiles on both edges and K not a
-    whole number of steps."""
+    """A product big enough for the 8 x 8-a-thread tile (two blocks an SM of it), with
+    partial tiles on both edges and K not a whole number of steps."""
     trans_a, trans_b, act, has_bias, accumulate = flags
-    m = G.TENSOR_MIN - 5
-    n = -(-2 * _check.sm_count() // -(-m // G.WIDE_TILE.bm)) * G.WIDE_TILE.bn + 3
+    side = math.ceil(math.sqrt(2 * _check.sm_count()))
+    m, n = side * G.WIDE_TILE.bm - 5, side * G.WIDE_TILE.bn + 3
     assert G.tiled_tile(1, m, n) == G.WIDE_TILE   # (and one wide tile alone would not be:)
     assert G.tiled_tile(1, G.WIDE_TILE.bm, G.WIDE_TILE.bn) == G.TILE
     rng = np.random.default_rng(seed)

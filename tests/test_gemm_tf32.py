@@ -131,31 +131,3 @@ def test_a_tensor_core_tile_needs_whole_mma_tiles():
         mma_tile(Tiles(64, 64, 12, 4, 4, True), 72, 72)
     with pytest.raises(ValueError, match="warp tiles of 32 x 16"):
         mma_tile(Tiles(48, 64, 16, 4, 4, True), 56, 72)
-
-
-def test_gemm_takes_the_tensor_core_tile_from_tensor_min_rows_and_columns(monkeypatch):
-    """gemm routes a product of at least TENSOR_MIN rows and columns to TENSOR_TILE, compiled
-    at its TENSOR_STAGES, and nothing narrower or shorter; the result keeps the tensor-core
-    bound (2K + 12 + splits) u sum |a||b| (see the test above)."""
-    at_least = G.TENSOR_MIN
-    assert G.tiled_tile(1, at_least, at_least) == G.TENSOR_TILE
-    assert G.tiled_tile(1, at_least - 1, 100 * at_least) != G.TENSOR_TILE
-    assert G.tiled_tile(1, 100 * at_least, at_least - 1) != G.TENSOR_TILE
-    assert G.library_stages(G.TENSOR_TILE) == G.TENSOR_STAGES >= 2
-    seen = []
-    real = G.launch
-    monkeypatch.setattr(G, "launch", lambda kernel, grid, *rest, **kw: (
-        seen.append((kernel, grid)), real(kernel, grid, *rest, **kw)))
-    rng = np.random.default_rng(5)
-    m, n, k = at_least + 3, at_least + 5, 40 if backend.SIMULATOR else 1000
-    a, b = rand(rng, m, k), rand(rng, n, k)
-    out = dev(np.full((m, n), np.nan, np.float32))
-    G.gemm(dev(a), dev(b), out, trans_b=True)
-    kernel, grid = seen[0]
-    assert kernel is G.TILED_KERNELS[(False, True, G.TENSOR_TILE)]
-    assert kernel is G.tiled_kernel(False, True, G.TENSOR_TILE, G.TENSOR_STAGES)
-    splits = grid[2]
-    a64, b64 = a.astype(np.float64), b.astype(np.float64).T
-    bound = (2 * k + 12 + splits) * U * (np.abs(a64) @ np.abs(b64))
-    err = np.abs(out.copy_to_host() - a64 @ b64)
-    assert np.all(err <= bound), float(np.max(err / bound))
