@@ -248,7 +248,10 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, 
     relu_mask = _check.flag("relu_mask", relu_mask)
     t = _tiles_or(tiles, _BWD_DATA, lambda: _pick_conv_tiles(C))
     flat_w = w.reshape(w.size)
-    grid = (math.ceil(N * H * W / t.bm), math.ceil(C / t.bn))
+    # Past stride 1 a block computes one phase (residues of h and w mod stride) of dx: the
+    # largest phase's pixels along x, the stride^2 phases along z (kernels._conv_kernels)
+    phase_pixels = N * math.ceil(H / stride) * math.ceil(W / stride)
+    grid = (math.ceil(phase_pixels / t.bm), math.ceil(C / t.bn), stride * stride)
     launch((_BWD_DATA_UNIT if stride == 1 else _BWD_DATA)[t], grid, t.threads,
            (dy.reshape(dy.size), flat_w, flat_w, 0, RELU_MASK if relu_mask else RELU_NONE,
             dx.reshape(dx.size), N, K, P, Q, C, H, W, R, S, stride, pad), stream)

@@ -23,7 +23,7 @@ def assert_sum_close(actual, expected, length):
 @st.composite
 def conv_cases(draw, scale=1):
     R = draw(st.sampled_from([1, 3]))
-    stride, pad = draw(st.sampled_from([1, 2])), draw(st.sampled_from([0, 1]))
+    stride, pad = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([0, 1]))
     H, W = draw(st.integers(R, 9)), draw(st.integers(R, 9))
     return dict(N=draw(st.integers(1, 2)), C=draw(st.integers(1, 5)) * scale, H=H, W=W,
                 K=draw(st.integers(1, 6)) * scale, R=R, stride=stride, pad=pad,
