@@ -61,19 +61,22 @@ def _gather(count: int, step: int):
 
 @cuda.jit(device=True)
 def _decode_pixels(pix_src, pix_h, pix_w, pix_dst, m0, M, CI, HWI, CO, HWO, WO, stride, pad,
-                   transposed):
+                   transposed, ph, pw, apart, WP, HWP):
     """A block's output pixels m0 + mm, once, into shared tables: where the pixel's image
     starts in src (-1 past the end), its patch's top-left input pixel (forward: p*st - pad;
-    backward-data: h + pad) and where it goes in dst."""
+    backward-data: h + pad) and where it goes in dst. The pixels are (ho, wo) = (ph + apart*jh,
+    pw + apart*jw), HWP = HP * WP of them an image, numbered (n, jh, jw): every pixel with
+    (0, 0, 1, WO, HWO), one phase of backward-data's with (ph, pw, stride, ...)."""
     for mm in range(cuda.threadIdx.x, pix_src.shape[0], cuda.blockDim.x):
         m = m0 + mm
         if m < M:
-            n = m // HWO
-            pix = m - n * HWO
-            ho = pix // WO
-            wo = pix - ho * WO
+            n = m // HWP
+            pix = m - n * HWP
+            jh = pix // WP
+            ho = ph + apart * jh
+            wo = pw + apart * (pix - jh * WP)
             pix_src[mm] = n * CI * HWI
-            pix_dst[mm] = n * CO * HWO + pix
+            pix_dst[mm] = n * CO * HWO + ho * WO + wo
             if transposed:
                 pix_h[mm] = ho + pad
                 pix_w[mm] = wo + pad
@@ -81,30 +84,6 @@ def _decode_pixels(pix_src, pix_h, pix_w, pix_dst, m0, M, CI, HWI, CO, HWO, WO, 
                 pix_h[mm] = ho * stride - pad
                 pix_w[mm] = wo * stride - pad
         else:   # past the end: never read (pix_src < 0), but defined
-            pix_src[mm] = -1
-            pix_h[mm] = 0
-            pix_w[mm] = 0
-            pix_dst[mm] = 0
-
-
-@cuda.jit(device=True)
-def _decode_phase_pixels(pix_src, pix_h, pix_w, pix_dst, m0, M, CI, HWI, CO, HWO, WO, stride,
-                         pad, ph, pw, WP, HWP):
-    """Backward-data's _decode_pixels for the pixels (h, w) = (ph + stride*jh, pw + stride*jw)
-    of one phase, HWP = HP * WP of them an image, numbered (n, jh, jw)."""
-    for mm in range(cuda.threadIdx.x, pix_src.shape[0], cuda.blockDim.x):
-        m = m0 + mm
-        if m < M:
-            n = m // HWP
-            pix = m - n * HWP
-            jh = pix // WP
-            h = ph + stride * jh
-            w = pw + stride * (pix - jh * WP)
-            pix_src[mm] = n * CI * HWI
-            pix_dst[mm] = n * CO * HWO + h * WO + w
-            pix_h[mm] = h + pad
-            pix_w[mm] = w + pad
-        else:
             pix_src[mm] = -1
             pix_h[mm] = 0
             pix_w[mm] = 0
@@ -261,28 +240,24 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         tx, ty = place(tid)   # (what multiply, row and col take)
         m0, n0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
         HWI, HWO, RS = HI * WI, HO * WO, R * S
-        M = N * HWO
+        ph, pw, apart, WP, HWP = 0, 0, 1, WO, HWO   # (every pixel)
         if PHASED:   # this block's phase: its pixels' residues, their first taps
             ph = cuda.blockIdx.z // stride
             pw = cuda.blockIdx.z - ph * stride
+            apart = stride
             WP = (WO - pw + stride - 1) // stride
             HWP = ((HO - ph + stride - 1) // stride) * WP
-            M = N * HWP
             r0 = (ph + pad) % stride
             s0 = (pw + pad) % stride
-            tap = stride                       # taps a step apart along r and s
+        M = N * HWP
 
         # Decode this block's output pixels once: where their patches start in src.
         pix_src = cuda.shared.array(BM, np.int32)
         pix_h = cuda.shared.array(BM, np.int32)
         pix_w = cuda.shared.array(BM, np.int32)
         pix_dst = cuda.shared.array(BM, np.int32)
-        if PHASED:
-            _decode_phase_pixels(pix_src, pix_h, pix_w, pix_dst, m0, M, CI, HWI, CO, HWO, WO,
-                                 stride, pad, ph, pw, WP, HWP)
-        else:
-            _decode_pixels(pix_src, pix_h, pix_w, pix_dst, m0, M, CI, HWI, CO, HWO, WO, stride,
-                           pad, transposed)
+        _decode_pixels(pix_src, pix_h, pix_w, pix_dst, m0, M, CI, HWI, CO, HWO, WO, stride, pad,
+                       transposed, ph, pw, apart, WP, HWP)
         a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)
         b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)
         acc = cuda.local.array((TM, TN), np.float32)
@@ -306,9 +281,9 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         # computes: the global memory latency overlaps the multiply-adds instead of stalling
         # every warp at the barrier.
         c0 = r = s = 0
-        if PHASED:   # the phase's taps; none where r0 or s0 is past the kernel
+        if PHASED:   # the phase's taps, stride apart; none where r0 or s0 is past the kernel
             r, s = r0, s0
-            taps = ((R - r0 + tap - 1) // tap) * ((S - s0 + tap - 1) // tap)
+            taps = ((R - r0 + stride - 1) // stride) * ((S - s0 + stride - 1) // stride)
             steps = taps * ((CI + BK - 1) // BK) if m0 < M else 0
             if steps > 0:
                 load_a(a_next, src, p_base, p_h, p_w, a_kk, 0, r, s, CI, HI, WI, HWI, stride)
@@ -332,10 +307,10 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
             if c0 >= CI:
                 c0 = 0
                 if PHASED:
-                    s += tap
+                    s += stride
                     if s >= S:
                         s = s0
-                        r += tap
+                        r += stride
                 else:
                     s += 1
                     if s == S:
@@ -565,7 +540,7 @@ def make_conv_taps_kernel(t: Tiles):
         a_reg = cuda.local.array(TM, np.float32)
         b_reg = cuda.local.array(TN, np.float32)
         _decode_pixels(pix_src, pix_h, pix_w, pix_dst, m0, M, CI, HWI, CO, HWO, WO, stride, pad,
-                       False)
+                       False, 0, 0, 1, WO, HWO)
         _decode_columns(col_c, col_r, col_s, CRS, RS, S, HWI)
         for i in range(TM):
             for j in range(TN):

@@ -6,8 +6,10 @@ kernels' result.  python -m dev.bench.bench_conv1d [batch]"""
 import numpy as np
 
 from kernels import conv
-from kernels.conv1d import (GPU_GROUPED_MMA_TILES, GPU_GROUPED_TILES, conv1d_grouped,
-                            conv1d_grouped_bwd_data, conv1d_grouped_bwd_weight, conv1d_grouped_flops, conv1d_out_size, weight_norm, weight_norm_bwd)
+from kernels.conv1d import (GPU_GROUPED_MMA_TILES, GPU_GROUPED_TILES, conv1d, conv1d_bwd_data,
+                            conv1d_bwd_weight, conv1d_grouped, conv1d_grouped_bwd_data,
+                            conv1d_grouped_bwd_weight, conv1d_grouped_flops, conv1d_out_size,
+                            weight_norm, weight_norm_bwd)
 from proto.device import backend
 from proto.device.backend import cuda
 
@@ -56,16 +58,9 @@ def main(argv=None):
         T_out = conv1d_out_size(T, k, s)
         x, w, dy = arr(B, C, T), arr(K, C, k), arr(B, K, T_out)
         out, dx, dw = (cuda.device_array(a.shape, np.float32) for a in (dy, x, w))
-        # kernels.conv's own choice (all taps in a step, or the SIMT tiles): conv1d routes
-        # the layers past the first to the tensor-core tiles (kernels.conv1d.ENCODER_TILES)
-        x4, w4 = x.reshape(B, C, 1, T), w.reshape(K, C, 1, k)
-        out4, dy4, dx4 = (a.reshape(a.shape[0], a.shape[1], 1, a.shape[2]) for a in (out, dy, dx))
-        dw4 = dw.reshape(K, C, 1, k)
-        size = conv.wgrad_workspace_size(x4.shape, dw4.shape, stride=s)
-        ws0 = cuda.device_array(size, np.float32) if size else None
-        runs = [lambda: conv.conv2d(x4, w4, None, out4, stride=s),
-                lambda: conv.conv2d_bwd_data(dy4, w4, dx4, stride=s),
-                lambda: conv.conv2d_bwd_weight(x4, dy4, dw4, None, stride=s, workspace=ws0)]
+        runs = [lambda: conv1d(x, w, None, out, stride=s),
+                lambda: conv1d_bwd_data(dy, w, dx, stride=s),
+                lambda: conv1d_bwd_weight(x, dy, dw, None, stride=s)]
         torch_runs = None
         if torch is not None:
             tx, tw, ty = (torch.as_tensor(a, device="cuda") for a in (x, w, dy))
@@ -74,6 +69,9 @@ def main(argv=None):
                           lambda: torch.nn.grad.conv1d_weight(tx, tw.shape, ty, stride=s)]
         row(f"conv {C}->{K} k{k} s{s} T{T}", 2.0 * B * K * T_out * C * k, runs, torch_runs)
         if C > 1:   # the same on tensor cores (kernels._tf32)
+            x4, w4 = x.reshape(B, C, 1, T), w.reshape(K, C, 1, k)
+            out4, dy4, dx4 = (a.reshape(a.shape[0], a.shape[1], 1, a.shape[2]) for a in (out, dy, dx))
+            dw4 = dw.reshape(K, C, 1, k)
             for t, tw in zip(conv.GPU_CONV_MMA_TILES, conv.GPU_WGRAD_MMA_TILES):
                 want = [run_and_copy(r, d) for r, d in zip(runs, (out, dx, dw))]
                 size = conv.wgrad_workspace_size(x4.shape, dw4.shape, stride=s, tiles=tw)
@@ -96,8 +94,8 @@ def main(argv=None):
     for T in (65, 199):
         x, w, b, dy = arr(B, C, T), arr(C, C // G, k), arr(C), arr(B, C, T)
         out, dx, dw, db = (cuda.device_array(a.shape, np.float32) for a in (dy, x, w, b))
-        # the SIMT tile of the forward and backward-data (conv1d_grouped takes the
-        # tensor-core ones below): the 32-frame one where it pads a quarter fewer frames
+        # the SIMT tile of the forward and backward-data (conv1d_grouped takes the tensor-core
+        # one below): the 32-frame one where it pads a quarter fewer frames than the 64
         simt = GPU_GROUPED_TILES[1] if T <= 96 else GPU_GROUPED_TILES[0]
         runs = [lambda: conv1d_grouped(x, w, b, out, groups=G, pad=pad, tiles=simt),
                 lambda: conv1d_grouped_bwd_data(dy, w, dx, groups=G, pad=pad, tiles=simt),
