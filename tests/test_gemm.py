@@ -197,9 +197,11 @@ def test_the_tiled_kernel_with_k_split_matches_reference(m, n, k, batch, flags, 
     _check_tiled(seed, batch, m, n, k, flags, target_blocks=target)
 
 
-def _check_tiled(seed, batch, m, n, k, flags, **launch):
+def _check_tiled(seed, batch, m, n, k, flags, bound=None, **launch):
     """`G.tiled` (its keyword arguments `launch`) on random operands of the given shape and
-    flags, against gemm_ref."""
+    flags, against gemm_ref: within _tol(k), or where `bound` is given, within
+    bound(sizes), sizes being |op(a)| |op(b)| + |old| + |bias| (what the sum's rounding
+    scales with) for each output."""
     trans_a, trans_b, act, has_bias, accumulate = flags
     rng = np.random.default_rng(seed)
     a, b, old = _operands(rng, (batch,), m, n, k, trans_a, trans_b)
@@ -210,7 +212,14 @@ def _check_tiled(seed, batch, m, n, k, flags, **launch):
             G.ACTS[act], int(accumulate), int(trans_a), int(trans_b), 0, **launch)
     want = G.gemm_ref(a, b, bias if has_bias else None, act, trans_a, trans_b,
                       old=old if accumulate else None)
-    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
+    if bound is None:
+        np.testing.assert_allclose(out.copy_to_host(), want, **_tol(k))
+        return
+    sizes = G.gemm_ref(np.abs(a), np.abs(b), np.abs(bias) if has_bias else None, None,
+                       trans_a, trans_b, old=np.abs(old) if accumulate else None)
+    err = np.abs(out.copy_to_host().astype(np.float64) - want)
+    limit = bound(sizes.astype(np.float64))
+    assert np.all(err <= limit), f"worst error / bound {np.max(err / limit):.3g}"
 
 
 @given(m=st.integers(1, 40), n=st.integers(1, 40), k=st.integers(1, 120),

@@ -95,8 +95,21 @@ def test_a_non_finite_operand_gives_a_non_finite_row(bad):
 def test_the_tensor_core_tile_matches_reference(m, n, k, batch, flags, stages, target, tile,
                                                 seed):
     """Every layout and epilogue, partial tiles on both edges, K not a whole number of mma
-    steps, staged through registers or by cp.async, K split or whole."""
-    _check_tiled(seed, batch, m, n, k, flags, target_blocks=target, tile=tile, stages=stages)
+    steps, staged through registers or by cp.async, K split or whole: within the bound
+    derived below (float32's statistical tolerance, which the SIMT tiles meet, does not
+    hold for sums that truncate: the H100 exceeded it by 1.4x at K = 463)."""
+    splits = G.tiled_plan(tile, batch, m, n, k, target)[0]
+    _check_tiled(seed, batch, m, n, k, flags, bound=_derived_bound(k, splits, flags[2]),
+                 target_blocks=target, tile=tile, stages=stages)
+
+
+def _derived_bound(k, splits, act):
+    """The product's bound (test below) with two more float32 additions (old, bias), carried
+    through the activation's slope (GELU's is at most 1.13), plus the activation's own
+    float32 evaluation and the reference's rounding to float32 (8u): a multiple of the
+    output's size |op(a)| |op(b)| + |old| + |bias|."""
+    slope = 1.13 if act == "gelu" else 1.0
+    return lambda sizes: (slope * (2 * k + 14 + splits) + 8) * U * sizes
 
 
 @pytest.mark.parametrize("trans_a,trans_b", [(False, True), (False, False), (True, False)])
