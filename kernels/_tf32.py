@@ -120,7 +120,23 @@ else:
 
     mma1688 = warp_mma("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
 
-def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step: int = 1):
+def _fragment_reader(small_at: int | None):
+    """A device function (tile, i) -> (big, small) of the operand staged at tile[i]: split as
+    it is read where the tile holds float32 (`small_at` None), else the parts staged already
+    split, big at i and small `small_at` words on (uint32 TF32 bit patterns)."""
+    if small_at is None:
+        @cuda.jit(device=True)
+        def read(tile, i):
+            return split(tile[i])
+    else:
+        @cuda.jit(device=True)
+        def read(tile, i):
+            return tile[i], tile[i + _u(small_at)]
+    return read
+
+
+def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step: int = 1,
+             a_small: int | None = None, b_small: int | None = None):
     """The warp tile of block tile `t` (t.mma): (multiply, row, col, place), as
     kernels._tile.register_tile's (multiply, row, col) with place(tid) -> (p, q), the
     arguments a thread passes to the other three.
@@ -136,7 +152,12 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step:
     fragments of every mma tile down, then per mma tile across its B fragments, and runs
     three mma per pair. Fragment reads are free of bank conflicts when the lanes' addresses,
     t * stride + g * step apart, fall in distinct banks or coincide (k-major: strides 8 or
-    24 modulo 32)."""
+    24 modulo 32).
+
+    `a_small`, `b_small`: None, the staged tiles hold float32 and each fragment is split
+    where it is read (by every warp that reads it: a 128 x 128 tile's A by its 4 warps
+    across, 7 instructions a split); else the tiles hold the operands already split when
+    they were staged, big at the element's place and small a_small (b_small) words on."""
     BM, BN, BK, TM, TN = t[:5]
     if TM % 2 or TN % 2 or BK % 8:
         raise ValueError(f"{t}: a tensor-core tile needs even tm and tn and bk a multiple of 8")
@@ -146,6 +167,7 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step:
         raise ValueError(f"{t}: warp tiles of {ROWS} x {COLS} must tile {BM} x {BN}")
     WARPS_M = BM // ROWS
     frag = np.uint32
+    read_a, read_b = _fragment_reader(a_small), _fragment_reader(b_small)
 
     @cuda.jit(device=True)
     def place(tid):
@@ -164,13 +186,13 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step:
         for k8 in range(BK // 8):
             for mi in range(MI):
                 for v in range(4):   # a0..a3: rows + 8 (v odd), k + 4 (v >= 2)
-                    x = a_tile[a_base + _u((8 * k8 + 4 * (v // 2)) * a_stride
-                                           + (16 * mi + 8 * (v % 2)) * a_step)]
-                    big[mi, v], small[mi, v] = split(x)
+                    big[mi, v], small[mi, v] = read_a(
+                        a_tile, a_base + _u((8 * k8 + 4 * (v // 2)) * a_stride
+                                            + (16 * mi + 8 * (v % 2)) * a_step))
             for ni in range(NI):
-                b0, b0s = split(b_tile[b_base + _u(8 * k8 * b_stride + 8 * ni * b_step)])
-                b1, b1s = split(b_tile[b_base + _u((8 * k8 + 4) * b_stride
-                                                   + 8 * ni * b_step)])
+                b0, b0s = read_b(b_tile, b_base + _u(8 * k8 * b_stride + 8 * ni * b_step))
+                b1, b1s = read_b(b_tile, b_base + _u((8 * k8 + 4) * b_stride
+                                                     + 8 * ni * b_step))
                 for mi in range(MI):
                     i, j = 2 * mi, 2 * ni
                     c0, c1, c2, c3 = acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1]

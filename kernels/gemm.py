@@ -74,7 +74,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl
-from kernels._tf32 import mma_tile
+from kernels._tf32 import mma_tile, split
 from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
@@ -277,6 +277,25 @@ def _async_stager(count: int, DR: int, DK: int, stride: int):
     return issue
 
 
+_STATIC_SHARED = 48 * 1024   # static shared memory a block (more needs dynamic)
+
+
+def _staged_store(small_at: int | None):
+    """A device function (tile, i, v) storing float32 v at tile[i]: as it is (`small_at`
+    None), or split into its TF32 parts, big at i and small `small_at` words on."""
+    if small_at is None:
+        @cuda.jit(device=True)
+        def store(tile, i, v):
+            tile[i] = v
+    else:
+        @cuda.jit(device=True)
+        def store(tile, i, v):
+            big, small = split(v)
+            tile[i] = big
+            tile[i + _u(small_at)] = small
+    return store
+
+
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
     per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
@@ -286,7 +305,12 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     memory (the next step's loads issued before this step's multiply-adds). `stages` >= 2:
     they are copied by cp.async straight into a ring of `stages` shared buffers, so
     stages - 1 steps are in flight while one is multiplied, and no register holds a load
-    (cuBLAS's SIMT kernels run 3 to 5 stages)."""
+    (cuBLAS's SIMT kernels run 3 to 5 stages).
+
+    A tensor-core tile (t.mma) staged through registers splits each operand into its two
+    TF32 parts as it stores it, once, into shared tiles of twice the size; by cp.async the
+    float32 lands as it is and every warp that reads a fragment splits it
+    (kernels._tf32.mma_tile)."""
     TBM, TBN, TBK, TM, TN = t[:5]
     if stages == 1 or stages < 0:
         raise ValueError(f"stages: expected 0 (through registers) or at least 2, got {stages}")
@@ -295,17 +319,28 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         raise ValueError(f"{t}: the tiled GEMM stages whole tiles: {NT} threads must divide them")
     A_PER, B_PER = TBM * TBK // NT, TBN * TBK // NT   # staged elements per thread
     BUFFERS = max(stages, 2)
+    SPLIT_STAGED = t.mma and not stages
+    # +8 columns (tensor cores): a warp's fragment reads (lanes t * stride + g apart) hit 32
+    # banks; +4 (SIMT): the transposed staging writes spread over the banks, and every row
+    # stays 16-byte aligned for the register tile's 16-byte shared loads
+    BMP, BNP = (TBM + 8, TBN + 8) if t.mma else (TBM + 4, TBN + 4)
+    A_SIZE, B_SIZE = BUFFERS * TBK * BMP, BUFFERS * TBK * BNP   # words a part
+    PARTS = 2 if SPLIT_STAGED else 1   # (big and small, or the float32 itself)
+    A_WORDS, B_WORDS = PARTS * A_SIZE, PARTS * B_SIZE
+    if SPLIT_STAGED and 4 * (A_WORDS + B_WORDS) > _STATIC_SHARED:
+        raise ValueError(f"{t}: its operands split into two parts take "
+                         f"{4 * (A_WORDS + B_WORDS)} bytes of shared memory, more than a "
+                         f"block's static {_STATIC_SHARED}: a smaller bk or tile")
     if t.mma:
-        # +8 columns: a warp's fragment reads (lanes t * stride + g apart) hit 32 banks
-        BMP, BNP = TBM + 8, TBN + 8
-        multiply, row, col, place = mma_tile(t, BMP, BNP)
+        multiply, row, col, place = mma_tile(t, BMP, BNP,
+                                             a_small=A_SIZE if SPLIT_STAGED else None,
+                                             b_small=B_SIZE if SPLIT_STAGED else None)
     else:
-        # +4 columns: the transposed staging writes spread over the banks, and every row
-        # stays 16-byte aligned for the register tile's 16-byte shared loads
-        BMP, BNP = TBM + 4, TBN + 4
         multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=2 if TBK % 2 == 0 else 1)
         place = grid_place(TBM // TM)
-    A_SIZE, B_SIZE = BUFFERS * TBK * BMP, BUFFERS * TBK * BNP
+    TILE_T = np.uint32 if SPLIT_STAGED else np.float32
+    store_a = _staged_store(A_SIZE if SPLIT_STAGED else None)
+    store_b = _staged_store(B_SIZE if SPLIT_STAGED else None)
     a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
 
@@ -326,8 +361,8 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         (x, y, bz * S + s) multiplies K rows [s * span, (s + 1) * span) of its tile: with
         `direct` (S = 1) it applies the epilogue to out, else it writes part[bz, s] for
         gemm_splitk_reduce_kernels."""
-        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)  # op(a), k-major
-        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)  # op(b), k-major
+        a_tile = cuda.shared.array(A_WORDS, TILE_T, alignment=TILE_ALIGN)  # op(a), k-major
+        b_tile = cuda.shared.array(B_WORDS, TILE_T, alignment=TILE_ALIGN)  # op(b), k-major
         acc = cuda.local.array((TM, TN), np.float32)
         a_reg = cuda.local.array(TM, np.float32)
         b_reg = cuda.local.array(TN, np.float32)
@@ -401,9 +436,11 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
             buf = _u(0)
             for k0 in range(k_lo, k_len, TBK):
                 for i in range(A_PER):
-                    a_tile[buf * _u(TBK * BMP) + a_at + _u(i * (A_DK * BMP + A_DR))] = a_next[i]
+                    store_a(a_tile, buf * _u(TBK * BMP) + a_at + _u(i * (A_DK * BMP + A_DR)),
+                            a_next[i])
                 for i in range(B_PER):
-                    b_tile[buf * _u(TBK * BNP) + b_at + _u(i * (B_DK * BNP + B_DR))] = b_next[i]
+                    store_b(b_tile, buf * _u(TBK * BNP) + b_at + _u(i * (B_DK * BNP + B_DR)),
+                            b_next[i])
                 # One barrier per step: the next step fills the other buffer, and no thread can
                 # refill this one before every thread has passed the next step's barrier.
                 cuda.syncthreads()

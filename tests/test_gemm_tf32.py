@@ -137,6 +137,14 @@ def test_the_tensor_core_product_is_within_its_derived_bound(trans_a, trans_b):
         assert np.all(err <= bound), float(np.max(err / bound))
 
 
+def test_a_tile_whose_split_operands_pass_a_blocks_static_shared_memory_is_refused():
+    """Through registers the operands are staged split, two words each: two buffers of a
+    128 x 128 tile 16 deep (rows padded by 8) take 4 * 2 * 2 * 16 * (136 + 136) bytes."""
+    with pytest.raises(ValueError, match=f"take {4 * 2 * 2 * 16 * (136 + 136)} bytes"):
+        G.tiled_kernel(False, False, Tiles(128, 128, 16, 8, 8, True), 0)
+    G.tiled_kernel(False, False, Tiles(128, 128, 16, 8, 8, True), 2)   # (cp.async: one word)
+
+
 def test_a_tensor_core_tile_needs_whole_mma_tiles():
     with pytest.raises(ValueError, match="even tm and tn"):
         mma_tile(Tiles(64, 64, 16, 3, 4, True), 72, 72)
