@@ -18,7 +18,9 @@
 # training step's kernels, ours beside transformers', half a minute), gptj_profile (GPT-J's
 # decode step's kernels at position 512, ours beside PtGraph's), train_gemm (Wav2Vec2's
 # float32 GEMMs over the tiled kernel's tile shapes against cuBLAS: dev/bench/bench_train_gemm.py;
-# train_gemm_mma: only the default and the tensor-core tiles, a few minutes less),
+# train_gemm_mma: only the default and the tensor-core tiles, a few minutes less; tune: the
+# same at 65, 120 and 199 frames, writing kernels/tuned/<gpu>.json, which the later steps of
+# the session then run with: commit it with their results),
 # conv_bench (Wav2Vec2's convolutions against cuDNN, the feature encoder's also on tensor
 # cores: dev/bench/bench_conv1d.py, about a minute).
 # The kernels load from Numba's cache after the first process compiles them: a fresh machine
@@ -31,7 +33,8 @@ if [ "${1:-}" = poll ]; then
   end=$((SECONDS + ${2:-540}))
   while [ $SECONDS -lt $end ] && ! grep -q "all done" $L/steps.txt 2>/dev/null; do sleep 5; done
   cat $L/steps.txt 2>/dev/null
-  tar czf $OUT/gpu_session.tgz $L/*.txt $L/tree/results $L/tree/figures 2>/dev/null; ls -la $OUT
+  tar czf $OUT/gpu_session.tgz $L/*.txt $L/tree/results $L/tree/figures $L/tree/kernels/tuned \
+    2>/dev/null; ls -la $OUT
   exit 0
 fi
 rm -rf $L; mkdir -p $L/tree   # (a warm machine keeps the last session's)
@@ -62,6 +65,7 @@ for s in "$@"; do case $s in
   gptj_profile) step gptj_profile 600 python3 -m dev.probe.gptj_profile ;;
   train_gemm) step train_gemm 600 python3 -m dev.bench.bench_train_gemm ;;
   train_gemm_mma) step train_gemm_mma 600 python3 -m dev.bench.bench_train_gemm 120 --mma ;;
+  tune) step tune 600 python3 -m dev.bench.bench_train_gemm 65 120 199 --mma --write ;;
   conv_bench) step conv_bench 600 python3 -m dev.bench.bench_conv1d ;;
   sanitize) step sanitize 900 python3 -m tests.sanitize ;;
   *) echo "unknown step $s" >> $L/steps.txt ;;

@@ -73,7 +73,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels import _check, _cpasync, _pdl
+from kernels import _check, _cpasync, _pdl, gemm_tuned
 from kernels._tf32 import mma_tile, split
 from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
@@ -467,6 +467,11 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     return gemm_tiled_kernel
 
 
+# The tile choices measured on this kind of GPU (kernels.gemm_tuned), their kernels compiled
+# here, at import, as the defaults are: never inside a stream capture or a memory reading.
+TUNED = () if backend.SIMULATOR or backend.PTX_ONLY else gemm_tuned.table(backend.device_name())
+
+
 @functools.cache
 def tiled_kernel(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     """The tiled kernel of a layout, tile shape and staging (`_make_tiled`): TILED_KERNELS'
@@ -480,6 +485,8 @@ def tiled_kernel(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
 TILED_KERNELS = {(ta, tb, t): _make_tiled(ta, tb, t)
                  for t in (TILE, WIDE_TILE, *SKINNY) for ta in (False, True)
                  for tb in (False, True)}
+for (_ta, _tb), _, _t, _stages, _ in TUNED:
+    tiled_kernel(_ta, _tb, _t, _stages)
 
 
 class Decode(NamedTuple):
@@ -1254,6 +1261,12 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
         if x.size >= 2**32:
             raise ValueError(f"{name}: {x.size} elements exceed the tiled GEMM's 2**32")
+    if tile is None and keep is None and target_blocks is None and batch == 1:
+        # (not where a caller holds the partials: it sized them by split_count)
+        tuned = gemm_tuned.choice(trans_a, trans_b, m_rows, n_cols, k_len, TUNED)
+        if tuned is not None:
+            tile, stages, whole = tuned
+            target_blocks = 1 if whole else None
     if tile is None:
         t, splits, span = tiled_launch_plan(batch, m_rows, n_cols, k_len, target_blocks, skinny)
     else:

@@ -3,6 +3,7 @@ tensor cores (3xTF32), against cuBLAS.
 
     PYTHONUNBUFFERED=1 python3 -m dev.bench.bench_train_gemm 2>&1 | tee $OUT/train_gemm.txt
     python3 -m dev.bench.bench_train_gemm 120 199 --mma   # frame counts; tensor cores alone
+    python3 -m dev.bench.bench_train_gemm 65 120 199 --mma --write   # kernels/tuned/<gpu>.json
 
 Why: a Wav2Vec2 training step spends half its GPU time in the tiled GEMMs
 (results/h200/profiles/wav2vec2_profile_04e0405.txt: 26 of 52 ms at 120 frames, against
@@ -20,11 +21,11 @@ sum), timed in a CUDA graph (median of 7 samples of 5 replays, p10 and p90), bes
 torch.matmul in float32 with TF32 off on the same operands. TFLOP/s and the time over
 cuBLAS's. GPU only.
 
-Decision rule, fixed before the first run: a variant becomes `tiled`'s choice for products
-of this size (M of 960 to 1600 rows) only if the sum of its times over the nine shapes is
-below the library default's by more than 5% at 120 frames and not above it at 199, and
-every one of its results passed the float64 check; then wav2vec2_train runs again to see
-what the step gains.
+Decision rule: with --write, per shape and frame count, the fastest variant replaces the
+library's default (`gemm.tiled_launch_plan`, untuned) where it is more than MARGIN faster
+and passed its float64 check: kernels/tuned/<gpu>.json, which `gemm.tiled` reads at import
+(kernels.gemm_tuned); then wav2vec2_train runs again to see what the step gains. The
+"default" row is always the untuned choice, whatever the tuned file says.
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ VARIANTS = [(G.TILE, 0), (G.WIDE_TILE, 0), (Tiles(64, 64, 8, 8, 8), 0),
             (Tiles(64, 128, 8, 4, 8, True), 0), (Tiles(128, 64, 16, 8, 4, True), 3),
             (Tiles(64, 128, 16, 4, 8, True), 3), (Tiles(64, 64, 16, 4, 4, True), 0),
             (Tiles(64, 64, 16, 4, 4, True), 3)]
+
+
+MARGIN = 0.03   # --write: a variant replaces the default on a shape only if this much faster
 
 
 def shapes(M: int):
@@ -95,7 +99,7 @@ def main() -> None:
     rows = []
     args = sys.argv[1:]
     only_mma = "--mma" in args   # the SIMT tiles as routed and the tensor-core tiles alone
-    frames_list = [int(a) for a in args if a != "--mma"] or FRAMES
+    frames_list = [int(a) for a in args if not a.startswith("--")] or FRAMES
     for frames in frames_list:
         for name, M, N, K, ta, tb in shapes(B * frames):
             a, b = operands(rng, M, N, K, ta, tb)
@@ -111,8 +115,8 @@ def main() -> None:
             cublas = us
             print(f"\n{name:16s} M={M} N={N} K={K}  cuBLAS {us:8.1f} us "
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
-            default = G.tiled_launch_plan(1, M, N, K)
-            variants = [("default", None, 0, None)] + [
+            default = G.tiled_launch_plan(1, M, N, K)   # (the untuned choice)
+            variants = [("default", default[0], 0, 1 if default[0] == G.WIDE_TILE else None)] + [
                 (f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}", t, stages,
                  target) for t, stages in VARIANTS for target in (1, None)
                 if t.mma or not only_mma or (stages == 0 and t in (G.TILE, G.WIDE_TILE))]
@@ -122,19 +126,19 @@ def main() -> None:
                         G.tiled(a3, b3, out3, bias, 0, 0, 0, int(ta), int(tb), s,
                                 target_blocks=target, tile=t, stages=stages)
                     call(0)
-                    splits = default[1] if t is None else G.tiled_plan(t, 1, M, N, K, target)[0]
-                    err = error_over_bound(out.copy_to_host(), a, b, ta, tb, splits,
-                                           mma=(default[0] if t is None else t).mma)
+                    splits = G.tiled_plan(t, 1, M, N, K, target)[0]
+                    err = error_over_bound(out.copy_to_host(), a, b, ta, tb, splits, mma=t.mma)
                     if not err <= 1:
                         raise AssertionError(f"error {err:.3g} of the bound")
                     us, spread, _ = bd.graph_time_us([call])
                 except Exception as exc:  # noqa: BLE001
                     bd.log_error(f"{name} {frames} {label}", exc)
                     continue
-                if t is None:
+                if label == "default":
                     label = f"default {tuple(default[0])} x{default[1]}"
                 rows.append(dict(frames=frames, shape=name, variant=label, us=us,
-                                 over_cublas=us / cublas))
+                                 over_cublas=us / cublas, m=M, n=N, k=K, trans_a=ta,
+                                 trans_b=tb, tile=t, stages=stages, whole=target == 1))
                 print(f"  {label:40s} splits {splits:2d} {us:8.1f} us [{spread[0]:.1f}, "
                       f"{spread[1]:.1f}] {flops / us / 1e6:6.1f} TFLOP/s  "
                       f"{us / cublas:5.2f}x cuBLAS", flush=True)
@@ -157,6 +161,42 @@ def main() -> None:
     print(f"errors: {len(bd.LOG['errors'])}")
     for e in bd.LOG["errors"]:
         print("  ", e)
+    if "--write" in args:
+        write_tuned(rows)
+
+
+def tuned_entries(rows: list[dict]) -> list[dict]:
+    """For each shape and frame count, the fastest variant where it beats the default by
+    more than MARGIN (every row here passed its float64 check): kernels.gemm_tuned's
+    entries."""
+    entries = []
+    for key in dict.fromkeys((r["frames"], r["shape"]) for r in rows):
+        rs = [r for r in rows if (r["frames"], r["shape"]) == key]
+        default = [r for r in rs if r["variant"].startswith("default")]
+        best = min(rs, key=lambda r: r["us"])
+        if default and best["us"] < (1 - MARGIN) * default[0]["us"]:
+            entries.append(dict(shape=best["shape"], trans_a=best["trans_a"],
+                                trans_b=best["trans_b"], m=best["m"], n=best["n"],
+                                k=best["k"], tile=list(best["tile"]), stages=best["stages"],
+                                whole=best["whole"], us=round(best["us"], 1),
+                                default_us=round(default[0]["us"], 1)))
+    return entries
+
+
+def write_tuned(rows: list[dict]) -> None:
+    import datetime
+    import json
+    import os
+    from kernels import gemm_tuned
+    path = gemm_tuned.DIR / f"{backend.device_name()}.json"
+    path.parent.mkdir(exist_ok=True)
+    entries = tuned_entries(rows)
+    path.write_text(json.dumps({
+        "device": backend.describe(), "git_commit": os.environ.get("PROTO_GIT_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python3 -m dev.bench.bench_train_gemm " + " ".join(sys.argv[1:]),
+        "entries": entries}, indent=1) + "\n")
+    print(f"wrote {len(entries)} entries to {path}")
 
 
 if __name__ == "__main__":
