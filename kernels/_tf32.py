@@ -27,7 +27,12 @@ OpMultiplyAddFastF32, does the same).
                   c0 C[g, 2t], c1 C[g, 2t+1], c2 C[g+8, 2t], c3 C[g+8, 2t+1];
     mma_tile(t, a_stride, b_stride)
                   (multiply, row, col, place) for a block tile: the interface of
-                  kernels._tile.register_tile, with a warp's share of the tile in mma tiles.
+                  kernels._tile.register_tile, with a warp's share of the tile in mma tiles,
+                  over float32 staged tiles, each fragment split as it is read;
+    fragment_tile(t, a_small, b_small)
+                  the same over tiles staged already split and in fragment order
+                  (a_fragment_place, b_fragment_place): a lane's fragments are 16-byte
+                  loads, and nothing is split where it is read.
 
 The simulator runs the same kernel: `split` rounds the bits as the GPU's does, and
 `mma1688` gathers the warp's fragments through shared memory (a barrier: every thread of the
@@ -120,23 +125,46 @@ else:
 
     mma1688 = warp_mma("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
 
-def _fragment_reader(small_at: int | None):
-    """A device function (tile, i) -> (big, small) of the operand staged at tile[i]: split as
-    it is read where the tile holds float32 (`small_at` None), else the parts staged already
-    split, big at i and small `small_at` words on (uint32 TF32 bit patterns)."""
-    if small_at is None:
-        @cuda.jit(device=True)
-        def read(tile, i):
-            return split(tile[i])
-    else:
-        @cuda.jit(device=True)
-        def read(tile, i):
-            return tile[i], tile[i + _u(small_at)]
-    return read
+def _warp_grid(t: Tiles):
+    """(MI, NI, place, row, col) of block tile `t` (t.mma): see mma_tile."""
+    BM, BN, BK, TM, TN = t[:5]
+    if TM % 2 or TN % 2 or BK % 8:
+        raise ValueError(f"{t}: a tensor-core tile needs even tm and tn and bk a multiple of 8")
+    MI, NI = TM // 2, TN // 2
+    ROWS, COLS = 16 * MI, 8 * NI   # a warp's share
+    if BM % ROWS or BN % COLS:
+        raise ValueError(f"{t}: warp tiles of {ROWS} x {COLS} must tile {BM} x {BN}")
+    WARPS_M = BM // ROWS
+
+    @cuda.jit(device=True)
+    def place(tid):
+        warp, lane = tid // _u(32), tid % _u(32)
+        return ((warp % _u(WARPS_M)) * _u(ROWS) + lane // _u(4),
+                (warp // _u(WARPS_M)) * _u(COLS) + _u(2) * (lane % _u(4)))
+
+    @cuda.jit(device=True)
+    def row(p, i):
+        return p + _u(16 * (i // 2) + 8 * (i % 2))
+
+    @cuda.jit(device=True)
+    def col(q, j):
+        return q + _u(8 * (j // 2) + j % 2)
+
+    return MI, NI, place, row, col
 
 
-def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step: int = 1,
-             a_small: int | None = None, b_small: int | None = None):
+@cuda.jit(device=True)
+def _mma3(acc, i, j, a0, a1, a2, a3, s0, s1, s2, s3, b0, b1, t0, t1):
+    """acc's mma tile (i, j) += A B in three TF32 products, the smallest first: A's small
+    parts (s) by B's big, A's big (a) by B's small (t), big by big."""
+    c0, c1, c2, c3 = acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1]
+    c0, c1, c2, c3 = mma1688(s0, s1, s2, s3, b0, b1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = mma1688(a0, a1, a2, a3, t0, t1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = mma1688(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1] = c0, c1, c2, c3
+
+
+def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step: int = 1):
     """The warp tile of block tile `t` (t.mma): (multiply, row, col, place), as
     kernels._tile.register_tile's (multiply, row, col) with place(tid) -> (p, q), the
     arguments a thread passes to the other three.
@@ -152,28 +180,11 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step:
     fragments of every mma tile down, then per mma tile across its B fragments, and runs
     three mma per pair. Fragment reads are free of bank conflicts when the lanes' addresses,
     t * stride + g * step apart, fall in distinct banks or coincide (k-major: strides 8 or
-    24 modulo 32).
-
-    `a_small`, `b_small`: None, the staged tiles hold float32 and each fragment is split
-    where it is read (by every warp that reads it: a 128 x 128 tile's A by its 4 warps
-    across, 7 instructions a split); else the tiles hold the operands already split when
-    they were staged, big at the element's place and small a_small (b_small) words on."""
-    BM, BN, BK, TM, TN = t[:5]
-    if TM % 2 or TN % 2 or BK % 8:
-        raise ValueError(f"{t}: a tensor-core tile needs even tm and tn and bk a multiple of 8")
-    MI, NI = TM // 2, TN // 2
-    ROWS, COLS = 16 * MI, 8 * NI   # a warp's share
-    if BM % ROWS or BN % COLS:
-        raise ValueError(f"{t}: warp tiles of {ROWS} x {COLS} must tile {BM} x {BN}")
-    WARPS_M = BM // ROWS
+    24 modulo 32). Every warp that reads a fragment splits it (a 128 x 128 tile's A by its
+    4 warps across, about 7 instructions a split): fragment_tile splits once instead."""
+    BK = t.bk
+    MI, NI, place, row, col = _warp_grid(t)
     frag = np.uint32
-    read_a, read_b = _fragment_reader(a_small), _fragment_reader(b_small)
-
-    @cuda.jit(device=True)
-    def place(tid):
-        warp, lane = tid // _u(32), tid % _u(32)
-        return ((warp % _u(WARPS_M)) * _u(ROWS) + lane // _u(4),
-                (warp // _u(WARPS_M)) * _u(COLS) + _u(2) * (lane % _u(4)))
 
     @cuda.jit(device=True)
     def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
@@ -186,30 +197,79 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step:
         for k8 in range(BK // 8):
             for mi in range(MI):
                 for v in range(4):   # a0..a3: rows + 8 (v odd), k + 4 (v >= 2)
-                    big[mi, v], small[mi, v] = read_a(
-                        a_tile, a_base + _u((8 * k8 + 4 * (v // 2)) * a_stride
-                                            + (16 * mi + 8 * (v % 2)) * a_step))
+                    x = a_tile[a_base + _u((8 * k8 + 4 * (v // 2)) * a_stride
+                                           + (16 * mi + 8 * (v % 2)) * a_step)]
+                    big[mi, v], small[mi, v] = split(x)
             for ni in range(NI):
-                b0, b0s = read_b(b_tile, b_base + _u(8 * k8 * b_stride + 8 * ni * b_step))
-                b1, b1s = read_b(b_tile, b_base + _u((8 * k8 + 4) * b_stride
-                                                     + 8 * ni * b_step))
+                b0, b0s = split(b_tile[b_base + _u(8 * k8 * b_stride + 8 * ni * b_step)])
+                b1, b1s = split(b_tile[b_base + _u((8 * k8 + 4) * b_stride
+                                                   + 8 * ni * b_step)])
                 for mi in range(MI):
-                    i, j = 2 * mi, 2 * ni
-                    c0, c1, c2, c3 = acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1]
-                    c0, c1, c2, c3 = mma1688(small[mi, 0], small[mi, 1], small[mi, 2],
-                                             small[mi, 3], b0, b1, c0, c1, c2, c3)
-                    c0, c1, c2, c3 = mma1688(big[mi, 0], big[mi, 1], big[mi, 2], big[mi, 3],
-                                             b0s, b1s, c0, c1, c2, c3)
-                    c0, c1, c2, c3 = mma1688(big[mi, 0], big[mi, 1], big[mi, 2], big[mi, 3],
-                                             b0, b1, c0, c1, c2, c3)
-                    acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1] = c0, c1, c2, c3
+                    _mma3(acc, 2 * mi, 2 * ni, big[mi, 0], big[mi, 1], big[mi, 2], big[mi, 3],
+                          small[mi, 0], small[mi, 1], small[mi, 2], small[mi, 3],
+                          b0, b1, b0s, b1s)
+
+    return multiply, row, col, place
+
+
+# Fragment order: where operand element (m, k) of A, (k, n) of B (by its row n and k, as
+# the staging numbers it) lies in a staged tile whose
+# lanes read their fragments as 16 contiguous bytes. A: per 8 rows of K (kc) and 16 rows of
+# M (mt), 32 lanes x (a0, a1, a2, a3); B: per kc and pair of 8-column groups, 32 lanes x (b0,
+# b1 of the even group, b0, b1 of the odd one). Lane 4g + t holds a0 = A[g, t], a1 =
+# A[g+8, t], a2 = A[g, t+4], a3 = A[g+8, t+4], b0 = B[t, g], b1 = B[t+4, g] (mma1688). Each
+# place is a sum of terms of disjoint bits of m (n) and k, so the place of (m0 + dm, k0 + dk)
+# is place(m0, k0) + place(dm, dk) whenever m0, dm (and k0, dk) share no bit.
+def a_fragment_place(m, k, bm):
+    return (128 * (m >> 4) + 16 * (m & 7) + ((m >> 3) & 1)
+            + 4 * (k & 3) + 2 * ((k >> 2) & 1) + 8 * bm * (k >> 3))
+
+
+def b_fragment_place(n, k, bn):
+    return (128 * (n >> 4) + 16 * (n & 7) + 2 * ((n >> 3) & 1)
+            + 4 * (k & 3) + ((k >> 2) & 1) + 8 * bn * (k >> 3))
+
+
+def fragment_tile(t: Tiles, a_small: int, b_small: int):
+    """mma_tile's warp tile (multiply, row, col, place) over tiles staged already split and
+    in fragment order: A's element (m, k) at a_start + a_fragment_place(m, k, t.bm) (big,
+    a uint32 TF32 pattern) and a_small words on (small), B's (k, n) at b_start +
+    b_fragment_place(n, k, t.bn) likewise. A lane reads each
+    mma tile's four A words and two mma tiles' B words as one 16-byte load, each part, and
+    splits nothing: per 8 rows of K, a 128 x 128 tile's lane does 12 shared loads and 48 mma
+    where mma_tile's does 24 loads and 24 splits. The reads are conflict-free (a warp's 512
+    contiguous bytes). t.tn / 2 (mma tiles across) must be even."""
+    BM, BN, BK = t[:3]
+    MI, NI, place, row, col = _warp_grid(t)
+    if NI % 2:
+        raise ValueError(f"{t}: fragment order pairs the B fragments: tn a multiple of 4")
+    frag = np.uint32
 
     @cuda.jit(device=True)
-    def row(p, i):
-        return p + _u(16 * (i // 2) + 8 * (i % 2))
-
-    @cuda.jit(device=True)
-    def col(q, j):
-        return q + _u(8 * (j // 2) + j % 2)
+    def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
+        converge()   # (mma.sync.aligned: every lane of the warp at the same instruction)
+        lane = _u(4) * (p % _u(8)) + (q // _u(2)) % _u(4)
+        a_base = a_start + _u(128) * (p // _u(16)) + _u(4) * lane   # mma tile (p, 0) of kc 0
+        b_base = b_start + _u(128) * (q // _u(16)) + _u(4) * lane   # its columns' pair
+        a = cuda.local.array((MI, 4), frag)
+        s = cuda.local.array((MI, 4), frag)
+        b = cuda.local.array(4, frag)
+        bs = cuda.local.array(4, frag)
+        for kc in range(BK // 8):
+            for mi in range(MI):
+                at = a_base + _u(8 * BM * kc + 128 * mi)
+                for v in range(4):
+                    a[mi, v] = a_tile[at + _u(v)]
+                    s[mi, v] = a_tile[at + _u(a_small + v)]
+            for nj in range(NI // 2):
+                bt = b_base + _u(8 * BN * kc + 128 * nj)
+                for v in range(4):
+                    b[v] = b_tile[bt + _u(v)]
+                    bs[v] = b_tile[bt + _u(b_small + v)]
+                for h in range(2):
+                    for mi in range(MI):
+                        _mma3(acc, 2 * mi, 2 * (2 * nj + h), a[mi, 0], a[mi, 1], a[mi, 2],
+                              a[mi, 3], s[mi, 0], s[mi, 1], s[mi, 2], s[mi, 3],
+                              b[2 * h], b[2 * h + 1], bs[2 * h], bs[2 * h + 1])
 
     return multiply, row, col, place

@@ -26,6 +26,9 @@ Two kernel families, chosen by `gemm` from the shapes:
   WIDE_TILE fills the SMs, the product is none of the LSTM's that the A/B measures), and
   only where the caller asks (`gemm(..., skinny=True)`): off by default until
   dev.ab.ab_lstm_tiles measures them on the GPU.
+  Where this GPU's measured table (kernels.gemm_tuned, kernels/tuned/<gpu>.json) has an
+  entry near an unbatched product, `tiled` launches that entry's tile, staging and split
+  instead, the 3xTF32 tensor-core tiles (Tiles(..., mma=True), kernels._tf32) among them.
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
   3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
   pure weight streaming, so the one goal is to keep every SM's share of the weight in
@@ -74,7 +77,8 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl, gemm_tuned
-from kernels._tf32 import mma_tile, split
+from kernels._tf32 import (a_fragment_place, b_fragment_place, fragment_tile, mma_tile,
+                           split)
 from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
@@ -296,6 +300,38 @@ def _staged_store(small_at: int | None):
     return store
 
 
+def _k_major(row, k, width):
+    """A k-major staged tile's place: a row of K every `width` words."""
+    return k * width + row
+
+
+def _first_place(place, width: int):
+    """A device function (row, k) -> place(row, k, width) as uint32: where a thread's first
+    staged element of an operand goes."""
+    on_device = cuda.jit(device=True)(place)
+
+    @cuda.jit(device=True)
+    def first(row, k):
+        return _u(on_device(row, k, _u(width)))
+    return first
+
+
+def _fragment_deltas(place, width: int, per: int, DR: int, DK: int, contiguous_k: bool,
+                     bk: int, nt: int, t: Tiles) -> tuple:
+    """place(i DR, i DK, width) for a thread's i-th staged element (kernels._tile.stager's
+    order), having checked for every thread that its i-th element lies that many words
+    after its first (fragment order's places add where rows and ks share no bit)."""
+    deltas = tuple(place(i * DR, i * DK, width) for i in range(per))
+    for tid in range(nt):
+        row, k = (tid // bk, tid % bk) if contiguous_k else (tid % width, tid // width)
+        first = place(row, k, width)
+        if any(place(row + i * DR, k + i * DK, width) != first + deltas[i]
+               for i in range(per)):
+            raise ValueError(f"{t}: in fragment order thread {tid}'s staged elements do not "
+                             f"lie at constant steps from its first (a power-of-two tile)")
+    return deltas
+
+
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
     per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
@@ -320,29 +356,45 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     A_PER, B_PER = TBM * TBK // NT, TBN * TBK // NT   # staged elements per thread
     BUFFERS = max(stages, 2)
     SPLIT_STAGED = t.mma and not stages
-    # +8 columns (tensor cores): a warp's fragment reads (lanes t * stride + g apart) hit 32
-    # banks; +4 (SIMT): the transposed staging writes spread over the banks, and every row
-    # stays 16-byte aligned for the register tile's 16-byte shared loads
-    BMP, BNP = (TBM + 8, TBN + 8) if t.mma else (TBM + 4, TBN + 4)
-    A_SIZE, B_SIZE = BUFFERS * TBK * BMP, BUFFERS * TBK * BNP   # words a part
+    a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
+    b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
+    if SPLIT_STAGED:
+        # Split once as staged, in fragment order (kernels._tf32.fragment_tile): a lane's
+        # fragments are 16 contiguous bytes, so no padding. A thread's i-th element lies
+        # A_DELTA[i] words after its first (the place of a sum of disjoint bits, checked).
+        A_BUF, B_BUF = TBK * TBM, TBK * TBN   # words a buffer, each part
+        A_DELTA = _fragment_deltas(a_fragment_place, TBM, A_PER, A_DR, A_DK, not trans_a,
+                                   TBK, NT, t)
+        B_DELTA = _fragment_deltas(b_fragment_place, TBN, B_PER, B_DR, B_DK, trans_b, TBK,
+                                   NT, t)
+        multiply, row, col, place = fragment_tile(t, BUFFERS * A_BUF, BUFFERS * B_BUF)
+        a_first = _first_place(a_fragment_place, TBM)
+        b_first = _first_place(b_fragment_place, TBN)
+        BMP, BNP = TBM, TBN   # (cp.async's rows: unused here)
+    else:
+        # +8 columns (tensor cores): a warp's fragment reads (lanes t * stride + g apart) hit
+        # 32 banks; +4 (SIMT): the transposed staging writes spread over the banks, and every
+        # row stays 16-byte aligned for the register tile's 16-byte shared loads
+        BMP, BNP = (TBM + 8, TBN + 8) if t.mma else (TBM + 4, TBN + 4)
+        A_BUF, B_BUF = TBK * BMP, TBK * BNP
+        A_DELTA = tuple(i * (A_DK * BMP + A_DR) for i in range(A_PER))
+        B_DELTA = tuple(i * (B_DK * BNP + B_DR) for i in range(B_PER))
+        if t.mma:
+            multiply, row, col, place = mma_tile(t, BMP, BNP)
+        else:
+            multiply, row, col = register_tile(t, BMP, BNP,
+                                               rows_per_pass=2 if TBK % 2 == 0 else 1)
+            place = grid_place(TBM // TM)
+        a_first, b_first = _first_place(_k_major, BMP), _first_place(_k_major, BNP)
     PARTS = 2 if SPLIT_STAGED else 1   # (big and small, or the float32 itself)
-    A_WORDS, B_WORDS = PARTS * A_SIZE, PARTS * B_SIZE
+    A_WORDS, B_WORDS = PARTS * BUFFERS * A_BUF, PARTS * BUFFERS * B_BUF
     if SPLIT_STAGED and 4 * (A_WORDS + B_WORDS) > _STATIC_SHARED:
         raise ValueError(f"{t}: its operands split into two parts take "
                          f"{4 * (A_WORDS + B_WORDS)} bytes of shared memory, more than a "
                          f"block's static {_STATIC_SHARED}: a smaller bk or tile")
-    if t.mma:
-        multiply, row, col, place = mma_tile(t, BMP, BNP,
-                                             a_small=A_SIZE if SPLIT_STAGED else None,
-                                             b_small=B_SIZE if SPLIT_STAGED else None)
-    else:
-        multiply, row, col = register_tile(t, BMP, BNP, rows_per_pass=2 if TBK % 2 == 0 else 1)
-        place = grid_place(TBM // TM)
     TILE_T = np.uint32 if SPLIT_STAGED else np.float32
-    store_a = _staged_store(A_SIZE if SPLIT_STAGED else None)
-    store_b = _staged_store(B_SIZE if SPLIT_STAGED else None)
-    a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
-    b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
+    store_a = _staged_store(BUFFERS * A_BUF if SPLIT_STAGED else None)
+    store_b = _staged_store(BUFFERS * B_BUF if SPLIT_STAGED else None)
 
     load_a = _operand_loader(A_PER, A_DR, A_DK, k_first=trans_a)      # a (K, M) or (M, K)
     load_b = _operand_loader(B_PER, B_DR, B_DK, k_first=not trans_b)  # b (K, N) or (N, K)
@@ -384,8 +436,8 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         a_mm, a_kk = a_place(tid)   # this thread's first staged element of each tile
         b_nn, b_kk = b_place(tid)
         a_m, b_n = m0 + a_mm, n0 + b_nn
-        a_at = a_kk * _u(BMP) + a_mm   # ... and where it goes in the staged tiles
-        b_at = b_kk * _u(BNP) + b_nn
+        a_at = a_first(a_mm, a_kk)   # ... and where it goes in the staged tiles
+        b_at = b_first(b_nn, b_kk)
         # Offsets into the flattened operands: this batch's first element, the offset of
         # one more k, and of this thread's next staged element (rows DR, k DK further on).
         a_base, b_base = bz * m_rows * k_all, bz * k_all * n_cols
@@ -412,15 +464,15 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
                     slot = _u(i % stages)
                     ka, kb = _u(k0) + a_kk, _u(k0) + b_kk
                     whole_k = _u(k0 + TBK) <= k_end
-                    issue_a(a_tile, slot * _u(TBK * BMP) + a_at, a, a_row + ka * a_kstep,
+                    issue_a(a_tile, slot * _u(A_BUF) + a_at, a, a_row + ka * a_kstep,
                             a_step, a_m, ka, m_rows, k_end, inside_a and whole_k)
-                    issue_b(b_tile, slot * _u(TBK * BNP) + b_at, b, b_row + kb * b_kstep,
+                    issue_b(b_tile, slot * _u(B_BUF) + b_at, b, b_row + kb * b_kstep,
                             b_step, b_n, kb, n_cols, k_end, inside_b and whole_k)
                 _cpasync.commit()
                 if i >= stages - 1:
                     now = _u((i - stages + 1) % stages)
-                    multiply(acc, a_reg, b_reg, a_tile, b_tile, now * _u(TBK * BMP),
-                             now * _u(TBK * BNP), tx, ty)
+                    multiply(acc, a_reg, b_reg, a_tile, b_tile, now * _u(A_BUF),
+                             now * _u(B_BUF), tx, ty)
         else:
             # Step 0's loads, then each step stores the loads made during the step before and
             # issues its successor's before it multiplies: global memory latency overlaps the
@@ -436,11 +488,9 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
             buf = _u(0)
             for k0 in range(k_lo, k_len, TBK):
                 for i in range(A_PER):
-                    store_a(a_tile, buf * _u(TBK * BMP) + a_at + _u(i * (A_DK * BMP + A_DR)),
-                            a_next[i])
+                    store_a(a_tile, buf * _u(A_BUF) + a_at + _u(A_DELTA[i]), a_next[i])
                 for i in range(B_PER):
-                    store_b(b_tile, buf * _u(TBK * BNP) + b_at + _u(i * (B_DK * BNP + B_DR)),
-                            b_next[i])
+                    store_b(b_tile, buf * _u(B_BUF) + b_at + _u(B_DELTA[i]), b_next[i])
                 # One barrier per step: the next step fills the other buffer, and no thread can
                 # refill this one before every thread has passed the next step's barrier.
                 cuda.syncthreads()
@@ -451,8 +501,8 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
                            inside_a and whole_k)
                     load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
                            inside_b and whole_k)
-                multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(TBK * BMP),
-                         buf * _u(TBK * BNP), tx, ty)
+                multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(A_BUF),
+                         buf * _u(B_BUF), tx, ty)
                 buf = _u(1) - buf
         for i in range(TM):
             m = m0 + row(tx, i)

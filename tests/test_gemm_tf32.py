@@ -17,7 +17,7 @@ from tests.test_gemm import FLAGS, _check_tiled
 
 U = 2.0 ** -24   # float32's unit roundoff
 if backend.SIMULATOR:   # (each simulated thread is a Python thread: one or two warps)
-    TILES = (Tiles(16, 16, 8, 2, 2, True), Tiles(32, 16, 16, 4, 2, True))
+    TILES = (Tiles(16, 32, 8, 2, 4, True), Tiles(32, 32, 16, 4, 4, True))
 else:   # warp tiles of 64 x 32 (8 warps) and 32 x 32 (4 warps)
     TILES = (Tiles(128, 128, 8, 8, 8, True), Tiles(64, 64, 16, 4, 4, True))
 
@@ -138,9 +138,10 @@ def test_the_tensor_core_product_is_within_its_derived_bound(trans_a, trans_b):
 
 
 def test_a_tile_whose_split_operands_pass_a_blocks_static_shared_memory_is_refused():
-    """Through registers the operands are staged split, two words each: two buffers of a
-    128 x 128 tile 16 deep (rows padded by 8) take 4 * 2 * 2 * 16 * (136 + 136) bytes."""
-    with pytest.raises(ValueError, match=f"take {4 * 2 * 2 * 16 * (136 + 136)} bytes"):
+    """Through registers the operands are staged split, two words each, in fragment order
+    (no padding): two buffers of a 128 x 128 tile 16 deep take 4 * 2 * 2 * 16 * (128 + 128)
+    bytes."""
+    with pytest.raises(ValueError, match=f"take {4 * 2 * 2 * 16 * (128 + 128)} bytes"):
         G.tiled_kernel(False, False, Tiles(128, 128, 16, 8, 8, True), 0)
     G.tiled_kernel(False, False, Tiles(128, 128, 16, 8, 8, True), 2)   # (cp.async: one word)
 

@@ -10,7 +10,7 @@ from kernels._tile import Tiles
 from tests.helpers import dev, rand
 from tests.test_gemm_tf32 import _derived_bound
 
-MMA = Tiles(16, 16, 8, 2, 2, True)
+MMA = Tiles(16, 32, 8, 2, 4, True)
 ENTRIES = (((False, True), (960, 3072, 768), MMA, 0, False),
            ((True, False), (768, 768, 960), G.TILE, 2, True),
            ((False, True), (1592, 3072, 768), G.WIDE_TILE, 0, True))
@@ -73,22 +73,3 @@ def test_gemm_launches_the_tuned_tile_and_still_matches_reference(monkeypatch, w
            dev(np.zeros((2, m, n), np.float32)), trans_b=True)
     assert [t[2] for t in launched] == [G.tiled_launch_plan(2, m, n, k)[0]]
 
-
-def test_the_bench_writes_a_shape_only_where_a_tile_beats_the_default_by_the_margin():
-    from dev.bench.bench_train_gemm import MARGIN, tuned_entries
-
-    def row(shape, variant, us, tile, stages=0, whole=False):
-        return dict(frames=120, shape=shape, variant=variant, us=us, m=960, n=3072, k=768,
-                    trans_a=False, trans_b=True, tile=tile, stages=stages, whole=whole)
-    clear, close = 1 - 2 * MARGIN, 1 - MARGIN / 2
-    rows = [row("fc1 fwd", "default (64, 64, 16, 4, 4, False) x1", 100.0, G.TILE),
-            row("fc1 fwd", "mma s0 whole", 100.0 * clear, MMA, 0, True),
-            row("fc1 fwd", "mma s3 split", 100.0 * (clear + 0.01), MMA, 3),
-            row("fc2 fwd", "default (64, 64, 16, 4, 4, False) x2", 100.0, G.TILE),
-            row("fc2 fwd", "mma s0 split", 100.0 * close, MMA)]
-    (entry,) = tuned_entries(rows)
-    assert (entry["shape"], entry["tile"], entry["stages"], entry["whole"]) == \
-        ("fc1 fwd", list(MMA), 0, True)
-    path_entry = {k: entry[k] for k in ("trans_a", "trans_b", "m", "n", "k", "tile",
-                                        "stages", "whole")}
-    assert gemm_tuned._entry(path_entry, None)[2:] == (MMA, 0, True)
