@@ -20,7 +20,8 @@
 # float32 GEMMs over the tiled kernel's tile shapes against cuBLAS: dev/bench/bench_train_gemm.py;
 # train_gemm_mma: only the default and the tensor-core tiles, a few minutes less; tune: the
 # same at 65, 120 and 199 frames, writing kernels/tuned/<gpu>.json, which the later steps of
-# the session then run with: commit it with their results),
+# the session then run with: commit it with their results; gemm_ncu: Nsight Compute's
+# counters for one launch of each GEMM tile, dev/probe/gemm_ncu.py, where ncu exists),
 # conv_bench (Wav2Vec2's convolutions against cuDNN, the feature encoder's also on tensor
 # cores: dev/bench/bench_conv1d.py, about a minute).
 # The kernels load from Numba's cache after the first process compiles them: a fresh machine
@@ -66,6 +67,14 @@ for s in "$@"; do case $s in
   train_gemm) step train_gemm 600 python3 -m dev.bench.bench_train_gemm ;;
   train_gemm_mma) step train_gemm_mma 600 python3 -m dev.bench.bench_train_gemm 120 --mma ;;
   tune) step tune 600 python3 -m dev.bench.bench_train_gemm 65 120 199 --mma --write ;;
+  gemm_ncu)   # Nsight Compute's counters for the GEMM tiles, where the machine has ncu
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
+          2>/dev/null | head -1)
+    if [ -n "$NCU" ]; then
+      step gemm_ncu 300 $NCU --section SpeedOfLight --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+        -k regex:gemm_tiled python3 -m dev.probe.gemm_ncu
+    else echo "no ncu on this machine" > $L/gemm_ncu.txt; fi ;;
   conv_bench) step conv_bench 600 python3 -m dev.bench.bench_conv1d ;;
   sanitize) step sanitize 900 python3 -m tests.sanitize ;;
   *) echo "unknown step $s" >> $L/steps.txt ;;

@@ -19,6 +19,7 @@ name is the device's results folder (`proto.device.backend.device_name`: h100, h
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import pathlib
@@ -37,6 +38,15 @@ def table(device: str) -> tuple:
     if not path.exists():
         return ()
     return tuple(_entry(e, path) for e in json.loads(path.read_text())["entries"])
+
+
+def stamp(device: str) -> str:
+    """Which table a measurement ran with, for its provenance: the file's name and the first
+    12 hex digits of its SHA-256, or 'none'."""
+    path = DIR / f"{device}.json"
+    if not path.exists():
+        return "none"
+    return f"{path.name}:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
 
 
 def _entry(e: dict, path: pathlib.Path) -> tuple:

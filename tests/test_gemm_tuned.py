@@ -73,3 +73,12 @@ def test_gemm_launches_the_tuned_tile_and_still_matches_reference(monkeypatch, w
            dev(np.zeros((2, m, n), np.float32)), trans_b=True)
     assert [t[2] for t in launched] == [G.tiled_launch_plan(2, m, n, k)[0]]
 
+
+
+def test_the_stamp_names_the_table_and_its_contents(tmp_path, monkeypatch):
+    import hashlib
+    monkeypatch.setattr(gemm_tuned, "DIR", tmp_path)
+    assert gemm_tuned.stamp("gpu-a") == "none"
+    body = b'{"entries": []}'
+    (tmp_path / "gpu-a.json").write_bytes(body)
+    assert gemm_tuned.stamp("gpu-a") == f"gpu-a.json:{hashlib.sha256(body).hexdigest()[:12]}"
