@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels._tf32 import mma_tile
+from kernels._tf32 import (a_fragment_place, b_fragment_place, first_place, fragment_deltas,
+                           k_major_place, mma_tile, split_staging, staged_store)
 from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from proto.device.backend import cuda, jit
 
@@ -166,9 +167,20 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     PHASED = transposed and not unit_stride
     BM, BN, BK, TM, TN = t[:5]
     NT = t.threads
-    if t.mma:   # on tensor cores (kernels._tf32): +8 columns each, conflict-free fragments
-        BMP, BNP = BM + 8, BN + 8
-        multiply, row, col, place = mma_tile(t, BMP, BNP)
+    # Staging (stager): the patch tile walks pixels (contiguous in src), so all the elements
+    # a thread stages lie on one pixel, channels KS apart; the weight tile walks channels, so
+    # they lie on one weight channel, columns NS apart. The pixel's bounds and address are
+    # worked out once a step, and each element costs a compare and a load.
+    A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)   # staged elements per thread
+    a_place, _, KS = stager(False, BM, BK, NT)
+    b_place, NS, _ = stager(True, BN, BK, NT)
+    if t.mma:   # on tensor cores, split once as staged, in fragment order (kernels._tf32)
+        (multiply, row, col, place, A_BUF, B_BUF, store_a, store_b,
+         TILE_T) = split_staging(t, 2)
+        A_DELTA = fragment_deltas(a_fragment_place, BM, A_PER, 0, KS, False, BK, NT, t)
+        B_DELTA = fragment_deltas(b_fragment_place, BN, B_PER, NS, 0, True, BK, NT, t)
+        a_first, b_first = first_place(a_fragment_place, BM), first_place(b_fragment_place, BN)
+        PARTS = 2
     else:
         BMP = BM
         BNP = BN + 4                   # +4 columns: the k-fastest staging hits distinct banks,
@@ -182,7 +194,13 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         per_pass = BK if whole else (2 if BK % 2 == 0 else 1)
         multiply, row, col = register_tile(t, BM, BNP, rows_per_pass=per_pass)
         place = grid_place(BM // TM)
-    A_SIZE, B_SIZE = 2 * BK * BMP, 2 * BK * BNP
+        A_BUF, B_BUF = BK * BMP, BK * BNP
+        A_DELTA = tuple(i * KS * BMP for i in range(A_PER))
+        B_DELTA = tuple(i * NS for i in range(B_PER))
+        a_first, b_first = first_place(k_major_place, BMP), first_place(k_major_place, BNP)
+        store_a = store_b = staged_store(None)
+        TILE_T, PARTS = np.float32, 1
+    A_SIZE, B_SIZE = PARTS * 2 * A_BUF, PARTS * 2 * B_BUF
     store = _tile_store(TM, TN, row, col)
     # The wide tile (64 accumulators a thread) must stay within 128 registers, so that two
     # 256-thread blocks share an SM; the medium one (32) within 80, so that three do (the
@@ -190,13 +208,6 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     # narrow one takes what the compiler gives it.
     regs = {"max_registers": {64: 128, 32: 80}[t.tm * t.tn]} if t.tm * t.tn in (64, 32) else {}
 
-    # Staging (stager): the patch tile walks pixels (contiguous in src), so all the elements
-    # a thread stages lie on one pixel, channels KS apart; the weight tile walks channels, so
-    # they lie on one weight channel, columns NS apart. The pixel's bounds and address are
-    # worked out once a step, and each element costs a compare and a load.
-    A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)   # staged elements per thread
-    a_place, _, KS = stager(False, BM, BK, NT)
-    b_place, NS, _ = stager(True, BN, BK, NT)
     gather_a, gather_b = _gather(A_PER, KS), _gather(B_PER, NS)
 
     @cuda.jit(device=True)
@@ -258,8 +269,8 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         pix_dst = cuda.shared.array(BM, np.int32)
         _decode_pixels(pix_src, pix_h, pix_w, pix_dst, m0, M, CI, HWI, CO, HWO, WO, stride, pad,
                        transposed, ph, pw, apart, WP, HWP)
-        a_tile = cuda.shared.array(A_SIZE, np.float32, alignment=TILE_ALIGN)
-        b_tile = cuda.shared.array(B_SIZE, np.float32, alignment=TILE_ALIGN)
+        a_tile = cuda.shared.array(A_SIZE, TILE_T, alignment=TILE_ALIGN)
+        b_tile = cuda.shared.array(B_SIZE, TILE_T, alignment=TILE_ALIGN)
         acc = cuda.local.array((TM, TN), np.float32)
         a_reg = cuda.local.array(TM, np.float32)
         b_reg = cuda.local.array(TN, np.float32)
@@ -272,8 +283,8 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         a_mm, a_kk = a_place(tid)                      # this thread's staging coordinates
         b_nn, b_kk = b_place(tid)
         p_base, p_h, p_w = pix_src[a_mm], pix_h[a_mm], pix_w[a_mm]
-        a_at = a_kk * _u(BMP) + a_mm                   # where its patch elements go
-        b_at = b_kk * _u(BNP) + b_nn                   # ... and its weight elements
+        a_at = a_first(a_mm, a_kk)                     # where its patch elements go
+        b_at = b_first(b_nn, b_kk)                     # ... and its weight elements
 
         # Steps run tap-major ((r, s) outer, channel chunks of BK inner), counted forward
         # instead of divided out of the step number. Step 0's loads, then each step stores
@@ -296,10 +307,10 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
             buf = _u(step) & _u(1)   # step >= 0: no signed-remainder fix-up
             for i in range(A_PER):
                 if a_kk + _u(i * KS) < _u(BK):
-                    a_tile[buf * _u(BK * BMP) + a_at + _u(i * KS * BMP)] = a_next[i]
+                    store_a(a_tile, buf * _u(A_BUF) + a_at + _u(A_DELTA[i]), a_next[i])
             for i in range(B_PER):
                 if b_nn + _u(i * NS) < _u(BN):
-                    b_tile[buf * _u(BK * BNP) + b_at + _u(i * NS)] = b_next[i]
+                    store_b(b_tile, buf * _u(B_BUF) + b_at + _u(B_DELTA[i]), b_next[i])
             # One barrier per step: the next step fills the other buffer, and no thread can
             # refill this one before every thread has passed the next step's barrier.
             cuda.syncthreads()
@@ -319,8 +330,8 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
             if step + 1 < steps:
                 load_a(a_next, src, p_base, p_h, p_w, a_kk, c0, r, s, CI, HI, WI, HWI, stride)
                 load_b(b_next, w, b_kk, b_nn, c0, n0, r * S + s, CI, CO, RS)
-            multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(BK * BMP),
-                     buf * _u(BK * BNP), tx, ty)
+            multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(A_BUF), buf * _u(B_BUF),
+                     tx, ty)
         store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty)
 
     return conv_kernel

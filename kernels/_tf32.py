@@ -273,3 +273,74 @@ def fragment_tile(t: Tiles, a_small: int, b_small: int):
                               b[2 * h], b[2 * h + 1], bs[2 * h], bs[2 * h + 1])
 
     return multiply, row, col, place
+
+
+# ------------------------------------------------------------------ staging, split once
+STATIC_SHARED = 48 * 1024   # static shared memory a block (more needs dynamic)
+
+
+def staged_store(small_at: int | None):
+    """A device function (tile, i, v) storing float32 v at tile[i]: as it is (`small_at`
+    None), or split into its TF32 parts, big at i and small `small_at` words on (the tile
+    then uint32)."""
+    if small_at is None:
+        @cuda.jit(device=True)
+        def store(tile, i, v):
+            tile[i] = v
+    else:
+        @cuda.jit(device=True)
+        def store(tile, i, v):
+            big, small = split(v)
+            tile[i] = big
+            tile[i + _u(small_at)] = small
+    return store
+
+
+def k_major_place(row, k, width):
+    """A k-major staged tile's place: a row of K every `width` words."""
+    return k * width + row
+
+
+def first_place(place, width: int):
+    """A device function (row, k) -> place(row, k, width) as uint32: where a thread's first
+    staged element of an operand goes (place: k_major_place or a fragment place)."""
+    on_device = cuda.jit(device=True)(place)
+
+    @cuda.jit(device=True)
+    def first(row, k):
+        return _u(on_device(row, k, _u(width)))
+    return first
+
+
+def fragment_deltas(place, width: int, per: int, DR: int, DK: int, contiguous_k: bool,
+                    bk: int, nt: int, t: Tiles) -> tuple:
+    """place(i DR, i DK, width) for a thread's i-th staged element (kernels._tile.stager's
+    order: element i at (row + i DR, k + i DK)), having checked for every thread and every
+    element inside the width x bk tile that it lies that many words after the thread's
+    first (fragment order's places add where rows and ks share no bit)."""
+    deltas = tuple(place(i * DR, i * DK, width) for i in range(per))
+    for tid in range(nt):
+        row, k = (tid // bk, tid % bk) if contiguous_k else (tid % width, tid // width)
+        first = place(row, k, width)
+        for i in range(per):
+            r, kk = row + i * DR, k + i * DK
+            if r < width and kk < bk and place(r, kk, width) != first + deltas[i]:
+                raise ValueError(f"{t}: in fragment order thread {tid}'s staged elements do "
+                                 f"not lie at constant steps from its first")
+    return deltas
+
+
+def split_staging(t: Tiles, buffers: int):
+    """For a tensor-core tile staged through registers, split once and in fragment order:
+    (multiply, row, col, place, A_BUF, B_BUF, store_a, store_b, tile dtype), A_BUF and B_BUF
+    the words of one buffer of one part, the tiles `2 * buffers * A_BUF` (B_BUF) uint32
+    words. Refuses by name a tile whose parts pass a block's static shared memory."""
+    A_BUF, B_BUF = t.bk * t.bm, t.bk * t.bn
+    words = 2 * buffers * (A_BUF + B_BUF)
+    if 4 * words > STATIC_SHARED:
+        raise ValueError(f"{t}: its operands split into two parts take {4 * words} bytes "
+                         f"of shared memory, more than a block's static {STATIC_SHARED}: "
+                         f"a smaller bk or tile")
+    multiply, row, col, place = fragment_tile(t, buffers * A_BUF, buffers * B_BUF)
+    return (multiply, row, col, place, A_BUF, B_BUF, staged_store(buffers * A_BUF),
+            staged_store(buffers * B_BUF), np.uint32)

@@ -77,8 +77,8 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl, gemm_tuned
-from kernels._tf32 import (a_fragment_place, b_fragment_place, fragment_tile, mma_tile,
-                           split)
+from kernels._tf32 import (a_fragment_place, b_fragment_place, first_place, fragment_deltas,
+                           k_major_place, mma_tile, split_staging, staged_store)
 from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
@@ -281,57 +281,6 @@ def _async_stager(count: int, DR: int, DK: int, stride: int):
     return issue
 
 
-_STATIC_SHARED = 48 * 1024   # static shared memory a block (more needs dynamic)
-
-
-def _staged_store(small_at: int | None):
-    """A device function (tile, i, v) storing float32 v at tile[i]: as it is (`small_at`
-    None), or split into its TF32 parts, big at i and small `small_at` words on."""
-    if small_at is None:
-        @cuda.jit(device=True)
-        def store(tile, i, v):
-            tile[i] = v
-    else:
-        @cuda.jit(device=True)
-        def store(tile, i, v):
-            big, small = split(v)
-            tile[i] = big
-            tile[i + _u(small_at)] = small
-    return store
-
-
-def _k_major(row, k, width):
-    """A k-major staged tile's place: a row of K every `width` words."""
-    return k * width + row
-
-
-def _first_place(place, width: int):
-    """A device function (row, k) -> place(row, k, width) as uint32: where a thread's first
-    staged element of an operand goes."""
-    on_device = cuda.jit(device=True)(place)
-
-    @cuda.jit(device=True)
-    def first(row, k):
-        return _u(on_device(row, k, _u(width)))
-    return first
-
-
-def _fragment_deltas(place, width: int, per: int, DR: int, DK: int, contiguous_k: bool,
-                     bk: int, nt: int, t: Tiles) -> tuple:
-    """place(i DR, i DK, width) for a thread's i-th staged element (kernels._tile.stager's
-    order), having checked for every thread that its i-th element lies that many words
-    after its first (fragment order's places add where rows and ks share no bit)."""
-    deltas = tuple(place(i * DR, i * DK, width) for i in range(per))
-    for tid in range(nt):
-        row, k = (tid // bk, tid % bk) if contiguous_k else (tid % width, tid // width)
-        first = place(row, k, width)
-        if any(place(row + i * DR, k + i * DK, width) != first + deltas[i]
-               for i in range(per)):
-            raise ValueError(f"{t}: in fragment order thread {tid}'s staged elements do not "
-                             f"lie at constant steps from its first (a power-of-two tile)")
-    return deltas
-
-
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
     per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
@@ -355,21 +304,21 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         raise ValueError(f"{t}: the tiled GEMM stages whole tiles: {NT} threads must divide them")
     A_PER, B_PER = TBM * TBK // NT, TBN * TBK // NT   # staged elements per thread
     BUFFERS = max(stages, 2)
-    SPLIT_STAGED = t.mma and not stages
     a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
-    if SPLIT_STAGED:
+    if t.mma and not stages:
         # Split once as staged, in fragment order (kernels._tf32.fragment_tile): a lane's
         # fragments are 16 contiguous bytes, so no padding. A thread's i-th element lies
         # A_DELTA[i] words after its first (the place of a sum of disjoint bits, checked).
-        A_BUF, B_BUF = TBK * TBM, TBK * TBN   # words a buffer, each part
-        A_DELTA = _fragment_deltas(a_fragment_place, TBM, A_PER, A_DR, A_DK, not trans_a,
-                                   TBK, NT, t)
-        B_DELTA = _fragment_deltas(b_fragment_place, TBN, B_PER, B_DR, B_DK, trans_b, TBK,
-                                   NT, t)
-        multiply, row, col, place = fragment_tile(t, BUFFERS * A_BUF, BUFFERS * B_BUF)
-        a_first = _first_place(a_fragment_place, TBM)
-        b_first = _first_place(b_fragment_place, TBN)
+        (multiply, row, col, place, A_BUF, B_BUF, store_a, store_b,
+         TILE_T) = split_staging(t, BUFFERS)
+        A_DELTA = fragment_deltas(a_fragment_place, TBM, A_PER, A_DR, A_DK, not trans_a,
+                                  TBK, NT, t)
+        B_DELTA = fragment_deltas(b_fragment_place, TBN, B_PER, B_DR, B_DK, trans_b, TBK,
+                                  NT, t)
+        a_first = first_place(a_fragment_place, TBM)
+        b_first = first_place(b_fragment_place, TBN)
+        A_WORDS, B_WORDS = 2 * BUFFERS * A_BUF, 2 * BUFFERS * B_BUF
         BMP, BNP = TBM, TBN   # (cp.async's rows: unused here)
     else:
         # +8 columns (tensor cores): a warp's fragment reads (lanes t * stride + g apart) hit
@@ -377,6 +326,7 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         # row stays 16-byte aligned for the register tile's 16-byte shared loads
         BMP, BNP = (TBM + 8, TBN + 8) if t.mma else (TBM + 4, TBN + 4)
         A_BUF, B_BUF = TBK * BMP, TBK * BNP
+        A_WORDS, B_WORDS = BUFFERS * A_BUF, BUFFERS * B_BUF
         A_DELTA = tuple(i * (A_DK * BMP + A_DR) for i in range(A_PER))
         B_DELTA = tuple(i * (B_DK * BNP + B_DR) for i in range(B_PER))
         if t.mma:
@@ -385,16 +335,9 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
             multiply, row, col = register_tile(t, BMP, BNP,
                                                rows_per_pass=2 if TBK % 2 == 0 else 1)
             place = grid_place(TBM // TM)
-        a_first, b_first = _first_place(_k_major, BMP), _first_place(_k_major, BNP)
-    PARTS = 2 if SPLIT_STAGED else 1   # (big and small, or the float32 itself)
-    A_WORDS, B_WORDS = PARTS * BUFFERS * A_BUF, PARTS * BUFFERS * B_BUF
-    if SPLIT_STAGED and 4 * (A_WORDS + B_WORDS) > _STATIC_SHARED:
-        raise ValueError(f"{t}: its operands split into two parts take "
-                         f"{4 * (A_WORDS + B_WORDS)} bytes of shared memory, more than a "
-                         f"block's static {_STATIC_SHARED}: a smaller bk or tile")
-    TILE_T = np.uint32 if SPLIT_STAGED else np.float32
-    store_a = _staged_store(BUFFERS * A_BUF if SPLIT_STAGED else None)
-    store_b = _staged_store(BUFFERS * B_BUF if SPLIT_STAGED else None)
+        a_first, b_first = first_place(k_major_place, BMP), first_place(k_major_place, BNP)
+        store_a = store_b = staged_store(None)
+        TILE_T = np.float32
 
     load_a = _operand_loader(A_PER, A_DR, A_DK, k_first=trans_a)      # a (K, M) or (M, K)
     load_b = _operand_loader(B_PER, B_DR, B_DK, k_first=not trans_b)  # b (K, N) or (N, K)
