@@ -19,8 +19,9 @@
 # decode step's kernels at position 512, ours beside PtGraph's), train_gemm (Wav2Vec2's
 # float32 GEMMs over the tiled kernel's tile shapes against cuBLAS: dev/bench/bench_train_gemm.py;
 # train_gemm_mma: only the default and the tensor-core tiles, a few minutes less; tune: the
-# same at 65, 120 and 199 frames, writing kernels/tuned/<gpu>.json, which the later steps of
-# the session then run with: commit it with their results; gemm_ncu: Nsight Compute's
+# same at 65, 120 and 199 frames, then conv_bench, each writing its section of
+# kernels/tuned/<gpu>.json, which the later steps of the session then run with: commit it
+# with their results; gemm_ncu: Nsight Compute's
 # counters for one launch of each GEMM tile, dev/probe/gemm_ncu.py, where ncu exists),
 # conv_bench (Wav2Vec2's convolutions against cuDNN, the feature encoder's also on tensor
 # cores: dev/bench/bench_conv1d.py, about a minute).
@@ -66,7 +67,8 @@ for s in "$@"; do case $s in
   gptj_profile) step gptj_profile 600 python3 -m dev.probe.gptj_profile ;;
   train_gemm) step train_gemm 600 python3 -m dev.bench.bench_train_gemm ;;
   train_gemm_mma) step train_gemm_mma 600 python3 -m dev.bench.bench_train_gemm 120 --mma ;;
-  tune) step tune 600 python3 -m dev.bench.bench_train_gemm 65 120 199 --mma --write ;;
+  tune) step tune 600 python3 -m dev.bench.bench_train_gemm 65 120 199 --mma --write
+        step tune_conv 300 python3 -m dev.bench.bench_conv1d --write ;;
   gemm_ncu)   # Nsight Compute's counters for the GEMM tiles, where the machine has ncu
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
           2>/dev/null | head -1)

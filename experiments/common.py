@@ -18,7 +18,7 @@ import platform
 import subprocess
 import sys
 
-from kernels import gemm_tuned
+from kernels import tuning
 from proto.device import backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -74,8 +74,8 @@ def provenance() -> dict:
         "torch": _version("torch"),
         "transformers": _version("transformers"),
         "git_commit": _git_commit(),
-        # the per-GPU tile table the GEMMs ran with (kernels.gemm_tuned): data, not code
-        "gemm_tuned": gemm_tuned.stamp(backend.device_name()),
+        # the per-GPU tile table the kernels ran with (kernels.tuning): data, not code
+        "tuned_tiles": tuning.stamp(backend.device_name()),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 

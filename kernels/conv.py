@@ -16,6 +16,9 @@ split reductions; how the kernels work is in kernels._conv_kernels.
                   so the gradient is bit-for-bit the same every run (atomics would add the
                   partials in whatever order blocks finish: float32 sums that differ run to run,
                   and a memory policy could then never be shown to leave the math unchanged).
+
+Tiles: by output channels (`_pick_conv_tiles`), or for a layer whose forward or
+backward-data this GPU's measured table names (kernels.tuning, section "conv"), that one.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels import _check
+from kernels import _check, tuning
 from kernels._conv_kernels import (RELU, RELU_MASK, RELU_NONE, make_conv_kernel,
                                    make_conv_taps_kernel, make_wgrad_kernel,
                                    make_wgrad_taps_kernel, sum_splits_kernel)
@@ -130,6 +133,15 @@ _WGRAD_TAPS_TILE = (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else GPU_WGRAD_TAP
 
 
 # ---------------------------------------------------------------------------- tile choice
+# The layers' tiles measured on this kind of GPU (kernels.tuning: its "conv" section), each
+# one of the tiles built above.
+TUNED = () if backend.SIMULATOR or backend.PTX_ONLY else tuning.table(backend.device_name()).conv
+for _, _t in TUNED:
+    if _t not in _FWD:
+        raise ValueError(f"kernels/tuned/{backend.device_name()}.json: conv tile {_t} is not "
+                         f"built; choose from {sorted(_FWD)}")
+
+
 def _pick_conv_tiles(columns: int) -> Tiles:
     """Tiles for a GEMM with `columns` output channels."""
     if backend.SIMULATOR:
@@ -228,7 +240,8 @@ def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, stream=0
     if t is not None:
         kernel = _FWD_TAPS[t]
     else:
-        t = _tiles_or(tiles, _FWD, lambda: _pick_conv_tiles(K))
+        t = _tiles_or(tiles, _FWD, lambda: tuning.conv_choice("fwd", C, K, R, S, stride, TUNED)
+                      or _pick_conv_tiles(K))
         kernel = _FWD[t]
     flat_w = w.reshape(w.size)
     grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn))
@@ -248,7 +261,8 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, 
     stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(dx.shape, w, stride, pad)
     _check.device_array("dy", dy, shape=(N, K, P, Q))
     relu_mask = _check.flag("relu_mask", relu_mask)
-    t = _tiles_or(tiles, _BWD_DATA, lambda: _pick_conv_tiles(C))
+    t = _tiles_or(tiles, _BWD_DATA, lambda: tuning.conv_choice("bwd_data", C, K, R, S, stride,
+                                                               TUNED) or _pick_conv_tiles(C))
     flat_w = w.reshape(w.size)
     # Past stride 1 a block computes one phase (residues of h and w mod stride) of dx: the
     # largest phase's pixels along x, the stride^2 phases along z (kernels._conv_kernels)

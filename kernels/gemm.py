@@ -26,7 +26,7 @@ Two kernel families, chosen by `gemm` from the shapes:
   WIDE_TILE fills the SMs, the product is none of the LSTM's that the A/B measures), and
   only where the caller asks (`gemm(..., skinny=True)`): off by default until
   dev.ab.ab_lstm_tiles measures them on the GPU.
-  Where this GPU's measured table (kernels.gemm_tuned, kernels/tuned/<gpu>.json) has an
+  Where this GPU's measured table (kernels.tuning, kernels/tuned/<gpu>.json) has an
   entry near an unbatched product, `tiled` launches that entry's tile, staging and split
   instead, the 3xTF32 tensor-core tiles (Tiles(..., mma=True), kernels._tf32) among them.
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
@@ -76,7 +76,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels import _check, _cpasync, _pdl, gemm_tuned
+from kernels import _check, _cpasync, _pdl, tuning
 from kernels._tf32 import (a_fragment_place, b_fragment_place, first_place, fragment_deltas,
                            k_major_place, mma_tile, split_staging, staged_store)
 from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
@@ -460,9 +460,9 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     return gemm_tiled_kernel
 
 
-# The tile choices measured on this kind of GPU (kernels.gemm_tuned), their kernels compiled
+# The tile choices measured on this kind of GPU (kernels.tuning), their kernels compiled
 # here, at import, as the defaults are: never inside a stream capture or a memory reading.
-TUNED = () if backend.SIMULATOR or backend.PTX_ONLY else gemm_tuned.table(backend.device_name())
+TUNED = () if backend.SIMULATOR or backend.PTX_ONLY else tuning.table(backend.device_name()).gemm
 
 
 @functools.cache
@@ -1256,7 +1256,7 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
             raise ValueError(f"{name}: {x.size} elements exceed the tiled GEMM's 2**32")
     if tile is None and keep is None and target_blocks is None and batch == 1:
         # (not where a caller holds the partials: it sized them by split_count)
-        tuned = gemm_tuned.choice(trans_a, trans_b, m_rows, n_cols, k_len, TUNED)
+        tuned = tuning.gemm_choice(trans_a, trans_b, m_rows, n_cols, k_len, TUNED)
         if tuned is not None:
             tile, stages, whole = tuned
             target_blocks = 1 if whole else None

@@ -2,16 +2,26 @@
 off) when PyTorch is installed; the feature encoder's 512-channel layers and the positional
 convolution also on the tensor-core tiles (kernels.conv.GPU_CONV_MMA_TILES,
 GPU_WGRAD_MMA_TILES, kernels.conv1d.GPU_GROUPED_MMA_TILES), each checked against the SIMT
-kernels' result.  python -m dev.bench.bench_conv1d [batch]"""
+kernels' result.  python -m dev.bench.bench_conv1d [batch] [--write]
+
+--write: for each of the encoder's layer geometries (channels, kernel, stride) and for its
+forward and backward-data, the tensor tile whose summed time over the layers of that
+geometry beats the library's untuned choice by more than MARGIN (its result within 1e-3 of
+the SIMT kernels' largest output: a gross-error check; the GPU lane holds the tiles to their
+derived bound) becomes kernels/tuned/<gpu>.json's "conv" entry (kernels.tuning)."""
 import numpy as np
 
-from kernels import conv
+from kernels import conv, tuning
 from kernels.conv1d import (GPU_GROUPED_MMA_TILES, GPU_GROUPED_TILES, conv1d, conv1d_bwd_data,
                             conv1d_bwd_weight, conv1d_grouped, conv1d_grouped_bwd_data,
                             conv1d_grouped_bwd_weight, conv1d_grouped_flops, conv1d_out_size,
                             weight_norm, weight_norm_bwd)
 from proto.device import backend
 from proto.device.backend import cuda
+
+
+MARGIN = 0.03   # --write: a tile replaces the default for a layer only if this much faster
+GROSS = 1e-3    # --write: a tile whose deviation from SIMT passes this is not a candidate
 
 
 def main(argv=None):
@@ -21,7 +31,10 @@ def main(argv=None):
 
     from proto.device import timing
     argv = sys.argv[1:] if argv is None else argv
-    B = int(argv[0]) if argv else 8
+    write = "--write" in argv
+    numbers = [a for a in argv if not a.startswith("--")]
+    B = int(numbers[0]) if numbers else 8
+    totals: dict = {}   # (op, c, k, r, s, stride) -> {tile or None: summed ms over the layers}
     rng = np.random.default_rng(0)
     try:
         import torch
@@ -34,9 +47,10 @@ def main(argv=None):
           + ("   | cuDNN fwd, data, weight" if torch else ""))
 
     def row(name, flops, runs, torch_runs):
-        cells = []
+        cells, ms = [], []
         for run in runs:
             t = timing.bench(run, warmup=2, reps=10)
+            ms.append(t.median_ms)
             cells.append(f"{flops / t.median_ms / 1e9:6.1f} ({t.median_ms:6.3f})")
         line = f"{name:>28} | " + " ".join(cells)
         if torch_runs:
@@ -44,6 +58,7 @@ def main(argv=None):
                 f"{flops / timing.bench(f, warmup=2, reps=10).median_ms / 1e9:6.1f}"
                 for f in torch_runs)
         print(line, flush=True)
+        return ms
 
     def run_and_copy(run, dst):
         run()
@@ -67,7 +82,12 @@ def main(argv=None):
             torch_runs = [lambda: F.conv1d(tx, tw, stride=s),
                           lambda: torch.nn.grad.conv1d_input(tx.shape, tw, ty, stride=s),
                           lambda: torch.nn.grad.conv1d_weight(tx, tw.shape, ty, stride=s)]
-        row(f"conv {C}->{K} k{k} s{s} T{T}", 2.0 * B * K * T_out * C * k, runs, torch_runs)
+        ms = row(f"conv {C}->{K} k{k} s{s} T{T}", 2.0 * B * K * T_out * C * k, runs,
+                 torch_runs)
+        keys = [(op, C, K, 1, k, s) for op in tuning.CONV_OPS]
+        for key, m in zip(keys, ms):
+            totals.setdefault(key, {}).setdefault(None, 0.0)
+            totals[key][None] += m
         if C > 1:   # the same on tensor cores (kernels._tf32)
             x4, w4 = x.reshape(B, C, 1, T), w.reshape(K, C, 1, k)
             out4, dy4, dx4 = (a.reshape(a.shape[0], a.shape[1], 1, a.shape[2]) for a in (out, dy, dx))
@@ -81,12 +101,17 @@ def main(argv=None):
                        lambda tw=tw, ws=ws: conv.conv2d_bwd_weight(
                            x4, dy4, dw4, None, stride=s, tiles=tw, workspace=ws)]
                 # (against the SIMT kernels' results: sums of C*k, K*k and B*T_out products)
+                errs = []
                 for run, dst, want in zip(mma, (out, dx, dw), want):
                     err = np.max(np.abs(run_and_copy(run, dst) - want)) / np.max(np.abs(want))
+                    errs.append(err)
                     print(f"{'':>28}   tensor cores {t.bm}x{t.bn} (weight {tw.bm}x{tw.bn}): "
                           f"max deviation from SIMT {err:.2e} of the largest output")
-                row(f"tensor cores {t.bm}x{t.bn}/{tw.bm}x{tw.bn}", 2.0 * B * K * T_out * C * k,
-                    mma, None)
+                ms = row(f"tensor cores {t.bm}x{t.bn}/{tw.bm}x{tw.bn}",
+                         2.0 * B * K * T_out * C * k, mma, None)
+                for key, m, err in zip(keys, ms, errs):   # (fwd, bwd_data: not the weight's)
+                    at = totals[key].setdefault(t, 0.0)
+                    totals[key][t] = at + m if err <= GROSS and at == at else float("nan")
         C, T = K, T_out
 
     C, G, k, pad = 768, 16, 128, 64
@@ -122,6 +147,35 @@ def main(argv=None):
     for name, run in (("weight_norm", lambda: weight_norm(v, g, w)),
                       ("weight_norm_bwd", lambda: weight_norm_bwd(v, g, w, dv, dg))):
         print(f"{name:>28} | {timing.bench(run, warmup=2, reps=10).median_ms:.3f} ms")
+    if write:
+        write_conv(totals, argv)
+
+
+def conv_entries(totals: dict) -> list[dict]:
+    """For each layer geometry and operation, the tile whose summed time beats the default's
+    (key None) by more than MARGIN (NaN: a tile that failed the gross-error check)."""
+    entries = []
+    for (op, c, k, r, s, stride), by_tile in totals.items():
+        default = by_tile.get(None)
+        tiles = {t: ms for t, ms in by_tile.items() if t is not None and ms == ms}
+        if default is None or not tiles:
+            continue
+        best = min(tiles, key=tiles.get)
+        if tiles[best] < (1 - MARGIN) * default:
+            entries.append(dict(op=op, c=c, k=k, r=r, s=s, stride=stride, tile=list(best),
+                                ms=round(tiles[best], 4), default_ms=round(default, 4)))
+    return entries
+
+
+def write_conv(totals: dict, argv: list) -> None:
+    if conv.TUNED:   # (the "default" rows above ran the table's tiles, not the untuned ones)
+        print("--write: this GPU's table already has conv entries, so the library rows are "
+              "not the untuned default; delete its conv section and run again")
+        return
+    entries = conv_entries(totals)
+    path = tuning.write_section(backend.device_name(), "conv", entries,
+                                "python3 -m dev.bench.bench_conv1d " + " ".join(argv))
+    print(f"wrote {len(entries)} conv entries to {path}")
 
 
 if __name__ == "__main__":

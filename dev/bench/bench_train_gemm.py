@@ -24,7 +24,7 @@ cuBLAS's. GPU only.
 Decision rule: with --write, per shape and frame count, the fastest variant replaces the
 library's default (`gemm.tiled_launch_plan`, untuned) where it is more than MARGIN faster
 and passed its float64 check: kernels/tuned/<gpu>.json, which `gemm.tiled` reads at import
-(kernels.gemm_tuned); then wav2vec2_train runs again to see what the step gains. The
+(kernels.tuning, section gemm); then wav2vec2_train runs again to see what the step gains. The
 "default" row is always the untuned choice, whatever the tuned file says.
 """
 from __future__ import annotations
@@ -167,7 +167,7 @@ def main() -> None:
 
 def tuned_entries(rows: list[dict]) -> list[dict]:
     """For each shape and frame count, the fastest variant where it beats the default by
-    more than MARGIN (every row here passed its float64 check): kernels.gemm_tuned's
+    more than MARGIN (every row here passed its float64 check): kernels.tuning's
     entries."""
     entries = []
     for key in dict.fromkeys((r["frames"], r["shape"]) for r in rows):
@@ -184,20 +184,11 @@ def tuned_entries(rows: list[dict]) -> list[dict]:
 
 
 def write_tuned(rows: list[dict]) -> None:
-    import datetime
-    import json
-    import os
-    from kernels import gemm_tuned
-    path = gemm_tuned.DIR / f"{backend.device_name()}.json"
-    path.parent.mkdir(exist_ok=True)
+    from kernels import tuning
     entries = tuned_entries(rows)
-    path.write_text(json.dumps({
-        "device": backend.describe(), "git_commit": os.environ.get("PROTO_GIT_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "python3 -m dev.bench.bench_train_gemm " + " ".join(sys.argv[1:]),
-        "entries": entries}, indent=1) + "\n")
-    print(f"wrote {len(entries)} entries to {path}")
-
+    path = tuning.write_section(backend.device_name(), "gemm", entries,
+                                "python3 -m dev.bench.bench_train_gemm " + " ".join(sys.argv[1:]))
+    print(f"wrote {len(entries)} gemm entries to {path}")
 
 if __name__ == "__main__":
     if backend.SIMULATOR:

@@ -1,7 +1,7 @@
-"""dev.bench.bench_train_gemm's --write: which measured variant becomes a tuned entry
-(kernels.gemm_tuned)."""
+"""The benches' --write (bench_train_gemm, bench_conv1d): which measured variant becomes an
+entry of the per-GPU table (kernels.tuning)."""
 from dev.bench.bench_train_gemm import MARGIN, tuned_entries
-from kernels import gemm as G, gemm_tuned
+from kernels import gemm as G, tuning
 from kernels._tile import Tiles
 
 MMA = Tiles(16, 32, 8, 2, 4, True)
@@ -23,4 +23,17 @@ def test_the_bench_writes_a_shape_only_where_a_tile_beats_the_default_by_the_mar
         ("fc1 fwd", list(MMA), 0, True)
     path_entry = {k: entry[k] for k in ("trans_a", "trans_b", "m", "n", "k", "tile",
                                         "stages", "whole")}
-    assert gemm_tuned._entry(path_entry, None)[2:] == (MMA, 0, True)
+    assert tuning._gemm_entry(path_entry, None)[2:] == (MMA, 0, True)
+
+
+def test_the_conv_bench_writes_a_layer_only_where_a_tile_beats_the_default_by_the_margin():
+    """k3: the faster of two tiles that clear the margin; k2: one that does not; a tile
+    that failed its gross-error check (NaN) is never chosen."""
+    from dev.bench.bench_conv1d import MARGIN, conv_entries
+    t1, t2 = Tiles(128, 128, 8, 8, 8, True), Tiles(128, 64, 8, 8, 4, True)
+    k3, k2 = ("fwd", 512, 512, 1, 3, 2), ("bwd_data", 512, 512, 1, 2, 2)
+    totals = {k3: {None: 10.0, t1: 10.0 * (1 - 2 * MARGIN), t2: 10.0 * (1 - 3 * MARGIN)},
+              k2: {None: 10.0, t1: 10.0 * (1 - MARGIN / 2), t2: float("nan")}}
+    (entry,) = conv_entries(totals)
+    assert (entry["op"], entry["s"], entry["tile"]) == ("fwd", 3, list(t2))
+    assert tuning._conv_entry(entry, None) == (k3, t2)

@@ -1,0 +1,156 @@
+"""kernels.tuning: which measured tile choice a product or a layer takes, and the files'
+checks.
+The table and the distances are restated here from the rule in the module's docstring."""
+import json
+
+import numpy as np
+import pytest
+
+from kernels import conv, gemm as G, tuning
+from kernels._tile import Tiles
+from tests.helpers import dev, rand
+from tests.test_gemm_tf32 import _derived_bound
+
+MMA = Tiles(16, 32, 8, 2, 4, True)
+ENTRIES = (((False, True), (960, 3072, 768), MMA, 0, False),
+           ((True, False), (768, 768, 960), G.TILE, 2, True),
+           ((False, True), (1592, 3072, 768), G.WIDE_TILE, 0, True))
+
+
+@pytest.mark.parametrize("product,want", [
+    ((False, True, 960, 3072, 768), (MMA, 0, False)),           # the entry itself
+    ((False, True, 1200, 3072, 768), (MMA, 0, False)),          # nearer 960 than 1592
+    ((False, True, 1400, 3072, 768), (G.WIDE_TILE, 0, True)),   # nearer 1592
+    ((False, True, 960, 2304, 768), (MMA, 0, False)),           # N within a factor of 2
+    ((True, False, 768, 768, 520), (G.TILE, 2, True)),          # K 960 / 520 < 2
+    ((True, False, 768, 768, 400), None),                       # K 960 / 400 > 2
+    ((False, False, 960, 3072, 768), None),                     # no entry of this layout
+    ((False, True, 960, 768, 768), None),                       # N 3072 / 768 = 4
+])
+def test_a_product_takes_the_nearest_entry_within_a_factor_of_two(product, want):
+    assert tuning.gemm_choice(*product, ENTRIES) == want
+
+
+def test_a_device_without_a_file_has_no_entries():
+    assert tuning.table("no-such-gpu") == tuning.Table((), ())
+
+
+def test_a_malformed_entry_is_refused_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "DIR", tmp_path)
+    tuning.table.cache_clear()
+    good = dict(trans_a=False, trans_b=True, m=960, n=3072, k=768,
+                tile=[128, 128, 8, 8, 8, True], stages=0, whole=False)
+    (tmp_path / "gpu-a.json").write_text(json.dumps({"gemm": {"entries": [good]}}))
+    assert tuning.table("gpu-a").gemm == (((False, True), (960, 3072, 768),
+                                           Tiles(128, 128, 8, 8, 8, True), 0, False),)
+    for bad in ({k: v for k, v in good.items() if k != "stages"}, {**good, "stages": 1},
+                {**good, "tile": [128, 128]}):
+        (tmp_path / "gpu-b.json").write_text(json.dumps({"gemm": {"entries": [bad]}}))
+        tuning.table.cache_clear()
+        with pytest.raises(ValueError, match="gpu-b.json: malformed gemm entry"):
+            tuning.table("gpu-b")
+    tuning.table.cache_clear()
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_gemm_launches_the_tuned_tile_and_still_matches_reference(monkeypatch, whole):
+    """With an entry for the product, `tiled` launches the entry's tile, staging and K split
+    (a whole-K tensor tile here), and the result is the reference's; a batched product and
+    one that a caller splits (split_products) keep the default."""
+    launched = []
+    real = G.tiled_kernel
+    monkeypatch.setattr(G, "tiled_kernel", lambda *a: (launched.append(a), real(*a))[1])
+    m, n, k = 40, 24, 64
+    monkeypatch.setattr(G, "TUNED", (((False, True), (m, n, k), MMA, 0, whole),))
+    rng = np.random.default_rng(0)
+    a, b = rand(rng, m, k), rand(rng, n, k)
+    out = dev(np.zeros((m, n), np.float32))
+    G.gemm(dev(a), dev(b), out, trans_b=True)
+    assert launched == [(False, True, MMA, 0)]
+    splits = G.tiled_plan(MMA, 1, m, n, k, 1 if whole else None)[0]
+    err = np.abs(out.copy_to_host() - a.astype(np.float64) @ b.T)
+    assert np.all(err <= _derived_bound(k, splits, None)(np.abs(a) @ np.abs(b).T))
+    launched.clear()
+    G.gemm(dev(a[None].repeat(2, 0)), dev(b[None].repeat(2, 0)),
+           dev(np.zeros((2, m, n), np.float32)), trans_b=True)
+    assert [t[2] for t in launched] == [G.tiled_launch_plan(2, m, n, k)[0]]
+
+
+
+def test_the_stamp_names_the_table_and_its_contents(tmp_path, monkeypatch):
+    import hashlib
+    monkeypatch.setattr(tuning, "DIR", tmp_path)
+    assert tuning.stamp("gpu-a") == "none"
+    body = b'{"entries": []}'
+    (tmp_path / "gpu-a.json").write_bytes(body)
+    assert tuning.stamp("gpu-a") == f"gpu-a.json:{hashlib.sha256(body).hexdigest()[:12]}"
+
+
+CONV_ENTRIES = ((("fwd", 512, 512, 1, 3, 2), conv.SIM_CONV_MMA_TILES[0]),
+                (("bwd_data", 512, 512, 1, 2, 2), conv.SIM_CONV_TILES[1]))
+
+
+@pytest.mark.parametrize("layer,want", [
+    (("fwd", 512, 512, 1, 3, 2), conv.SIM_CONV_MMA_TILES[0]),
+    (("bwd_data", 512, 512, 1, 2, 2), conv.SIM_CONV_TILES[1]),
+    (("bwd_data", 512, 512, 1, 3, 2), None),   # the entry is the forward's
+    (("fwd", 512, 512, 1, 3, 1), None),        # another stride
+    (("fwd", 256, 512, 1, 3, 2), None),        # other channels
+])
+def test_a_layer_takes_only_its_own_entry(layer, want):
+    assert tuning.conv_choice(*layer, CONV_ENTRIES) == want
+
+
+def test_a_malformed_conv_entry_is_refused_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "DIR", tmp_path)
+    tuning.table.cache_clear()
+    good = dict(op="fwd", c=512, k=512, r=1, s=3, stride=2, tile=[16, 32, 8, 2, 4, True])
+    (tmp_path / "gpu-c.json").write_text(json.dumps({"conv": {"entries": [good]}}))
+    assert tuning.table("gpu-c").conv == ((("fwd", 512, 512, 1, 3, 2),
+                                           Tiles(16, 32, 8, 2, 4, True)),)
+    for bad in ({**good, "op": "bwd_weight"}, {k: v for k, v in good.items() if k != "s"}):
+        (tmp_path / "gpu-d.json").write_text(json.dumps({"conv": {"entries": [bad]}}))
+        tuning.table.cache_clear()
+        with pytest.raises(ValueError, match="gpu-d.json: malformed conv entry"):
+            tuning.table("gpu-d")
+    tuning.table.cache_clear()
+
+
+def test_writing_a_section_keeps_the_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "DIR", tmp_path)
+    monkeypatch.setenv("PROTO_GIT_COMMIT", "abc123")
+    tuning.write_section("gpu-e", "gemm", [{"x": 1}], "bench a")
+    tuning.write_section("gpu-e", "conv", [{"y": 2}], "bench b")
+    body = json.loads((tmp_path / "gpu-e.json").read_text())
+    assert body["gemm"]["entries"] == [{"x": 1}] and body["conv"]["entries"] == [{"y": 2}]
+    assert body["conv"]["command"] == "bench b" and body["gemm"]["git_commit"] == "abc123"
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd_data"])
+def test_a_convolution_launches_its_layers_tuned_tile(monkeypatch, op):
+    """With an entry for the layer, conv2d (conv2d_bwd_data) launches the entry's tile, and
+    the result is the reference's (the tensor tile within its derived bound)."""
+    N, C, K, H, W, R, S, st = 2, 12, 16, 1, 19, 1, 3, 2   # (C R S past the all-taps kernel)
+    tile = conv.SIM_CONV_MMA_TILES[0]
+    monkeypatch.setattr(conv, "TUNED", (((op, C, K, R, S, st), tile),))
+    launched = []
+    real = conv.launch
+    monkeypatch.setattr(conv, "launch", lambda k, *a: (launched.append(k), real(k, *a))[1])
+    rng = np.random.default_rng(1)
+    x, w = rand(rng, N, C, H, W), rand(rng, K, C, R, S)
+    P = conv.conv_out_size(W, S, st, 0)
+    if op == "fwd":
+        out = dev(np.zeros((N, K, H, P), np.float32))
+        conv.conv2d(dev(x), dev(w), None, out, stride=st)
+        assert launched == [conv._FWD[tile]]
+        got, want, terms = out.copy_to_host(), conv.conv2d_ref(x, w, stride=st), C * R * S
+        sizes = conv.conv2d_ref(np.abs(x), np.abs(w), stride=st)
+    else:
+        dy = rand(rng, N, K, H, P)
+        dx = dev(np.zeros((N, C, H, W), np.float32))
+        conv.conv2d_bwd_data(dev(dy), dev(w), dx, stride=st)
+        assert launched == [conv._BWD_DATA[tile]]
+        got, terms = dx.copy_to_host(), K * R * S
+        want = conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=st)
+        sizes = conv.conv2d_bwd_data_ref(np.abs(dy), np.abs(w), x.shape, stride=st)
+    assert np.all(np.abs(got - want) <= _derived_bound(terms, 1, None)(sizes))
