@@ -8,6 +8,8 @@ for a convolution layer's forward and backward-data.
     write_section(device, name, entries, command)   (the benches' --write)
     stamp(device)        -> the file and its SHA-256, for a measurement's provenance
 
+    python -m kernels.tuning [device ...]   prints the tables (every file's, by default)
+
 Why: no one rule picks the fastest tile over shapes and GPUs (on the H100 the 3xTF32
 tensor tile ran a Wav2Vec2 layer's weight gradients 26% faster than the SIMT default and
 its attention projections 18% slower), so, as vLLM does for its fused kernels, the choices
@@ -123,3 +125,21 @@ def stamp(device: str) -> str:
     if not path.exists():
         return "none"
     return f"{path.name}:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+
+
+def describe(device: str) -> str:
+    """The device's table as text: one line an entry."""
+    t = table(device)
+    lines = [f"{device}: {stamp(device)}, {len(t.gemm)} gemm and {len(t.conv)} conv entries"]
+    for (ta, tb), (m, n, k), tile, stages, whole in t.gemm:
+        lines.append(f"  gemm {'T' if ta else 'N'}{'T' if tb else 'N'} {m} x {n} x {k}: "
+                     f"{tuple(tile)} stages {stages}, K {'whole' if whole else 'split'}")
+    for (op, c, k, r, s, stride), tile in t.conv:
+        lines.append(f"  conv {op} {c}->{k} {r}x{s} stride {stride}: {tuple(tile)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+    names = sys.argv[1:] or sorted(p.stem for p in DIR.glob("*.json"))
+    print("\n".join(describe(d) for d in names) if names else f"no tables in {DIR}")

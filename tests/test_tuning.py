@@ -154,3 +154,18 @@ def test_a_convolution_launches_its_layers_tuned_tile(monkeypatch, op):
         want = conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=st)
         sizes = conv.conv2d_bwd_data_ref(np.abs(dy), np.abs(w), x.shape, stride=st)
     assert np.all(np.abs(got - want) <= _derived_bound(terms, 1, None)(sizes))
+
+
+def test_the_table_prints_one_line_an_entry(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "DIR", tmp_path)
+    tuning.table.cache_clear()
+    gemm = dict(trans_a=True, trans_b=False, m=768, n=3072, k=960,
+                tile=[128, 128, 8, 8, 8, True], stages=0, whole=True)
+    layer = dict(op="bwd_data", c=512, k=512, r=1, s=3, stride=2, tile=[128, 64, 8, 8, 4, True])
+    (tmp_path / "gpu-f.json").write_text(json.dumps({"gemm": {"entries": [gemm]},
+                                                     "conv": {"entries": [layer]}}))
+    text = tuning.describe("gpu-f").splitlines()
+    assert text[0].startswith("gpu-f: gpu-f.json:") and "1 gemm and 1 conv" in text[0]
+    assert text[1] == "  gemm TN 768 x 3072 x 960: (128, 128, 8, 8, 8, True) stages 0, K whole"
+    assert text[2] == "  conv bwd_data 512->512 1x3 stride 2: (128, 64, 8, 8, 4, True)"
+    tuning.table.cache_clear()
