@@ -105,7 +105,11 @@ class _Ours:
     def info(self) -> dict:
         if self.g is None:
             return {"graphs": 0}
+        # host seconds of capture by phase, summed over the lengths (proto.graph.capture)
+        phases = {p: round(sum(g.capture_s.get(p, 0.0) for g in self.g.graphs.values()), 2)
+                  for p in ("record", "plan", "build")}
         return {"graphs": 2 * self.g.num_graphs,
+                **{f"{p}_s": s for p, s in phases.items()},
                 "arena_mib": round(self.g.arena_bytes / 2**20, 1),
                 "private_mib": round(self.g.private_bytes / 2**20, 1),
                 "executables_mib": None if self.g.memory_bytes is None else
@@ -148,7 +152,8 @@ class _Torch:
 
 
 COLUMNS = ("method", "layers", "hidden", "batch", "steps", "lengths", "lengths_served",
-           "graphs", "capture_s", "epoch_s", "ms_per_step", "median_ms_per_step",
+           "graphs", "capture_s", "record_s", "plan_s", "build_s", "epoch_s", "ms_per_step",
+           "median_ms_per_step",
            "p10_ms_per_step", "p90_ms_per_step", "timed_steps", "state_mib", "kept_mib",
            "arena_mib", "private_mib", "executables_mib", "pool_mib", "torch_tf32", "error")
 
