@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import gemm as G
-from kernels._tf32 import mma_tile, split
+from kernels._tf32 import a_fragment_place, b_fragment_place, mma_tile, split
 from kernels._tile import Tiles
 from proto.device import backend
 from proto.device.backend import cuda
@@ -135,6 +135,34 @@ def test_the_tensor_core_product_is_within_its_derived_bound(trans_a, trans_b):
         err = np.abs(out.copy_to_host()[0] - a64 @ b64)
         bound = (2 * k + 12 + splits) * U * (np.abs(a64) @ np.abs(b64))
         assert np.all(err <= bound), float(np.max(err / bound))
+
+
+@pytest.mark.parametrize("bm,bk", [(16, 8), (64, 16), (128, 8)])
+def test_fragment_order_puts_each_lanes_fragments_in_16_contiguous_bytes(bm, bk):
+    """The PTX ISA's m16n8k8 fragments (lane 4g + t: a0..a3 = A[g, t], A[g+8, t], A[g, t+4],
+    A[g+8, t+4]; b0, b1 = B[t, g], B[t+4, g]) lie at 4 lane + 0..3 of their 128-word group,
+    A's one mma tile (16 rows, 8 of K) a group, B's two 8-column groups a group, groups
+    k-chunk-major; and the places of a bm x bk tile are each word of it once."""
+    for kc in range(bk // 8):
+        for mt in range(bm // 16):
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                m, k = 16 * mt + g, 8 * kc + t
+                got = [a_fragment_place(m, k, bm), a_fragment_place(m + 8, k, bm),
+                       a_fragment_place(m, k + 4, bm), a_fragment_place(m + 8, k + 4, bm)]
+                base = 8 * bm * kc + 128 * mt + 4 * lane
+                assert got == [base, base + 1, base + 2, base + 3]
+        for pair in range(bm // 16):   # (bm as B's width here)
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                n, k = 16 * pair + g, 8 * kc + t
+                got = [b_fragment_place(n, k, bm), b_fragment_place(n, k + 4, bm),
+                       b_fragment_place(n + 8, k, bm), b_fragment_place(n + 8, k + 4, bm)]
+                base = 8 * bm * kc + 128 * pair + 4 * lane
+                assert got == [base, base + 1, base + 2, base + 3]
+    for place in (a_fragment_place, b_fragment_place):
+        words = sorted(place(r, k, bm) for r in range(bm) for k in range(bk))
+        assert words == list(range(bm * bk))
 
 
 def test_a_tile_whose_split_operands_pass_a_blocks_static_shared_memory_is_refused():
