@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels._tf32 import (a_fragment_place, b_fragment_place, first_place, fragment_deltas,
-                           k_major_place, mma_tile, split_staging, staged_store)
+from kernels._tf32 import first_place, k_major_place, mma_tile, split_staging, staged_store
 from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from proto.device.backend import cuda, jit
 
@@ -175,12 +174,11 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     a_place, _, KS = stager(False, BM, BK, NT)
     b_place, NS, _ = stager(True, BN, BK, NT)
     if t.mma:   # on tensor cores, split once as staged, in fragment order (kernels._tf32)
-        (multiply, row, col, place, A_BUF, B_BUF, store_a, store_b,
-         TILE_T) = split_staging(t, 2)
-        A_DELTA = fragment_deltas(a_fragment_place, BM, A_PER, 0, KS, False, BK, NT, t)
-        B_DELTA = fragment_deltas(b_fragment_place, BN, B_PER, NS, 0, True, BK, NT, t)
-        a_first, b_first = first_place(a_fragment_place, BM), first_place(b_fragment_place, BN)
-        PARTS = 2
+        st = split_staging(t, 2, (a_place, A_PER, 0, KS), (b_place, B_PER, NS, 0))
+        multiply, row, col, place = st.multiply, st.row, st.col, st.place
+        A_BUF, B_BUF, store_a, store_b = st.a_buf, st.b_buf, st.store_a, st.store_b
+        A_DELTA, B_DELTA, a_first, b_first = st.a_delta, st.b_delta, st.a_first, st.b_first
+        TILE_T, PARTS = st.dtype, 2
     else:
         BMP = BM
         BNP = BN + 4                   # +4 columns: the k-fastest staging hits distinct banks,

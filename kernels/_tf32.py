@@ -43,6 +43,7 @@ instruction.
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -312,15 +313,16 @@ def first_place(place, width: int):
     return first
 
 
-def fragment_deltas(place, width: int, per: int, DR: int, DK: int, contiguous_k: bool,
-                    bk: int, nt: int, t: Tiles) -> tuple:
-    """place(i DR, i DK, width) for a thread's i-th staged element (kernels._tile.stager's
-    order: element i at (row + i DR, k + i DK)), having checked for every thread and every
-    element inside the width x bk tile that it lies that many words after the thread's
-    first (fragment order's places add where rows and ks share no bit)."""
+def fragment_deltas(place, width: int, bk: int, stage, nt: int, t: Tiles) -> tuple:
+    """place(i DR, i DK, width) for a thread's i-th staged element, `stage` = (stage_place,
+    per, DR, DK) as kernels._tile.stager gives them (element i at (row + i DR, k + i DK),
+    (row, k) = stage_place(tid)), having checked for every thread and every element inside
+    the width x bk tile that it lies that many words after the thread's first (fragment
+    order's places add where rows and ks share no bit)."""
+    stage_place, per, DR, DK = stage
     deltas = tuple(place(i * DR, i * DK, width) for i in range(per))
     for tid in range(nt):
-        row, k = (tid // bk, tid % bk) if contiguous_k else (tid % width, tid // width)
+        row, k = (int(v) for v in stage_place.py_func(np.uint32(tid)))
         first = place(row, k, width)
         for i in range(per):
             r, kk = row + i * DR, k + i * DK
@@ -330,11 +332,28 @@ def fragment_deltas(place, width: int, per: int, DR: int, DK: int, contiguous_k:
     return deltas
 
 
-def split_staging(t: Tiles, buffers: int):
-    """For a tensor-core tile staged through registers, split once and in fragment order:
-    (multiply, row, col, place, A_BUF, B_BUF, store_a, store_b, tile dtype), A_BUF and B_BUF
-    the words of one buffer of one part, the tiles `2 * buffers * A_BUF` (B_BUF) uint32
-    words. Refuses by name a tile whose parts pass a block's static shared memory."""
+class Staging(NamedTuple):
+    """How a tile's operands reach shared memory and are multiplied there (split_staging)."""
+    multiply: object   # kernels._tile.register_tile's interface, with place:
+    row: object
+    col: object
+    place: object
+    a_buf: int         # words of one buffer of one part, A's and B's
+    b_buf: int
+    store_a: object    # device functions (tile, i, v): store float32 v as staged
+    store_b: object
+    a_delta: tuple     # a thread's i-th staged element lies a_delta[i] words after its first
+    b_delta: tuple
+    a_first: object    # device functions (row, k) -> the place of a thread's first element
+    b_first: object
+    dtype: type        # of the shared tiles, each 2 * buffers * a_buf (b_buf) words
+
+
+def split_staging(t: Tiles, buffers: int, a_stage, b_stage) -> Staging:
+    """For a tensor-core tile staged through registers, split once and in fragment order;
+    a_stage and b_stage are each operand's (stage_place, per, DR, DK) from
+    kernels._tile.stager (A's rows are M, B's N). Refuses by name a tile whose two parts
+    pass a block's static shared memory."""
     A_BUF, B_BUF = t.bk * t.bm, t.bk * t.bn
     words = 2 * buffers * (A_BUF + B_BUF)
     if 4 * words > STATIC_SHARED:
@@ -342,5 +361,9 @@ def split_staging(t: Tiles, buffers: int):
                          f"of shared memory, more than a block's static {STATIC_SHARED}: "
                          f"a smaller bk or tile")
     multiply, row, col, place = fragment_tile(t, buffers * A_BUF, buffers * B_BUF)
-    return (multiply, row, col, place, A_BUF, B_BUF, staged_store(buffers * A_BUF),
-            staged_store(buffers * B_BUF), np.uint32)
+    return Staging(multiply, row, col, place, A_BUF, B_BUF, staged_store(buffers * A_BUF),
+                   staged_store(buffers * B_BUF),
+                   fragment_deltas(a_fragment_place, t.bm, t.bk, a_stage, t.threads, t),
+                   fragment_deltas(b_fragment_place, t.bn, t.bk, b_stage, t.threads, t),
+                   first_place(a_fragment_place, t.bm), first_place(b_fragment_place, t.bn),
+                   np.uint32)

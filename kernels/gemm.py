@@ -77,8 +77,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl, tuning
-from kernels._tf32 import (a_fragment_place, b_fragment_place, first_place, fragment_deltas,
-                           k_major_place, mma_tile, split_staging, staged_store)
+from kernels._tf32 import first_place, k_major_place, mma_tile, split_staging, staged_store
 from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
@@ -308,17 +307,13 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
     if t.mma and not stages:
         # Split once as staged, in fragment order (kernels._tf32.fragment_tile): a lane's
-        # fragments are 16 contiguous bytes, so no padding. A thread's i-th element lies
-        # A_DELTA[i] words after its first (the place of a sum of disjoint bits, checked).
-        (multiply, row, col, place, A_BUF, B_BUF, store_a, store_b,
-         TILE_T) = split_staging(t, BUFFERS)
-        A_DELTA = fragment_deltas(a_fragment_place, TBM, A_PER, A_DR, A_DK, not trans_a,
-                                  TBK, NT, t)
-        B_DELTA = fragment_deltas(b_fragment_place, TBN, B_PER, B_DR, B_DK, trans_b, TBK,
-                                  NT, t)
-        a_first = first_place(a_fragment_place, TBM)
-        b_first = first_place(b_fragment_place, TBN)
-        A_WORDS, B_WORDS = 2 * BUFFERS * A_BUF, 2 * BUFFERS * B_BUF
+        # fragments are 16 contiguous bytes, so no padding.
+        st = split_staging(t, BUFFERS, (a_place, A_PER, A_DR, A_DK),
+                           (b_place, B_PER, B_DR, B_DK))
+        multiply, row, col, place = st.multiply, st.row, st.col, st.place
+        A_BUF, B_BUF, store_a, store_b = st.a_buf, st.b_buf, st.store_a, st.store_b
+        A_DELTA, B_DELTA, a_first, b_first = st.a_delta, st.b_delta, st.a_first, st.b_first
+        A_WORDS, B_WORDS, TILE_T = 2 * BUFFERS * A_BUF, 2 * BUFFERS * B_BUF, st.dtype
         BMP, BNP = TBM, TBN   # (cp.async's rows: unused here)
     else:
         # +8 columns (tensor cores): a warp's fragment reads (lanes t * stride + g apart) hit

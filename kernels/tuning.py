@@ -83,6 +83,7 @@ def _conv_entry(e: dict, path: pathlib.Path) -> tuple:
         raise ValueError(f"{path}: malformed conv entry {e!r} ({exc})") from None
 
 
+@functools.cache   # (gemm.tiled asks at every eager launch: each shape is looked up once)
 def gemm_choice(trans_a: bool, trans_b: bool, m: int, n: int, k: int, entries: tuple):
     """(tile, stages, whole) of the nearest GEMM entry for this product, or None."""
     best, best_d = None, math.inf
