@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels._tf32 import first_place, k_major_place, mma_tile, split_staging, staged_store
-from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
+from kernels._tile import TILE_ALIGN, Stage, Tiles, grid_place, register_tile, stager
 from proto.device.backend import cuda, jit
 
 # Hot-loop indices are unsigned (`_u`): Numba guards every signed index against Python's
@@ -174,7 +174,8 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     a_place, _, KS = stager(False, BM, BK, NT)
     b_place, NS, _ = stager(True, BN, BK, NT)
     if t.mma:   # on tensor cores, split once as staged, in fragment order (kernels._tf32)
-        st = split_staging(t, 2, (a_place, A_PER, 0, KS), (b_place, B_PER, NS, 0))
+        st = split_staging(t, 2, Stage.of(a_place, A_PER, 0, KS),
+                           Stage.of(b_place, B_PER, NS, 0))
         multiply, row, col, place = st.multiply, st.row, st.col, st.place
         A_BUF, B_BUF, store_a, store_b = st.a_buf, st.b_buf, st.store_a, st.store_b
         A_DELTA, B_DELTA, a_first, b_first = st.a_delta, st.b_delta, st.a_first, st.b_first

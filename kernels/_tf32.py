@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels._tile import Tiles
+from kernels._tile import Stage, Tiles
 from proto.device.backend import SIMULATOR, cuda
 
 _u = np.uint32
@@ -71,6 +71,10 @@ if SIMULATOR:
 
     def _value(bits) -> float:
         return float(np.uint32(bits).view(np.float32))
+
+    @cuda.jit(device=True)
+    def store4(tile, i, v0, v1, v2, v3):
+        tile[i], tile[i + 1], tile[i + 2], tile[i + 3] = v0, v1, v2, v3
 
     @cuda.jit(device=True)
     def mma1688(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -125,6 +129,29 @@ else:
         return sig, codegen
 
     mma1688 = warp_mma("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
+
+    @intrinsic
+    def store4(typingctx, tile, i, v0, v1, v2, v3):
+        """tile[i .. i + 3] = v0 .. v3 (uint32) as one 16-byte store (i a multiple of 4, the
+        tile 16-byte aligned): a vector store in LLVM's IR, which NVVM emits as
+        st.shared.v4.u32 on a shared tile, with no asm to fence the compiler's scheduling."""
+        if not (isinstance(tile, types.Array) and tile.dtype == types.uint32
+                and all(v == types.uint32 for v in (v0, v1, v2, v3))):
+            return None
+        sig = types.void(tile, i, v0, v1, v2, v3)
+
+        def codegen(context, builder, sig, args):
+            a = context.make_array(sig.args[0])(context, builder, args[0])
+            at = context.cast(builder, args[1], sig.args[1], types.int64)
+            ptr = builder.gep(a.data, [at])
+            vector = ir.VectorType(ir.IntType(32), 4)
+            value = ir.Constant(vector, ir.Undefined)
+            for lane, v in enumerate(args[2:]):
+                value = builder.insert_element(value, v, ir.Constant(ir.IntType(32), lane))
+            builder.store(value, builder.bitcast(ptr, vector.as_pointer(ptr.type.addrspace)),
+                          align=16)
+            return context.get_dummy_value()
+        return sig, codegen
 
 def _warp_grid(t: Tiles):
     """(MI, NI, place, row, col) of block tile `t` (t.mma): see mma_tile."""
@@ -313,19 +340,95 @@ def first_place(place, width: int):
     return first
 
 
-def fragment_deltas(place, width: int, bk: int, stage, nt: int, t: Tiles) -> tuple:
-    """place(i DR, i DK, width) for a thread's i-th staged element, `stage` = (stage_place,
-    per, DR, DK) as kernels._tile.stager gives them (element i at (row + i DR, k + i DK),
-    (row, k) = stage_place(tid)), having checked for every thread and every element inside
-    the width x bk tile that it lies that many words after the thread's first (fragment
-    order's places add where rows and ks share no bit)."""
-    stage_place, per, DR, DK = stage
-    deltas = tuple(place(i * DR, i * DK, width) for i in range(per))
+# A lane's four words in fragment order, as (row, k) offsets from its first: mma1688's a0..a3
+# (A: rows g, g + 8 at k t, then at t + 4), and b0, b1 of the even and then of the odd column
+# group (B: k t, t + 4 at column g, then at g + 8)
+LANE_WORDS = {"a": ((0, 0), (8, 0), (0, 4), (8, 4)), "b": ((0, 0), (0, 4), (8, 0), (8, 4))}
+
+
+def lane_stage(operand: str, rows: int, bk: int, nt: int) -> Stage | None:
+    """How `nt` threads stage a rows x bk tile of `operand` ("a" or "b") that is contiguous
+    along its rows in global memory (a transposed, K x M; b not, K x N): each thread takes
+    whole lanes' fragments, four elements that fragment order puts in 16 contiguous bytes,
+    so that it stores each part of them with one 16-byte store. kernels._tile.stager gives
+    a warp 32 consecutive rows of one k instead, which fragment order puts 16 words apart:
+    every store 8-way bank conflicted, twice (both parts).
+
+    Warp w's lanes take the 32 lanes' words of 16 x 8 block w (rows 16 (w % B), k
+    8 (w // B), B = rows / 16), then those of block w + warps, and so on; one load of a
+    warp reads 4 rows of k of 8 contiguous elements, whole 32-byte sectors. None where a
+    thread's share is not whole fours, or its later blocks do not lie at the same offsets
+    from its first for every warp."""
+    if rows % 16 or bk % 8 or nt % 32 or (rows * bk) % (4 * nt):
+        return None
+    quads, warps, blocks = rows * bk // (4 * nt), nt // 32, rows // 16
+
+    def block_at(b):
+        return 16 * (b % blocks), 8 * (b // blocks)
+    drs, dks = [], []
+    for j in range(quads):
+        steps = {tuple(np.subtract(block_at(w + j * warps), block_at(w))) for w in range(warps)}
+        if len(steps) != 1:
+            return None
+        (dr, dk), = steps
+        for wr, wk in LANE_WORDS[operand]:
+            drs.append(dr + wr)
+            dks.append(dk + wk)
+
+    @cuda.jit(device=True)
+    def place(tid):
+        warp, lane = tid // _u(32), tid % _u(32)
+        return (_u(16) * (warp % _u(blocks)) + lane // _u(4),
+                _u(8) * (warp // _u(blocks)) + lane % _u(4))
+    return Stage(place, tuple(drs), tuple(dks), quads=True)
+
+
+def staged_stores(deltas: tuple, small_at: int | None, quads: bool = False):
+    """A device function (tile, at, regs) storing a thread's staged elements, regs[i] at
+    tile[at + deltas[i]] as staged_store(small_at) stores one; `quads` (split tiles only):
+    each four, deltas[4 j] + 0..3 with `at` a multiple of 4, as one 16-byte store a part."""
+    n = len(deltas)
+    if not quads:
+        store = staged_store(small_at)
+
+        @cuda.jit(device=True)
+        def stores(tile, at, regs):
+            for i in range(n):
+                store(tile, at + _u(deltas[i]), regs[i])
+        return stores
+    if small_at is None or small_at % 4 or n % 4 or any(
+            deltas[i] != deltas[i - i % 4] + i % 4 or deltas[i - i % 4] % 4 for i in range(n)):
+        raise ValueError(f"quads: deltas {deltas} (small part at {small_at}) are not 16-byte "
+                         "groups of a split tile")
+    firsts = deltas[::4]
+
+    @cuda.jit(device=True)
+    def stores(tile, at, regs):
+        for j in range(n // 4):
+            i = at + _u(firsts[j])
+            b0, s0 = split(regs[4 * j])
+            b1, s1 = split(regs[4 * j + 1])
+            b2, s2 = split(regs[4 * j + 2])
+            b3, s3 = split(regs[4 * j + 3])
+            store4(tile, i, b0, b1, b2, b3)
+            store4(tile, i + _u(small_at), s0, s1, s2, s3)
+    return stores
+
+
+def fragment_deltas(place, width: int, bk: int, stage: Stage, nt: int, t: Tiles) -> tuple:
+    """place(drs[i], dks[i], width) for a thread's i-th staged element of `stage`, having
+    checked for every thread and every element inside the width x bk tile that it lies that
+    many words after the thread's first (fragment order's places add where rows and ks
+    share no bit), and for a stage in quads that every thread's first lies on a 16-byte
+    boundary."""
+    deltas = tuple(place(dr, dk, width) for dr, dk in zip(stage.drs, stage.dks))
     for tid in range(nt):
-        row, k = (int(v) for v in stage_place.py_func(np.uint32(tid)))
+        row, k = (int(v) for v in stage.place.py_func(np.uint32(tid)))
         first = place(row, k, width)
-        for i in range(per):
-            r, kk = row + i * DR, k + i * DK
+        if stage.quads and first % 4:
+            raise ValueError(f"{t}: thread {tid}'s fragment words do not start a 16-byte group")
+        for i, (dr, dk) in enumerate(zip(stage.drs, stage.dks)):
+            r, kk = row + dr, k + dk
             if r < width and kk < bk and place(r, kk, width) != first + deltas[i]:
                 raise ValueError(f"{t}: in fragment order thread {tid}'s staged elements do "
                                  f"not lie at constant steps from its first")
@@ -342,6 +445,8 @@ class Staging(NamedTuple):
     b_buf: int
     store_a: object    # device functions (tile, i, v): store float32 v as staged
     store_b: object
+    stores_a: object   # device functions (tile, at, regs): a thread's staged elements
+    stores_b: object   # (staged_stores: 16 bytes a store where its stage is in quads)
     a_delta: tuple     # a thread's i-th staged element lies a_delta[i] words after its first
     b_delta: tuple
     a_first: object    # device functions (row, k) -> the place of a thread's first element
@@ -349,11 +454,11 @@ class Staging(NamedTuple):
     dtype: type        # of the shared tiles, each 2 * buffers * a_buf (b_buf) words
 
 
-def split_staging(t: Tiles, buffers: int, a_stage, b_stage) -> Staging:
+def split_staging(t: Tiles, buffers: int, a_stage: Stage, b_stage: Stage) -> Staging:
     """For a tensor-core tile staged through registers, split once and in fragment order;
-    a_stage and b_stage are each operand's (stage_place, per, DR, DK) from
-    kernels._tile.stager (A's rows are M, B's N). Refuses by name a tile whose two parts
-    pass a block's static shared memory."""
+    a_stage and b_stage say where each thread's elements of each operand lie (A's rows are
+    M, B's N): kernels._tile.stager's (Stage.of) or lane_stage's. Refuses by name a tile
+    whose two parts pass a block's static shared memory."""
     A_BUF, B_BUF = t.bk * t.bm, t.bk * t.bn
     words = 2 * buffers * (A_BUF + B_BUF)
     if 4 * words > STATIC_SHARED:
@@ -361,9 +466,11 @@ def split_staging(t: Tiles, buffers: int, a_stage, b_stage) -> Staging:
                          f"of shared memory, more than a block's static {STATIC_SHARED}: "
                          f"a smaller bk or tile")
     multiply, row, col, place = fragment_tile(t, buffers * A_BUF, buffers * B_BUF)
+    a_delta = fragment_deltas(a_fragment_place, t.bm, t.bk, a_stage, t.threads, t)
+    b_delta = fragment_deltas(b_fragment_place, t.bn, t.bk, b_stage, t.threads, t)
     return Staging(multiply, row, col, place, A_BUF, B_BUF, staged_store(buffers * A_BUF),
                    staged_store(buffers * B_BUF),
-                   fragment_deltas(a_fragment_place, t.bm, t.bk, a_stage, t.threads, t),
-                   fragment_deltas(b_fragment_place, t.bn, t.bk, b_stage, t.threads, t),
+                   staged_stores(a_delta, buffers * A_BUF, a_stage.quads),
+                   staged_stores(b_delta, buffers * B_BUF, b_stage.quads), a_delta, b_delta,
                    first_place(a_fragment_place, t.bm), first_place(b_fragment_place, t.bn),
                    np.uint32)

@@ -105,6 +105,21 @@ def _twice(rows, a_gap: int, b_gap: int):
     return twice
 
 
+class Stage(NamedTuple):
+    """Where a thread's staged elements of one operand tile lie: element i at (row + drs[i],
+    k + dks[i]) of the tile, (row, k) = place(tid). `quads`: they come in fours that a
+    tensor-core tile stores as one 16-byte group (kernels._tf32.lane_stage)."""
+    place: object
+    drs: tuple
+    dks: tuple
+    quads: bool = False
+
+    @classmethod
+    def of(cls, place, per: int, DR: int, DK: int) -> "Stage":
+        """`stager`'s staging: a thread's `per` elements DR rows and DK rows of k apart."""
+        return cls(place, tuple(i * DR for i in range(per)), tuple(i * DK for i in range(per)))
+
+
 def stager(contiguous_k: bool, rows: int, bk: int, nt: int):
     """Where a thread's staged elements of one operand tile lie.
 

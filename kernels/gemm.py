@@ -77,8 +77,9 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl, tuning
-from kernels._tf32 import first_place, k_major_place, mma_tile, split_staging, staged_store
-from kernels._tile import TILE_ALIGN, Tiles, grid_place, register_tile, stager
+from kernels._tf32 import (first_place, k_major_place, lane_stage, mma_tile, split_staging,
+                           staged_stores)
+from kernels._tile import TILE_ALIGN, Stage, Tiles, grid_place, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
 from proto.device import backend
@@ -225,26 +226,28 @@ def _stage_input(xs, a, bz, k_lo, length, padded, m_rows, trans_a):
     cuda.syncthreads()
 
 
-def _operand_loader(count: int, DR: int, DK: int, k_first: bool):
-    """A device function load(regs, src, at, step, row, k, rows, k_end, whole): a thread's
-    `count` staged elements of one operand, element i at (row + i * DR, k + i * DK) of
-    op(src), where src is the operand flattened and element (r, kk) of this batch lies at
-    `at` + kk * ld + r if `k_first` else `at` + r * ld + kk (uint32 offsets; the caller
-    passes at = the first element's offset and step = the offset between two elements).
-    `whole`: every element of the block's step lies inside (rows, k_end), which the caller
-    knows for the block at once, so the loads go out unchecked at constant steps; otherwise
-    each is checked and zero past the bounds."""
+def _operand_loader(stage: Stage, k_first: bool):
+    """A device function load(regs, src, at, r_step, k_step, row, k, rows, k_end, whole): a
+    thread's staged elements of one operand, element i at (row + drs[i], k + dks[i]) of
+    op(src) (`stage`), where src is the operand flattened and element (r, kk) of this batch
+    lies at `at` + kk * ld + r if `k_first` else `at` + r * ld + kk (uint32 offsets; the
+    caller passes at = the first element's offset, r_step and k_step = the offsets of one
+    row and of one k further on). `whole`: every element of the block's step lies inside
+    (rows, k_end), which the caller knows for the block at once, so the loads go out
+    unchecked at constant offsets; otherwise each is checked and zero past the bounds."""
+    drs, dks, count = stage.drs, stage.dks, len(stage.drs)
+
     @cuda.jit(device=True)
-    def load(regs, src, at, step, row, k, rows, k_end, whole):
+    def load(regs, src, at, r_step, k_step, row, k, rows, k_end, whole):
         if whole:
             for i in range(count):
-                regs[i] = src[at + _u(i) * step]
+                regs[i] = src[at + _u(drs[i]) * r_step + _u(dks[i]) * k_step]
         else:
             for i in range(count):
-                r, kk = row + _u(i * DR), k + _u(i * DK)
+                r, kk = row + _u(drs[i]), k + _u(dks[i])
                 v = _ZERO
                 if r < rows and kk < k_end:
-                    v = src[at + _u(i) * step]
+                    v = src[at + _u(drs[i]) * r_step + _u(dks[i]) * k_step]
                 regs[i] = v
     return load
 
@@ -305,14 +308,19 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     BUFFERS = max(stages, 2)
     a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
+    a_stage, b_stage = Stage.of(a_place, A_PER, A_DR, A_DK), Stage.of(b_place, B_PER, B_DR, B_DK)
     if t.mma and not stages:
         # Split once as staged, in fragment order (kernels._tf32.fragment_tile): a lane's
-        # fragments are 16 contiguous bytes, so no padding.
-        st = split_staging(t, BUFFERS, (a_place, A_PER, A_DR, A_DK),
-                           (b_place, B_PER, B_DR, B_DK))
+        # fragments are 16 contiguous bytes, so no padding. An operand contiguous along its
+        # rows (a transposed, b not) is staged a lane's fragment words a thread, 16 bytes a
+        # store (lane_stage), where the stager's 32 rows of one k would conflict 8-way.
+        a_stage = (trans_a and lane_stage("a", TBM, TBK, NT)) or a_stage
+        b_stage = (not trans_b and lane_stage("b", TBN, TBK, NT)) or b_stage
+        st = split_staging(t, BUFFERS, a_stage, b_stage)
+        a_place, b_place = a_stage.place, b_stage.place
         multiply, row, col, place = st.multiply, st.row, st.col, st.place
-        A_BUF, B_BUF, store_a, store_b = st.a_buf, st.b_buf, st.store_a, st.store_b
-        A_DELTA, B_DELTA, a_first, b_first = st.a_delta, st.b_delta, st.a_first, st.b_first
+        A_BUF, B_BUF, stores_a, stores_b = st.a_buf, st.b_buf, st.stores_a, st.stores_b
+        a_first, b_first = st.a_first, st.b_first
         A_WORDS, B_WORDS, TILE_T = 2 * BUFFERS * A_BUF, 2 * BUFFERS * B_BUF, st.dtype
         BMP, BNP = TBM, TBN   # (cp.async's rows: unused here)
     else:
@@ -322,8 +330,8 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         BMP, BNP = (TBM + 8, TBN + 8) if t.mma else (TBM + 4, TBN + 4)
         A_BUF, B_BUF = TBK * BMP, TBK * BNP
         A_WORDS, B_WORDS = BUFFERS * A_BUF, BUFFERS * B_BUF
-        A_DELTA = tuple(i * (A_DK * BMP + A_DR) for i in range(A_PER))
-        B_DELTA = tuple(i * (B_DK * BNP + B_DR) for i in range(B_PER))
+        stores_a = staged_stores(tuple(i * (A_DK * BMP + A_DR) for i in range(A_PER)), None)
+        stores_b = staged_stores(tuple(i * (B_DK * BNP + B_DR) for i in range(B_PER)), None)
         if t.mma:
             multiply, row, col, place = mma_tile(t, BMP, BNP)
         else:
@@ -331,11 +339,10 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
                                                rows_per_pass=2 if TBK % 2 == 0 else 1)
             place = grid_place(TBM // TM)
         a_first, b_first = first_place(k_major_place, BMP), first_place(k_major_place, BNP)
-        store_a = store_b = staged_store(None)
         TILE_T = np.float32
 
-    load_a = _operand_loader(A_PER, A_DR, A_DK, k_first=trans_a)      # a (K, M) or (M, K)
-    load_b = _operand_loader(B_PER, B_DR, B_DK, k_first=not trans_b)  # b (K, N) or (N, K)
+    load_a = _operand_loader(a_stage, k_first=trans_a)      # a (K, M) or (M, K)
+    load_b = _operand_loader(b_stage, k_first=not trans_b)  # b (K, N) or (N, K)
     issue_a = _async_stager(A_PER, A_DR, A_DK, BMP)
     issue_b = _async_stager(B_PER, B_DR, B_DK, BNP)
     wait_oldest = _cpasync.wait_pending(max(stages - 2, 0))   # (stages >= 2 only)
@@ -376,17 +383,19 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         a_m, b_n = m0 + a_mm, n0 + b_nn
         a_at = a_first(a_mm, a_kk)   # ... and where it goes in the staged tiles
         b_at = b_first(b_nn, b_kk)
-        # Offsets into the flattened operands: this batch's first element, the offset of
-        # one more k, and of this thread's next staged element (rows DR, k DK further on).
+        # Offsets into the flattened operands: this batch's first element, and the offsets
+        # of one more k and of one more row.
         a_base, b_base = bz * m_rows * k_all, bz * k_all * n_cols
         a_kstep = m_rows if trans_a else _u(1)
         b_kstep = _u(1) if trans_b else n_cols
+        a_rstep = _u(1) if trans_a else k_all
+        b_rstep = k_all if trans_b else _u(1)
         a_row = (a_base + a_m) if trans_a else (a_base + a_m * k_all)
         b_row = (b_base + b_n * k_all) if trans_b else (b_base + b_n)
-        a_step = _u(A_DK) * a_kstep + _u(A_DR) * (_u(1) if trans_a else k_all)
-        b_step = _u(B_DK) * b_kstep + _u(B_DR) * (k_all if trans_b else _u(1))
         inside_a, inside_b = m0 + _u(TBM) <= m_rows, n0 + _u(TBN) <= n_cols
         if stages:
+            a_step = _u(A_DK) * a_kstep + _u(A_DR) * a_rstep   # (the stager's elements:
+            b_step = _u(B_DK) * b_kstep + _u(B_DR) * b_rstep   # a constant step apart)
             # The ring: steps 0 .. stages-2 issued, then step i waits for its own copies
             # (at most stages - 2 younger groups in flight), passes the barrier (every
             # thread's copies landed, every thread done with step i - 1), issues step
@@ -419,26 +428,24 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
             b_next = cuda.local.array(B_PER, np.float32)
             ka, kb = _u(k_lo) + a_kk, _u(k_lo) + b_kk
             whole_k = _u(k_lo + TBK) <= k_end
-            load_a(a_next, a, a_row + ka * a_kstep, a_step, a_m, ka, m_rows, k_end,
+            load_a(a_next, a, a_row + ka * a_kstep, a_rstep, a_kstep, a_m, ka, m_rows, k_end,
                    inside_a and whole_k)
-            load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
+            load_b(b_next, b, b_row + kb * b_kstep, b_rstep, b_kstep, b_n, kb, n_cols, k_end,
                    inside_b and whole_k)
             buf = _u(0)
             for k0 in range(k_lo, k_len, TBK):
-                for i in range(A_PER):
-                    store_a(a_tile, buf * _u(A_BUF) + a_at + _u(A_DELTA[i]), a_next[i])
-                for i in range(B_PER):
-                    store_b(b_tile, buf * _u(B_BUF) + b_at + _u(B_DELTA[i]), b_next[i])
+                stores_a(a_tile, buf * _u(A_BUF) + a_at, a_next)
+                stores_b(b_tile, buf * _u(B_BUF) + b_at, b_next)
                 # One barrier per step: the next step fills the other buffer, and no thread can
                 # refill this one before every thread has passed the next step's barrier.
                 cuda.syncthreads()
                 if k0 + TBK < k_len:
                     ka, kb = _u(k0 + TBK) + a_kk, _u(k0 + TBK) + b_kk
                     whole_k = _u(k0 + 2 * TBK) <= k_end
-                    load_a(a_next, a, a_row + ka * a_kstep, a_step, a_m, ka, m_rows, k_end,
-                           inside_a and whole_k)
-                    load_b(b_next, b, b_row + kb * b_kstep, b_step, b_n, kb, n_cols, k_end,
-                           inside_b and whole_k)
+                    load_a(a_next, a, a_row + ka * a_kstep, a_rstep, a_kstep, a_m, ka, m_rows,
+                           k_end, inside_a and whole_k)
+                    load_b(b_next, b, b_row + kb * b_kstep, b_rstep, b_kstep, b_n, kb, n_cols,
+                           k_end, inside_b and whole_k)
                 multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(A_BUF),
                          buf * _u(B_BUF), tx, ty)
                 buf = _u(1) - buf

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import gemm as G
-from kernels._tf32 import a_fragment_place, b_fragment_place, mma_tile, split
+from kernels._tf32 import a_fragment_place, b_fragment_place, lane_stage, mma_tile, split
 from kernels._tile import Tiles
 from proto.device import backend
 from proto.device.backend import cuda
@@ -124,11 +124,11 @@ def test_the_tensor_core_product_is_within_its_derived_bound(trans_a, trans_b):
     tile = TILES[0]
     a = rand(rng, *((k, m) if trans_a else (m, k)))
     b = rand(rng, *((n, k) if trans_b else (k, n)))
-    for target in (1, None):
+    for target, stages in ((1, 3), (None, 3), (1, 0), (None, 0)):
         out = dev(np.full((1, m, n), np.nan, np.float32))
         db = dev(b[None])
         G.tiled(dev(a[None]), db, out, db.reshape(db.size), 0, 0, 0, int(trans_a),
-                int(trans_b), 0, target_blocks=target, tile=tile, stages=3)
+                int(trans_b), 0, target_blocks=target, tile=tile, stages=stages)
         splits = G.tiled_plan(tile, 1, m, n, k, target)[0]
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         a64, b64 = (a64.T if trans_a else a64), (b64.T if trans_b else b64)
@@ -163,6 +163,49 @@ def test_fragment_order_puts_each_lanes_fragments_in_16_contiguous_bytes(bm, bk)
     for place in (a_fragment_place, b_fragment_place):
         words = sorted(place(r, k, bm) for r in range(bm) for k in range(bk))
         assert words == list(range(bm * bk))
+
+
+@pytest.mark.parametrize("operand", ["a", "b"])
+@pytest.mark.parametrize("rows,bk,nt", [(128, 8, 256), (64, 16, 256), (128, 16, 256),
+                                        (64, 8, 256), (32, 16, 64), (32, 8, 64)])
+def test_a_lane_stage_stores_whole_lanes_and_reads_whole_sectors(operand, rows, bk, nt):
+    """An operand contiguous along its rows, staged a lane's fragment words a thread: every
+    element of the tile staged by one thread once; each four of a thread one 16-byte group,
+    its first word a multiple of 4; a warp's stores of one four fill 128 contiguous words
+    (512 bytes: no two lanes in one bank within a quarter warp's 16-byte stores); and a
+    warp's load of one element reads runs of 8 consecutive rows starting at a multiple of 8
+    (whole 32-byte sectors of a row-contiguous float32 operand). Tiles whose threads cannot
+    take whole fours get None (the kernel keeps the stager's staging)."""
+    stage = lane_stage(operand, rows, bk, nt)
+    if (rows * bk) % (4 * nt):
+        assert stage is None
+        return
+    place = a_fragment_place if operand == "a" else b_fragment_place
+    per = len(stage.drs)
+    assert per == rows * bk // nt and stage.quads
+    seen = {}
+    firsts = [tuple(int(v) for v in stage.place.py_func(np.uint32(tid))) for tid in range(nt)]
+    for tid, (row, k) in enumerate(firsts):
+        for i in range(per):
+            cell = (row + stage.drs[i], k + stage.dks[i])
+            assert 0 <= cell[0] < rows and 0 <= cell[1] < bk
+            assert cell not in seen, (tid, i, seen.get(cell))
+            seen[cell] = (tid, i)
+    assert len(seen) == rows * bk
+    for warp in range(nt // 32):
+        lanes = firsts[32 * warp:32 * warp + 32]
+        for j in range(per // 4):
+            words = [[place(r + stage.drs[4 * j + v], k + stage.dks[4 * j + v], rows)
+                      for v in range(4)] for r, k in lanes]
+            assert all(w == list(range(w[0], w[0] + 4)) and w[0] % 4 == 0 for w in words)
+            starts = sorted(w[0] for w in words)
+            assert starts == list(range(starts[0], starts[0] + 128, 4))
+        for i in range(per):
+            by_k = {}
+            for r, k in lanes:
+                by_k.setdefault(k + stage.dks[i], []).append(r + stage.drs[i])
+            for run in by_k.values():
+                assert sorted(run) == list(range(min(run), min(run) + 8)) and min(run) % 8 == 0
 
 
 def test_a_tile_whose_split_operands_pass_a_blocks_static_shared_memory_is_refused():
