@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels._tf32 import first_place, k_major_place, mma_tile, split_staging, staged_store
+from kernels._tf32 import (first_place, k_major_place, lane_stage, mma_tile, split_staging,
+                           staged_store)
 from kernels._tile import TILE_ALIGN, Stage, Tiles, grid_place, register_tile, stager
 from proto.device.backend import cuda, jit
 
@@ -173,12 +174,21 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     A_PER, B_PER = -(-BK * BM // NT), -(-BK * BN // NT)   # staged elements per thread
     a_place, _, KS = stager(False, BM, BK, NT)
     b_place, NS, _ = stager(True, BN, BK, NT)
+    PAIR = t.mma
     if t.mma:   # on tensor cores, split once as staged, in fragment order (kernels._tf32)
-        st = split_staging(t, 2, Stage.of(a_place, A_PER, 0, KS),
-                           Stage.of(b_place, B_PER, NS, 0))
+        # A thread stages one lane's fragment words of the patch tile (lane_stage: pixels
+        # mm and mm + 8, channels kk and kk + 4, one 16-byte store a part), where the
+        # stager's 32 pixels of one channel would conflict 8-way.
+        a_stage = lane_stage("a", BM, BK, NT)
+        if a_stage is None or (a_stage.drs, a_stage.dks) != ((0, 8, 0, 8), (0, 0, 4, 4)):
+            raise ValueError(f"{t}: a tensor-core convolution tile stages one lane's four "
+                             f"patch words a thread: bm * bk must be 4 x its {NT} threads")
+        a_place = a_stage.place
+        st = split_staging(t, 2, a_stage, Stage.of(b_place, B_PER, NS, 0))
         multiply, row, col, place = st.multiply, st.row, st.col, st.place
         A_BUF, B_BUF, store_a, store_b = st.a_buf, st.b_buf, st.store_a, st.store_b
         A_DELTA, B_DELTA, a_first, b_first = st.a_delta, st.b_delta, st.a_first, st.b_first
+        stores_a = st.stores_a
         TILE_T, PARTS = st.dtype, 2
     else:
         BMP = BM
@@ -198,6 +208,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         B_DELTA = tuple(i * NS for i in range(B_PER))
         a_first, b_first = first_place(k_major_place, BMP), first_place(k_major_place, BNP)
         store_a = store_b = staged_store(None)
+        stores_a = None   # (the tensor-core tiles' only)
         TILE_T, PARTS = np.float32, 1
     A_SIZE, B_SIZE = PARTS * 2 * A_BUF, PARTS * 2 * B_BUF
     store = _tile_store(TM, TN, row, col)
@@ -208,10 +219,13 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     regs = {"max_registers": {64: 128, 32: 80}[t.tm * t.tn]} if t.tm * t.tn in (64, 32) else {}
 
     gather_a, gather_b = _gather(A_PER, KS), _gather(B_PER, NS)
+    gather_pair = _gather(2, 4)
 
     @cuda.jit(device=True)
-    def load_a(regs, src, p_base, p_h, p_w, kk, c0, r, s, CI, HI, WI, HWI, stride):
-        """This thread's elements of step (c0, r, s)'s patch tile, into registers."""
+    def patch(p_base, p_h, p_w, kk, c0, r, s, CI, HI, WI, HWI, stride):
+        """Where a pixel's patch element for channel c0 + kk and tap (r, s) lies in src, and
+        how many of the channels from there on lie in this step's chunk (none if the pixel
+        is off the image)."""
         if transposed:                # the output pixel that tap (r, s) of input (h, w) feeds
             hh = p_h - r
             ww = p_w - s
@@ -230,7 +244,29 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         # the image). Offsets are unsigned 64-bit: no negative-index fix-up, no truncation.
         left = min(CI - c, BK - kk) if ok else 0
         at = _u64(p_base + c * HWI + hh * WI + ww) if ok else _u64(0)
-        gather_a(regs, src, at, _u64(KS * HWI), left)
+        return at, left
+
+    if PAIR:
+        @cuda.jit(device=True)
+        def load_a(regs, src, pix, kk, c0, r, s, CI, HI, WI, HWI, stride):
+            """This thread's lane of step (c0, r, s)'s patch tile: its two pixels' channels
+            kk and kk + 4, in fragment order (pixel, then channel). `pix`: the block's pixel
+            tables and the first pixel, read each step (held in registers across the steps,
+            two pixels' patch starts pushed the tiles past their register caps)."""
+            pair = cuda.local.array(2, np.float32)
+            for h in range(2):
+                m = pix[3] + _u(8 * h)
+                at, left = patch(pix[0][m], pix[1][m], pix[2][m], kk, c0, r, s,
+                                 CI, HI, WI, HWI, stride)
+                gather_pair(pair, src, at, _u64(4 * HWI), left)
+                regs[h], regs[2 + h] = pair[0], pair[1]
+    else:
+        @cuda.jit(device=True)
+        def load_a(regs, src, pix, kk, c0, r, s, CI, HI, WI, HWI, stride):
+            """This thread's elements of step (c0, r, s)'s patch tile, into registers: one
+            pixel's channels KS apart."""
+            at, left = patch(pix[0], pix[1], pix[2], kk, c0, r, s, CI, HI, WI, HWI, stride)
+            gather_a(regs, src, at, _u64(KS * HWI), left)
 
     @cuda.jit(device=True)
     def load_b(regs, w, kk, nn, c0, n0, rs, CI, CO, RS):
@@ -281,7 +317,10 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         cuda.syncthreads()
         a_mm, a_kk = a_place(tid)                      # this thread's staging coordinates
         b_nn, b_kk = b_place(tid)
-        p_base, p_h, p_w = pix_src[a_mm], pix_h[a_mm], pix_w[a_mm]
+        if PAIR:   # (pixels a_mm and a_mm + 8)
+            pix = (pix_src, pix_h, pix_w, a_mm)
+        else:
+            pix = (pix_src[a_mm], pix_h[a_mm], pix_w[a_mm])
         a_at = a_first(a_mm, a_kk)                     # where its patch elements go
         b_at = b_first(b_nn, b_kk)                     # ... and its weight elements
 
@@ -296,17 +335,20 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
             taps = ((R - r0 + stride - 1) // stride) * ((S - s0 + stride - 1) // stride)
             steps = taps * ((CI + BK - 1) // BK) if m0 < M else 0
             if steps > 0:
-                load_a(a_next, src, p_base, p_h, p_w, a_kk, 0, r, s, CI, HI, WI, HWI, stride)
+                load_a(a_next, src, pix, a_kk, 0, r, s, CI, HI, WI, HWI, stride)
                 load_b(b_next, w, b_kk, b_nn, 0, n0, r * S + s, CI, CO, RS)
         else:
             steps = RS * ((CI + BK - 1) // BK)
-            load_a(a_next, src, p_base, p_h, p_w, a_kk, 0, 0, 0, CI, HI, WI, HWI, stride)
+            load_a(a_next, src, pix, a_kk, 0, 0, 0, CI, HI, WI, HWI, stride)
             load_b(b_next, w, b_kk, b_nn, 0, n0, 0, CI, CO, RS)
         for step in range(steps):
             buf = _u(step) & _u(1)   # step >= 0: no signed-remainder fix-up
-            for i in range(A_PER):
-                if a_kk + _u(i * KS) < _u(BK):
-                    store_a(a_tile, buf * _u(A_BUF) + a_at + _u(A_DELTA[i]), a_next[i])
+            if PAIR:
+                stores_a(a_tile, buf * _u(A_BUF) + a_at, a_next)
+            else:
+                for i in range(A_PER):
+                    if a_kk + _u(i * KS) < _u(BK):
+                        store_a(a_tile, buf * _u(A_BUF) + a_at + _u(A_DELTA[i]), a_next[i])
             for i in range(B_PER):
                 if b_nn + _u(i * NS) < _u(BN):
                     store_b(b_tile, buf * _u(B_BUF) + b_at + _u(B_DELTA[i]), b_next[i])
@@ -327,7 +369,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
                         s = 0
                         r += 1
             if step + 1 < steps:
-                load_a(a_next, src, p_base, p_h, p_w, a_kk, c0, r, s, CI, HI, WI, HWI, stride)
+                load_a(a_next, src, pix, a_kk, c0, r, s, CI, HI, WI, HWI, stride)
                 load_b(b_next, w, b_kk, b_nn, c0, n0, r * S + s, CI, CO, RS)
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(A_BUF), buf * _u(B_BUF),
                      tx, ty)

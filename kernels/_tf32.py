@@ -383,6 +383,44 @@ def lane_stage(operand: str, rows: int, bk: int, nt: int) -> Stage | None:
     return Stage(place, tuple(drs), tuple(dks), quads=True)
 
 
+def k_run_stage(rows: int, bk: int, nt: int) -> Stage | None:
+    """How `nt` threads stage a rows x bk tile of an operand contiguous along k (a not
+    transposed, b transposed) so that a warp's store of one element hits 32 distinct banks.
+    kernels._tile.stager gives a warp 4 consecutive rows (or 2 rows of 16 k), which fragment
+    order puts 16 words apart: 2-way conflicts. Here a warp reads runs of 8 k (whole 32-byte
+    sectors, as before) from rows 2q, 2q + 1, 2q + 8 and 2q + 9 of a 16 x 8 block, whose
+    words fragment order spreads over 0, 16, 1, 17 (A) or 0, 16, 2, 18 (B) modulo 32, beside
+    the k's 8 distinct even (A) or 0, 1, 4, 5, .. (B) offsets: all 32 banks.
+
+    Warp w takes quarter w % 4 of 16 x 8 block w // 4 (blocks down the rows, then along k),
+    then quarter (w + warps) % 4 of block (w + warps) // 4, and so on. None where the tile is
+    not whole blocks or a thread's later elements do not lie at the same offsets from its
+    first for every warp."""
+    if rows % 16 or bk % 8 or nt % 32 or (rows * bk) % nt:
+        return None
+    per, warps, blocks = rows * bk // nt, nt // 32, rows // 16
+
+    def slot_at(s):   # the (row, k) of lane 0's element in slot s (a quarter of a block)
+        b, q = divmod(s, 4)
+        return 16 * (b % blocks) + 2 * q, 8 * (b // blocks)
+    drs, dks = [], []
+    for i in range(per):
+        steps = {tuple(np.subtract(slot_at(w + i * warps), slot_at(w))) for w in range(warps)}
+        if len(steps) != 1:
+            return None
+        (dr, dk), = steps
+        drs.append(dr)
+        dks.append(dk)
+
+    @cuda.jit(device=True)
+    def place(tid):
+        warp, lane = tid // _u(32), tid % _u(32)
+        b = warp // _u(4)
+        return (_u(16) * (b % _u(blocks)) + _u(2) * (warp % _u(4)) + (lane // _u(8)) % _u(2)
+                + _u(8) * (lane // _u(16)), _u(8) * (b // _u(blocks)) + lane % _u(8))
+    return Stage(place, tuple(drs), tuple(dks))
+
+
 def staged_stores(deltas: tuple, small_at: int | None, quads: bool = False):
     """A device function (tile, at, regs) storing a thread's staged elements, regs[i] at
     tile[at + deltas[i]] as staged_store(small_at) stores one; `quads` (split tiles only):

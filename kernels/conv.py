@@ -42,8 +42,9 @@ GPU_CONV_TILES = (Tiles(128, 128, 8, 8, 8), Tiles(128, 64, 8, 8, 4), Tiles(128, 
 # The first two on tensor cores (kernels._tf32: three TF32 products a float32 one), here and
 # for the weight gradient below, for tests and dev/bench/bench_conv1d.py until a bench on
 # the GPU routes a layer to them. Forward and backward-data split each operand once as they
-# stage it, in fragment order (kernels._tf32.fragment_tile); the weight gradient, whose bias
-# sums read the staged dy tile as float32, splits as it reads.
+# stage it, in fragment order (kernels._tf32.fragment_tile), a thread the four patch words
+# of one lane (bm * bk = 4 x threads); the weight gradient, whose bias sums read the staged
+# dy tile as float32, splits as it reads.
 GPU_CONV_MMA_TILES = (Tiles(128, 128, 8, 8, 8, True), Tiles(128, 64, 8, 8, 4, True))
 # The weight gradient's 64 x 64 tile has 128 threads of 8 x 4: per 512 multiply-adds a step
 # takes ~1020 SASS instructions, where 256 threads of 4 x 4 took ~1190 (static count).
@@ -52,7 +53,7 @@ GPU_WGRAD_MMA_TILES = (Tiles(128, 128, 16, 8, 8, True), Tiles(64, 64, 16, 4, 4, 
 # Simulator tiles: few threads; column count follows the channel count. As on the GPU, the
 # thread count is a multiple of bm and bk (each thread stages one pixel's channels).
 SIM_CONV_TILES = (Tiles(4, 4, 4, 1, 4), Tiles(8, 8, 4, 2, 4), Tiles(16, 16, 4, 4, 4))
-SIM_CONV_MMA_TILES = (Tiles(16, 32, 8, 2, 4, True),)   # (two warps across: 64 threads)
+SIM_CONV_MMA_TILES = (Tiles(32, 32, 8, 4, 4, True),)   # (2 warps, bm * bk = 4 x threads)
 SIM_WGRAD_MMA_TILES = (Tiles(16, 16, 8, 2, 2, True),)
 SIM_WGRAD_TILES = tuple(Tiles(bm, bn, bm * bn // 16, 4, 4) for bm in (4, 8, 16) for bn in (4, 8, 16))
 # Backward-weight with all taps in a block (make_wgrad_taps_kernel): layers whose C*R*S fits

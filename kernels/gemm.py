@@ -77,8 +77,8 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl, tuning
-from kernels._tf32 import (first_place, k_major_place, lane_stage, mma_tile, split_staging,
-                           staged_stores)
+from kernels._tf32 import (first_place, k_major_place, k_run_stage, lane_stage, mma_tile,
+                           split_staging, staged_stores)
 from kernels._tile import TILE_ALIGN, Stage, Tiles, grid_place, register_tile, stager
 from kernels._reduce import block_layernorm_row, load_ln_params, warp_allreduce
 from kernels.elementwise import gelu_f32, gelu_ref
@@ -311,11 +311,15 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     a_stage, b_stage = Stage.of(a_place, A_PER, A_DR, A_DK), Stage.of(b_place, B_PER, B_DR, B_DK)
     if t.mma and not stages:
         # Split once as staged, in fragment order (kernels._tf32.fragment_tile): a lane's
-        # fragments are 16 contiguous bytes, so no padding. An operand contiguous along its
-        # rows (a transposed, b not) is staged a lane's fragment words a thread, 16 bytes a
-        # store (lane_stage), where the stager's 32 rows of one k would conflict 8-way.
-        a_stage = (trans_a and lane_stage("a", TBM, TBK, NT)) or a_stage
-        b_stage = (not trans_b and lane_stage("b", TBN, TBK, NT)) or b_stage
+        # fragments are 16 contiguous bytes, so no padding. Fragment order spreads the rows
+        # the stager gives a warp over too few banks (8-way conflicts where the operand is
+        # contiguous along its rows, 2-way along k), so these tiles stage another way: a
+        # lane's fragment words a thread, 16 bytes a store (lane_stage: a transposed, b
+        # not), or runs of k from rows that land in 32 banks (k_run_stage).
+        a_stage = (lane_stage("a", TBM, TBK, NT) if trans_a else
+                   k_run_stage(TBM, TBK, NT)) or a_stage
+        b_stage = (k_run_stage(TBN, TBK, NT) if trans_b else
+                   lane_stage("b", TBN, TBK, NT)) or b_stage
         st = split_staging(t, BUFFERS, a_stage, b_stage)
         a_place, b_place = a_stage.place, b_stage.place
         multiply, row, col, place = st.multiply, st.row, st.col, st.place

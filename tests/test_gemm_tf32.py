@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import gemm as G
-from kernels._tf32 import a_fragment_place, b_fragment_place, lane_stage, mma_tile, split
+from kernels._tf32 import (a_fragment_place, b_fragment_place, k_run_stage, lane_stage, mma_tile,
+                           split)
 from kernels._tile import Tiles
 from proto.device import backend
 from proto.device.backend import cuda
@@ -205,6 +206,34 @@ def test_a_lane_stage_stores_whole_lanes_and_reads_whole_sectors(operand, rows, 
             for r, k in lanes:
                 by_k.setdefault(k + stage.dks[i], []).append(r + stage.drs[i])
             for run in by_k.values():
+                assert sorted(run) == list(range(min(run), min(run) + 8)) and min(run) % 8 == 0
+
+
+@pytest.mark.parametrize("operand", ["a", "b"])
+@pytest.mark.parametrize("rows,bk,nt", [(128, 8, 256), (64, 16, 256), (128, 16, 256),
+                                        (64, 8, 256), (32, 16, 64), (16, 8, 64)])
+def test_a_k_run_stage_stores_a_warp_to_32_banks_and_reads_whole_sectors(operand, rows, bk, nt):
+    """An operand contiguous along k: every element of the tile staged by one thread once;
+    a warp's store of any one of its elements to 32 distinct banks (fragment order's word
+    modulo 32); its load of one element runs of 8 consecutive k starting at a multiple of 8
+    (whole 32-byte sectors)."""
+    stage = k_run_stage(rows, bk, nt)
+    place = a_fragment_place if operand == "a" else b_fragment_place
+    per = len(stage.drs)
+    assert per == rows * bk // nt and not stage.quads
+    firsts = [tuple(int(v) for v in stage.place.py_func(np.uint32(tid))) for tid in range(nt)]
+    cells = {(r + stage.drs[i], k + stage.dks[i]) for r, k in firsts for i in range(per)}
+    assert len(cells) == nt * per == rows * bk
+    assert all(0 <= r < rows and 0 <= k < bk for r, k in cells)
+    for warp in range(nt // 32):
+        lanes = firsts[32 * warp:32 * warp + 32]
+        for i in range(per):
+            elems = [(r + stage.drs[i], k + stage.dks[i]) for r, k in lanes]
+            assert len({place(r, k, rows) % 32 for r, k in elems}) == 32
+            by_row = {}
+            for r, k in elems:
+                by_row.setdefault(r, []).append(k)
+            for run in by_row.values():
                 assert sorted(run) == list(range(min(run), min(run) + 8)) and min(run) % 8 == 0
 
 
