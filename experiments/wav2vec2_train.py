@@ -27,8 +27,10 @@ median, p10, p90), the epoch's seconds, the loss of every step, and the device m
 holds beyond its weights, gradients and optimizer state once the epoch is done (free memory,
 read in its own process, PyTorch's allocator emptied of blocks no graph pool holds), split
 into buffers and executables where the method can tell them apart. The memory after each
-length's capture is also read: memory against lengths served. A method that runs out of
-memory while capturing reports how many lengths it served.
+length's capture is also read: memory against lengths served; each reading collects
+Python's garbage first, which takes longer the more objects a method keeps, so its seconds
+(meter_s) are not counted as capture. A method that runs out of memory while capturing
+reports how many lengths it served.
 
 Two checks, each in a process of its own, right after the summary's three methods (ours
 planned, transformers' eager, PtGraph's shared pool; the summary is rewritten as each method
@@ -152,9 +154,8 @@ class _Torch:
 
 
 COLUMNS = ("method", "layers", "hidden", "batch", "steps", "lengths", "lengths_served",
-           "graphs", "capture_s", "record_s", "plan_s", "build_s", "epoch_s", "ms_per_step",
-           "median_ms_per_step",
-           "p10_ms_per_step", "p90_ms_per_step", "timed_steps", "state_mib", "kept_mib",
+           "graphs", "capture_s", "meter_s", "record_s", "plan_s", "build_s", "epoch_s",
+           "ms_per_step", "median_ms_per_step", "p10_ms_per_step", "p90_ms_per_step", "timed_steps", "state_mib", "kept_mib",
            "arena_mib", "private_mib", "executables_mib", "pool_mib", "torch_tf32", "error")
 
 
@@ -173,17 +174,22 @@ def measure(method: str, size: str) -> dict:
     free0 = free_memory()
     m = _Torch(method, cfg, state) if method in TORCH_METHODS else _Ours(method, cfg, state, max_label)
     free_ready = free_memory()
-    curve = []
+    curve, meter_s = [], []
+
+    def after_each(n):   # the memory curve's reading, timed apart from the capture: its
+        t = time.perf_counter()   # full garbage collection grows with the objects alive
+        curve.append((n, drop_mib(free_ready, free_memory())))
+        meter_s.append(time.perf_counter() - t)
     t0 = time.perf_counter()
     try:
-        m.build(lengths, lambda n: curve.append((n, drop_mib(free_ready, free_memory()))))
+        m.build(lengths, after_each)
     except Exception as exc:   # out of memory (PyTorch's or the driver's): how far it got
         if not any(w in str(exc).lower() for w in ("out of memory", "out_of_memory")):
             raise
         row.update(lengths_served=len(curve), error=str(exc).splitlines()[0][:200],
                    state_mib=drop_mib(free0, free_ready), **m.info())
         return {"row": row, "losses": [], "steps": [], "curve": curve}
-    capture_s = time.perf_counter() - t0
+    capture_s = time.perf_counter() - t0 - sum(meter_s)
     losses, times = [], []
     for b in common.progress(batches, desc=method):
         t = time.perf_counter()
@@ -192,6 +198,7 @@ def measure(method: str, size: str) -> dict:
     free_kept = free_memory()
     timed = np.array(times[cfg["warmup"]:]) * 1e3
     row.update(lengths_served=len(lengths), capture_s=round(capture_s, 2),
+               meter_s=round(sum(meter_s), 2),
                epoch_s=round(sum(times), 2), ms_per_step=round(float(timed.mean()), 3),
                median_ms_per_step=round(float(np.median(timed)), 3),
                p10_ms_per_step=round(float(np.percentile(timed, 10)), 3),

@@ -97,3 +97,31 @@ def test_a_failing_check_costs_no_later_method_and_fails_the_run(tmp_path, monke
         w.run("toy")
     assert asked == w.METHODS
     assert not (common.results_dir() / f"{w.NAME}.summary.json").exists()
+
+
+def test_capture_seconds_leave_out_the_memory_readings(monkeypatch):
+    """A method's capture_s is its build's time without the memory curve's readings (whose
+    garbage collection grows with what the method keeps), reported apart as meter_s."""
+    import time
+
+    class Slow:   # builds two lengths in 0.1 s; each reading takes 0.3 s
+        def __init__(self, *args):
+            pass
+
+        def build(self, lengths, after_each):
+            for n in (1, 2):
+                time.sleep(0.05)
+                after_each(n)
+
+        def step(self, batch):
+            return 1.0
+
+        def info(self):
+            return {"graphs": 4}
+
+        def close(self):
+            pass
+    monkeypatch.setattr(w, "_Ours", Slow)
+    monkeypatch.setattr(w, "free_memory", lambda: time.sleep(0.3))
+    row = w.measure("ours_planned", "toy")["row"]
+    assert 0.1 <= row["capture_s"] < 0.3 and row["meter_s"] >= 0.6
