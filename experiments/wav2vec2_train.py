@@ -26,11 +26,11 @@ by every method. Per method: milliseconds per step over the epoch after `warmup`
 median, p10, p90), the epoch's seconds, the loss of every step, and the device memory it
 holds beyond its weights, gradients and optimizer state once the epoch is done (free memory,
 read in its own process, PyTorch's allocator emptied of blocks no graph pool holds), split
-into buffers and executables where the method can tell them apart. The memory after each
-length's capture is also read: memory against lengths served; each reading collects
-Python's garbage first, which takes longer the more objects a method keeps, so its seconds
-(meter_s) are not counted as capture. A method that runs out of memory while capturing
-reports how many lengths it served.
+into buffers and executables where the method can tell them apart. Memory is also read
+while capturing, at CURVE_POINTS counts of lengths served: memory against lengths served.
+Each reading collects Python's garbage first, which takes longer the more objects a method
+keeps, so its seconds (meter_s) are not counted as capture. A method that runs out of
+memory while capturing reports how many lengths it served.
 
 Two checks, each in a process of its own, right after the summary's three methods (ours
 planned, transformers' eager, PtGraph's shared pool; the summary is rewritten as each method
@@ -71,6 +71,7 @@ SIZES = {
                  warmup=10, bits_steps=5, curve_steps=20),
 }
 SEED = 0
+CURVE_POINTS = 24   # memory readings while capturing, spread over the lengths served
 
 
 def epoch(size: str) -> list[timit.Batch]:
@@ -174,19 +175,27 @@ def measure(method: str, size: str) -> dict:
     free0 = free_memory()
     m = _Torch(method, cfg, state) if method in TORCH_METHODS else _Ours(method, cfg, state, max_label)
     free_ready = free_memory()
-    curve, meter_s = [], []
+    curve, meter_s, served = [], [], [0]
+    # The memory curve's readings, at CURVE_POINTS counts of lengths served (the last among
+    # them), each timed apart from the capture: a reading collects Python's garbage in full,
+    # which takes longer the more objects the method keeps alive (on the H100, about 175 s
+    # over the 119 lengths of ours, read after every length).
+    readings = set(np.linspace(1, len(lengths), min(CURVE_POINTS, len(lengths)))
+                   .round().astype(int).tolist())
 
-    def after_each(n):   # the memory curve's reading, timed apart from the capture: its
-        t = time.perf_counter()   # full garbage collection grows with the objects alive
-        curve.append((n, drop_mib(free_ready, free_memory())))
-        meter_s.append(time.perf_counter() - t)
+    def after_each(n):
+        served[0] = n
+        if n in readings:
+            t = time.perf_counter()
+            curve.append((n, drop_mib(free_ready, free_memory())))
+            meter_s.append(time.perf_counter() - t)
     t0 = time.perf_counter()
     try:
         m.build(lengths, after_each)
     except Exception as exc:   # out of memory (PyTorch's or the driver's): how far it got
         if not any(w in str(exc).lower() for w in ("out of memory", "out_of_memory")):
             raise
-        row.update(lengths_served=len(curve), error=str(exc).splitlines()[0][:200],
+        row.update(lengths_served=served[0], error=str(exc).splitlines()[0][:200],
                    state_mib=drop_mib(free0, free_ready), **m.info())
         return {"row": row, "losses": [], "steps": [], "curve": curve}
     capture_s = time.perf_counter() - t0 - sum(meter_s)

@@ -3,7 +3,16 @@ summary and figure; the losses of eager and graphed training equal step by step,
 weights bit for bit. Results go to a temporary folder."""
 import pytest
 
-from experiments import common, wav2vec2_train as w
+from experiments import common, timit, wav2vec2_train as w
+
+
+def timit_batch(frames: int):
+    """A one-utterance batch of `frames` encoder frames (toy model)."""
+    import numpy as np
+    cfg = w.SIZES["toy"]["config"]
+    return timit.Batch(waveform=np.zeros((1, cfg.samples(frames)), np.float32),
+                       frames=np.array([frames], np.int32), labels=np.ones((1, 2), np.int32),
+                       label_lengths=np.array([2], np.int32))
 
 
 @pytest.mark.slow   # (make test-all and CI run it; make test does not)
@@ -101,10 +110,13 @@ def test_a_failing_check_costs_no_later_method_and_fails_the_run(tmp_path, monke
 
 def test_capture_seconds_leave_out_the_memory_readings(monkeypatch):
     """A method's capture_s is its build's time without the memory curve's readings (whose
-    garbage collection grows with what the method keeps), reported apart as meter_s."""
+    garbage collection grows with what the method keeps), reported apart as meter_s; the
+    readings are taken at CURVE_POINTS counts of lengths served, the last among them, and a
+    method that runs out of memory between two readings still says how many it served."""
     import time
 
-    class Slow:   # builds two lengths in 0.1 s; each reading takes 0.3 s
+    class Slow:   # builds in 0.1 s, reading after each of two lengths (the toy epoch
+        #           has one: one reading, of 0.3 s)
         def __init__(self, *args):
             pass
 
@@ -124,4 +136,17 @@ def test_capture_seconds_leave_out_the_memory_readings(monkeypatch):
     monkeypatch.setattr(w, "_Ours", Slow)
     monkeypatch.setattr(w, "free_memory", lambda: time.sleep(0.3))
     row = w.measure("ours_planned", "toy")["row"]
-    assert 0.1 <= row["capture_s"] < 0.3 and row["meter_s"] >= 0.6
+    assert 0.1 <= row["capture_s"] < 0.3 and row["meter_s"] >= 0.3
+
+    class Many(Slow):   # 40 lengths, out of memory after the 30th
+        def build(self, lengths, after_each):
+            for n in range(1, 41):
+                if n == 31:
+                    raise RuntimeError("CUDA out of memory")
+                after_each(n)
+    monkeypatch.setattr(w, "_Ours", Many)
+    monkeypatch.setattr(w, "free_memory", lambda: None)
+    monkeypatch.setattr(w, "epoch", lambda size: [timit_batch(T) for T in range(60, 100)])
+    monkeypatch.setattr(w, "CURVE_POINTS", 4)
+    out = w.measure("ours_planned", "toy")
+    assert out["row"]["lengths_served"] == 30 and [n for n, _ in out["curve"]] == [1, 14, 27]
