@@ -237,6 +237,34 @@ def test_a_k_run_stage_stores_a_warp_to_32_banks_and_reads_whole_sectors(operand
                 assert sorted(run) == list(range(min(run), min(run) + 8)) and min(run) % 8 == 0
 
 
+@pytest.mark.parametrize("trans_a,trans_b", [(False, True), (False, False), (True, False),
+                                             (True, True)])
+def test_staging_by_lanes_and_by_runs_of_k_gives_the_stagers_bits(monkeypatch, trans_a,
+                                                                   trans_b):
+    """Which thread stores which element is all the lane and k-run stages change: every
+    fragment a warp multiplies holds the same words, so the product is the one the stager's
+    staging gives, bit for bit (an edge tile and K past a whole step included)."""
+    rng = np.random.default_rng(11)
+    tile = TILES[-1]
+    m, n, k = (40, 36, 37) if SIM else (300, 260, 301)
+    a = rand(rng, *((k, m) if trans_a else (m, k)))[None]
+    b = rand(rng, *((n, k) if trans_b else (k, n)))[None]
+
+    def product():
+        out = dev(np.full((1, m, n), np.nan, np.float32))
+        db = dev(b)
+        G.tiled(dev(a), db, out, db.reshape(db.size), 0, 0, 0, int(trans_a), int(trans_b),
+                0, target_blocks=1, tile=tile, stages=0)
+        return out.copy_to_host()
+    staged = product()
+    monkeypatch.setattr(G, "lane_stage", lambda *args: None)
+    monkeypatch.setattr(G, "k_run_stage", lambda *args: None)
+    built = []   # (past tiled_kernel's cache: a kernel of the stager's staging)
+    monkeypatch.setattr(G, "tiled_kernel", lambda *key: built.append(G._make_tiled(*key))
+                        or built[-1])
+    assert np.array_equal(product().view(np.uint32), staged.view(np.uint32)) and built
+
+
 def test_a_tile_whose_split_operands_pass_a_blocks_static_shared_memory_is_refused():
     """Through registers the operands are staged split, two words each, in fragment order
     (no padding): two buffers of a 128 x 128 tile 16 deep take 4 * 2 * 2 * 16 * (128 + 128)
