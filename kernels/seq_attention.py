@@ -1,8 +1,10 @@
 """Multi-head softmax attention over whole sequences with a key padding mask, forward and
 backward, for training: Wav2Vec2's encoder self-attention (not causal).
 
-q, k, v, out: (B, T, H*hd), the layout the q/k/v projections write and the out projection
-reads. Per sample b and head h, with L = lengths[b] (int32 on the device):
+qkv: (B, T, 3 H*hd), q, k and v side by side in each row, as one projection by the three
+weights stacked writes them (Wav2Vec2's q, k and v projections are one GEMM); out: (B, T,
+H*hd), the layout the out projection reads. Per sample b and head h, with L = lengths[b]
+(int32 on the device):
 
     S  = scale * Q K^T                          (T, T)
     P  = softmax(S) over keys j < L, P[:, j] = 0 for j >= L   (every query row, padded too)
@@ -19,14 +21,14 @@ values are finite (0 * inf is NaN here as in PyTorch).
 Composition, one stream, everything deterministic (no atomics; kernels.gemm sums split-K
 partials in order, the row kernels reduce by a fixed warp butterfly):
 
-  forward   split q, k, v into head-major (B*H, T, hd) scratch     split_heads3_kernel
+  forward   split qkv into head-major (B*H, T, hd) q, k, v scratch  split_qkv_kernel
             probs = Q K^T  (raw scores, into probs itself)          gemm, batch B*H, trans_b
             probs = masked softmax of scale * probs, in place       softmax_rows_kernel
             O = P V, merged back into out (B, T, H*hd)              gemm; merge_heads_kernel
-  backward  split q, k, v and dout                                  split_heads3/split_heads
+  backward  split qkv and dout                                      split_qkv/split_heads
             dS = dO V^T (dP), then in place
                  scale * P * (dP - rowsum(dP * P))                  gemm; softmax_bwd_rows_kernel
-            dQ = dS K, dK = dS^T Q, dV = P^T dO, merged into dq, dk, dv   3 gemm; merge_heads3
+            dQ = dS K, dK = dS^T Q, dV = P^T dO, merged into dqkv   3 gemm; merge_qkv_kernel
 
 At Wav2Vec2-base's sizes (B 8, H 12, hd 64, T up to ~250) each product is 96 batches of at
 most 250 x 250 x 64: the tiled GEMM fills the GPU with 64 x 64 tiles, and the softmax rows
@@ -123,19 +125,20 @@ def split_heads_kernel(x, xh):
             xh[n, t, d] = x[b, t, c]
 
 
-@jit("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
-     "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1])", writes=("h0", "h1", "h2"))
-def split_heads3_kernel(x0, x1, x2, h0, h1, h2):
-    """split_heads_kernel of three arrays of one shape in one launch (three loads in flight
-    a thread): h0 from x0, h1 from x1, h2 from x2."""
-    b, T, C, hd = cuda.blockIdx.y, x0.shape[1], x0.shape[2], h0.shape[2]
+@jit("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1])",
+     writes=("qh", "kh", "vh"))
+def split_qkv_kernel(qkv, qh, kh, vh):
+    """split_heads_kernel of q, k and v, side by side in qkv (B, T, 3 H*hd), in one launch
+    (three loads in flight a thread): qh[b*H + h, t, d] = qkv[b, t, h*hd + d], kh from the
+    next H*hd features, vh from the last."""
+    b, T, C, hd = cuda.blockIdx.y, qkv.shape[1], qkv.shape[2] // 3, qh.shape[2]
     for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
         n, d = b * (C // hd) + c // hd, c % hd
         for t in range(cuda.blockIdx.x, T, cuda.gridDim.x):
-            v0, v1, v2 = x0[b, t, c], x1[b, t, c], x2[b, t, c]
-            h0[n, t, d] = v0
-            h1[n, t, d] = v1
-            h2[n, t, d] = v2
+            v0, v1, v2 = qkv[b, t, c], qkv[b, t, C + c], qkv[b, t, 2 * C + c]
+            qh[n, t, d] = v0
+            kh[n, t, d] = v1
+            vh[n, t, d] = v2
 
 
 @jit("void(float32[:, :, ::1], float32[:, :, ::1])", writes=("x",))
@@ -148,19 +151,18 @@ def merge_heads_kernel(xh, x):
             x[b, t, c] = xh[n, t, d]
 
 
-@jit("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
-     "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1])", writes=("x0", "x1", "x2"))
-def merge_heads3_kernel(h0, h1, h2, x0, x1, x2):
-    """merge_heads_kernel of three arrays of one shape in one launch: x0 from h0, x1 from
-    h1, x2 from h2."""
-    b, T, C, hd = cuda.blockIdx.y, x0.shape[1], x0.shape[2], h0.shape[2]
+@jit("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1])",
+     writes=("qkv",))
+def merge_qkv_kernel(qh, kh, vh, qkv):
+    """split_qkv_kernel's inverse: qkv (B, T, 3 H*hd) from qh, kh and vh, one launch."""
+    b, T, C, hd = cuda.blockIdx.y, qkv.shape[1], qkv.shape[2] // 3, qh.shape[2]
     for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
         n, d = b * (C // hd) + c // hd, c % hd
         for t in range(cuda.blockIdx.x, T, cuda.gridDim.x):
-            v0, v1, v2 = h0[n, t, d], h1[n, t, d], h2[n, t, d]
-            x0[b, t, c] = v0
-            x1[b, t, c] = v1
-            x2[b, t, c] = v2
+            v0, v1, v2 = qh[n, t, d], kh[n, t, d], vh[n, t, d]
+            qkv[b, t, c] = v0
+            qkv[b, t, C + c] = v1
+            qkv[b, t, 2 * C + c] = v2
 
 
 @cuda.jit(device=True)
@@ -229,16 +231,16 @@ def softmax_bwd_rows_kernel(p, ds, scale):
 
 
 # ---------------------------------------------------------------------------- launchers
-def _check_heads(x, heads):
-    """(B, T, C, H, hd) of q (B, T, H*hd) and `heads`."""
-    _check.device_array("q", x, ndim=3)
-    B, T, C = x.shape
+def _check_heads(qkv, heads):
+    """(B, T, C, H, hd) of qkv (B, T, 3 C), C = H*hd, and `heads`."""
+    _check.device_array("qkv", qkv, ndim=3)
+    B, T, C3 = qkv.shape
     H = _check.positive("heads", heads)
-    if C % H:
-        raise ValueError(f"q: features {C} are not a multiple of heads {H}")
+    if C3 % (3 * H):
+        raise ValueError(f"qkv: features {C3} are not 3 x a multiple of heads {H}")
     if B * H > 65535:
-        raise ValueError(f"q: B * heads = {B * H} exceeds the batched GEMM's grid limit 65535")
-    return B, T, C, H, C // H
+        raise ValueError(f"qkv: B * heads = {B * H} exceeds the batched GEMM's grid limit 65535")
+    return B, T, C3 // 3, H, C3 // (3 * H)
 
 
 def _row_launch(B: int, T: int) -> tuple[tuple[int, int], int]:
@@ -251,24 +253,23 @@ def _head_scratch(prefix: str, names, B: int, H: int, T: int, hd: int):
     return [backend.empty((B * H, T, hd), np.float32, f"{prefix}.{n}") for n in names]
 
 
-def seq_attention(q, k, v, lengths, out, probs, *, heads, scale, stream=0):
-    """out (B, T, H*hd) = attention of q over k, v (each (B, T, H*hd), `heads` heads of hd),
-    scores scaled by `scale`, keys j >= lengths[b] masked (lengths int32 (B,) on the
-    device); probs (B, H, T, T) gets the softmax probabilities (masked keys exactly 0), which
-    seq_attention_bwd takes. Every query row is computed, padded ones too. A length < 1 or
-    > T makes that sample's probs and out NaN. out and probs overlap nothing."""
-    B, T, C, H, hd = _check_heads(q, heads)
-    _check.device_array("k", k, shape=(B, T, C))
-    _check.device_array("v", v, shape=(B, T, C))
+def seq_attention(qkv, lengths, out, probs, *, heads, scale, stream=0):
+    """out (B, T, H*hd) = attention of q over k, v (side by side in qkv (B, T, 3 H*hd),
+    `heads` heads of hd), scores scaled by `scale`, keys j >= lengths[b] masked (lengths
+    int32 (B,) on the device); probs (B, H, T, T) gets the softmax probabilities (masked keys
+    exactly 0), which seq_attention_bwd takes. Every query row is computed, padded ones too.
+    A length < 1 or > T makes that sample's probs and out NaN. out and probs overlap
+    nothing."""
+    B, T, C, H, hd = _check_heads(qkv, heads)
     _check.device_array("lengths", lengths, dtype=np.int32, shape=(B,))
     _check.device_array("out", out, shape=(B, T, C))
     _check.device_array("probs", probs, shape=(B, H, T, T))
     scale = _check.number("scale", scale)
-    _check.separate({"out": out, "probs": probs}, {"q": q, "k": k, "v": v, "lengths": lengths})
+    _check.separate({"out": out, "probs": probs}, {"qkv": qkv, "lengths": lengths})
     qh, kh, vh, oh = _head_scratch("seq_attention", "qkvo", B, H, T, hd)
     p3 = backend.reshaped(probs, (B * H, T, T))
     grid, threads = _row_launch(B, T)
-    launch(split_heads3_kernel, grid, threads, (q, k, v, qh, kh, vh), stream)
+    launch(split_qkv_kernel, grid, threads, (qkv, qh, kh, vh), stream)
     gemm(qh, kh, p3, trans_b=True, stream=stream)
     launch(softmax_rows_kernel, -(-B * H * T // ROWS), ROWS * LANES,
            (backend.reshaped(probs, (B, H * T, T)), lengths, np.float32(scale)), stream)
@@ -276,24 +277,23 @@ def seq_attention(q, k, v, lengths, out, probs, *, heads, scale, stream=0):
     launch(merge_heads_kernel, grid, threads, (oh, out), stream)
 
 
-def seq_attention_bwd(q, k, v, probs, dout, dq, dk, dv, *, heads, scale, stream=0):
-    """dq, dk, dv (B, T, H*hd), overwritten: the gradients of seq_attention's out given dout
-    (B, T, H*hd), from the forward's q, k, v, probs, heads and scale. A masked key gets
-    exactly zero dk and dv (for finite dout and v); a sample with NaN probs (a bad length)
-    gets NaN gradients. dq, dk, dv overlap nothing."""
-    B, T, C, H, hd = _check_heads(q, heads)
-    for name, x in (("k", k), ("v", v), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
-        _check.device_array(name, x, shape=(B, T, C))
+def seq_attention_bwd(qkv, probs, dout, dqkv, *, heads, scale, stream=0):
+    """dqkv (B, T, 3 H*hd), overwritten: the gradients of seq_attention's out with respect
+    to q, k and v, side by side as in qkv, given dout (B, T, H*hd), from the forward's qkv,
+    probs, heads and scale. A masked key gets exactly zero dk and dv (for finite dout and
+    v); a sample with NaN probs (a bad length) gets NaN gradients. dqkv overlaps nothing."""
+    B, T, C, H, hd = _check_heads(qkv, heads)
+    _check.device_array("dout", dout, shape=(B, T, C))
+    _check.device_array("dqkv", dqkv, shape=(B, T, 3 * C))
     _check.device_array("probs", probs, shape=(B, H, T, T))
     scale = _check.number("scale", scale)
-    _check.separate({"dq": dq, "dk": dk, "dv": dv},
-                    {"q": q, "k": k, "v": v, "probs": probs, "dout": dout})
+    _check.separate({"dqkv": dqkv}, {"qkv": qkv, "probs": probs, "dout": dout})
     qh, kh, vh, doh, dqh, dkh, dvh = _head_scratch(
         "seq_attention_bwd", ("q", "k", "v", "dout", "dq", "dk", "dv"), B, H, T, hd)
     ds = backend.empty((B * H, T, T), np.float32, "seq_attention_bwd.ds")
     p3 = backend.reshaped(probs, (B * H, T, T))
     grid, threads = _row_launch(B, T)
-    launch(split_heads3_kernel, grid, threads, (q, k, v, qh, kh, vh), stream)
+    launch(split_qkv_kernel, grid, threads, (qkv, qh, kh, vh), stream)
     launch(split_heads_kernel, grid, threads, (dout, doh), stream)
     gemm(doh, vh, ds, trans_b=True, stream=stream)                      # dP
     launch(softmax_bwd_rows_kernel, -(-B * H * T // ROWS), ROWS * LANES,
@@ -302,7 +302,7 @@ def seq_attention_bwd(q, k, v, probs, dout, dq, dk, dv, *, heads, scale, stream=
     gemm(ds, kh, dqh, stream=stream)
     gemm(ds, qh, dkh, trans_a=True, stream=stream)
     gemm(p3, doh, dvh, trans_a=True, stream=stream)
-    launch(merge_heads3_kernel, grid, threads, (dqh, dkh, dvh, dq, dk, dv), stream)
+    launch(merge_qkv_kernel, grid, threads, (dqh, dkh, dvh, dqkv), stream)
 
 
 def seq_attention_flops(B: int, T: int, heads: int, hd: int) -> float:

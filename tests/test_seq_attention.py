@@ -17,18 +17,22 @@ def _case(rng, B, T, H, hd, lengths=None):
 
 
 def _forward(q, k, v, lengths, H, scale):
+    """The kernels' out and probs, q, k and v passed side by side (B, T, 3C)."""
     B, T, C = q.shape
     out = cuda.device_array((B, T, C), np.float32)
     probs = cuda.device_array((B, H, T, T), np.float32)
-    SA.seq_attention(dev(q), dev(k), dev(v), dev(lengths), out, probs, heads=H, scale=scale)
+    SA.seq_attention(dev(np.concatenate([q, k, v], -1)), dev(lengths), out, probs, heads=H,
+                     scale=scale)
     return out.copy_to_host(), probs.copy_to_host()
 
 
 def _backward(q, k, v, probs, dout, H, scale):
-    grads = [cuda.device_array(q.shape, np.float32) for _ in range(3)]
-    SA.seq_attention_bwd(dev(q), dev(k), dev(v), dev(probs), dev(dout), *grads, heads=H,
-                         scale=scale)
-    return [g.copy_to_host() for g in grads]
+    """The kernels' dq, dk, dv (split from their side-by-side dqkv)."""
+    B, T, C = q.shape
+    dqkv = cuda.device_array((B, T, 3 * C), np.float32)
+    SA.seq_attention_bwd(dev(np.concatenate([q, k, v], -1)), dev(probs), dev(dout), dqkv,
+                         heads=H, scale=scale)
+    return np.split(dqkv.copy_to_host(), 3, axis=-1)
 
 
 shapes = dict(B=st.integers(1, 3), T=st.integers(1, 12), H=st.integers(1, 3),
@@ -146,24 +150,25 @@ def test_a_captured_forward_and_backward_replay_the_eager_bits():
     rng = np.random.default_rng(4)
     B, T, H, hd = 2, 6, 2, 3
     q, k, v, dout, lengths = _case(rng, B, T, H, hd, [4, 6])
-    ins = {n: dev(x) for n, x in zip(("q", "k", "v", "dout", "lengths"),
-                                     (q, k, v, dout, lengths))}
+    ins = {n: dev(x) for n, x in zip(("qkv", "dout", "lengths"),
+                                     (np.concatenate([q, k, v], -1), dout, lengths))}
     out = cuda.device_array(q.shape, np.float32)
     probs = cuda.device_array((B, H, T, T), np.float32)
-    grads = [cuda.device_array(q.shape, np.float32) for _ in range(3)]
+    dqkv = cuda.device_array((B, T, 3 * H * hd), np.float32)
 
-    def step(q, k, v, dout, lengths):
-        SA.seq_attention(q, k, v, lengths, out, probs, heads=H, scale=0.5)
-        SA.seq_attention_bwd(q, k, v, probs, dout, *grads, heads=H, scale=0.5)
+    def step(qkv, dout, lengths):
+        SA.seq_attention(qkv, lengths, out, probs, heads=H, scale=0.5)
+        SA.seq_attention_bwd(qkv, probs, dout, dqkv, heads=H, scale=0.5)
 
     g = graph.capture(step, ins, binding="alias")
     q2, k2, v2, dout2, lengths2 = _case(rng, B, T, H, hd, [6, 1])
-    for n, x in zip(("q", "k", "v", "dout", "lengths"), (q2, k2, v2, dout2, lengths2)):
+    for n, x in zip(("qkv", "dout", "lengths"),
+                    (np.concatenate([q2, k2, v2], -1), dout2, lengths2)):
         ins[n].copy_to_device(x)
     g.replay(**ins)
     want_out, want_p = _forward(q2, k2, v2, lengths2, H, 0.5)
-    want_g = _backward(q2, k2, v2, want_p, dout2, H, 0.5)
-    for got, want in zip([out, probs, *grads], [want_out, want_p, *want_g]):
+    want_g = np.concatenate(_backward(q2, k2, v2, want_p, dout2, H, 0.5), -1)
+    for got, want in zip([out, probs, dqkv], [want_out, want_p, want_g]):
         np.testing.assert_array_equal(got.copy_to_host().view(np.uint32), want.view(np.uint32))
     g.close()
 
@@ -175,28 +180,30 @@ def test_rejects_bad_input_before_any_launch(monkeypatch):
     monkeypatch.setattr(gemm_module, "launch", lambda *a, **kw: launched.append(a))
     B, T, H, hd = 2, 3, 2, 2
     x = lambda *shape: dev(np.zeros(shape, np.float32))   # noqa: E731
-    q, k, v, out, dout, dq, dk, dv = (x(B, T, H * hd) for _ in range(8))
+    qkv, dqkv = x(B, T, 3 * H * hd), x(B, T, 3 * H * hd)
+    out, dout = x(B, T, H * hd), x(B, T, H * hd)
     probs, lengths = x(B, H, T, T), dev(np.full(B, T, np.int32))
 
     def fwd(**kw):
-        a = dict(q=q, k=k, v=v, lengths=lengths, out=out, probs=probs)
+        a = dict(qkv=qkv, lengths=lengths, out=out, probs=probs)
         a.update(kw)
         heads, scale = a.pop("heads", H), a.pop("scale", 0.5)
         SA.seq_attention(*a.values(), heads=heads, scale=scale)
 
     def bwd(**kw):
-        a = dict(q=q, k=k, v=v, probs=probs, dout=dout, dq=dq, dk=dk, dv=dv)
+        a = dict(qkv=qkv, probs=probs, dout=dout, dqkv=dqkv)
         a.update(kw)
         heads, scale = a.pop("heads", H), a.pop("scale", 0.5)
         SA.seq_attention_bwd(*a.values(), heads=heads, scale=scale)
 
     cases = [
-        (fwd, dict(q=np.zeros((B, T, H * hd), np.float32)), TypeError,
-         "q: expected a device array"),
-        (fwd, dict(k=dev(np.zeros((B, T, H * hd), np.float64))), TypeError,
-         "k: expected dtype float32"),
-        (fwd, dict(v=x(B, T + 1, H * hd)), ValueError, r"v: expected shape \(2, 3, 4\)"),
-        (fwd, dict(heads=3), ValueError, "q: features 4 are not a multiple of heads 3"),
+        (fwd, dict(qkv=np.zeros((B, T, 3 * H * hd), np.float32)), TypeError,
+         "qkv: expected a device array"),
+        (fwd, dict(qkv=dev(np.zeros((B, T, 3 * H * hd), np.float64))), TypeError,
+         "qkv: expected dtype float32"),
+        (fwd, dict(qkv=x(B, T, H * hd)), ValueError,
+         "qkv: features 4 are not 3 x a multiple of heads 2"),
+        (fwd, dict(heads=5), ValueError, "qkv: features 12 are not 3 x a multiple of heads 5"),
         (fwd, dict(heads=0), ValueError, "heads: expected a positive integer"),
         (fwd, dict(heads=True), ValueError, "heads: expected a positive integer"),
         (fwd, dict(scale=float("nan")), ValueError, "scale: expected a finite number"),
@@ -207,12 +214,13 @@ def test_rejects_bad_input_before_any_launch(monkeypatch):
          r"lengths: expected shape \(2,\)"),
         (fwd, dict(out=x(B, T, H * hd + 1)), ValueError, "out: expected shape"),
         (fwd, dict(probs=x(B, H, T, T + 1)), ValueError, r"probs: expected shape \(2, 2, 3, 3\)"),
-        (fwd, dict(out=q), ValueError, "output 'out' .* overlaps 'q'"),
-        (fwd, dict(out=v), ValueError, "output 'out' .* overlaps 'v'"),
+        (fwd, dict(out=qkv.reshape(qkv.size)[:out.size].reshape(out.shape)), ValueError,
+         "output 'out' .* overlaps 'qkv'"),
+        (fwd, dict(probs=lengths.reshape(1, 1, 1, B)), TypeError, "probs: expected dtype"),
         (bwd, dict(dout=x(B, T, H * hd - 1)), ValueError, "dout: expected shape"),
         (bwd, dict(probs=x(B, H + 1, T, T)), ValueError, "probs: expected shape"),
-        (bwd, dict(dk=dq), ValueError, "output 'dq' .* overlaps 'dk'"),
-        (bwd, dict(dv=dout), ValueError, "output 'dv' .* overlaps 'dout'"),
+        (bwd, dict(dqkv=x(B, T, H * hd)), ValueError, r"dqkv: expected shape \(2, 3, 12\)"),
+        (bwd, dict(dqkv=qkv), ValueError, "output 'dqkv' .* overlaps 'qkv'"),
         (bwd, dict(heads=-1), ValueError, "heads: expected a positive integer"),
         (bwd, dict(scale=float("inf")), ValueError, "scale: expected a finite number"),
     ]

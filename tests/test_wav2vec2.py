@@ -117,6 +117,35 @@ def test_load_state_dict_replaces_the_weights_and_keeps_the_optimizer():
     np.testing.assert_array_equal(b.params.to_host()["lm_head.weight"], trained["lm_head.weight"])
 
 
+def test_packed_groups_are_one_array_and_every_name_keeps_its_tensor():
+    """FlatParams lays a packed group's tensors back to back where its first name falls (a
+    layer's q, k and v weights are then one (3d, d) matrix); every name still reads and
+    writes its own tensor, the rest stay on 256-byte boundaries, a group not packed is
+    refused by name."""
+    shapes = {"a": (3,), "w.q": (2, 5), "b.q": (5,), "w.k": (2, 5), "b.k": (5,), "c": (7,)}
+    host = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * i
+            for i, (n, s) in enumerate(shapes.items())}
+    f = w2v.FlatParams(shapes, host, packed=(("w.q", "w.k"), ("b.q", "b.k")))
+    np.testing.assert_array_equal(f.group(["w.q", "w.k"]).copy_to_host().reshape(4, 5),
+                                  np.concatenate([host["w.q"], host["w.k"]]))
+    np.testing.assert_array_equal(f.group(["b.q", "b.k"]).copy_to_host(),
+                                  np.concatenate([host["b.q"], host["b.k"]]))
+    for name, value in f.to_host().items():
+        np.testing.assert_array_equal(value, host[name], err_msg=name)
+        np.testing.assert_array_equal(f[name].copy_to_host(), host[name], err_msg=name)
+    assert all(f.offsets[n] % f.ALIGN == 0 for n in ("a", "w.q", "b.q", "c"))
+    with pytest.raises(ValueError, match="not a packed group"):
+        f.group(["w.q", "b.q"])
+    model = w2v.Wav2Vec2ForCTC(CFG, w2v.random_state_dict(CFG, seed=3))
+    w, b = model._qkv(model.params, 1)
+    state = model.params.to_host()
+    a = "wav2vec2.encoder.layers.1.attention"
+    np.testing.assert_array_equal(w.copy_to_host(), np.concatenate(
+        [state[f"{a}.{x}_proj.weight"] for x in "qkv"]))
+    np.testing.assert_array_equal(b.copy_to_host(), np.concatenate(
+        [state[f"{a}.{x}_proj.bias"] for x in "qkv"]))
+
+
 def test_bad_batches_are_refused_before_any_launch():
     model = w2v.Wav2Vec2ForCTC(CFG, w2v.random_state_dict(CFG))
     wave, frames, labels, lengths = _device(_batch(CFG))

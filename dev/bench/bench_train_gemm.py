@@ -63,9 +63,10 @@ MARGIN = 0.03   # --write: a variant replaces the default on a shape only if thi
 
 
 def shapes(M: int):
-    """(name, M, N, K, trans_a, trans_b) of one layer's Linear products at M = B x frames."""
+    """(name, M, N, K, trans_a, trans_b) of one layer's Linear products at M = B x frames:
+    the q, k and v projections (one product), the out projection and the two of the MLP."""
     out = []
-    for name, i, o in (("attn", D, D), ("fc1", D, F), ("fc2", F, D)):
+    for name, i, o in (("qkv", D, 3 * D), ("out", D, D), ("fc1", D, F), ("fc2", F, D)):
         out += [(f"{name} fwd", M, o, i, False, True),      # x (M, I) @ W (O, I).T
                 (f"{name} bwd_data", M, i, o, False, False),  # dy (M, O) @ W (O, I)
                 (f"{name} bwd_weight", o, i, M, True, False)]  # dy (M, O).T @ x (M, I)

@@ -38,7 +38,6 @@ import numpy as np
 from kernels import _check, adamw, conv1d, ctc, groupnorm, layernorm, layout
 from kernels import elementwise as ew
 from kernels import seq_attention
-from kernels.gemm import gemm
 from kernels.linear import linear, linear_bwd_data, linear_bwd_weight
 from proto.device.backend import cuda, empty, reshaped
 from proto import shapes
@@ -181,19 +180,40 @@ def random_state_dict(config: Wav2Vec2Config, seed: int = 0) -> dict[str, np.nda
 class FlatParams:
     """Named tensors in one flat float32 device buffer (each at a 256-byte boundary), a view
     per name: parameters, their gradients and AdamW's moments share this layout, so one
-    launch walks all of them."""
+    launch walks all of them. `packed`: groups of names laid back to back, with no padding
+    between them, where the group's first name falls, so that `group(names)` is one array
+    (Wav2Vec2's q, k and v weights: one (3d, d) matrix, one GEMM)."""
 
     ALIGN = 64  # float32 elements
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], host: dict | None = None):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], host: dict | None = None,
+                 packed: tuple[tuple[str, ...], ...] = ()):
         self.shapes = dict(shapes)
+        leads = {group[0]: group for group in packed}
+        later = {name for group in packed for name in group[1:]}
         self.offsets, n = {}, 0
-        for name, shape in self.shapes.items():
-            self.offsets[name] = n
-            n += -(-math.prod(shape) // self.ALIGN) * self.ALIGN
+        for name in self.shapes:
+            if name in later:
+                continue
+            for member in leads.get(name, (name,)):
+                self.offsets[member] = n
+                n += math.prod(self.shapes[member])
+            n = -(-n // self.ALIGN) * self.ALIGN
         self.flat = cuda.to_device(self._flat(host or {}, n))
-        self.views = {name: self.flat[lo:lo + math.prod(shape)].reshape(shape)
-                      for (name, shape), lo in zip(self.shapes.items(), self.offsets.values())}
+        self.views = {name: self._view(self.flat, name) for name in self.shapes}
+
+    def _view(self, flat, name: str):
+        lo, shape = self.offsets[name], self.shapes[name]
+        return flat[lo:lo + math.prod(shape)].reshape(shape)
+
+    def group(self, names) -> object:
+        """The 1-D view over a packed group's tensors, in the group's order."""
+        lo = self.offsets[names[0]]
+        hi = lo + sum(math.prod(self.shapes[n]) for n in names)
+        if [self.offsets[n] for n in names] != list(
+                np.cumsum([lo] + [math.prod(self.shapes[n]) for n in names[:-1]])):
+            raise ValueError(f"names: {list(names)} are not a packed group of this buffer")
+        return self.flat[lo:hi]
 
     def _flat(self, host: dict, n: int) -> np.ndarray:
         flat = np.zeros(max(n, 1), np.float32)
@@ -211,8 +231,7 @@ class FlatParams:
 
     def to_host(self) -> dict[str, np.ndarray]:
         flat = self.flat.copy_to_host()
-        return {name: flat[lo:lo + math.prod(self.shapes[name])].reshape(self.shapes[name])
-                for name, lo in self.offsets.items()}
+        return {name: self._view(flat, name) for name in self.shapes}
 
 
 class Wav2Vec2ForCTC:
@@ -232,8 +251,11 @@ class Wav2Vec2ForCTC:
     def __init__(self, config: Wav2Vec2Config, state_dict, optimizer: AdamWConfig = AdamWConfig()):
         shapes = config.param_shapes()
         self.config, self.optimizer = config, optimizer
-        self.params = FlatParams(shapes, self._checked(state_dict))
-        self.grads, self.m, self.v = (FlatParams(shapes) for _ in range(3))
+        # each layer's q, k and v weights back to back, and their biases: one projection
+        qkv = [tuple(f"wav2vec2.encoder.layers.{i}.attention.{x}_proj.{kind}" for x in "qkv")
+               for i in range(config.layers) for kind in ("weight", "bias")]
+        self.params = FlatParams(shapes, self._checked(state_dict), packed=qkv)
+        self.grads, self.m, self.v = (FlatParams(shapes, packed=qkv) for _ in range(3))
         self.step_count = cuda.to_device(np.zeros(1, np.int32))   # AdamW's t, on the device
 
     def _checked(self, state_dict) -> dict[str, np.ndarray]:
@@ -292,6 +314,13 @@ class Wav2Vec2ForCTC:
     def _t(self, shape, name):
         return empty(shape, np.float32, name, owner=self)
 
+    def _qkv(self, buffer: FlatParams, i: int):
+        """Layer i's q, k and v projections as one, in `buffer` (the weights or their
+        gradients): the (3d, d) weight and the (3d,) bias, packed back to back."""
+        d, a = self.config.hidden, f"wav2vec2.encoder.layers.{i}.attention"
+        return (buffer.group([f"{a}.{x}_proj.weight" for x in "qkv"]).reshape(3 * d, d),
+                buffer.group([f"{a}.{x}_proj.bias" for x in "qkv"]))
+
     def _forward(self, waveform, frames, B: int, T: int) -> dict:
         cfg, p, t = self.config, self.params, self._t
         s = {}                                   # what the backward reads, by name
@@ -347,13 +376,11 @@ class Wav2Vec2ForCTC:
         cfg, p, t = self.config, self.params, self._t
         d, pre, q = cfg.hidden, f"wav2vec2.encoder.layers.{i}", f"l{i}."
         s[q + "in"] = h
-        for proj in "qkv":
-            out = s[q + proj] = t((B * T, d), q + proj)
-            linear(h, p[f"{pre}.attention.{proj}_proj.weight"],
-                   p[f"{pre}.attention.{proj}_proj.bias"], out)
+        qkv = s[q + "qkv"] = t((B * T, 3 * d), q + "qkv")   # q, k, v side by side
+        linear(h, *self._qkv(self.params, i), qkv)
         probs = s[q + "probs"] = t((B, cfg.heads, T, T), q + "probs")
         att = s[q + "att"] = t((B * T, d), q + "att")
-        seq_attention.seq_attention(*(reshaped(s[q + x], (B, T, d)) for x in "qkv"), frames,
+        seq_attention.seq_attention(reshaped(qkv, (B, T, 3 * d)), frames,
                                     reshaped(att, (B, T, d)), probs, heads=cfg.heads,
                                     scale=cfg.head_dim ** -0.5)
         r1 = s[q + "r1"] = t((B * T, d), q + "r1")
@@ -449,16 +476,14 @@ class Wav2Vec2ForCTC:
         att = f"{pre}.attention"
         linear_bwd_data(dr1, p[f"{att}.out_proj.weight"], datt)
         linear_bwd_weight(s[q + "att"], dr1, g[f"{att}.out_proj.weight"], g[f"{att}.out_proj.bias"])
-        dqkv = {x: t((B * T, d), q + "d." + x) for x in "qkv"}
-        seq_attention.seq_attention_bwd(*(reshaped(s[q + x], (B, T, d)) for x in "qkv"),
-                                        s[q + "probs"], reshaped(datt, (B, T, d)),
-                                        *(reshaped(dqkv[x], (B, T, d)) for x in "qkv"),
+        dqkv = t((B * T, 3 * d), q + "d.qkv")
+        seq_attention.seq_attention_bwd(reshaped(s[q + "qkv"], (B, T, 3 * d)), s[q + "probs"],
+                                        reshaped(datt, (B, T, d)),
+                                        reshaped(dqkv, (B, T, 3 * d)),
                                         heads=cfg.heads, scale=cfg.head_dim ** -0.5)
-        din = t((B * T, d), q + "d.in")
-        for j, x in enumerate("qkv"):   # din = dr1 + sum over q, k, v of d(proj) @ W
-            gemm(dqkv[x], p[f"{att}.{x}_proj.weight"], din, accumulate=j > 0)
-            linear_bwd_weight(s[q + "in"], dqkv[x], g[f"{att}.{x}_proj.weight"],
-                              g[f"{att}.{x}_proj.bias"])
+        din = t((B * T, d), q + "d.in")   # din = dr1 + dqkv @ W_qkv (q, k, v's in one sum)
+        linear_bwd_data(dqkv, self._qkv(p, i)[0], din)
+        linear_bwd_weight(s[q + "in"], dqkv, *self._qkv(g, i))
         ew.add(din, dr1, din)
         return din
 
