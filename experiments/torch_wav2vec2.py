@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from proto.models.wav2vec2 import POS_CONV_G, POS_CONV_V, AdamWConfig, Wav2Vec2Config
+from proto.models.wav2vec2_config import POS_CONV_G, POS_CONV_V, AdamWConfig, Wav2Vec2Config
 
 
 def hf_config(config: Wav2Vec2Config):

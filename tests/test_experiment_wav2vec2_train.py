@@ -150,3 +150,16 @@ def test_capture_seconds_leave_out_the_memory_readings(monkeypatch):
     monkeypatch.setattr(w, "CURVE_POINTS", 4)
     out = w.measure("ours_planned", "toy")
     assert out["row"]["lengths_served"] == 30 and [n for n, _ in out["curve"]] == [1, 14, 27]
+
+
+def test_the_experiment_and_the_config_load_none_of_our_models_kernels():
+    """A process that measures transformers imports this module and the configuration: our
+    model's kernels (which a GPU compiles or loads at import) stay out of it."""
+    import subprocess
+    import sys
+    code = ("import sys, experiments.wav2vec2_train, proto.models.wav2vec2_config; "
+            "print(sorted(m for m in sys.modules if m in ('kernels.gemm', 'kernels.conv1d', "
+            "'kernels.seq_attention', 'proto.models.wav2vec2')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=common.REPO, env=common.child_env(), check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
