@@ -6,12 +6,15 @@
 #       graph_memory sanitize > /dev/null 2>&1 & sleep 2; bash dev/gpu_session.sh poll 540")
 #   run(command="bash dev/gpu_session.sh poll 540")          # again until "all done"
 #
-# Steps: lane (the GPU tests, 8 processes: about 5 minutes), graph_memory (the memory
-# figure, each method in its own process, about 8), sanitize (compute-sanitizer's four tools
-# over the GPU tests, about 7), kernel_speed (every kernel against PyTorch's), gptj (GPT-J-6B
-# in float16, over 20), wav2vec2 (an epoch of Wav2Vec2 training per method, all seven: 12
-# minutes on the H200; wav2vec2_head: the same, stopped at 10 minutes, after the summary's
-# three methods and the two checks, whose summary is written as each ends), end_to_end
+# Steps: lane (the GPU tests, 9 processes, then the files that read memory alone: 11.5
+# minutes on the H100 at c1693fa, about 8 since the isolation tests' children load no
+# kernels), graph_memory (the memory figure, each method in its own process, about 8),
+# sanitize (compute-sanitizer's four tools over the GPU tests, about 7), kernel_speed (every
+# kernel against PyTorch's), gptj (GPT-J-6B in float16, over 20), wav2vec2 (an epoch of
+# Wav2Vec2 training per method, all seven: 12 minutes on the H200; the first three alone
+# took 12.5 on the H100 at c1693fa, before the capture's memory readings went from 119 to
+# 24; wav2vec2_head: the same, stopped at 10 minutes, after the summary's three methods and
+# the two checks, whose summary is written as each ends), end_to_end
 # (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
 # the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py), probes
 # (the kernel cache's test, then where recording GPT-2 takes memory), w2v_profile (a Wav2Vec2
