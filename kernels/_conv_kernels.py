@@ -180,7 +180,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         # mm and mm + 8, channels kk and kk + 4, one 16-byte store a part), where the
         # stager's 32 pixels of one channel would conflict 8-way.
         a_stage = lane_stage("a", BM, BK, NT)
-        if a_stage is None or (a_stage.drs, a_stage.dks) != ((0, 8, 0, 8), (0, 0, 4, 4)):
+        if a_stage is None or len(a_stage.drs) != 4:   # (one lane's words: LANE_WORDS)
             raise ValueError(f"{t}: a tensor-core convolution tile stages one lane's four "
                              f"patch words a thread: bm * bk must be 4 x its {NT} threads")
         a_place = a_stage.place

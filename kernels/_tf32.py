@@ -346,6 +346,20 @@ def first_place(place, width: int):
 LANE_WORDS = {"a": ((0, 0), (8, 0), (0, 4), (8, 4)), "b": ((0, 0), (0, 4), (8, 0), (8, 4))}
 
 
+def _later_steps(first_at, count: int, warps: int) -> list | None:
+    """(dr, dk) of each of a thread's `count` shares from its first (share 0: (0, 0)), where
+    warp w's share j is the one first_at(w + j * warps) places (its lane 0's row and k);
+    None unless each is the same step for every warp (the kernel adds one constant offset a
+    share)."""
+    steps = []
+    for j in range(count):
+        step = {tuple(np.subtract(first_at(w + j * warps), first_at(w))) for w in range(warps)}
+        if len(step) != 1:
+            return None
+        steps.append(step.pop())
+    return steps
+
+
 def lane_stage(operand: str, rows: int, bk: int, nt: int) -> Stage | None:
     """How `nt` threads stage a rows x bk tile of `operand` ("a" or "b") that is contiguous
     along its rows in global memory (a transposed, K x M; b not, K x N): each thread takes
@@ -365,22 +379,18 @@ def lane_stage(operand: str, rows: int, bk: int, nt: int) -> Stage | None:
 
     def block_at(b):
         return 16 * (b % blocks), 8 * (b // blocks)
-    drs, dks = [], []
-    for j in range(quads):
-        steps = {tuple(np.subtract(block_at(w + j * warps), block_at(w))) for w in range(warps)}
-        if len(steps) != 1:
-            return None
-        (dr, dk), = steps
-        for wr, wk in LANE_WORDS[operand]:
-            drs.append(dr + wr)
-            dks.append(dk + wk)
+    steps = _later_steps(block_at, quads, warps)
+    if steps is None:
+        return None
+    words = [(dr + wr, dk + wk) for dr, dk in steps for wr, wk in LANE_WORDS[operand]]
+    drs, dks = (tuple(x) for x in zip(*words))
 
     @cuda.jit(device=True)
     def place(tid):
         warp, lane = tid // _u(32), tid % _u(32)
         return (_u(16) * (warp % _u(blocks)) + lane // _u(4),
                 _u(8) * (warp // _u(blocks)) + lane % _u(4))
-    return Stage(place, tuple(drs), tuple(dks), quads=True)
+    return Stage(place, drs, dks, quads=True)
 
 
 def k_run_stage(rows: int, bk: int, nt: int) -> Stage | None:
@@ -403,14 +413,10 @@ def k_run_stage(rows: int, bk: int, nt: int) -> Stage | None:
     def slot_at(s):   # the (row, k) of lane 0's element in slot s (a quarter of a block)
         b, q = divmod(s, 4)
         return 16 * (b % blocks) + 2 * q, 8 * (b // blocks)
-    drs, dks = [], []
-    for i in range(per):
-        steps = {tuple(np.subtract(slot_at(w + i * warps), slot_at(w))) for w in range(warps)}
-        if len(steps) != 1:
-            return None
-        (dr, dk), = steps
-        drs.append(dr)
-        dks.append(dk)
+    steps = _later_steps(slot_at, per, warps)
+    if steps is None:
+        return None
+    drs, dks = (tuple(x) for x in zip(*steps))
 
     @cuda.jit(device=True)
     def place(tid):
@@ -418,7 +424,7 @@ def k_run_stage(rows: int, bk: int, nt: int) -> Stage | None:
         b = warp // _u(4)
         return (_u(16) * (b % _u(blocks)) + _u(2) * (warp % _u(4)) + (lane // _u(8)) % _u(2)
                 + _u(8) * (lane // _u(16)), _u(8) * (b // _u(blocks)) + lane % _u(8))
-    return Stage(place, tuple(drs), tuple(dks))
+    return Stage(place, drs, dks)
 
 
 def staged_stores(deltas: tuple, small_at: int | None, quads: bool = False):

@@ -48,10 +48,14 @@ class Table(NamedTuple):
     conv: tuple = ()   # ((op, c, k, r, s, stride), Tiles)
 
 
+def _path(device: str) -> pathlib.Path:
+    return DIR / f"{device}.json"
+
+
 @functools.cache
 def table(device: str) -> Table:
     """The device's entries; an empty Table where it has no file."""
-    path = DIR / f"{device}.json"
+    path = _path(device)
     if not path.exists():
         return Table()
     body = json.loads(path.read_text())
@@ -107,7 +111,7 @@ def write_section(device: str, name: str, entries: list[dict], command: str) -> 
     """Replace section `name` of the device's file (keeping the others) with `entries`,
     stamped with the commit (PROTO_GIT_COMMIT), the date and the command that measured
     them."""
-    path = DIR / f"{device}.json"
+    path = _path(device)
     body = json.loads(path.read_text()) if path.exists() else {}
     body[name] = {"git_commit": os.environ.get("PROTO_GIT_COMMIT", "unknown"),
                   "date": datetime.datetime.now(datetime.timezone.utc).strftime(
@@ -122,7 +126,7 @@ def write_section(device: str, name: str, entries: list[dict], command: str) -> 
 def stamp(device: str) -> str:
     """Which table a measurement ran with, for its provenance: the file's name and the first
     12 hex digits of its SHA-256, or 'none'."""
-    path = DIR / f"{device}.json"
+    path = _path(device)
     if not path.exists():
         return "none"
     return f"{path.name}:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"

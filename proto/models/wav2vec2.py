@@ -58,7 +58,7 @@ class FlatParams:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], host: dict | None = None,
                  packed: tuple[tuple[str, ...], ...] = ()):
-        self.shapes = dict(shapes)
+        self.shapes, self.packed = dict(shapes), tuple(tuple(g) for g in packed)
         leads = {group[0]: group for group in packed}
         later = {name for group in packed for name in group[1:]}
         self.offsets, n = {}, 0
@@ -78,12 +78,10 @@ class FlatParams:
 
     def group(self, names) -> object:
         """The 1-D view over a packed group's tensors, in the group's order."""
-        lo = self.offsets[names[0]]
-        hi = lo + sum(math.prod(self.shapes[n]) for n in names)
-        if [self.offsets[n] for n in names] != list(
-                np.cumsum([lo] + [math.prod(self.shapes[n]) for n in names[:-1]])):
+        if tuple(names) not in self.packed:
             raise ValueError(f"names: {list(names)} are not a packed group of this buffer")
-        return self.flat[lo:hi]
+        lo = self.offsets[names[0]]
+        return self.flat[lo:lo + sum(math.prod(self.shapes[n]) for n in names)]
 
     def _flat(self, host: dict, n: int) -> np.ndarray:
         flat = np.zeros(max(n, 1), np.float32)
