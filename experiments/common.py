@@ -197,6 +197,13 @@ def free_memory() -> int | None:
     return backend.settled_free_memory()[0]
 
 
+def significant(x: float, digits: int = 4) -> float:
+    """`x` rounded to `digits` significant figures: a rate rounded to fixed decimals reads 0
+    where it is small (a copy on the simulator runs at a few MB/s), and a ratio taken of it
+    then divides by zero."""
+    return float(f"{x:.{digits}g}")
+
+
 def drop_mib(before: int | None, after: int | None) -> float | None:
     """MiB the free memory fell from `before` to `after` (None if either was not read)."""
     return None if before is None or after is None else round((before - after) / 2**20, 1)

@@ -721,7 +721,7 @@ def run(size: str = "toy") -> None:
                          "fraction_of_bound": fraction if fraction == "" else round(fraction, 4),
                          "max_abs_diff_vs_torch": diff if impl == "ours" else "",
                          "torch_tf32": common.torch_tf32() if impl == "torch" else "",
-                         "copy_GBps": round(copy_GBps, 1),
+                         "copy_GBps": common.significant(copy_GBps),
                          "fp32_peak_TFLOPs": round(peak, 2) if peak else "",
                          "fp32_spec_TFLOPs": round(spec, 2) if spec else "",
                          "reps": t.reps})
@@ -822,7 +822,7 @@ def plot():
     kernels = [k for k in dict.fromkeys(r["kernel"] for r in rows) if not k.endswith("_winograd")]
     panels = [(ks, label) for ks, label in (
         ([k for k in kernels if bound[k] == "memory"],
-         f"fraction of copy bandwidth ({float(rows[0]['copy_GBps']):.0f} GB/s)"),
+         f"fraction of copy bandwidth ({float(rows[0]['copy_GBps']):.3g} GB/s)"),
         ([k for k in kernels if bound[k] == "compute"], "fraction of FP32 peak")) if ks]
     series = [("ours (Numba)", "C0", lambda k: (k, "ours")),
               ("ours, Winograd", "C2", lambda k: (k + "_winograd", "ours")),

@@ -117,7 +117,7 @@ def _step_timings(label: str, position: int, alias, plain, masked, live, kernel_
     # of every layer) at the device-to-device copy rate measured here.
     weights, kv = alias.model.decode_read_bytes(alias.batch, position + 1)
     gbps = timing.copy_bandwidth_GBps(step["copy_bytes"])
-    row.update(weight_bytes=weights, kv_bytes=kv, copy_GBps=round(gbps, 1),
+    row.update(weight_bytes=weights, kv_bytes=kv, copy_GBps=common.significant(gbps),
                floor_us=round((weights + kv) / (gbps * 1e3), 2))
     return row
 
