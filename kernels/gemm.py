@@ -28,7 +28,10 @@ Two kernel families, chosen by `gemm` from the shapes:
   dev.ab.ab_lstm_tiles measures them on the GPU.
   Where this GPU's measured table (kernels.tuning, kernels/tuned/<gpu>.json) has an
   entry near an unbatched product, `tiled` launches that entry's tile, staging and split
-  instead, the 3xTF32 tensor-core tiles (Tiles(..., mma=True), kernels._tf32) among them.
+  instead, the 3xTF32 tensor-core tiles (Tiles(..., mma=True), kernels._tf32) among them;
+  an entry may also say `via_nt`: the operands are first transposed into scratch so that
+  the product reads both along K (NT), the layout whose tensor tiles ran at cuBLAS's time
+  where the others took 1.3-2x it (`_as_nt`; the transposes cost a copy of each operand).
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
   3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
   pure weight streaming, so the one goal is to keep every SM's share of the weight in
@@ -76,7 +79,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels import _check, _cpasync, _pdl, tuning
+from kernels import _check, _cpasync, _pdl, layout, tuning
 from kernels._tf32 import (first_place, k_major_place, k_run_stage, lane_stage, mma_tile,
                            split_staging, staged_stores)
 from kernels._tile import TILE_ALIGN, Stage, Tiles, grid_place, register_tile, stager
@@ -1247,14 +1250,31 @@ def tiled_launch_plan(batch: int, m_rows: int, n_cols: int, k_len: int,
     return (t, *tiled_plan(t, batch, m_rows, n_cols, k_len, target_blocks))
 
 
+def _as_nt(a, b, trans_a, trans_b, stream):
+    """(a, b, 0, 1) for op(a) @ op(b) as an NT product: op(a) as (B, M, K) and op(b).T as
+    (B, N, K), both contiguous along K, each transposed into scratch of this call where the
+    caller's layout is the other one (kernels.layout.transpose_last2: exact copies, so the
+    product's sums are those of the NT kernel on the same values)."""
+    if trans_a:   # a (B, K, M)
+        at = backend.empty((a.shape[0], a.shape[2], a.shape[1]), np.float32, "gemm.nt_a")
+        layout.transpose_last2(a, at, stream=stream)
+        a = at
+    if not trans_b:   # b (B, K, N)
+        bt = backend.empty((b.shape[0], b.shape[2], b.shape[1]), np.float32, "gemm.nt_b")
+        layout.transpose_last2(b, bt, stream=stream)
+        b = bt
+    return a, b, 0, 1
+
+
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
           target_blocks=None, keep=None, skinny=False, tile: Tiles | None = None,
-          stages: int = 0) -> None:
+          stages: int = 0, via_nt: bool = False) -> None:
     """The tiled kernel on validated 3-D arguments, K split where `tiled_launch_plan` says,
     the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernels;
     with `keep` (batch, splits, M, N) written there and left for the caller instead.
-    `tile`, `stages`: launch this tile shape and staging instead (`_make_tiled`), K split as
-    `tiled_plan` says for the tile (a bench comparing them; compiled on first use)."""
+    `tile`, `stages`, `via_nt`: launch this tile shape and staging instead (`_make_tiled`),
+    K split as `tiled_plan` says for the tile, the operands first transposed to NT where
+    `via_nt` (a bench comparing them; compiled on first use)."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
     for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
@@ -1264,8 +1284,10 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
         # (not where a caller holds the partials: it sized them by split_count)
         tuned = tuning.gemm_choice(trans_a, trans_b, m_rows, n_cols, k_len, TUNED)
         if tuned is not None:
-            tile, stages, whole = tuned
+            tile, stages, whole, via_nt = tuned
             target_blocks = 1 if whole else None
+    if via_nt:
+        a, b, trans_a, trans_b = _as_nt(a, b, trans_a, trans_b, stream)
     if tile is None:
         t, splits, span = tiled_launch_plan(batch, m_rows, n_cols, k_len, target_blocks, skinny)
     else:

@@ -1,9 +1,10 @@
 """Tile choices measured on one kind of GPU, shipped as data: which tile shape, staging and
-K split beat the library's default for the tiled GEMM's unbatched products, and which tile
-for a convolution layer's forward and backward-data.
+K split beat the library's default for the tiled GEMM's unbatched products (and whether the
+operands are first transposed so that the product reads both along K), and which tile for a
+convolution layer's forward and backward-data.
 
     table(device)        -> Table(gemm, conv): the entries of kernels/tuned/<device>.json
-    gemm_choice(trans_a, trans_b, m, n, k, entries) -> (Tiles, stages, whole) or None
+    gemm_choice(trans_a, trans_b, m, n, k, entries) -> GemmChoice or None
     conv_choice(op, c, k, r, s, stride, entries)    -> Tiles or None
     write_section(device, name, entries, command)   (the benches' --write)
     stamp(device)        -> the file and its SHA-256, for a measurement's provenance
@@ -43,8 +44,20 @@ NEAR = 1.0   # log2 of the widest ratio of a product's dimension to a GEMM entry
 CONV_OPS = ("fwd", "bwd_data")
 
 
+class GemmChoice(NamedTuple):
+    """How the tiled GEMM runs one product: the tile, its staging (0: through registers, n:
+    cp.async into n buffers), K whole (no split-K reduction) or split as `gemm.tiled_plan`
+    says, and `via_nt`: op(a) and op(b) first copied K-contiguous (transposes into scratch),
+    so the product runs as NT, the layout whose tensor tiles reach cuBLAS's float32 time
+    (an entry from before this field existed has it False)."""
+    tile: Tiles
+    stages: int
+    whole: bool
+    via_nt: bool = False
+
+
 class Table(NamedTuple):
-    gemm: tuple = ()   # ((trans_a, trans_b), (m, n, k), Tiles, stages, whole)
+    gemm: tuple = ()   # ((trans_a, trans_b), (m, n, k), GemmChoice)
     conv: tuple = ()   # ((op, c, k, r, s, stride), Tiles)
 
 
@@ -73,7 +86,8 @@ def _gemm_entry(e: dict, path: pathlib.Path) -> tuple:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages {stages}")
         return ((bool(e["trans_a"]), bool(e["trans_b"])),
-                (int(e["m"]), int(e["n"]), int(e["k"])), _tile(e), stages, bool(e["whole"]))
+                (int(e["m"]), int(e["n"]), int(e["k"])),
+                GemmChoice(_tile(e), stages, bool(e["whole"]), bool(e.get("via_nt", False))))
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed gemm entry {e!r} ({exc})") from None
 
@@ -89,14 +103,14 @@ def _conv_entry(e: dict, path: pathlib.Path) -> tuple:
 
 @functools.cache   # (gemm.tiled asks at every eager launch: each shape is looked up once)
 def gemm_choice(trans_a: bool, trans_b: bool, m: int, n: int, k: int, entries: tuple):
-    """(tile, stages, whole) of the nearest GEMM entry for this product, or None."""
+    """The GemmChoice of the nearest GEMM entry for this product, or None."""
     best, best_d = None, math.inf
-    for layout, dims, tile, stages, whole in entries:
+    for layout, dims, choice in entries:
         if layout != (bool(trans_a), bool(trans_b)):
             continue
         d = [abs(math.log2(x / y)) for x, y in zip((m, n, k), dims)]
         if max(d) <= NEAR and sum(d) < best_d:
-            best, best_d = (tile, stages, whole), sum(d)
+            best, best_d = choice, sum(d)
     return best
 
 
@@ -136,9 +150,10 @@ def describe(device: str) -> str:
     """The device's table as text: one line an entry."""
     t = table(device)
     lines = [f"{device}: {stamp(device)}, {len(t.gemm)} gemm and {len(t.conv)} conv entries"]
-    for (ta, tb), (m, n, k), tile, stages, whole in t.gemm:
+    for (ta, tb), (m, n, k), (tile, stages, whole, via_nt) in t.gemm:
         lines.append(f"  gemm {'T' if ta else 'N'}{'T' if tb else 'N'} {m} x {n} x {k}: "
-                     f"{tuple(tile)} stages {stages}, K {'whole' if whole else 'split'}")
+                     f"{tuple(tile)} stages {stages}, K {'whole' if whole else 'split'}"
+                     + (", via NT" if via_nt else ""))
     for (op, c, k, r, s, stride), tile in t.conv:
         lines.append(f"  conv {op} {c}->{k} {r}x{s} stride {stride}: {tuple(tile)}")
     return "\n".join(lines)

@@ -13,17 +13,18 @@ from tests.helpers import dev, rand
 from tests.test_gemm_tf32 import _derived_bound
 
 MMA = Tiles(16, 32, 8, 2, 4, True)
-ENTRIES = (((False, True), (960, 3072, 768), MMA, 0, False),
-           ((True, False), (768, 768, 960), G.TILE, 2, True),
-           ((False, True), (1592, 3072, 768), G.WIDE_TILE, 0, True))
+Choice = tuning.GemmChoice
+ENTRIES = (((False, True), (960, 3072, 768), Choice(MMA, 0, False)),
+           ((True, False), (768, 768, 960), Choice(G.TILE, 2, True, True)),
+           ((False, True), (1592, 3072, 768), Choice(G.WIDE_TILE, 0, True)))
 
 
 @pytest.mark.parametrize("product,want", [
-    ((False, True, 960, 3072, 768), (MMA, 0, False)),           # the entry itself
-    ((False, True, 1200, 3072, 768), (MMA, 0, False)),          # nearer 960 than 1592
-    ((False, True, 1400, 3072, 768), (G.WIDE_TILE, 0, True)),   # nearer 1592
-    ((False, True, 960, 2304, 768), (MMA, 0, False)),           # N within a factor of 2
-    ((True, False, 768, 768, 520), (G.TILE, 2, True)),          # K 960 / 520 < 2
+    ((False, True, 960, 3072, 768), (MMA, 0, False, False)),           # the entry itself
+    ((False, True, 1200, 3072, 768), (MMA, 0, False, False)),          # nearer 960 than 1592
+    ((False, True, 1400, 3072, 768), (G.WIDE_TILE, 0, True, False)),   # nearer 1592
+    ((False, True, 960, 2304, 768), (MMA, 0, False, False)),           # N within a factor of 2
+    ((True, False, 768, 768, 520), (G.TILE, 2, True, True)),           # K 960 / 520 < 2
     ((True, False, 768, 768, 400), None),                       # K 960 / 400 > 2
     ((False, False, 960, 3072, 768), None),                     # no entry of this layout
     ((False, True, 960, 768, 768), None),                       # N 3072 / 768 = 4
@@ -43,7 +44,10 @@ def test_a_malformed_entry_is_refused_naming_the_file(tmp_path, monkeypatch):
                 tile=[128, 128, 8, 8, 8, True], stages=0, whole=False)
     (tmp_path / "gpu-a.json").write_text(json.dumps({"gemm": {"entries": [good]}}))
     assert tuning.table("gpu-a").gemm == (((False, True), (960, 3072, 768),
-                                           Tiles(128, 128, 8, 8, 8, True), 0, False),)
+                                           (Tiles(128, 128, 8, 8, 8, True), 0, False, False)),)
+    (tmp_path / "gpu-g.json").write_text(json.dumps({"gemm": {"entries": [
+        {**good, "via_nt": True}]}}))
+    assert tuning.table("gpu-g").gemm[0][2].via_nt
     for bad in ({k: v for k, v in good.items() if k != "stages"}, {**good, "stages": 1},
                 {**good, "tile": [128, 128]}):
         (tmp_path / "gpu-b.json").write_text(json.dumps({"gemm": {"entries": [bad]}}))
@@ -62,7 +66,7 @@ def test_gemm_launches_the_tuned_tile_and_still_matches_reference(monkeypatch, w
     real = G.tiled_kernel
     monkeypatch.setattr(G, "tiled_kernel", lambda *a: (launched.append(a), real(*a))[1])
     m, n, k = 40, 24, 64
-    monkeypatch.setattr(G, "TUNED", (((False, True), (m, n, k), MMA, 0, whole),))
+    monkeypatch.setattr(G, "TUNED", (((False, True), (m, n, k), Choice(MMA, 0, whole)),))
     rng = np.random.default_rng(0)
     a, b = rand(rng, m, k), rand(rng, n, k)
     out = dev(np.zeros((m, n), np.float32))
@@ -75,6 +79,37 @@ def test_gemm_launches_the_tuned_tile_and_still_matches_reference(monkeypatch, w
     G.gemm(dev(a[None].repeat(2, 0)), dev(b[None].repeat(2, 0)),
            dev(np.zeros((2, m, n), np.float32)), trans_b=True)
     assert [t[2] for t in launched] == [G.tiled_launch_plan(2, m, n, k)[0]]
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(True, False), (False, False), (True, True)])
+def test_a_via_nt_entry_transposes_the_operands_and_runs_the_nt_tile(monkeypatch, trans_a,
+                                                                      trans_b):
+    """An entry with via_nt: the operand(s) not contiguous along K are transposed first (one
+    transpose launch each), the product runs on the NT kernel of the entry's tile, and the
+    result is the reference's within the tile's derived bound, bias and accumulate
+    included."""
+    from kernels import layout
+    launched = []
+    real_tiled, real_launch = G.tiled_kernel, G.launch
+    monkeypatch.setattr(G, "tiled_kernel", lambda *a: (launched.append(a), real_tiled(*a))[1])
+    transposes = []
+    monkeypatch.setattr(layout, "launch",
+                        lambda k, *a: (transposes.append(k), real_launch(k, *a))[1])
+    m, n, k = 40, 24, 64
+    monkeypatch.setattr(G, "TUNED", (((trans_a, trans_b), (m, n, k),
+                                      Choice(MMA, 0, False, True)),))
+    rng = np.random.default_rng(2)
+    a, b, bias, old = rand(rng, m, k), rand(rng, n, k), rand(rng, n), rand(rng, m, n)
+    out = dev(old)
+    G.gemm(dev(np.ascontiguousarray(a.T) if trans_a else a),
+           dev(b if trans_b else np.ascontiguousarray(b.T)), out, bias=dev(bias),
+           trans_a=trans_a, trans_b=trans_b, accumulate=True)
+    assert launched == [(False, True, MMA, 0)]
+    assert transposes == [layout.transpose_kernel] * (int(trans_a) + int(not trans_b))
+    splits = G.tiled_plan(MMA, 1, m, n, k)[0]
+    want = old.astype(np.float64) + a.astype(np.float64) @ b.T + bias
+    sizes = np.abs(old) + np.abs(a) @ np.abs(b).T + np.abs(bias)
+    assert np.all(np.abs(out.copy_to_host() - want) <= _derived_bound(k, splits, None)(sizes))
 
 
 
@@ -165,12 +200,39 @@ def test_the_table_prints_one_line_an_entry(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "DIR", tmp_path)
     tuning.table.cache_clear()
     gemm = dict(trans_a=True, trans_b=False, m=768, n=3072, k=960,
-                tile=[128, 128, 8, 8, 8, True], stages=0, whole=True)
+                tile=[128, 128, 8, 8, 8, True], stages=0, whole=True, via_nt=True)
     layer = dict(op="bwd_data", c=512, k=512, r=1, s=3, stride=2, tile=[128, 64, 8, 8, 4, True])
     (tmp_path / "gpu-f.json").write_text(json.dumps({"gemm": {"entries": [gemm]},
                                                      "conv": {"entries": [layer]}}))
     text = tuning.describe("gpu-f").splitlines()
     assert text[0].startswith("gpu-f: gpu-f.json:") and "1 gemm and 1 conv" in text[0]
-    assert text[1] == "  gemm TN 768 x 3072 x 960: (128, 128, 8, 8, 8, True) stages 0, K whole"
+    assert text[1] == ("  gemm TN 768 x 3072 x 960: (128, 128, 8, 8, 8, True) stages 0, K whole,"
+                       " via NT")
     assert text[2] == "  conv bwd_data 512->512 1x3 stride 2: (128, 64, 8, 8, 4, True)"
     tuning.table.cache_clear()
+
+
+def test_a_via_nt_product_in_a_graph_replays_the_eager_bits(monkeypatch):
+    """The transposes' scratch is kernel scratch of the call (backend.empty): inside a
+    recorded graph the planner places it, and a replay on new inputs gives the bits an eager
+    call gives on them (a weight gradient's layout, TN)."""
+    from proto import graph
+    m, n, k = 40, 24, 64
+    monkeypatch.setattr(G, "TUNED", (((True, False), (m, n, k), Choice(MMA, 0, False, True)),))
+    rng = np.random.default_rng(3)
+    out = dev(np.zeros((m, n), np.float32))
+
+    def step(a, b):
+        G.gemm(a, b, out, trans_a=True)
+        return out
+
+    with graph.capture(step, {"a": dev(rand(rng, k, m)), "b": dev(rand(rng, k, n))},
+                       binding="alias") as g:
+        a, b = rand(rng, k, m), rand(rng, k, n)
+        g.placeholders["a"].copy_to_device(a)
+        g.placeholders["b"].copy_to_device(b)
+        got = g.replay(**g.placeholders).copy_to_host()
+    want = dev(np.zeros((m, n), np.float32))
+    G.gemm(dev(a), dev(b), want, trans_a=True)
+    np.testing.assert_array_equal(got, want.copy_to_host())
+    assert np.any(got != 0)

@@ -15,7 +15,9 @@ tile's 8 x 8) and `tiled_plan` splits K in two, a reduction launch each.
 
 Per shape (a transformer layer's Linear forward, backward-data and backward-weight, as
 kernels.linear calls them) and frame count: the library's choice, then every tile and
-staging in VARIANTS whole (no K split) and split as `tiled_plan` splits it, each checked against float64 first
+staging in VARIANTS whole (no K split) and split as `tiled_plan` splits it, and for the
+products not already NT the tiles of VIA_NT run on operands first transposed to NT (the
+transposes timed with the product), each checked against float64 first
 (the float32 bound of a sum of K products: K * 2^-24 of sum |a||b|, twice for the splits'
 sum), timed in a CUDA graph (median of 7 samples of 5 replays, p10 and p90), beside
 torch.matmul in float32 with TF32 off on the same operands. TFLOP/s and the time over
@@ -58,6 +60,13 @@ VARIANTS = [(G.TILE, 0), (G.WIDE_TILE, 0), (Tiles(64, 64, 8, 8, 8), 0),
             (Tiles(128, 64, 16, 8, 4, True), 3), (Tiles(64, 128, 16, 4, 8, True), 3),
             (Tiles(64, 64, 16, 4, 4, True), 0), (Tiles(64, 64, 16, 4, 4, True), 3)]
 
+
+# The NT tensor tiles that ran at cuBLAS's time on NT products (H100, c1693fa: fc1 forward
+# 129.3 us against 129.5) while the same tiles took 1.3-2x it on NN and TN: tried on the
+# other layouts too, their operands first transposed into K-contiguous scratch
+# (gemm._as_nt, `via_nt`), which costs a copy of each operand
+VIA_NT = [(Tiles(128, 64, 16, 8, 4, True), 0), (Tiles(64, 128, 8, 4, 8, True), 0),
+          (Tiles(128, 128, 8, 8, 8, True), 0), (Tiles(64, 64, 16, 4, 4, True), 0)]
 
 MARGIN = 0.03   # --write: a variant replaces the default on a shape only if this much faster
 
@@ -117,15 +126,20 @@ def main() -> None:
             print(f"\n{name:16s} M={M} N={N} K={K}  cuBLAS {us:8.1f} us "
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
             default = G.tiled_launch_plan(1, M, N, K)   # (the untuned choice)
-            variants = [("default", default[0], 0, 1 if default[0] == G.WIDE_TILE else None)] + [
+            whole = 1 if default[0] == G.WIDE_TILE else None
+            variants = [("default", default[0], 0, whole, False)] + [
                 (f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}", t, stages,
-                 target) for t, stages in VARIANTS for target in (1, None)
+                 target, False) for t, stages in VARIANTS for target in (1, None)
                 if t.mma or not only_mma or (stages == 0 and t in (G.TILE, G.WIDE_TILE))]
-            for label, t, stages, target in variants:
+            if ta or not tb:
+                variants += [(f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}"
+                              " via NT", t, stages, target, True)
+                             for t, stages in VIA_NT for target in (1, None)]
+            for label, t, stages, target, via_nt in variants:
                 try:
-                    def call(s, t=t, stages=stages, target=target):
+                    def call(s, t=t, stages=stages, target=target, via_nt=via_nt):
                         G.tiled(a3, b3, out3, bias, 0, 0, 0, int(ta), int(tb), s,
-                                target_blocks=target, tile=t, stages=stages)
+                                target_blocks=target, tile=t, stages=stages, via_nt=via_nt)
                     call(0)
                     splits = G.tiled_plan(t, 1, M, N, K, target)[0]
                     err = error_over_bound(out.copy_to_host(), a, b, ta, tb, splits, mma=t.mma)
@@ -139,8 +153,9 @@ def main() -> None:
                     label = f"default {tuple(default[0])} x{default[1]}"
                 rows.append(dict(frames=frames, shape=name, variant=label, us=us,
                                  over_cublas=us / cublas, m=M, n=N, k=K, trans_a=ta,
-                                 trans_b=tb, tile=t, stages=stages, whole=target == 1))
-                print(f"  {label:40s} splits {splits:2d} {us:8.1f} us [{spread[0]:.1f}, "
+                                 trans_b=tb, tile=t, stages=stages, whole=target == 1,
+                                 via_nt=via_nt))
+                print(f"  {label:47s} splits {splits:2d} {us:8.1f} us [{spread[0]:.1f}, "
                       f"{spread[1]:.1f}] {flops / us / 1e6:6.1f} TFLOP/s  "
                       f"{us / cublas:5.2f}x cuBLAS", flush=True)
     print("\n==== per frame count: the summed time of every shape, by variant, over cuBLAS's ====")
@@ -179,7 +194,8 @@ def tuned_entries(rows: list[dict]) -> list[dict]:
             entries.append(dict(shape=best["shape"], trans_a=best["trans_a"],
                                 trans_b=best["trans_b"], m=best["m"], n=best["n"],
                                 k=best["k"], tile=list(best["tile"]), stages=best["stages"],
-                                whole=best["whole"], us=round(best["us"], 1),
+                                whole=best["whole"], via_nt=best["via_nt"],
+                                us=round(best["us"], 1),
                                 default_us=round(default[0]["us"], 1)))
     return entries
 
