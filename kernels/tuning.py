@@ -14,8 +14,8 @@ convolution layer's forward and backward-data.
 Why: no one rule picks the fastest tile over shapes and GPUs (on the H100 the 3xTF32
 tensor tile ran a Wav2Vec2 layer's weight gradients 26% faster than the SIMT default and
 its attention projections 18% slower), so, as vLLM does for its fused kernels, the choices
-are measured per device and shipped as data: `python3 -m dev.bench.bench_train_gemm 65 120
-199 --mma --write` (section "gemm") and `python3 -m dev.bench.bench_conv1d --write`
+are measured per device and shipped as data: `python3 -m dev.bench.bench_train_gemm 120 199
+65 --mma --write` (section "gemm") and `python3 -m dev.bench.bench_conv1d --write`
 ("conv") time the candidates on Wav2Vec2's products and layers and write those that beat
 the default by more than 3%, each having passed its check against float64 or the SIMT
 kernels.
