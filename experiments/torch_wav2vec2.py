@@ -171,13 +171,29 @@ def frame_mask(config: Wav2Vec2Config, batch, device="cuda"):
     return torch.from_numpy((np.arange(T)[None] < batch.frames[:, None]).astype(np.float32)).to(device)
 
 
-def ctc(config: Wav2Vec2Config, logits, batch):
-    """transformers' CTC loss on the logits (float32 log-softmax, blank = pad token)."""
-    log_probs = F.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+def ctc(config: Wav2Vec2Config, logits, batch, dtype=torch.float32):
+    """transformers' CTC loss on the logits (log-softmax in `dtype`, transformers' float32;
+    blank = pad token)."""
+    log_probs = F.log_softmax(logits, dim=-1, dtype=dtype).transpose(0, 1)
     labels = torch.from_numpy(batch.labels.astype(np.int64)).to(logits.device)
     return F.ctc_loss(log_probs, labels, batch.frames.tolist(), batch.label_lengths.tolist(),
                       blank=config.blank, reduction=config.ctc_reduction,
                       zero_infinity=config.zero_infinity)
+
+
+def exact_model(config: Wav2Vec2Config, state_dict: dict, device="cuda") -> TorchWav2Vec2:
+    """transformers' modules in float64 (the capturable rewrite, equal to its logits): the
+    exact loss that float32 losses are measured against (`exact_loss`)."""
+    return TorchWav2Vec2(hf_model(config, state_dict, device)).double()
+
+
+def exact_loss(net64: TorchWav2Vec2, config: Wav2Vec2Config, batch, device="cuda") -> float:
+    """The loss of `batch` in float64 throughout, the CTC loss too (transformers' own loss
+    takes its log-softmax in float32 whatever the model's dtype), no gradient."""
+    x = torch.from_numpy(batch.waveform).to(device, torch.float64)
+    with torch.no_grad():
+        logits = net64(x, frame_mask(config, batch, device).double())
+        return ctc(config, logits, batch, dtype=torch.float64).item()
 
 
 class PtGraphTrainer:

@@ -37,3 +37,26 @@ def test_transformers_trainer_starts_from_our_loss():
     ours = w2v.Wav2Vec2ForCTC(CFG, state).train_step(*_device(b), update=False).copy_to_host()[0]
     theirs = tw.HFTrainer(CFG, state, device="cpu").step(b)
     assert abs(ours - theirs) <= 1e-5 * abs(theirs)
+
+
+def test_the_exact_loss_is_the_float64_ctc_of_the_float64_logits():
+    """exact_loss: the network in float64 and the CTC loss in float64 too (transformers'
+    own loss rounds its log-probabilities to float32 whatever the model's dtype, so it is
+    within float32's rounding of the exact one, not equal): the float64 CTC restated from its
+    definition (kernels.ctc.ctc_loss_ref) on the float64 logits gives the same loss."""
+    from kernels.ctc import ctc_loss_ref
+    state = w2v.random_state_dict(CFG, seed=15)
+    b = _batch(CFG, seed=16)
+    net64 = tw.exact_model(CFG, state, device="cpu")
+    exact = tw.exact_loss(net64, CFG, b, device="cpu")
+    x = torch.from_numpy(b.waveform).double()
+    with torch.no_grad():
+        logits = net64(x, tw.frame_mask(CFG, b, device="cpu").double()).numpy()
+    want = ctc_loss_ref(logits, b.frames, b.labels, b.label_lengths, blank=CFG.blank,
+                        reduction=CFG.ctc_reduction, zero_infinity=CFG.zero_infinity)[1]
+    assert abs(exact - want) <= 1e-12 * abs(want)
+    inputs = tw.hf_inputs(CFG, b, device="cpu")
+    inputs["input_values"] = inputs["input_values"].double()
+    with torch.no_grad():
+        theirs = tw.hf_model(CFG, state, device="cpu").double()(**inputs).loss.item()
+    assert abs(theirs - exact) <= 1e-6 * abs(exact)
