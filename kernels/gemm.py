@@ -31,7 +31,10 @@ Two kernel families, chosen by `gemm` from the shapes:
   instead, the 3xTF32 tensor-core tiles (Tiles(..., mma=True), kernels._tf32) among them;
   an entry may also say `via_nt`: the operands are first transposed into scratch so that
   the product reads both along K (NT), the layout whose tensor tiles ran at cuBLAS's time
-  where the others took 1.3-2x it (`_as_nt`; the transposes cost a copy of each operand).
+  where the others took 1.3-2x it (`_as_nt`; the transposes cost a copy of each operand);
+  or `fold`: a K-split launch whose last block per tile sums the splits' partials (in
+  split order: the reduction launch's bits) and applies the epilogue, saving that launch
+  (Wav2Vec2's step at 120 frames ran about 170 reductions, 1.5 ms).
 - decode kernels, for M <= 8 rows (GPT-2 beam search: 5 beams against 768 x {768, 2304,
   3072}, 3072 x 768 and the tied 50257 x 768 output head). At most 8 FLOP per weight read:
   pure weight streaming, so the one goal is to keep every SM's share of the weight in
@@ -80,6 +83,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl, layout, tuning
+from kernels._lastblock import count_in, launch_counters
 from kernels._tf32 import (first_place, k_major_place, k_run_stage, lane_stage, mma_tile,
                            split_staging, staged_stores)
 from kernels._tile import TILE_ALIGN, Stage, Tiles, grid_place, register_tile, stager
@@ -260,7 +264,7 @@ _ARGS = ("float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], float32[::1], "
          "int32, int32, int32")
 # the tiled kernel: a and b flattened (uint32 offsets), out, bias, has_bias, act, accumulate
 _TILED_ARGS = ("float32[::1], float32[::1], float32[:,:,::1], float32[::1], int32, int32, int32, "
-               "float32[:,:,:,::1], int32, int32, int32")
+               "float32[:,:,:,::1], int32, int32, int32, int32[::1]")
 # a, b, out, bias, part, has_bias, act, accumulate, trans_a, direct, span: a, b, out and bias
 # in the storage dtype {t}, the split-K partials in float32
 _DECODE_ARGS = ("{t}[:,:,::1], {t}[:,:,::1], {t}[:,:,::1], {t}[::1], "
@@ -286,10 +290,16 @@ def _async_stager(count: int, DR: int, DK: int, stride: int):
     return issue
 
 
-def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
+def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0, fold: bool = False):
     """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
     per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
-    accumulate, part, direct, span; a 1-D block of t.threads.
+    accumulate, part, direct, span, k_total (and `counters` where `fold`); a 1-D block of
+    t.threads.
+
+    `fold`: a K-split launch sums its own partials: each block writes its split's partial
+    tile, counts itself in on its tile's counter (kernels._lastblock), and the tile's last
+    block adds the splits in split order and applies the epilogue, as
+    gemm_splitk_reduce_kernels would in a launch of its own (same order: the same bits).
 
     `stages` 0: each K step's operands pass through registers, double-buffered in shared
     memory (the next step's loads issued before this step's multiply-adds). `stages` >= 2:
@@ -309,6 +319,7 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
         raise ValueError(f"{t}: the tiled GEMM stages whole tiles: {NT} threads must divide them")
     A_PER, B_PER = TBM * TBK // NT, TBN * TBK // NT   # staged elements per thread
     BUFFERS = max(stages, 2)
+    FOLD = bool(fold)
     a_place, A_DR, A_DK = stager(not trans_a, TBM, TBK, NT)  # a (M, K): contiguous along k
     b_place, B_DR, B_DK = stager(trans_b, TBN, TBK, NT)      # b (N, K) too; b (K, N) along n
     a_stage, b_stage = Stage.of(a_place, A_PER, A_DR, A_DK), Stage.of(b_place, B_PER, B_DR, B_DK)
@@ -357,9 +368,10 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
     # Launch bounds (threads, blocks per SM) cap registers so that two wide blocks (64
     # accumulators a thread) or three of the others fit on an SM.
     MIN_BLOCKS = 2 if TM * TN >= 64 else 3
-    @jit(f"void({_TILED_ARGS})", writes=("out", "part"), launch_bounds=(NT, MIN_BLOCKS))
+    @jit(f"void({_TILED_ARGS})", writes=("out", "part", "counters") if FOLD else ("out", "part"),
+         launch_bounds=(NT, MIN_BLOCKS))
     def gemm_tiled_kernel(a, b, out, bias, has_bias, act, accumulate, part, direct, span,
-                          k_total):
+                          k_total, counters):
         """Grid (N tiles, M tiles, batch x K splits). a and b are the operands flattened
         (op(a) is M x k_total, op(b) k_total x N, each batch after the last). Block
         (x, y, bz * S + s) multiplies K rows [s * span, (s + 1) * span) of its tile: with
@@ -465,6 +477,20 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
                         _finish(acc[i, j], out, bz, m, n, bias, has_bias, act, accumulate)
                     else:
                         part[bz, _u(split), m, n] = acc[i, j]
+        if FOLD and not direct:
+            flag = cuda.shared.array(1, np.int32)
+            tile = (bz * _u(cuda.gridDim.y) + _u(cuda.blockIdx.y)) * _u(cuda.gridDim.x) \
+                + _u(cuda.blockIdx.x)
+            if count_in(counters, tile, splits, flag):
+                for i in range(TM):
+                    m = m0 + row(tx, i)
+                    for j in range(TN):
+                        n = n0 + col(ty, j)
+                        if m < m_rows and n < n_cols:
+                            v = _ZERO
+                            for s in range(splits):   # (through L2: other SMs wrote them)
+                                v += backend.ldcg(part, (_u(bz), _u(s), _u(m), _u(n)))
+                            _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
 
     return gemm_tiled_kernel
 
@@ -475,20 +501,32 @@ TUNED = () if backend.SIMULATOR or backend.PTX_ONLY else tuning.table(backend.de
 
 
 @functools.cache
-def tiled_kernel(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0):
-    """The tiled kernel of a layout, tile shape and staging (`_make_tiled`): TILED_KERNELS'
-    (compiled at import) or, for another, compiled on first use."""
-    if not stages and (trans_a, trans_b, t) in TILED_KERNELS:
+def tiled_kernel(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0, fold: bool = False):
+    """The tiled kernel of a layout, tile shape, staging and split-K summing (`_make_tiled`):
+    TILED_KERNELS' (compiled at import) or, for another, compiled on first use."""
+    if not stages and not fold and (trans_a, trans_b, t) in TILED_KERNELS:
         return TILED_KERNELS[(trans_a, trans_b, t)]
-    return _make_tiled(trans_a, trans_b, t, stages)
+    return _make_tiled(trans_a, trans_b, t, stages, fold)
+
+
+# The counters argument of a tiled kernel that does not sum its own splits (never touched;
+# its own array, so that no graph sees such a launch read the folding launches' counters)
+_NO_COUNTERS = [] if backend.PTX_ONLY else [backend.persistent_zeros(1, np.int32)]
+
+
+def tuned_kernels(entries) -> list[tuple]:
+    """The tiled_kernel arguments a table's entries launch: the entry's layout, or NT where
+    it transposes its operands first (`via_nt`)."""
+    return list(dict.fromkeys(((False, True) if c.via_nt else layout) + (c.tile, c.stages, c.fold)
+                              for layout, _, c in entries))
 
 
 # One kernel per layout of a and b and tile shape: (trans_a, trans_b, tile) -> kernel
 TILED_KERNELS = {(ta, tb, t): _make_tiled(ta, tb, t)
                  for t in (TILE, WIDE_TILE, *SKINNY) for ta in (False, True)
                  for tb in (False, True)}
-for (_ta, _tb), _, _t, _stages, _ in TUNED:
-    tiled_kernel(_ta, _tb, _t, _stages)
+for _args in tuned_kernels(TUNED):
+    tiled_kernel(*_args)
 
 
 class Decode(NamedTuple):
@@ -1268,13 +1306,14 @@ def _as_nt(a, b, trans_a, trans_b, stream):
 
 def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
           target_blocks=None, keep=None, skinny=False, tile: Tiles | None = None,
-          stages: int = 0, via_nt: bool = False) -> None:
+          stages: int = 0, via_nt: bool = False, fold: bool = False) -> None:
     """The tiled kernel on validated 3-D arguments, K split where `tiled_launch_plan` says,
     the partials then summed in split order (deterministic) by gemm_splitk_reduce_kernels;
     with `keep` (batch, splits, M, N) written there and left for the caller instead.
-    `tile`, `stages`, `via_nt`: launch this tile shape and staging instead (`_make_tiled`),
-    K split as `tiled_plan` says for the tile, the operands first transposed to NT where
-    `via_nt` (a bench comparing them; compiled on first use)."""
+    `tile`, `stages`, `via_nt`, `fold`: launch this tile shape and staging instead
+    (`_make_tiled`), K split as `tiled_plan` says for the tile, the operands first
+    transposed to NT where `via_nt`, the partials summed by the GEMM's own last block per
+    tile where `fold` (a bench comparing them; compiled on first use)."""
     batch, m_rows, n_cols = out.shape
     k_len = a.shape[1] if trans_a else a.shape[2]
     for name, x in (("a", a), ("b", b)):   # the kernel addresses them with uint32 offsets
@@ -1284,7 +1323,7 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
         # (not where a caller holds the partials: it sized them by split_count)
         tuned = tuning.gemm_choice(trans_a, trans_b, m_rows, n_cols, k_len, TUNED)
         if tuned is not None:
-            tile, stages, whole, via_nt = tuned
+            tile, stages, whole, via_nt, fold = tuned
             target_blocks = 1 if whole else None
     if via_nt:
         a, b, trans_a, trans_b = _as_nt(a, b, trans_a, trans_b, stream)
@@ -1293,13 +1332,15 @@ def tiled(a, b, out, bias, has_bias, act, accumulate, trans_a, trans_b, stream,
     else:
         t, (splits, span) = tile, tiled_plan(tile, batch, m_rows, n_cols, k_len, target_blocks)
     direct = splits == 1 and keep is None
+    fold = fold and not direct and keep is None
     part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
     grid = (-(-n_cols // t.bn), -(-m_rows // t.bm), batch * splits)
-    launch(tiled_kernel(bool(trans_a), bool(trans_b), t, stages), grid, t.threads,
+    counters = launch_counters(grid[0] * grid[1] * batch) if fold else _NO_COUNTERS[0]
+    launch(tiled_kernel(bool(trans_a), bool(trans_b), t, stages, fold), grid, t.threads,
            (backend.reshaped(a, (a.size,)), backend.reshaped(b, (b.size,)), out, bias,
-            has_bias, act, accumulate, part, int(direct), np.int32(span), np.int32(k_len)),
-           stream)
-    if not direct and keep is None:
+            has_bias, act, accumulate, part, int(direct), np.int32(span), np.int32(k_len),
+            counters), stream)
+    if not direct and keep is None and not fold:
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
 
 

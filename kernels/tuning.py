@@ -47,13 +47,15 @@ CONV_OPS = ("fwd", "bwd_data")
 class GemmChoice(NamedTuple):
     """How the tiled GEMM runs one product: the tile, its staging (0: through registers, n:
     cp.async into n buffers), K whole (no split-K reduction) or split as `gemm.tiled_plan`
-    says, and `via_nt`: op(a) and op(b) first copied K-contiguous (transposes into scratch),
-    so the product runs as NT, the layout whose tensor tiles reach cuBLAS's float32 time
-    (an entry from before this field existed has it False)."""
+    says, `via_nt`: op(a) and op(b) first copied K-contiguous (transposes into scratch),
+    so the product runs as NT, the layout whose tensor tiles reach cuBLAS's float32 time,
+    and `fold`: a split K's partials summed by the GEMM's own last block per tile instead of
+    a reduction launch (an entry from before these fields existed has them False)."""
     tile: Tiles
     stages: int
     whole: bool
     via_nt: bool = False
+    fold: bool = False
 
 
 class Table(NamedTuple):
@@ -87,7 +89,8 @@ def _gemm_entry(e: dict, path: pathlib.Path) -> tuple:
             raise ValueError(f"stages {stages}")
         return ((bool(e["trans_a"]), bool(e["trans_b"])),
                 (int(e["m"]), int(e["n"]), int(e["k"])),
-                GemmChoice(_tile(e), stages, bool(e["whole"]), bool(e.get("via_nt", False))))
+                GemmChoice(_tile(e), stages, bool(e["whole"]), bool(e.get("via_nt", False)),
+                           bool(e.get("fold", False))))
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed gemm entry {e!r} ({exc})") from None
 
@@ -150,9 +153,10 @@ def describe(device: str) -> str:
     """The device's table as text: one line an entry."""
     t = table(device)
     lines = [f"{device}: {stamp(device)}, {len(t.gemm)} gemm and {len(t.conv)} conv entries"]
-    for (ta, tb), (m, n, k), (tile, stages, whole, via_nt) in t.gemm:
+    for (ta, tb), (m, n, k), (tile, stages, whole, via_nt, fold) in t.gemm:
         lines.append(f"  gemm {'T' if ta else 'N'}{'T' if tb else 'N'} {m} x {n} x {k}: "
                      f"{tuple(tile)} stages {stages}, K {'whole' if whole else 'split'}"
+                     + (", summed in the GEMM" if fold and not whole else "")
                      + (", via NT" if via_nt else ""))
     for (op, c, k, r, s, stride), tile in t.conv:
         lines.append(f"  conv {op} {c}->{k} {r}x{s} stride {stride}: {tuple(tile)}")

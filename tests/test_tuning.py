@@ -20,11 +20,11 @@ ENTRIES = (((False, True), (960, 3072, 768), Choice(MMA, 0, False)),
 
 
 @pytest.mark.parametrize("product,want", [
-    ((False, True, 960, 3072, 768), (MMA, 0, False, False)),           # the entry itself
-    ((False, True, 1200, 3072, 768), (MMA, 0, False, False)),          # nearer 960 than 1592
-    ((False, True, 1400, 3072, 768), (G.WIDE_TILE, 0, True, False)),   # nearer 1592
-    ((False, True, 960, 2304, 768), (MMA, 0, False, False)),           # N within a factor of 2
-    ((True, False, 768, 768, 520), (G.TILE, 2, True, True)),           # K 960 / 520 < 2
+    ((False, True, 960, 3072, 768), Choice(MMA, 0, False)),           # the entry itself
+    ((False, True, 1200, 3072, 768), Choice(MMA, 0, False)),          # nearer 960 than 1592
+    ((False, True, 1400, 3072, 768), Choice(G.WIDE_TILE, 0, True)),  # nearer 1592
+    ((False, True, 960, 2304, 768), Choice(MMA, 0, False)),           # N within a factor of 2
+    ((True, False, 768, 768, 520), Choice(G.TILE, 2, True, True)),    # K 960 / 520 < 2
     ((True, False, 768, 768, 400), None),                       # K 960 / 400 > 2
     ((False, False, 960, 3072, 768), None),                     # no entry of this layout
     ((False, True, 960, 768, 768), None),                       # N 3072 / 768 = 4
@@ -44,10 +44,10 @@ def test_a_malformed_entry_is_refused_naming_the_file(tmp_path, monkeypatch):
                 tile=[128, 128, 8, 8, 8, True], stages=0, whole=False)
     (tmp_path / "gpu-a.json").write_text(json.dumps({"gemm": {"entries": [good]}}))
     assert tuning.table("gpu-a").gemm == (((False, True), (960, 3072, 768),
-                                           (Tiles(128, 128, 8, 8, 8, True), 0, False, False)),)
+                                           Choice(Tiles(128, 128, 8, 8, 8, True), 0, False)),)
     (tmp_path / "gpu-g.json").write_text(json.dumps({"gemm": {"entries": [
-        {**good, "via_nt": True}]}}))
-    assert tuning.table("gpu-g").gemm[0][2].via_nt
+        {**good, "via_nt": True, "fold": True}]}}))
+    assert tuning.table("gpu-g").gemm[0][2][3:] == (True, True)   # (via_nt, fold)
     for bad in ({k: v for k, v in good.items() if k != "stages"}, {**good, "stages": 1},
                 {**good, "tile": [128, 128]}):
         (tmp_path / "gpu-b.json").write_text(json.dumps({"gemm": {"entries": [bad]}}))
@@ -71,7 +71,7 @@ def test_gemm_launches_the_tuned_tile_and_still_matches_reference(monkeypatch, w
     a, b = rand(rng, m, k), rand(rng, n, k)
     out = dev(np.zeros((m, n), np.float32))
     G.gemm(dev(a), dev(b), out, trans_b=True)
-    assert launched == [(False, True, MMA, 0)]
+    assert launched == [(False, True, MMA, 0, False)]
     splits = G.tiled_plan(MMA, 1, m, n, k, 1 if whole else None)[0]
     err = np.abs(out.copy_to_host() - a.astype(np.float64) @ b.T)
     assert np.all(err <= _derived_bound(k, splits, None)(np.abs(a) @ np.abs(b).T))
@@ -104,7 +104,7 @@ def test_a_via_nt_entry_transposes_the_operands_and_runs_the_nt_tile(monkeypatch
     G.gemm(dev(np.ascontiguousarray(a.T) if trans_a else a),
            dev(b if trans_b else np.ascontiguousarray(b.T)), out, bias=dev(bias),
            trans_a=trans_a, trans_b=trans_b, accumulate=True)
-    assert launched == [(False, True, MMA, 0)]
+    assert launched == [(False, True, MMA, 0, False)]
     assert transposes == [layout.transpose_kernel] * (int(trans_a) + int(not trans_b))
     splits = G.tiled_plan(MMA, 1, m, n, k)[0]
     want = old.astype(np.float64) + a.astype(np.float64) @ b.T + bias
@@ -236,3 +236,77 @@ def test_a_via_nt_product_in_a_graph_replays_the_eager_bits(monkeypatch):
     G.gemm(dev(a), dev(b), want, trans_a=True)
     np.testing.assert_array_equal(got, want.copy_to_host())
     assert np.any(got != 0)
+
+
+@pytest.mark.parametrize("tile,accumulate", [(MMA, True), (G.TILE, False)])
+def test_a_folded_split_gives_the_reductions_bits_in_one_launch(monkeypatch, tile, accumulate):
+    """fold: the K-split launch's last block per tile sums the partials in split order and
+    applies the epilogue, as gemm_splitk_reduce_kernels does in a launch of its own: the
+    same bits, no reduction launch, and every tile's counter back at zero after."""
+    from kernels import _lastblock
+    m, n, k = 2 * tile.bm - 3, tile.bn + 5, 128   # (four tiles, two of them partial)
+    target = 16   # (blocks: four splits a tile)
+    rng = np.random.default_rng(4)
+    a, b, bias, old = rand(rng, m, k), rand(rng, n, k), rand(rng, n), rand(rng, m, n)
+    assert G.tiled_plan(tile, 1, m, n, k, target)[0] == 4
+    reductions = []
+    real = G.launch
+    monkeypatch.setattr(G, "launch", lambda kern, *a: (reductions.append(kern)
+                                                      if kern is G.gemm_splitk_reduce_kernels[
+                                                          np.dtype(np.float32)] else None,
+                                                      real(kern, *a))[1])
+    got = {}
+    for fold in (False, True):
+        out = dev(old[None])
+        db = dev(b[None])
+        G.tiled(dev(a[None]), db, out, dev(bias), 1, 1, int(accumulate), 0, 1, 0,
+                target_blocks=target, tile=tile, fold=fold)
+        got[fold] = out.copy_to_host()
+    assert len(reductions) == 1   # the unfolded launch's only
+    np.testing.assert_array_equal(got[True], got[False])
+    want = (old if accumulate else 0) + a.astype(np.float64) @ b.T + bias
+    assert np.all(np.isfinite(got[True])) and np.any(got[True] != old)
+    sizes = (np.abs(old) if accumulate else 0) + np.abs(a) @ np.abs(b).T + np.abs(bias)
+    assert np.all(np.abs(got[True][0] - G.gelu_ref(want)) <= _derived_bound(k, 4, "gelu")(sizes))
+    assert not np.any(_lastblock.launch_counters(1).copy_to_host())
+
+
+def test_a_folded_product_in_a_graph_replays_the_eager_bits(monkeypatch):
+    """A tuned entry with fold, inside a recorded graph: a replay on new inputs gives the
+    bits of an eager call, folded or not (the unfolded split's reduction launch)."""
+    from proto import graph
+    m, n, k = 40, 24, 128
+    assert G.tiled_plan(MMA, 1, m, n, k)[0] == 2   # (the simulator's two SMs)
+    rng = np.random.default_rng(5)
+    out = dev(np.zeros((m, n), np.float32))
+
+    def step(a, b):
+        G.gemm(a, b, out, trans_b=True)
+        return out
+
+    a, b = rand(rng, m, k), rand(rng, n, k)
+    eager = []
+    for fold in (False, True):
+        monkeypatch.setattr(G, "TUNED", (((False, True), (m, n, k),
+                                          Choice(MMA, 0, False, False, fold)),))
+        got = dev(np.zeros((m, n), np.float32))
+        G.gemm(dev(a), dev(b), got, trans_b=True)
+        eager.append(got.copy_to_host())
+    with graph.capture(step, {"a": dev(rand(rng, m, k)), "b": dev(rand(rng, n, k))},
+                       binding="alias") as g:   # (folded: the last entry)
+        g.placeholders["a"].copy_to_device(a)
+        g.placeholders["b"].copy_to_device(b)
+        replayed = g.replay(**g.placeholders).copy_to_host()
+    np.testing.assert_array_equal(eager[0], eager[1])
+    np.testing.assert_array_equal(eager[1], replayed)
+    assert np.any(replayed != 0)
+
+
+def test_the_tuned_kernels_are_compiled_for_the_layout_they_launch():
+    """A via_nt entry launches the NT kernel of its tile (its operands transposed first), a
+    folding one the folding kernel: the kernels compiled at import are those."""
+    entries = (((True, False), (768, 3072, 960), Choice(MMA, 0, False, True, True)),
+               ((False, False), (960, 768, 3072), Choice(G.TILE, 3, True)),
+               ((False, True), (960, 3072, 768), Choice(MMA, 0, False, False, True)))
+    assert G.tuned_kernels(entries) == [(False, True, MMA, 0, True), (False, False, G.TILE, 3,
+                                                                      False)]

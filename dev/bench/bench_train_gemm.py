@@ -17,7 +17,9 @@ Per shape (a transformer layer's Linear forward, backward-data and backward-weig
 kernels.linear calls them) and frame count: the library's choice, then every tile and
 staging in VARIANTS whole (no K split) and split as `tiled_plan` splits it, and for the
 products not already NT the tiles of VIA_NT run on operands first transposed to NT (the
-transposes timed with the product), each checked against float64 first
+transposes timed with the product), and the same tiles split with the partials summed by
+the GEMM's last block per tile instead of a reduction launch ("fold", directly and via NT),
+each checked against float64 first
 (the float32 bound of a sum of K products: K * 2^-24 of sum |a||b|, twice for the splits'
 sum), timed in a CUDA graph (median of 7 samples of 5 replays, p10 and p90), beside
 torch.matmul in float32 with TF32 off on the same operands. TFLOP/s and the time over
@@ -138,15 +140,21 @@ def main() -> None:
                 (f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}", t, stages,
                  target, False) for t, stages in VARIANTS for target in (1, None)
                 if t.mma or not only_mma or (stages == 0 and t in (G.TILE, G.WIDE_TILE))]
+            variants = [v + (False,) for v in variants]
+            routes = (False, True) if ta or not tb else (False,)   # (via NT)
             if ta or not tb:
                 variants += [(f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}"
-                              " via NT", t, stages, target, True)
+                              " via NT", t, stages, target, True, False)
                              for t, stages in VIA_NT for target in (1, None)]
-            for label, t, stages, target, via_nt in variants:
+            variants += [(f"{tuple(t)} s{stages} split fold{' via NT' if nt else ''}", t,
+                          stages, None, nt, True) for t, stages in VIA_NT for nt in routes
+                         if G.tiled_plan(t, 1, M, N, K)[0] > 1]   # (K split: a sum to fold)
+            for label, t, stages, target, via_nt, fold in variants:
                 try:
-                    def call(s, t=t, stages=stages, target=target, via_nt=via_nt):
+                    def call(s, t=t, stages=stages, target=target, via_nt=via_nt, fold=fold):
                         G.tiled(a3, b3, out3, bias, 0, 0, 0, int(ta), int(tb), s,
-                                target_blocks=target, tile=t, stages=stages, via_nt=via_nt)
+                                target_blocks=target, tile=t, stages=stages, via_nt=via_nt,
+                                fold=fold)
                     out.copy_to_device(unwritten)
                     call(0)
                     splits = G.tiled_plan(t, 1, M, N, K, target)[0]
@@ -162,7 +170,7 @@ def main() -> None:
                 rows.append(dict(frames=frames, shape=name, variant=label, us=us,
                                  over_cublas=us / cublas, m=M, n=N, k=K, trans_a=ta,
                                  trans_b=tb, tile=t, stages=stages, whole=target == 1,
-                                 via_nt=via_nt))
+                                 via_nt=via_nt, fold=fold and splits > 1))
                 print(f"  {label:47s} splits {splits:2d} {us:8.1f} us [{spread[0]:.1f}, "
                       f"{spread[1]:.1f}] {flops / us / 1e6:6.1f} TFLOP/s  "
                       f"{us / cublas:5.2f}x cuBLAS", flush=True)
@@ -181,8 +189,8 @@ def main() -> None:
                 total = sum(r["us"] for r in rs)
                 over = total / sum(r["us"] / r["over_cublas"] for r in rs)
                 print(f"  T={frames} {key:36s} {total:9.1f} us  {over:5.2f}x cuBLAS")
-        for how, keep in (("direct", lambda r: not r["via_nt"]),
-                          ("via NT too", lambda r: True)):
+        for how, keep in (("direct", lambda r: not r["via_nt"] and not r["fold"]),
+                          ("any", lambda r: True)):
             best = sum(min(r["us"] for r in rows if r["frames"] == frames and r["shape"] == s
                            and keep(r)) for s, *_ in shapes(1))
             print(f"  T={frames} best tile per shape, {how:12s} {best:9.1f} us")
@@ -205,6 +213,7 @@ def tuned_entries(rows: list[dict]) -> list[dict]:
                                 trans_b=best["trans_b"], m=best["m"], n=best["n"],
                                 k=best["k"], tile=list(best["tile"]), stages=best["stages"],
                                 whole=best["whole"], via_nt=best["via_nt"],
+                                fold=best["fold"],
                                 us=round(best["us"], 1),
                                 default_us=round(default[0]["us"], 1)))
     return entries
