@@ -310,3 +310,15 @@ def test_the_tuned_kernels_are_compiled_for_the_layout_they_launch():
                ((False, True), (960, 3072, 768), Choice(MMA, 0, False, False, True)))
     assert G.tuned_kernels(entries) == [(False, True, MMA, 0, True), (False, False, G.TILE, 3,
                                                                       False)]
+
+
+@pytest.mark.parametrize("device", sorted(p.stem for p in tuning.DIR.glob("*.json")))
+def test_every_shipped_table_parses_and_names_kernels_to_compile(device):
+    """What a GPU with this table does at import (kernels.gemm compiles the table's kernels),
+    short of compiling: each entry parses and names a layout, tile and staging."""
+    tuning.table.cache_clear()
+    entries = tuning.table(device).gemm
+    assert entries
+    for ta, tb, tile, stages, fold in G.tuned_kernels(entries):
+        assert isinstance(tile, Tiles) and stages != 1 and isinstance(fold, bool)
+        assert (ta, tb) in ((False, False), (False, True), (True, False), (True, True))
