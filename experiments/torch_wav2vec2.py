@@ -5,7 +5,9 @@
   HFTrainer                      its training step as a user writes it: forward with the
                                  attention mask and labels (-100 past each label), loss.backward(),
                                  torch.optim.AdamW.step(); float32, or float16 autocast with a
-                                 GradScaler
+                                 GradScaler. `prepare` is its data loader's part (collated host
+                                 tensors, pinned, as transformers' Trainer's DataLoader hands
+                                 them); `step` copies them to the GPU and trains
   TorchWav2Vec2                  the same network in plain torch ops that a CUDA graph can
                                  capture. transformers' forward cannot be captured with an
                                  attention mask: it zeroes padded frames by boolean indexing
@@ -64,6 +66,15 @@ def hf_model(config: Wav2Vec2Config, state_dict: dict, device="cuda"):
     return model.to(device).train()
 
 
+def loaded(tensors: dict, device) -> dict:
+    """What a data loader hands a training step: the batch's host tensors, pinned where the
+    step runs on a GPU (DataLoader(pin_memory=True), transformers' Trainer's default), so
+    that the step's copies to the device are DMA, asynchronous to the host."""
+    if torch.device(device).type != "cuda":
+        return tensors
+    return {k: v.pin_memory() for k, v in tensors.items()}
+
+
 def _adamw(params, opt: AdamWConfig, **kw):
     return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                              weight_decay=opt.weight_decay, **kw)
@@ -104,8 +115,13 @@ class HFTrainer:
         prepare_state(self.model.parameters(), self.opt)
         self.scaler = torch.amp.GradScaler("cuda") if amp else None
 
-    def step(self, batch) -> float:
-        inputs = hf_inputs(self.config, batch, self.device)
+    def prepare(self, batch) -> dict:
+        """The data loader's part of a step: transformers' inputs on the host, pinned."""
+        return loaded(hf_inputs(self.config, batch, "cpu"), self.device)
+
+    def step(self, inputs: dict) -> float:
+        """One training step on `prepare`'s inputs; the loss."""
+        inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
         self.opt.zero_grad(set_to_none=False)
         if self.amp:
             with torch.autocast("cuda", dtype=torch.float16):
@@ -228,11 +244,19 @@ class PtGraphTrainer:
                 after_each(n)
         self.opt.zero_grad(set_to_none=False)   # (the warm-up's gradients are not a step)
 
-    def step(self, batch) -> float:
+    def prepare(self, batch) -> tuple:
+        """The data loader's part of a step: the waveform and frame mask on the host, pinned
+        (the batch itself for the loss's lengths)."""
+        return batch, loaded({"waveform": torch.from_numpy(batch.waveform),
+                              "mask": frame_mask(self.config, batch, "cpu")}, self.device)
+
+    def step(self, prepared: tuple) -> float:
+        """One training step on `prepare`'s inputs; the loss."""
+        batch, host = prepared
         fn = self.graphed[batch.length]
         self.opt.zero_grad(set_to_none=False)
-        logits = fn(torch.from_numpy(batch.waveform).to(self.device),
-                    frame_mask(self.config, batch, self.device))
+        logits = fn(host["waveform"].to(self.device, non_blocking=True),
+                    host["mask"].to(self.device, non_blocking=True))
         loss = ctc(self.config, logits, batch)
         loss.backward()
         self.opt.step()

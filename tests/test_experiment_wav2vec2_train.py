@@ -116,7 +116,8 @@ def test_a_failing_check_costs_no_later_method_and_fails_the_run(tmp_path, monke
 
 def test_capture_seconds_leave_out_the_memory_readings(monkeypatch):
     """A method's capture_s is its build's time without the memory curve's readings (whose
-    garbage collection grows with what the method keeps), reported apart as meter_s; the
+    garbage collection grows with what the method keeps), reported apart as meter_s, and its
+    steps' times leave out the data loader's part (`prepare`); the
     readings are taken at CURVE_POINTS counts of lengths served, the last among them, and a
     method that runs out of memory between two readings still says how many it served."""
     import time
@@ -131,6 +132,10 @@ def test_capture_seconds_leave_out_the_memory_readings(monkeypatch):
                 time.sleep(0.05)
                 after_each(n)
 
+        def prepare(self, batch):   # (the loader's part: 0.2 s, never in a step's time)
+            time.sleep(0.2)
+            return batch
+
         def step(self, batch):
             return 1.0
 
@@ -143,6 +148,7 @@ def test_capture_seconds_leave_out_the_memory_readings(monkeypatch):
     monkeypatch.setattr(w, "free_memory", lambda: time.sleep(0.3))
     row = w.measure("ours_planned", "toy")["row"]
     assert 0.1 <= row["capture_s"] < 0.3 and row["meter_s"] >= 0.3
+    assert row["ms_per_step"] < 100   # the loader's 0.2 s left out
 
     class Many(Slow):   # 40 lengths, out of memory after the 30th
         def build(self, lengths, after_each):

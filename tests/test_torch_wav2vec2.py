@@ -35,7 +35,8 @@ def test_transformers_trainer_starts_from_our_loss():
     state = w2v.random_state_dict(CFG, seed=13)
     b = _batch(CFG, seed=14)
     ours = w2v.Wav2Vec2ForCTC(CFG, state).train_step(*_device(b), update=False).copy_to_host()[0]
-    theirs = tw.HFTrainer(CFG, state, device="cpu").step(b)
+    trainer = tw.HFTrainer(CFG, state, device="cpu")
+    theirs = trainer.step(trainer.prepare(b))
     assert abs(ours - theirs) <= 1e-5 * abs(theirs)
 
 
