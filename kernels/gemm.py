@@ -482,15 +482,24 @@ def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0, fold: b
             tile = (bz * _u(cuda.gridDim.y) + _u(cuda.blockIdx.y)) * _u(cuda.gridDim.x) \
                 + _u(cuda.blockIdx.x)
             if count_in(counters, tile, splits, flag):
+                # Row by row of the thread's outputs: a split's TN loads of the row issued
+                # together (through L2: other SMs wrote them), each output summed in split
+                # order in acc (its products are in part by now)
                 for i in range(TM):
                     m = m0 + row(tx, i)
-                    for j in range(TN):
-                        n = n0 + col(ty, j)
-                        if m < m_rows and n < n_cols:
-                            v = _ZERO
-                            for s in range(splits):   # (through L2: other SMs wrote them)
-                                v += backend.ldcg(part, (_u(bz), _u(s), _u(m), _u(n)))
-                            _finish(v, out, bz, m, n, bias, has_bias, act, accumulate)
+                    if m < m_rows:
+                        for j in range(TN):
+                            acc[i, j] = _ZERO
+                        for s in range(splits):
+                            for j in range(TN):
+                                n = n0 + col(ty, j)
+                                if n < n_cols:
+                                    acc[i, j] += backend.ldcg(part, (_u(bz), _u(s), _u(m), _u(n)))
+                        for j in range(TN):
+                            n = n0 + col(ty, j)
+                            if n < n_cols:
+                                _finish(acc[i, j], out, bz, m, n, bias, has_bias, act,
+                                        accumulate)
 
     return gemm_tiled_kernel
 
