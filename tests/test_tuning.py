@@ -244,8 +244,10 @@ def test_a_folded_split_gives_the_reductions_bits_in_one_launch(monkeypatch, til
     applies the epilogue, as gemm_splitk_reduce_kernels does in a launch of its own: the
     same bits, no reduction launch, and every tile's counter back at zero after."""
     from kernels import _lastblock
-    m, n, k = 2 * tile.bm - 3, tile.bn + 5, 128   # (four tiles, two of them partial)
-    target = 16   # (blocks: four splits a tile)
+    # four tiles (two of them partial), K four of the tile's shortest splits: four splits
+    # a tile for 16 blocks, on the simulator and on a GPU alike
+    m, n, k = 2 * tile.bm - 3, tile.bn + 5, 4 * G.tiled_min_span(tile)
+    target = 16
     rng = np.random.default_rng(4)
     a, b, bias, old = rand(rng, m, k), rand(rng, n, k), rand(rng, n), rand(rng, m, n)
     assert G.tiled_plan(tile, 1, m, n, k, target)[0] == 4
@@ -275,8 +277,8 @@ def test_a_folded_product_in_a_graph_replays_the_eager_bits(monkeypatch):
     """A tuned entry with fold, inside a recorded graph: a replay on new inputs gives the
     bits of an eager call, folded or not (the unfolded split's reduction launch)."""
     from proto import graph
-    m, n, k = 40, 24, 128
-    assert G.tiled_plan(MMA, 1, m, n, k)[0] == 2   # (the simulator's two SMs)
+    m, n, k = 40, 24, 2 * G.tiled_min_span(MMA)
+    assert G.tiled_plan(MMA, 1, m, n, k)[0] == 2   # (two of the shortest splits)
     rng = np.random.default_rng(5)
     out = dev(np.zeros((m, n), np.float32))
 
