@@ -22,7 +22,8 @@
 # decode step's kernels at position 512, ours beside PtGraph's), train_gemm (Wav2Vec2's
 # float32 GEMMs over the tiled kernel's tile shapes against cuBLAS: dev/bench/bench_train_gemm.py;
 # train_gemm_mma: only the default and the tensor-core tiles, a few minutes less; tune: the
-# same at 65, 120 and 199 frames, then conv_bench, each writing its section of
+# same at 120, 199 and 65 frames (about 5 minutes, the table written after each), then
+# conv_bench, each writing its section of
 # kernels/tuned/<gpu>.json, which the later steps of the session then run with: commit it
 # with their results; gemm_ncu: Nsight Compute's
 # counters for one launch of each GEMM tile, dev/probe/gemm_ncu.py, where ncu exists),
