@@ -293,8 +293,8 @@ def _async_stager(count: int, DR: int, DK: int, stride: int):
 def _make_tiled(trans_a: bool, trans_b: bool, t: Tiles, stages: int = 0, fold: bool = False):
     """The tiled kernel for one layout of a and b and one tile shape (all compile-time: no
     per-element branch on the layout). Arguments: a, b, out, bias, has_bias, act,
-    accumulate, part, direct, span, k_total (and `counters` where `fold`); a 1-D block of
-    t.threads.
+    accumulate, part, direct, span, k_total, counters (touched only where `fold`); a 1-D
+    block of t.threads.
 
     `fold`: a K-split launch sums its own partials: each block writes its split's partial
     tile, counts itself in on its tile's counter (kernels._lastblock), and the tile's last
@@ -526,8 +526,8 @@ _NO_COUNTERS = [] if backend.PTX_ONLY else [backend.persistent_zeros(1, np.int32
 def tuned_kernels(entries) -> list[tuple]:
     """The tiled_kernel arguments a table's entries launch: the entry's layout, or NT where
     it transposes its operands first (`via_nt`)."""
-    return list(dict.fromkeys(((False, True) if c.via_nt else layout) + (c.tile, c.stages, c.fold)
-                              for layout, _, c in entries))
+    return list(dict.fromkeys(((False, True) if c.via_nt else at) + (c.tile, c.stages, c.fold)
+                              for at, _, c in entries))
 
 
 # One kernel per layout of a and b and tile shape: (trans_a, trans_b, tile) -> kernel
