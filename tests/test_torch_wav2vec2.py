@@ -44,7 +44,8 @@ def test_the_exact_loss_is_the_float64_ctc_of_the_float64_logits():
     """exact_loss: the network in float64 and the CTC loss in float64 too (transformers'
     own loss rounds its log-probabilities to float32 whatever the model's dtype, so it is
     within float32's rounding of the exact one, not equal): the float64 CTC restated from its
-    definition (kernels.ctc.ctc_loss_ref) on the float64 logits gives the same loss."""
+    definition (kernels.ctc.ctc_loss_ref) on the float64 logits gives the same loss, and
+    transformers' own loss of the float64 model is that loss to float32's rounding."""
     from kernels.ctc import ctc_loss_ref
     state = w2v.random_state_dict(CFG, seed=15)
     b = _batch(CFG, seed=16)
@@ -60,4 +61,6 @@ def test_the_exact_loss_is_the_float64_ctc_of_the_float64_logits():
     inputs["input_values"] = inputs["input_values"].double()
     with torch.no_grad():
         theirs = tw.hf_model(CFG, state, device="cpu").double()(**inputs).loss.item()
-    assert abs(theirs - exact) <= 1e-6 * abs(exact)
+    # (the same loss, lengths, blank and reduction: only float32's rounding of the log-probs
+    # and of the recursion over a few dozen frames apart, far below any other difference)
+    assert abs(theirs - exact) <= 1e-5 * abs(exact)
