@@ -212,3 +212,41 @@ def test_transformers_state_dict_and_loss_match():
     for name, g in want.items():
         np.testing.assert_allclose(grads[name], g, rtol=0,
                                    atol=1e-5 * np.abs(g).max() + 1e-7 * largest, err_msg=name)
+
+
+@pytest.mark.slow   # (about two minutes on the simulator)
+def test_a_table_that_transposes_and_folds_keeps_graphed_equal_to_eager(monkeypatch):
+    """A tile table that sends every tiled product of the step through the NT route and
+    folds every split K (kernels.tuning's via_nt and fold): the graphed phases still equal
+    the eager steps bit for bit (the transposes' scratch on the tape, the counters beside
+    it), both routes are taken, and the loss is the untuned step's to float32 rounding."""
+    from kernels import gemm as G, tuning
+    from kernels._tile import Tiles
+    cfg = dataclasses.replace(CFG, layers=1, hidden=16, ffn=64)   # (K up to 64: splits)
+    state = w2v.random_state_dict(cfg, seed=7)
+    batches = [_batch(cfg, frames=f, seed=s) for s, f in enumerate([(8, 6), (7, 7)])]
+    untuned = w2v.Wav2Vec2ForCTC(cfg, state).train_step(*_device(batches[0]),
+                                                        update=False).copy_to_host()[0]
+    mma = Tiles(16, 32, 8, 2, 4, True)
+    dims = (8, 16, 32, 64)   # (every product's m, n and k within a factor of 2 of one)
+    monkeypatch.setattr(G, "TUNED", tuple(
+        (at, (m, n, k), tuning.GemmChoice(mma, 0, False, True, True))
+        for at in ((False, False), (False, True), (True, False))
+        for m in dims for n in dims for k in dims))
+    folded, transposed = [], []   # (the model transposes activations of its own too)
+    real_kernel, real_as_nt = G.tiled_kernel, G._as_nt
+    monkeypatch.setattr(G, "tiled_kernel", lambda *a: (folded.append(a[-1]), real_kernel(*a))[1])
+    monkeypatch.setattr(G, "_as_nt", lambda a, b, ta, tb, s: (transposed.append((ta, tb)),
+                                                              real_as_nt(a, b, ta, tb, s))[1])
+    eager = w2v.Wav2Vec2ForCTC(cfg, state)
+    losses = [eager.train_step(*_device(b)).copy_to_host()[0] for b in batches]
+    assert any(folded) and {(1, 0), (0, 0)} <= set(transposed)   # weight and data gradients
+    assert abs(losses[0] - untuned) <= 1e-5 * abs(untuned)
+    graphed = w2v.Wav2Vec2ForCTC(cfg, state)
+    with w2v.GraphedTraining(graphed, batch=2, max_frames=8, max_label=2) as g:
+        g.build([b.length for b in batches])
+        for b, want in zip(batches, losses):
+            assert g.step(b).copy_to_host()[0] == want
+    got, want = graphed.params.to_host(), eager.params.to_host()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
