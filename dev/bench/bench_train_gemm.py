@@ -138,18 +138,18 @@ def main() -> None:
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
             default = G.tiled_launch_plan(1, M, N, K)   # (the untuned choice)
             whole = 1 if default[0] == G.WIDE_TILE else None
-            variants = [("default", default[0], 0, whole, False)] + [
-                (f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}", t, stages,
-                 target, False) for t, stages in VARIANTS for target in (1, None)
-                if t.mma or not only_mma]
-            variants = [v + (False,) for v in variants]
-            routes = (False, True) if ta or not tb else (False,)   # (via NT)
-            if ta or not tb:
-                variants += [(f"{tuple(t)} s{stages} {'whole' if target == 1 else 'split'}"
-                              " via NT", t, stages, target, True, False)
-                             for t, stages in VIA_NT for target in (1, None)]
-            variants += [(f"{tuple(t)} s{stages} split fold{' via NT' if nt else ''}", t,
-                          stages, None, nt, True) for t, stages in VIA_NT for nt in routes
+            def variant(t, stages, target, via_nt=False, fold=False):
+                how = "split fold" if fold else "whole" if target == 1 else "split"
+                return (f"{tuple(t)} s{stages} {how}{' via NT' if via_nt else ''}", t, stages,
+                        target, via_nt, fold)
+            routes = (False, True) if ta or not tb else (False,)   # (via NT: not NT already)
+            variants = [("default", default[0], 0, whole, False, False)]
+            variants += [variant(t, stages, target) for t, stages in VARIANTS
+                         for target in (1, None) if t.mma or not only_mma]
+            variants += [variant(t, stages, target, True) for t, stages in VIA_NT
+                         for target in (1, None) if routes[-1]]
+            variants += [variant(t, stages, None, nt, True) for t, stages in VIA_NT
+                         for nt in routes
                          if G.tiled_plan(t, 1, M, N, K)[0] > 1]   # (K split: a sum to fold)
             for label, t, stages, target, via_nt, fold in variants:
                 try:

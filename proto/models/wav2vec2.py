@@ -124,6 +124,10 @@ class Wav2Vec2ForCTC:
                for i in range(config.layers) for kind in ("weight", "bias")]
         self.params = FlatParams(shapes, self._checked(state_dict), packed=qkv)
         self.grads, self.m, self.v = (FlatParams(shapes, packed=qkv) for _ in range(3))
+        # each layer's projection as one (weight, bias), in the weights and the gradients:
+        # views made once (each device-array view costs host time in every eager step)
+        self.qkv_params = [self._qkv(self.params, i) for i in range(config.layers)]
+        self.qkv_grads = [self._qkv(self.grads, i) for i in range(config.layers)]
         self.step_count = cuda.to_device(np.zeros(1, np.int32))   # AdamW's t, on the device
 
     def _checked(self, state_dict) -> dict[str, np.ndarray]:
@@ -245,7 +249,7 @@ class Wav2Vec2ForCTC:
         d, pre, q = cfg.hidden, f"wav2vec2.encoder.layers.{i}", f"l{i}."
         s[q + "in"] = h
         qkv = s[q + "qkv"] = t((B * T, 3 * d), q + "qkv")   # q, k, v side by side
-        linear(h, *self._qkv(self.params, i), qkv)
+        linear(h, *self.qkv_params[i], qkv)
         probs = s[q + "probs"] = t((B, cfg.heads, T, T), q + "probs")
         att = s[q + "att"] = t((B * T, d), q + "att")
         seq_attention.seq_attention(reshaped(qkv, (B, T, 3 * d)), frames,
@@ -350,8 +354,8 @@ class Wav2Vec2ForCTC:
                                         reshaped(dqkv, (B, T, 3 * d)),
                                         heads=cfg.heads, scale=cfg.head_dim ** -0.5)
         din = t((B * T, d), q + "d.in")   # din = dr1 + dqkv @ W_qkv (q, k, v's in one sum)
-        linear_bwd_data(dqkv, self._qkv(p, i)[0], din)
-        linear_bwd_weight(s[q + "in"], dqkv, *self._qkv(g, i))
+        linear_bwd_data(dqkv, self.qkv_params[i][0], din)
+        linear_bwd_weight(s[q + "in"], dqkv, *self.qkv_grads[i])
         ew.add(din, dr1, din)
         return din
 
