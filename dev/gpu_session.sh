@@ -52,7 +52,9 @@ step() { local name=$1 secs=$2; shift 2
   echo "$(date -u +%T) start $name" >> $L/steps.txt
   timeout -k 10 $secs "$@" > $L/$name.txt 2>&1
   echo "$(date -u +%T) end $name rc=$?" >> $L/steps.txt; }
-{ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+# the host too: transformers' eager step is partly bound by its host's launches
+{ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.max.sm --format=csv,noheader
+  lscpu | grep -E "Model name|^CPU\(s\)|MHz"; uptime
   echo "commit ${PROTO_GIT_COMMIT:-unknown}"; } > $L/device.txt 2>&1
 for s in "$@"; do case $s in
   probes)   # the first import compiles every kernel into the cache; the later ones load it

@@ -62,10 +62,24 @@ def _git_commit() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.cache
+def host_cpu() -> str:
+    """The host's processor, by name: an eager PyTorch step's time depends on it (each
+    launch costs host time), so two runs on the same GPU model can differ by their host."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def provenance() -> dict:
     """Columns stamped on every row: which device, software and commit produced it, and when."""
     return {
         "device": backend.describe(),
+        "host_cpu": host_cpu(),
         "python": platform.python_version(),
         "numpy": _version("numpy"),
         "numba": _version("numba"),

@@ -9,7 +9,10 @@ terms that matter, small*big + big*small + big*big (the smallest first), droppin
 small*small (<= 2**-22 |ab|). A product is then off by at most about 2**-20 |a||b| before
 summation, against float32's 2**-24; over a reduction of K terms the sum's rounding
 (K * 2**-24) dominates once K passes a few dozen (CUTLASS's "fast accurate" float32 GEMM,
-OpMultiplyAddFastF32, does the same).
+OpMultiplyAddFastF32, does the same). The instruction's own sum rounds toward zero (Fasi et
+al. 2021; MMA-Sim, Xie et al. 2025), so each k step's three products go to a fresh
+accumulator that float32 adds to the running sum (_mma3): carried through the instruction,
+the sum would drift toward zero, by up to about K/6 units of 2**-24 (terms of one sign).
 
     split(x)      (big, small) of float32 x as TF32 bit patterns (uint32), each rounded to
                   nearest, ties away from zero (as CUTLASS rounds): big by cvt.rna.tf32.f32,
@@ -36,12 +39,14 @@ OpMultiplyAddFastF32, does the same).
 
 The simulator runs the same kernel: `split` rounds the bits as the GPU's does, and
 `mma1688` gathers the warp's fragments through shared memory (a barrier: every thread of the
-block must call it together, as every lane of a warp must call mma.sync) and multiplies them
-in float64, so a test there checks every fragment's index; the GPU's tests check the
-instruction.
+block must call it together, as every lane of a warp must call mma.sync) and sums each output
+as the H100's instruction does (_fused_dot_add: exact products, truncated terms, a sum
+rounded toward zero), so a test there checks every fragment's index and the rounding's
+drift; the GPU's tests check the instruction.
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import NamedTuple
 
@@ -94,9 +99,29 @@ if SIMULATOR:
         a_lo, a_hi = np.r_[quad[:, 0], quad[:, 2]], np.r_[quad[:, 1], quad[:, 3]]
         b_0 = np.r_[lanes[8 * t:8 * t + 4, 4], lanes[8 * t:8 * t + 4, 5]]        # column 2t
         b_1 = np.r_[lanes[8 * t + 4:8 * t + 8, 4], lanes[8 * t + 4:8 * t + 8, 5]]  # 2t + 1
-        with np.errstate(invalid="ignore", over="ignore"):   # (inf * 0 is NaN, as on the GPU)
-            return (np.float32(a_lo @ b_0 + float(c0)), np.float32(a_lo @ b_1 + float(c1)),
-                    np.float32(a_hi @ b_0 + float(c2)), np.float32(a_hi @ b_1 + float(c3)))
+        a_lo, a_hi, b_0, b_1 = a_lo.tolist(), a_hi.tolist(), b_0.tolist(), b_1.tolist()
+        return (_fused_dot_add(a_lo, b_0, c0), _fused_dot_add(a_lo, b_1, c1),
+                _fused_dot_add(a_hi, b_0, c2), _fused_dot_add(a_hi, b_1, c3))
+
+    def _fused_dot_add(a: list, b: list, c) -> np.float32:
+        """c + a . b as Hopper's mma.m16n8k8 (TF32 in, float32 out) forms it, by the model
+        that MMA-Sim (Xie et al., 2025) matched bit for bit: every product exact, every term
+        (c among them) truncated toward zero to 25 fraction bits below the largest term's
+        exponent, the terms summed, the sum rounded toward zero to float32. (Python floats:
+        a TF32 product is exact in them, and math on 9 numbers beats NumPy's calls.)"""
+        terms = [x * y for x, y in zip(a, b)] + [float(c)]   # (inf * 0 is NaN, as on the GPU)
+        if not all(map(math.isfinite, terms)):
+            return np.float32(sum(terms))
+        top = max((math.frexp(x)[1] for x in terms if x), default=None)
+        if top is None:
+            return np.float32(0)
+        quantum = math.ldexp(1.0, top - 1 - 25)
+        exact = sum(math.trunc(x / quantum) for x in terms) * quantum   # (< 2**30 quanta: exact)
+        with np.errstate(over="ignore"):
+            out = np.float32(exact)
+        if np.isfinite(out) and abs(float(out)) > abs(exact):
+            out = np.nextafter(out, np.float32(0))   # toward zero, not to nearest
+        return out
 else:
     from llvmlite import ir
     from numba import types
@@ -181,15 +206,28 @@ def _warp_grid(t: Tiles):
     return MI, NI, place, row, col
 
 
+_ZERO = np.float32(0)
+
+
 @cuda.jit(device=True)
 def _mma3(acc, i, j, a0, a1, a2, a3, s0, s1, s2, s3, b0, b1, t0, t1):
     """acc's mma tile (i, j) += A B in three TF32 products, the smallest first: A's small
-    parts (s) by B's big, A's big (a) by B's small (t), big by big."""
-    c0, c1, c2, c3 = acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1]
-    c0, c1, c2, c3 = mma1688(s0, s1, s2, s3, b0, b1, c0, c1, c2, c3)
-    c0, c1, c2, c3 = mma1688(a0, a1, a2, a3, t0, t1, c0, c1, c2, c3)
-    c0, c1, c2, c3 = mma1688(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-    acc[i, j], acc[i, j + 1], acc[i + 1, j], acc[i + 1, j + 1] = c0, c1, c2, c3
+    parts (s) by B's big, A's big (a) by B's small (t), big by big.
+
+    The three sum into a fresh accumulator, which is then added to acc in float32: the
+    instruction rounds its sum toward zero, so a running sum carried through it would
+    shrink by about half a unit at every mma, 3 K / 8 times in all (K = 768: about 135
+    units of 2**-24 below the exact sum of positive terms, where float32's own additions
+    stay within one unit of it on average). Here each mma truncates only this step's few
+    terms, and the running sum rounds to nearest. DeepSeek-V3 promotes its FP8 tensor-core
+    sums to float32 registers at intervals for the same reason."""
+    d0, d1, d2, d3 = mma1688(s0, s1, s2, s3, b0, b1, _ZERO, _ZERO, _ZERO, _ZERO)
+    d0, d1, d2, d3 = mma1688(a0, a1, a2, a3, t0, t1, d0, d1, d2, d3)
+    d0, d1, d2, d3 = mma1688(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3)
+    acc[i, j] += d0
+    acc[i, j + 1] += d1
+    acc[i + 1, j] += d2
+    acc[i + 1, j + 1] += d3
 
 
 def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step: int = 1):
@@ -204,9 +242,14 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step:
     (warp's first column) + 2 t. `multiply` adds one t.bk step of the staged tiles, A's
     element (m, k) at a_start + k * a_stride + m * a_step, B's (k, n) at b_start +
     k * b_stride + n * b_step (k-major tiles: steps 1; a Toeplitz window, A (m, k) =
-    win[m + k]: a_stride = a_step = 1): per 8 rows of K it loads and splits the lane's A
-    fragments of every mma tile down, then per mma tile across its B fragments, and runs
-    three mma per pair. Fragment reads are free of bank conflicts when the lanes' addresses,
+    win[m + k]: a_stride = a_step = 1): per 8 rows of K it runs three mma per pair of mma
+    tiles. It loads and splits all of the lane's fragments of one operand first, then
+    those of the other a tile at a time: A's (8 a mma tile down) unless the warp has fewer
+    tiles across than down. ptxas (sm_90) decides how many of the fresh accumulators of
+    _mma3 it keeps in flight, so this is by what it did: holding B takes a 128 x 64 tile's
+    spills to none (from 32 bytes; A's 32 words against B's 8), while a 128 x 128
+    convolution tile spills 196 bytes holding B and 4 holding A. Fragment reads are free
+    of bank conflicts when the lanes' addresses,
     t * stride + g * step apart, fall in distinct banks or coincide (k-major: strides 8 or
     24 modulo 32). Every warp that reads a fragment splits it (a 128 x 128 tile's A by its
     4 warps across, about 7 instructions a split): fragment_tile splits once instead."""
@@ -215,27 +258,59 @@ def mma_tile(t: Tiles, a_stride: int, b_stride: int, *, a_step: int = 1, b_step:
     frag = np.uint32
 
     @cuda.jit(device=True)
-    def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
-        converge()   # (mma.sync.aligned: every lane of the warp at the same instruction)
+    def a_fragments(a_tile, a_base, k8, mi):
+        """(big a0..a3, small a0..a3) of mma tile mi down at k step k8: a0..a3 are rows
+        + 8 (a1, a3) and k + 4 (a2, a3)."""
+        at = a_base + _u(8 * k8 * a_stride + 16 * mi * a_step)
+        a0, s0 = split(a_tile[at])
+        a1, s1 = split(a_tile[at + _u(8 * a_step)])
+        a2, s2 = split(a_tile[at + _u(4 * a_stride)])
+        a3, s3 = split(a_tile[at + _u(4 * a_stride + 8 * a_step)])
+        return a0, a1, a2, a3, s0, s1, s2, s3
+
+    @cuda.jit(device=True)
+    def b_fragments(b_tile, b_base, k8, ni):
+        """(big b0, b1, small b0, b1) of mma tile ni across at k step k8 (b1: k + 4)."""
+        bt = b_base + _u(8 * k8 * b_stride + 8 * ni * b_step)
+        b0, t0 = split(b_tile[bt])
+        b1, t1 = split(b_tile[bt + _u(4 * b_stride)])
+        return b0, b1, t0, t1
+
+    @cuda.jit(device=True)
+    def bases(a_start, b_start, p, q):
         g, t = p % _u(8), (q // _u(2)) % _u(4)
-        a_base = a_start + t * _u(a_stride) + p * _u(a_step)   # A[p, t] of mma tile 0
-        b_base = b_start + t * _u(b_stride) + (q - _u(2) * t + g) * _u(b_step)   # B[t, g]
-        big = cuda.local.array((MI, 4), frag)
-        small = cuda.local.array((MI, 4), frag)
-        for k8 in range(BK // 8):
-            for mi in range(MI):
-                for v in range(4):   # a0..a3: rows + 8 (v odd), k + 4 (v >= 2)
-                    x = a_tile[a_base + _u((8 * k8 + 4 * (v // 2)) * a_stride
-                                           + (16 * mi + 8 * (v % 2)) * a_step)]
-                    big[mi, v], small[mi, v] = split(x)
-            for ni in range(NI):
-                b0, b0s = split(b_tile[b_base + _u(8 * k8 * b_stride + 8 * ni * b_step)])
-                b1, b1s = split(b_tile[b_base + _u((8 * k8 + 4) * b_stride
-                                                   + 8 * ni * b_step)])
+        return (a_start + t * _u(a_stride) + p * _u(a_step),                  # A[p, t] of tile 0
+                b_start + t * _u(b_stride) + (q - _u(2) * t + g) * _u(b_step))  # B[t, g]
+
+    if NI < MI:   # hold B's fragments
+        @cuda.jit(device=True)
+        def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
+            converge()   # (mma.sync.aligned: every lane of the warp at the same instruction)
+            a_base, b_base = bases(a_start, b_start, p, q)
+            b = cuda.local.array((NI, 4), frag)
+            for k8 in range(BK // 8):
+                for ni in range(NI):
+                    b[ni, 0], b[ni, 1], b[ni, 2], b[ni, 3] = b_fragments(b_tile, b_base, k8, ni)
                 for mi in range(MI):
-                    _mma3(acc, 2 * mi, 2 * ni, big[mi, 0], big[mi, 1], big[mi, 2], big[mi, 3],
-                          small[mi, 0], small[mi, 1], small[mi, 2], small[mi, 3],
-                          b0, b1, b0s, b1s)
+                    a0, a1, a2, a3, s0, s1, s2, s3 = a_fragments(a_tile, a_base, k8, mi)
+                    for ni in range(NI):
+                        _mma3(acc, 2 * mi, 2 * ni, a0, a1, a2, a3, s0, s1, s2, s3,
+                              b[ni, 0], b[ni, 1], b[ni, 2], b[ni, 3])
+    else:                 # hold A's
+        @cuda.jit(device=True)
+        def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
+            converge()
+            a_base, b_base = bases(a_start, b_start, p, q)
+            a = cuda.local.array((MI, 8), frag)
+            for k8 in range(BK // 8):
+                for mi in range(MI):
+                    (a[mi, 0], a[mi, 1], a[mi, 2], a[mi, 3],
+                     a[mi, 4], a[mi, 5], a[mi, 6], a[mi, 7]) = a_fragments(a_tile, a_base, k8, mi)
+                for ni in range(NI):
+                    b0, b1, t0, t1 = b_fragments(b_tile, b_base, k8, ni)
+                    for mi in range(MI):
+                        _mma3(acc, 2 * mi, 2 * ni, a[mi, 0], a[mi, 1], a[mi, 2], a[mi, 3],
+                              a[mi, 4], a[mi, 5], a[mi, 6], a[mi, 7], b0, b1, t0, t1)
 
     return multiply, row, col, place
 
@@ -266,39 +341,69 @@ def fragment_tile(t: Tiles, a_small: int, b_small: int):
     mma tile's four A words and two mma tiles' B words as one 16-byte load, each part, and
     splits nothing: per 8 rows of K, a 128 x 128 tile's lane does 12 shared loads and 48 mma
     where mma_tile's does 24 loads and 24 splits. The reads are conflict-free (a warp's 512
-    contiguous bytes). t.tn / 2 (mma tiles across) must be even."""
+    contiguous bytes). t.tn / 2 (mma tiles across) must be even. It holds one operand's
+    fragments and reads the other's a tile at a time, by mma_tile's rule."""
     BM, BN, BK = t[:3]
     MI, NI, place, row, col = _warp_grid(t)
     if NI % 2:
         raise ValueError(f"{t}: fragment order pairs the B fragments: tn a multiple of 4")
+    NJ = NI // 2   # pairs of mma tiles across
     frag = np.uint32
 
     @cuda.jit(device=True)
-    def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
-        converge()   # (mma.sync.aligned: every lane of the warp at the same instruction)
+    def bases(a_start, b_start, p, q):
         lane = _u(4) * (p % _u(8)) + (q // _u(2)) % _u(4)
-        a_base = a_start + _u(128) * (p // _u(16)) + _u(4) * lane   # mma tile (p, 0) of kc 0
-        b_base = b_start + _u(128) * (q // _u(16)) + _u(4) * lane   # its columns' pair
-        a = cuda.local.array((MI, 4), frag)
-        s = cuda.local.array((MI, 4), frag)
-        b = cuda.local.array(4, frag)
-        bs = cuda.local.array(4, frag)
-        for kc in range(BK // 8):
-            for mi in range(MI):
-                at = a_base + _u(8 * BM * kc + 128 * mi)
-                for v in range(4):
-                    a[mi, v] = a_tile[at + _u(v)]
-                    s[mi, v] = a_tile[at + _u(a_small + v)]
-            for nj in range(NI // 2):
-                bt = b_base + _u(8 * BN * kc + 128 * nj)
-                for v in range(4):
-                    b[v] = b_tile[bt + _u(v)]
-                    bs[v] = b_tile[bt + _u(b_small + v)]
-                for h in range(2):
-                    for mi in range(MI):
-                        _mma3(acc, 2 * mi, 2 * (2 * nj + h), a[mi, 0], a[mi, 1], a[mi, 2],
-                              a[mi, 3], s[mi, 0], s[mi, 1], s[mi, 2], s[mi, 3],
-                              b[2 * h], b[2 * h + 1], bs[2 * h], bs[2 * h + 1])
+        return (a_start + _u(128) * (p // _u(16)) + _u(4) * lane,   # mma tile (p, 0) of kc 0
+                b_start + _u(128) * (q // _u(16)) + _u(4) * lane)   # its columns' pair
+
+    if NI < MI:   # hold B's fragments (as mma_tile)
+        @cuda.jit(device=True)
+        def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
+            converge()   # (mma.sync.aligned: every lane of the warp at the same instruction)
+            a_base, b_base = bases(a_start, b_start, p, q)
+            a = cuda.local.array(8, frag)             # a0..a3, then their small parts
+            b = cuda.local.array((NJ, 8), frag)  # a pair's b0, b1, b0, b1, then small
+            for kc in range(BK // 8):
+                for nj in range(NI // 2):
+                    bt = b_base + _u(8 * BN * kc + 128 * nj)
+                    for v in range(4):
+                        b[nj, v] = b_tile[bt + _u(v)]
+                        b[nj, 4 + v] = b_tile[bt + _u(b_small + v)]
+                for mi in range(MI):
+                    at = a_base + _u(8 * BM * kc + 128 * mi)
+                    for v in range(4):
+                        a[v] = a_tile[at + _u(v)]
+                        a[4 + v] = a_tile[at + _u(a_small + v)]
+                    for nj in range(NI // 2):
+                        for h in range(2):
+                            _mma3(acc, 2 * mi, 2 * (2 * nj + h), a[0], a[1], a[2], a[3],
+                                  a[4], a[5], a[6], a[7], b[nj, 2 * h], b[nj, 2 * h + 1],
+                                  b[nj, 4 + 2 * h], b[nj, 5 + 2 * h])
+    else:                 # hold A's
+        @cuda.jit(device=True)
+        def multiply(acc, a_reg, b_reg, a_tile, b_tile, a_start, b_start, p, q):
+            converge()
+            a_base, b_base = bases(a_start, b_start, p, q)
+            a = cuda.local.array((MI, 4), frag)
+            s = cuda.local.array((MI, 4), frag)
+            b = cuda.local.array(4, frag)
+            bs = cuda.local.array(4, frag)
+            for kc in range(BK // 8):
+                for mi in range(MI):
+                    at = a_base + _u(8 * BM * kc + 128 * mi)
+                    for v in range(4):
+                        a[mi, v] = a_tile[at + _u(v)]
+                        s[mi, v] = a_tile[at + _u(a_small + v)]
+                for nj in range(NI // 2):
+                    bt = b_base + _u(8 * BN * kc + 128 * nj)
+                    for v in range(4):
+                        b[v] = b_tile[bt + _u(v)]
+                        bs[v] = b_tile[bt + _u(b_small + v)]
+                    for h in range(2):
+                        for mi in range(MI):
+                            _mma3(acc, 2 * mi, 2 * (2 * nj + h), a[mi, 0], a[mi, 1], a[mi, 2],
+                                  a[mi, 3], s[mi, 0], s[mi, 1], s[mi, 2], s[mi, 3],
+                                  b[2 * h], b[2 * h + 1], bs[2 * h], bs[2 * h + 1])
 
     return multiply, row, col, place
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kernels import gemm as G
-from kernels._tf32 import (a_fragment_place, b_fragment_place, k_run_stage, lane_stage, mma_tile,
-                           split)
+from kernels._tf32 import (a_fragment_place, b_fragment_place, k_run_stage, lane_stage, mma1688,
+                           mma_tile, split)
 from kernels._tile import Tiles
 from proto.device import backend
 from proto.device.backend import cuda
@@ -136,6 +136,68 @@ def test_the_tensor_core_product_is_within_its_derived_bound(trans_a, trans_b):
         err = np.abs(out.copy_to_host()[0] - a64 @ b64)
         bound = (2 * k + 12 + splits) * U * (np.abs(a64) @ np.abs(b64))
         assert np.all(err <= bound), float(np.max(err / bound))
+
+
+@cuda.jit
+def _mma_kernel(a, b, c, d):
+    """D = A B + C (16 x 8 x 8, A and B as TF32 bits) by one mma1688, one warp, lanes holding
+    the fragments the PTX ISA names (kernels._tf32's docstring)."""
+    lane = cuda.threadIdx.x
+    g, t = lane // 4, lane % 4
+    d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = mma1688(
+        a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[t, g], b[t + 4, g],
+        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+
+
+def test_the_instruction_rounds_its_sum_toward_zero():
+    """The premise of _mma3's fresh accumulator, on the instruction itself (on the simulator,
+    on its model): terms are truncated below the largest one's 25th fraction bit, and the
+    sum is rounded toward zero. Column 0 of B is ones, so row r of D is C[r, 0] + sum A[r].
+    Each row's float32 sum rounded to nearest would differ."""
+    e = 2.0 ** -24
+    a = np.zeros((16, 8), np.float32)
+    c = np.zeros((16, 8), np.float32)
+    cases = [   # (C, A's row, D by truncated terms and a sum toward zero, D to nearest)
+        (1.0, [1.5 * e], 1.0, 1.0 + 2 * e),          # 0.75 of a unit: to nearest rounds up
+        (-1.0, [-1.5 * e], -1.0, -1.0 - 2 * e),
+        (1.0, [e / 4] * 8, 1.0, 1.0 + 2 * e),        # each term below 2**-25 of 1: dropped
+        (0.0, [e / 4] * 8, 2 * e, 2 * e),            # the same terms alone are exact
+        (3.0, [-e, 4 * e], 3.0, 3.0 + 4 * e),        # 3 + 3 u, where a unit of 3 is 4 u
+    ]
+    for r, (cr, row, _, _) in enumerate(cases):
+        c[r, 0] = cr
+        a[r, :len(row)] = row
+    b = np.zeros((8, 8), np.float32)
+    b[:, 0] = 1.0
+    d = dev(np.full((16, 8), np.nan, np.float32))
+    _mma_kernel[1, 32](dev(a.view(np.uint32)), dev(b.view(np.uint32)), dev(c), d)
+    got = d.copy_to_host()
+    nearest = [np.float32(cr + sum(row)) for cr, row, _, _ in cases]
+    assert [float(x) for x in nearest] == [want for *_, want in cases]   # (the cases' premise)
+    assert [float(x) for x in got[:len(cases), 0]] == [want for _, _, want, _ in cases]
+    np.testing.assert_array_equal(got[:, 1:], 0.0)
+    np.testing.assert_array_equal(got[len(cases):, 0], 0.0)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, True), (False, False)])
+def test_the_tensor_core_sum_does_not_drift_toward_zero(trans_a, trans_b):
+    """Positive operands, so every partial sum grows: the mean error, signed toward zero, in
+    units u |op(a)| |op(b)|, stays within 2 units. The instruction rounds its sum toward zero;
+    a running sum carried through it would lose about half a unit per mma, three mma per 8
+    of K (-18 units at K = 128 on the simulator, -570 at K = 3072 by dev/probe/mma_drift),
+    where float32's own additions round to nearest and do not drift."""
+    rng = np.random.default_rng(11)
+    m, n, k = (16, 32, 128) if SIM else (256, 256, 3072)
+    a = rng.uniform(0.5, 1.0, (k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.uniform(0.5, 1.0, (n, k) if trans_b else (k, n)).astype(np.float32)
+    out = dev(np.full((1, m, n), np.nan, np.float32))
+    db = dev(b[None])
+    G.tiled(dev(a[None]), db, out, db.reshape(db.size), 0, 0, 0, int(trans_a), int(trans_b),
+            0, target_blocks=1, tile=TILES[0], stages=0)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    exact = (a64.T if trans_a else a64) @ (b64.T if trans_b else b64)   # (positive: = sizes)
+    drift = float(np.mean((out.copy_to_host()[0] - exact) / exact)) / U
+    assert -2.0 <= drift <= 2.0, f"mean error {drift:.2f} u"
 
 
 @pytest.mark.parametrize("bm,bk", [(16, 8), (64, 16), (128, 8)])
