@@ -17,8 +17,10 @@ from tests.helpers import dev, rand
 from tests.test_gemm import FLAGS, _check_tiled
 
 U = 2.0 ** -24   # float32's unit roundoff
-if backend.SIMULATOR:   # (each simulated thread is a Python thread: one or two warps)
-    TILES = (Tiles(16, 32, 8, 2, 4, True), Tiles(32, 32, 16, 4, 4, True))
+if backend.SIMULATOR:   # (each simulated thread is a Python thread: one or two warps; the
+    # third has more mma tiles down than across, so its warps hold B's fragments: _tf32)
+    TILES = (Tiles(16, 32, 8, 2, 4, True), Tiles(32, 32, 16, 4, 4, True),
+             Tiles(64, 32, 8, 8, 4, True))
 else:   # warp tiles of 64 x 32 (8 warps) and 32 x 32 (4 warps)
     TILES = (Tiles(128, 128, 8, 8, 8, True), Tiles(64, 64, 16, 4, 4, True))
 
