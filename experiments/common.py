@@ -61,8 +61,6 @@ def _git_commit() -> str:
     return commit + ("-dirty" if dirty else "")
 
 
-@functools.lru_cache(maxsize=1)
-@functools.cache
 def host_cpu() -> str:
     """The host's processor, by name: an eager PyTorch step's time depends on it (each
     launch costs host time), so two runs on the same GPU model can differ by their host."""
@@ -75,6 +73,7 @@ def host_cpu() -> str:
     return platform.processor() or "unknown"
 
 
+@functools.lru_cache(maxsize=1)
 def provenance() -> dict:
     """Columns stamped on every row: which device, software and commit produced it, and when."""
     return {

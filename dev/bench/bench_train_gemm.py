@@ -142,12 +142,13 @@ def main() -> None:
                 how = "split fold" if fold else "whole" if target == 1 else "split"
                 return (f"{tuple(t)} s{stages} {how}{' via NT' if via_nt else ''}", t, stages,
                         target, via_nt, fold)
-            routes = (False, True) if ta or not tb else (False,)   # (via NT: not NT already)
+            not_nt = ta or not tb   # (the NT route: only for products not NT already)
+            routes = (False, True) if not_nt else (False,)
             variants = [("default", default[0], 0, whole, False, False)]
             variants += [variant(t, stages, target) for t, stages in VARIANTS
                          for target in (1, None) if t.mma or not only_mma]
             variants += [variant(t, stages, target, True) for t, stages in VIA_NT
-                         for target in (1, None) if routes[-1]]
+                         for target in (1, None) if not_nt]
             variants += [variant(t, stages, None, nt, True) for t, stages in VIA_NT
                          for nt in routes
                          if G.tiled_plan(t, 1, M, N, K)[0] > 1]   # (K split: a sum to fold)
