@@ -59,9 +59,19 @@ def _kernels(replay, n: int = 20) -> dict[str, tuple[float, float]]:
         for _ in range(n):
             replay()
         torch.cuda.synchronize()
+    return kernel_tally(prof.events(), n, DeviceType.CUDA)
+
+
+def kernel_tally(events, n: int, cuda_device) -> dict[str, tuple[float, float]]:
+    """{name: (us per call, launches per call)} of the kernels among profiler `events` of
+    `n` calls: events on the device (`cuda_device`), but not copies or fills, and not the
+    ranges that record_function marks on the device's timeline (`is_user_annotation`:
+    transformers' optimizer step and zero_grad appear there as "Optimizer.step#AdamW.step",
+    spanning the kernels they launch, which are counted themselves)."""
     per: dict[str, tuple[float, float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+    for e in events:
+        if (e.device_type == cuda_device and not getattr(e, "is_user_annotation", False)
+                and not e.name.startswith(("Memcpy", "Memset"))):
             us, count = per.get(e.name, (0.0, 0.0))
             per[e.name] = (us + e.time_range.elapsed_us() / n, count + 1 / n)
     return per
