@@ -150,21 +150,29 @@ _CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float
              "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
 
 
-def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
+def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None):
     """Forward (transposed=False) or backward-data (True) implicit GEMM for tile shape `t`.
 
     Arguments: src (N, CI, HI, WI), w, bias, has_bias, relu, dst (N, CO, HO, WO), then
     N, CI, HI, WI, CO, HO, WO, R, S, stride, pad. Forward: w is (CO, CI, R, S); backward-data
     reads dy as src and w (CI, CO, R, S), i.e. the forward weight with its roles swapped.
-    `unit_stride` (backward-data): compiled for stride 1 only, where every tap feeds every
-    output pixel (VGG's layers). Otherwise backward-data runs by phase: at stride st a pixel
-    (h, w) takes only the taps r = h + pad (mod st), s = w + pad (mod st), so the pixels of
-    one residue (h % st, w % st) share their taps; block z computes phase z (st * st of them,
-    grid x over that phase's pixels) over its own taps alone. (Testing each tap of each pixel
-    instead multiplied zeros for 1 - 1/st^2 of the steps: at stride 2 the feature encoder's
-    backward-data ran at a third of its forward's speed.)
+    `stride` (backward-data, which is compiled for one stride, launched with that one):
+    at 1 every tap feeds every output pixel (VGG's layers). Past 1 backward-data runs by
+    phase: at stride st a pixel (h, w) takes only the taps r = h + pad (mod st),
+    s = w + pad (mod st), so the pixels of one residue (h % st, w % st) share their taps;
+    block z computes phase z (st * st of them, grid x over that phase's pixels) over its own
+    taps alone. (Testing each tap of each pixel instead multiplied zeros for 1 - 1/st^2 of
+    the steps: at stride 2 the feature encoder's backward-data ran at a third of its
+    forward's speed.) The stride is a constant of the kernel, so the step loop's divisions by
+    it are shifts at stride 2: by a runtime stride each took about twenty instructions, four
+    a step on tensor cores, and their registers made every tile but the wide SIMT one spill
+    at its cap (ptxas, sm_90: 96 and 164 bytes of spill stores and loads on the 128 x 128
+    tensor tile, 160 and 264 on the 128 x 64 one, 68 and 92 on the SIMT 128 x 64; none now).
     """
-    PHASED = transposed and not unit_stride
+    if transposed and (not isinstance(stride, int) or stride < 1):
+        raise ValueError(f"stride: backward-data is compiled for a stride >= 1, got {stride!r}")
+    ST = stride if transposed else 1
+    PHASED = transposed and ST > 1
     BM, BN, BK, TM, TN = t[:5]
     NT = t.threads
     # Staging (stager): the patch tile walks pixels (contiguous in src), so all the elements
@@ -199,7 +207,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         # tile (767 SASS instructions a step of 512 multiply-adds, ~870 in pairs); with its
         # stride test it would need 149 registers, and the medium tile would spill at its 80,
         # so those take pairs.
-        whole = BK <= 8 and (not transposed or (unit_stride and t.tm * t.tn >= 64))
+        whole = BK <= 8 and (not transposed or (ST == 1 and t.tm * t.tn >= 64))
         per_pass = BK if whole else (2 if BK % 2 == 0 else 1)
         multiply, row, col = register_tile(t, BM, BNP, rows_per_pass=per_pass)
         place = grid_place(BM // TM)
@@ -222,7 +230,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
     gather_pair = _gather(2, 4)
 
     @cuda.jit(device=True)
-    def patch(p_base, p_h, p_w, kk, c0, r, s, CI, HI, WI, HWI, stride):
+    def patch(p_base, p_h, p_w, kk, c0, r, s, CI, HI, WI, HWI):
         """Where a pixel's patch element for channel c0 + kk and tap (r, s) lies in src, and
         how many of the channels from there on lie in this step's chunk (none if the pixel
         is off the image)."""
@@ -230,9 +238,9 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
             hh = p_h - r
             ww = p_w - s
             ok = p_base >= 0 and hh >= 0 and ww >= 0
-            if PHASED:   # (a multiple of stride: the phase's taps)
-                hh //= stride
-                ww //= stride
+            if PHASED:   # (a multiple of the stride: the phase's taps)
+                hh //= ST
+                ww //= ST
         else:
             hh = p_h + r
             ww = p_w + s
@@ -248,7 +256,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
 
     if PAIR:
         @cuda.jit(device=True)
-        def load_a(regs, src, pix, kk, c0, r, s, CI, HI, WI, HWI, stride):
+        def load_a(regs, src, pix, kk, c0, r, s, CI, HI, WI, HWI):
             """This thread's lane of step (c0, r, s)'s patch tile: its two pixels' channels
             kk and kk + 4, in fragment order (pixel, then channel). `pix`: the block's pixel
             tables and the first pixel, read each step (held in registers across the steps,
@@ -257,15 +265,15 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
             for h in range(2):
                 m = pix[3] + _u(8 * h)
                 at, left = patch(pix[0][m], pix[1][m], pix[2][m], kk, c0, r, s,
-                                 CI, HI, WI, HWI, stride)
+                                 CI, HI, WI, HWI)
                 gather_pair(pair, src, at, _u64(4 * HWI), left)
                 regs[h], regs[2 + h] = pair[0], pair[1]
     else:
         @cuda.jit(device=True)
-        def load_a(regs, src, pix, kk, c0, r, s, CI, HI, WI, HWI, stride):
+        def load_a(regs, src, pix, kk, c0, r, s, CI, HI, WI, HWI):
             """This thread's elements of step (c0, r, s)'s patch tile, into registers: one
             pixel's channels KS apart."""
-            at, left = patch(pix[0], pix[1], pix[2], kk, c0, r, s, CI, HI, WI, HWI, stride)
+            at, left = patch(pix[0], pix[1], pix[2], kk, c0, r, s, CI, HI, WI, HWI)
             gather_a(regs, src, at, _u64(KS * HWI), left)
 
     @cuda.jit(device=True)
@@ -288,13 +296,13 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         HWI, HWO, RS = HI * WI, HO * WO, R * S
         ph, pw, apart, WP, HWP = 0, 0, 1, WO, HWO   # (every pixel)
         if PHASED:   # this block's phase: its pixels' residues, their first taps
-            ph = cuda.blockIdx.z // stride
-            pw = cuda.blockIdx.z - ph * stride
-            apart = stride
-            WP = (WO - pw + stride - 1) // stride
-            HWP = ((HO - ph + stride - 1) // stride) * WP
-            r0 = (ph + pad) % stride
-            s0 = (pw + pad) % stride
+            ph = cuda.blockIdx.z // ST
+            pw = cuda.blockIdx.z - ph * ST
+            apart = ST
+            WP = (WO - pw + ST - 1) // ST
+            HWP = ((HO - ph + ST - 1) // ST) * WP
+            r0 = (ph + pad) % ST
+            s0 = (pw + pad) % ST
         M = N * HWP
 
         # Decode this block's output pixels once: where their patches start in src.
@@ -332,14 +340,14 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
         c0 = r = s = 0
         if PHASED:   # the phase's taps, stride apart; none where r0 or s0 is past the kernel
             r, s = r0, s0
-            taps = ((R - r0 + stride - 1) // stride) * ((S - s0 + stride - 1) // stride)
+            taps = ((R - r0 + ST - 1) // ST) * ((S - s0 + ST - 1) // ST)
             steps = taps * ((CI + BK - 1) // BK) if m0 < M else 0
             if steps > 0:
-                load_a(a_next, src, pix, a_kk, 0, r, s, CI, HI, WI, HWI, stride)
+                load_a(a_next, src, pix, a_kk, 0, r, s, CI, HI, WI, HWI)
                 load_b(b_next, w, b_kk, b_nn, 0, n0, r * S + s, CI, CO, RS)
         else:
             steps = RS * ((CI + BK - 1) // BK)
-            load_a(a_next, src, pix, a_kk, 0, 0, 0, CI, HI, WI, HWI, stride)
+            load_a(a_next, src, pix, a_kk, 0, 0, 0, CI, HI, WI, HWI)
             load_b(b_next, w, b_kk, b_nn, 0, n0, 0, CI, CO, RS)
         for step in range(steps):
             buf = _u(step) & _u(1)   # step >= 0: no signed-remainder fix-up
@@ -359,17 +367,17 @@ def make_conv_kernel(t: Tiles, transposed: bool, unit_stride: bool = False):
             if c0 >= CI:
                 c0 = 0
                 if PHASED:
-                    s += stride
+                    s += ST
                     if s >= S:
                         s = s0
-                        r += stride
+                        r += ST
                 else:
                     s += 1
                     if s == S:
                         s = 0
                         r += 1
             if step + 1 < steps:
-                load_a(a_next, src, pix, a_kk, c0, r, s, CI, HI, WI, HWI, stride)
+                load_a(a_next, src, pix, a_kk, c0, r, s, CI, HI, WI, HWI)
                 load_b(b_next, w, b_kk, b_nn, c0, n0, r * S + s, CI, CO, RS)
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(A_BUF), buf * _u(B_BUF),
                      tx, ty)

@@ -120,9 +120,18 @@ _CONV_TILES = GPU_CONV_TILES + GPU_CONV_MMA_TILES + (
 _WGRAD_TILES = GPU_WGRAD_TILES + GPU_WGRAD_MMA_TILES + (
     SIM_WGRAD_TILES + SIM_WGRAD_MMA_TILES if backend.SIMULATOR else ())
 _FWD = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=False))
-_BWD_DATA = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=True))
-_BWD_DATA_UNIT = _build(_CONV_TILES, lambda t: make_conv_kernel(t, transposed=True,
-                                                                 unit_stride=True))
+# Backward-data is compiled per stride (its divisions by the stride become constants): the
+# strides of VGG (1) and of Wav2Vec2's encoder past its first layer (2) at import, the rest
+# (the first layer's 5, whose input is the waveform: a gradient only tests ask for) when
+# first launched
+_BWD_DATA = {(t, st): make_conv_kernel(t, transposed=True, stride=st)
+             for t in _CONV_TILES for st in (1, 2)}
+
+
+def _bwd_data_kernel(t: Tiles, stride: int):
+    if (t, stride) not in _BWD_DATA:
+        _BWD_DATA[t, stride] = make_conv_kernel(t, transposed=True, stride=stride)
+    return _BWD_DATA[t, stride]
 _WGRAD = _build(_WGRAD_TILES, make_wgrad_kernel)
 _WGRAD_TAPS = _build(GPU_WGRAD_TAPS_TILES + (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else ()),
                      make_wgrad_taps_kernel)
@@ -262,14 +271,15 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, 
     stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(dx.shape, w, stride, pad)
     _check.device_array("dy", dy, shape=(N, K, P, Q))
     relu_mask = _check.flag("relu_mask", relu_mask)
-    t = _tiles_or(tiles, _BWD_DATA, lambda: tuning.conv_choice("bwd_data", C, K, R, S, stride,
-                                                               TUNED) or _pick_conv_tiles(C))
+    t = _tiles_or(tiles, _CONV_TILES, lambda: tuning.conv_choice("bwd_data", C, K, R, S,
+                                                                 stride, TUNED)
+                  or _pick_conv_tiles(C))
     flat_w = w.reshape(w.size)
     # Past stride 1 a block computes one phase (residues of h and w mod stride) of dx: the
     # largest phase's pixels along x, the stride^2 phases along z (kernels._conv_kernels)
     phase_pixels = N * math.ceil(H / stride) * math.ceil(W / stride)
     grid = (math.ceil(phase_pixels / t.bm), math.ceil(C / t.bn), stride * stride)
-    launch((_BWD_DATA_UNIT if stride == 1 else _BWD_DATA)[t], grid, t.threads,
+    launch(_bwd_data_kernel(t, stride), grid, t.threads,
            (dy.reshape(dy.size), flat_w, flat_w, 0, RELU_MASK if relu_mask else RELU_NONE,
             dx.reshape(dx.size), N, K, P, Q, C, H, W, R, S, stride, pad), stream)
 

@@ -312,3 +312,11 @@ def test_register_tile_refuses_a_pass_that_does_not_split_the_step():
     for bad in (3, 8, 0):   # not a power of two, more rows than the step, none
         with pytest.raises(ValueError, match="rows_per_pass"):
             register_tile(Tiles(8, 8, 4, 2, 2), 8, 8, rows_per_pass=bad)
+
+
+def test_backward_data_is_compiled_for_a_stride():
+    from kernels._conv_kernels import make_conv_kernel
+    t = conv.SIM_CONV_TILES[0] if backend.SIMULATOR else conv.GPU_CONV_TILES[0]
+    for bad in (None, 0, 2.0):
+        with pytest.raises(ValueError, match="stride"):
+            make_conv_kernel(t, transposed=True, stride=bad)

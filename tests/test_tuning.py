@@ -189,7 +189,7 @@ def test_a_convolution_launches_its_layers_tuned_tile(monkeypatch, op):
         dy = rand(rng, N, K, H, P)
         dx = dev(np.zeros((N, C, H, W), np.float32))
         conv.conv2d_bwd_data(dev(dy), dev(w), dx, stride=st)
-        assert launched == [conv._BWD_DATA[tile]]
+        assert launched == [conv._BWD_DATA[tile, st]]
         got, terms = dx.copy_to_host(), K * R * S
         want = conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=st)
         sizes = conv.conv2d_bwd_data_ref(np.abs(dy), np.abs(w), x.shape, stride=st)
