@@ -6,10 +6,10 @@ How many blocks of a kernel an SM holds at once is set by its registers a thread
 shared memory and its threads a block, and several decode experiments won or lost on exactly
 that (dev/notes/decode.md: a preload that took attention from 64 to 114 registers halved
 its blocks an SM). This compiles every kernel of `kernels` for sm_90 as the GPU does (its
-launch bounds included), runs the CUDA toolkit's `ptxas -v` on the PTX and prints, per
-kernel: registers a thread, spill stores and loads, static shared memory, and the blocks an
-SM that the H200's limits allow at the launch bounds' threads (where a kernel declares
-them). It needs `ptxas` on PATH (a CUDA toolkit; the Python packages do not ship it).
+launch bounds and its cap on registers included), runs the CUDA toolkit's `ptxas -v` on the
+PTX and prints, per kernel: registers a thread, spill stores and loads, static shared
+memory, and the blocks an SM that the H200's limits allow at the launch bounds' threads
+(where a kernel declares them). It needs `ptxas` on PATH (a CUDA toolkit; the Python packages do not ship it).
 
 Two differences from the GPU's own compilation: PTX from an NVVM newer than the local
 ptxas gets its `.version` line lowered to what ptxas accepts (the instructions our kernels
@@ -58,23 +58,25 @@ def blocks_per_sm(registers: int, shared: int, threads: int) -> int:
     return min(by_registers, by_shared, MAX_THREADS // (32 * warps), MAX_BLOCKS)
 
 
-def _run_ptxas(ptx: str, cc: tuple) -> str:
-    """ptxas -v's output (stdout and stderr) for `ptx`."""
+def _run_ptxas(ptx: str, cc: tuple, max_registers: int | None = None) -> str:
+    """ptxas -v's output (stdout and stderr) for `ptx`, registers capped at `max_registers`
+    where the kernel asks (Numba passes its `max_registers` to the linker, not into the PTX)."""
+    cap = [] if max_registers is None else [f"-maxrregcount={max_registers}"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        run = subprocess.run(["ptxas", f"-arch=sm_{cc[0]}{cc[1]}", "-v", f.name, "-o",
+        run = subprocess.run(["ptxas", f"-arch=sm_{cc[0]}{cc[1]}", "-v", *cap, f.name, "-o",
                               "/dev/null"], capture_output=True, text=True)
     return run.stdout + run.stderr
 
 
-def _ptxas(ptx: str, cc: tuple) -> str:
+def _ptxas(ptx: str, cc: tuple, max_registers: int | None = None) -> str:
     """ptxas -v's output for `ptx`, its .version lowered if ptxas asks for an older one."""
-    out = _run_ptxas(ptx, cc)
+    out = _run_ptxas(ptx, cc, max_registers)
     newest = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", out)
     if newest:
         out = _run_ptxas(re.sub(r"^\.version [\d.]+", f".version {newest.group(1)}", ptx,
-                                count=1, flags=re.M), cc)
+                                count=1, flags=re.M), cc, max_registers)
     return out
 
 
@@ -96,7 +98,7 @@ def main(argv=None, cc=(9, 0)) -> int:
             continue
         bounds = backend.LAUNCH_BOUNDS.get(pyfunc)
         ptx, _ = backend.cuda.compile_ptx(pyfunc, sig, cc=cc, launch_bounds=bounds)
-        out = _ptxas(ptx, cc)
+        out = _ptxas(ptx, cc, backend.MAX_REGISTERS.get(pyfunc))
         try:
             info = parse_ptxas(out)
         except ValueError as exc:

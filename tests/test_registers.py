@@ -34,3 +34,15 @@ def test_parse_refuses_output_without_a_register_count():
 ])
 def test_blocks_per_sm(registers, shared, threads, blocks, seen):
     assert R.blocks_per_sm(registers, shared, threads) == blocks, seen
+
+
+def test_ptxas_gets_the_kernels_register_cap(monkeypatch):
+    """A kernel's `max_registers` reaches the linker, not the PTX, so ptxas must be told it:
+    without it the convolutions' 128-register tiles read as 170 registers and no spills."""
+    seen = []
+    monkeypatch.setattr(R.subprocess, "run", lambda argv, **kw: (
+        seen.append(argv), type("Run", (), {"stdout": PTXAS, "stderr": ""})())[1])
+    R._ptxas(".version 8.0", (9, 0), 128)
+    R._ptxas(".version 8.0", (9, 0))
+    assert "-maxrregcount=128" in seen[0] and "-arch=sm_90" in seen[0]
+    assert not any(a.startswith("-maxrregcount") for a in seen[1])

@@ -111,9 +111,10 @@ if os.environ.get("PROTO_QUIET") != "1":
 # Every kernel's (python function, signature) pairs, so kernels.compile_check can compile them all
 # for a real GPU even on a machine without one.
 KERNEL_SIGNATURES: list[tuple[object, str]] = []
-# ... and the launch bounds a kernel was declared with (threads, blocks an SM), for
-# kernels.registers, which compiles them as the GPU does.
+# ... and the launch bounds a kernel was declared with (threads, blocks an SM) and its cap on
+# registers a thread, for kernels.registers, which compiles them as the GPU does.
 LAUNCH_BOUNDS: dict[object, tuple] = {}
+MAX_REGISTERS: dict[object, int] = {}
 # cuda.jit options that only steer the GPU's code generation (registers per thread).
 _GPU_CODEGEN_OPTIONS = ("max_registers", "launch_bounds")
 
@@ -197,6 +198,8 @@ def jit(signature, *, writes=(), in_place=(), early_launch=False, **options):
         bounds = options.get("launch_bounds")
         if bounds is not None:
             LAUNCH_BOUNDS[pyfunc] = tuple(bounds) if isinstance(bounds, (tuple, list)) else (bounds,)
+        if options.get("max_registers") is not None:
+            MAX_REGISTERS[pyfunc] = int(options["max_registers"])
         if PTX_ONLY:
             kernel = cuda.jit(**options)(pyfunc)
         elif SIMULATOR:
