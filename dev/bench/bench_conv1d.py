@@ -4,11 +4,12 @@ convolution also on the tensor-core tiles (kernels.conv.GPU_CONV_MMA_TILES,
 GPU_WGRAD_MMA_TILES, kernels.conv1d.GPU_GROUPED_MMA_TILES), each checked against the SIMT
 kernels' result.  python -m dev.bench.bench_conv1d [batch] [--write]
 
---write: for each of the encoder's layer geometries (channels, kernel, stride) and for its
-forward and backward-data, the tensor tile whose summed time over the layers of that
-geometry beats the library's untuned choice by more than MARGIN (its result within 1e-3 of
-the SIMT kernels' largest output: a gross-error check; the GPU lane holds the tiles to their
-derived bound) becomes kernels/tuned/<gpu>.json's "conv" entry (kernels.tuning)."""
+--write: with the GPU's table set aside (the library rows run the untuned choice), for
+each of the encoder's layer geometries (channels, kernel, stride) and for its forward and
+backward-data, the tensor tile whose summed time over the layers of that geometry beats
+the untuned choice by more than MARGIN (its result within 1e-3 of the SIMT kernels' largest
+output: a gross-error check; the GPU lane holds the tiles to their derived bound) becomes
+kernels/tuned/<gpu>.json's "conv" section (kernels.tuning), replacing the one there."""
 import numpy as np
 
 from kernels import conv, tuning
@@ -32,6 +33,8 @@ def main(argv=None):
     from proto.device import timing
     argv = sys.argv[1:] if argv is None else argv
     write = "--write" in argv
+    if write:   # the library rows are then the untuned default, whatever the table says
+        conv.TUNED = ()
     numbers = [a for a in argv if not a.startswith("--")]
     B = int(numbers[0]) if numbers else 8
     totals: dict = {}   # (op, c, k, r, s, stride) -> {tile or None: summed ms over the layers}
@@ -168,10 +171,6 @@ def conv_entries(totals: dict) -> list[dict]:
 
 
 def write_conv(totals: dict, argv: list) -> None:
-    if conv.TUNED:   # (the "default" rows above ran the table's tiles, not the untuned ones)
-        print("--write: this GPU's table already has conv entries, so the library rows are "
-              "not the untuned default; delete its conv section and run again")
-        return
     entries = conv_entries(totals)
     path = tuning.write_section(backend.device_name(), "conv", entries,
                                 "python3 -m dev.bench.bench_conv1d " + " ".join(argv))
