@@ -23,7 +23,7 @@
 # float32 GEMMs over the tiled kernel's tile shapes against cuBLAS: dev/bench/bench_train_gemm.py;
 # train_gemm_mma: only the default and the tensor-core tiles, a few minutes less; tune: the
 # same at 120, 199 and 65 frames (about 5 minutes, the table written after each), then
-# conv_bench, each writing its section of
+# conv_bench (tune_conv alone: that second part, a minute and a half), each writing its section of
 # kernels/tuned/<gpu>.json, which the later steps of the session then run with: commit it
 # with their results; gemm_ncu: Nsight Compute's
 # counters for one launch of each GEMM tile, dev/probe/gemm_ncu.py, where ncu exists),
@@ -75,6 +75,7 @@ for s in "$@"; do case $s in
   train_gemm_mma) step train_gemm_mma 600 python3 -m dev.bench.bench_train_gemm 120 --mma ;;
   tune) step tune 600 python3 -m dev.bench.bench_train_gemm 120 199 65 --mma --write
         step tune_conv 300 python3 -m dev.bench.bench_conv1d --write ;;
+  tune_conv) step tune_conv 300 python3 -m dev.bench.bench_conv1d --write ;;
   gemm_ncu)   # Nsight Compute's counters for the GEMM tiles, where the machine has ncu
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
           2>/dev/null | head -1)
