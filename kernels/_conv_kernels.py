@@ -123,10 +123,10 @@ RELU_MASK = 2   # backward-data: dst holds the ReLU output y that fed the convol
 
 def _tile_store(TM: int, TN: int, row, col):
     """A device function store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO,
-    tx, ty): a forward (or backward-data) thread's TM x TN outputs, + bias, then the `relu`
-    epilogue (RELU_NONE, RELU or RELU_MASK)."""
+    tx, ty, offset): a forward (or backward-data) thread's TM x TN outputs, + bias, then the
+    `relu` epilogue (RELU_NONE, RELU or RELU_MASK), at dst's places + offset."""
     @cuda.jit(device=True)
-    def store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty):
+    def store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty, offset):
         for i in range(TM):
             mm = row(tx, i)
             if m0 + mm < M:
@@ -134,7 +134,7 @@ def _tile_store(TM: int, TN: int, row, col):
                 for j in range(TN):
                     co = n0 + col(ty, j)
                     if co < CO:
-                        at = _u(out_base + co * HWO)
+                        at = _u(out_base + co * HWO) + offset
                         v = acc[i, j]
                         if has_bias != 0:
                             v += bias[_u(co)]
@@ -148,14 +148,25 @@ def _tile_store(TM: int, TN: int, row, col):
 
 _CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float32[::1], "
              "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
+# ... and the tiled kernels' K split: part (splits x dst's size), span (steps a split; 0: none)
+_CONV_SPLIT_SIG = _CONV_SIG[:-1] + ", float32[::1], int32)"
 
 
-def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None):
+def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
+                     split: bool = False):
     """Forward (transposed=False) or backward-data (True) implicit GEMM for tile shape `t`.
 
     Arguments: src (N, CI, HI, WI), w, bias, has_bias, relu, dst (N, CO, HO, WO), then
-    N, CI, HI, WI, CO, HO, WO, R, S, stride, pad. Forward: w is (CO, CI, R, S); backward-data
-    reads dy as src and w (CI, CO, R, S), i.e. the forward weight with its roles swapped.
+    N, CI, HI, WI, CO, HO, WO, R, S, stride, pad, part, span. Forward: w is (CO, CI, R, S);
+    backward-data reads dy as src and w (CI, CO, R, S), i.e. the forward weight with its
+    roles swapped. Without `split` (part and span unused) each block runs every step of the
+    reduction and writes dst. With it the reduction (taps x channel chunks, in steps of BK)
+    is split into runs of `span` steps, grid z = (phases) x splits, and block z writes its
+    raw sums at dst's places in part[split] (zeros past the reduction's end), for
+    `sum_splits_epilogue_kernel` to add in split order and finish: where the grid is under a
+    wave (a short layer), a block's latency a step times its many steps is the whole launch,
+    and the split divides it. (A kernel of its own: the split's start and its store kept
+    registers that made the tensor tiles spill when one kernel did both.)
     `stride` (backward-data, which is compiled for one stride, launched with that one):
     at 1 every tap feeds every output pixel (VGG's layers). Past 1 backward-data runs by
     phase: at stride st a pixel (h, w) takes only the taps r = h + pad (mod st),
@@ -173,6 +184,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None):
         raise ValueError(f"stride: backward-data is compiled for a stride >= 1, got {stride!r}")
     ST = stride if transposed else 1
     PHASED = transposed and ST > 1
+    SPLIT = bool(split)
     BM, BN, BK, TM, TN = t[:5]
     NT = t.threads
     # Staging (stager): the patch tile walks pixels (contiguous in src), so all the elements
@@ -288,16 +300,17 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None):
         left = min(CO - co, BN - nn) if c < CI else 0   # columns left for this thread
         gather_b(regs, w, _u64(first) if left > 0 else _u64(0), gap, left)
 
-    @jit(_CONV_SIG, writes=("dst",), **regs)
-    def conv_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S, stride, pad):
+    @jit(_CONV_SPLIT_SIG, writes=("dst", "part"), **regs)
+    def conv_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S, stride,
+                    pad, part, span):
         tid = _u(cuda.threadIdx.x)
         tx, ty = place(tid)   # (what multiply, row and col take)
         m0, n0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
         HWI, HWO, RS = HI * WI, HO * WO, R * S
         ph, pw, apart, WP, HWP = 0, 0, 1, WO, HWO   # (every pixel)
         if PHASED:   # this block's phase: its pixels' residues, their first taps
-            ph = cuda.blockIdx.z // ST
-            pw = cuda.blockIdx.z - ph * ST
+            ph = (cuda.blockIdx.z % (ST * ST)) // ST
+            pw = cuda.blockIdx.z % (ST * ST) - ph * ST
             apart = ST
             WP = (WO - pw + ST - 1) // ST
             HWP = ((HO - ph + ST - 1) // ST) * WP
@@ -337,16 +350,31 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None):
         # the loads made during the step before and issues its successor's before it
         # computes: the global memory latency overlaps the multiply-adds instead of stalling
         # every warp at the barrier.
-        c0 = r = s = 0
+        # A split starts at step k0 = split * span: tap k0 // chunks of the phase's taps (s
+        # fastest), channel chunk k0 % chunks.
+        chunks = (CI + BK - 1) // BK
         if PHASED:   # the phase's taps, stride apart; none where r0 or s0 is past the kernel
-            r, s = r0, s0
-            taps = ((R - r0 + ST - 1) // ST) * ((S - s0 + ST - 1) // ST)
-            steps = taps * ((CI + BK - 1) // BK) if m0 < M else 0
-            if steps > 0:
-                load_a(a_next, src, pix, a_kk, 0, r, s, CI, HI, WI, HWI)
-                load_b(b_next, w, b_kk, b_nn, 0, n0, r * S + s, CI, CO, RS)
+            along_s = (S - s0 + ST - 1) // ST
+            steps = ((R - r0 + ST - 1) // ST) * along_s * chunks
         else:
-            steps = RS * ((CI + BK - 1) // BK)
+            along_s = S
+            steps = RS * chunks
+        c0 = r = s = 0
+        if SPLIT:
+            k0 = (cuda.blockIdx.z // (ST * ST if PHASED else 1)) * span
+            steps = max(min(steps - k0, span), 0)
+            tap = k0 // chunks
+            c0 = (k0 - tap * chunks) * BK
+            if along_s > 0:   # (none: a phase without taps, no steps)
+                r, s = tap // along_s, tap % along_s
+        if PHASED:
+            r, s = r0 + ST * r, s0 + ST * s
+        if PHASED or SPLIT:
+            steps = steps if m0 < M else 0
+            if steps > 0:
+                load_a(a_next, src, pix, a_kk, c0, r, s, CI, HI, WI, HWI)
+                load_b(b_next, w, b_kk, b_nn, c0, n0, r * S + s, CI, CO, RS)
+        else:
             load_a(a_next, src, pix, a_kk, 0, 0, 0, CI, HI, WI, HWI)
             load_b(b_next, w, b_kk, b_nn, 0, n0, 0, CI, CO, RS)
         for step in range(steps):
@@ -381,7 +409,11 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None):
                 load_b(b_next, w, b_kk, b_nn, c0, n0, r * S + s, CI, CO, RS)
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(A_BUF), buf * _u(B_BUF),
                      tx, ty)
-        store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty)
+        if SPLIT:   # this split's raw sums, at dst's places in part[split]
+            at = _u(cuda.blockIdx.z // (ST * ST if PHASED else 1)) * _u(dst.size)
+            store(acc, part, bias, 0, RELU_NONE, pix_dst, m0, M, n0, CO, HWO, tx, ty, at)
+        else:
+            store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty, _u(0))
 
     return conv_kernel
 
@@ -622,7 +654,7 @@ def make_conv_taps_kernel(t: Tiles):
                 b_tile[jj * _u(BNP) + nn] = v
         cuda.syncthreads()
         multiply(acc, a_reg, b_reg, a_tile, b_tile, _u(0), _u(0), tx, ty)
-        store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty)
+        store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty, _u(0))
 
     return conv_taps_kernel
 
@@ -746,6 +778,27 @@ def make_wgrad_taps_kernel(t: Tiles):
                     part_b[_u(split * K + k0 + kk)] = v
 
     return wgrad_taps_kernel
+
+
+@jit("void(float32[::1], int32, float32[::1], float32[::1], int32, int32, int32, int32)",
+     writes=("dst",))
+def sum_splits_epilogue_kernel(part, splits, dst, bias, has_bias, relu, CO, HWO):
+    """dst[i] = the epilogue of part[0*n + i] + part[1*n + i] + ..., always in that order
+    (n = dst.size): + bias[channel of i] where has_bias, then `relu` as the conv kernel's
+    store applies it (RELU_MASK reads dst's old value, the ReLU output)."""
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    n = dst.size
+    for i in range(start, n, step):
+        v = np.float32(0.0)
+        for s in range(splits):
+            v += part[s * n + i]
+        if has_bias != 0:
+            v += bias[(i // HWO) % CO]
+        if relu == RELU and v < np.float32(0.0):   # not max(): keeps NaN
+            v = np.float32(0.0)
+        if relu == RELU_MASK and not dst[i] > np.float32(0.0):
+            v = np.float32(0.0)
+        dst[i] = v
 
 
 @jit("void(float32[::1], float32[::1], int32)", writes=("out",))

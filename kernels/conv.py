@@ -19,6 +19,11 @@ split reductions; how the kernels work is in kernels._conv_kernels.
 
 Tiles: by output channels (`_pick_conv_tiles`), or for a layer whose forward or
 backward-data this GPU's measured table names (kernels.tuning, section "conv"), that one.
+
+A forward or backward-data whose grid is too small to fill the GPU (a short layer: Wav2Vec2's
+last encoder layers are 52 blocks at the longest input, each walking 128 steps) splits its
+reduction too, by the weight gradient's rule (`wgrad_splits`): each split's block writes raw
+sums to scratch, and one more launch adds them in split order and applies bias and ReLU.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ import numpy as np
 from kernels import _check, tuning
 from kernels._conv_kernels import (RELU, RELU_MASK, RELU_NONE, make_conv_kernel,
                                    make_conv_taps_kernel, make_wgrad_kernel,
-                                   make_wgrad_taps_kernel, sum_splits_kernel)
+                                   make_wgrad_taps_kernel, sum_splits_epilogue_kernel,
+                                   sum_splits_kernel)
 from kernels._tile import Tiles
 from proto.device import backend
 from proto.device.backend import cuda, launch
@@ -132,6 +138,20 @@ def _bwd_data_kernel(t: Tiles, stride: int):
     if (t, stride) not in _BWD_DATA:
         _BWD_DATA[t, stride] = make_conv_kernel(t, transposed=True, stride=stride)
     return _BWD_DATA[t, stride]
+
+
+# The variants that split their reduction (short layers), for the same strides at import
+_SPLIT = {(t, transposed, st): make_conv_kernel(t, transposed, st, split=True)
+          for t in _CONV_TILES for transposed, st in ((False, None), (True, 1), (True, 2))}
+
+
+def _split_kernel(t: Tiles, transposed: bool, stride: int):
+    key = (t, transposed, stride if transposed else None)
+    if key not in _SPLIT:
+        _SPLIT[key] = make_conv_kernel(t, transposed, key[2], split=True)
+    return _SPLIT[key]
+
+
 _WGRAD = _build(_WGRAD_TILES, make_wgrad_kernel)
 _WGRAD_TAPS = _build(GPU_WGRAD_TAPS_TILES + (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else ()),
                      make_wgrad_taps_kernel)
@@ -228,6 +248,37 @@ def _all_taps(tiles, table, default: Tiles, axis: str, columns: int) -> Tiles | 
     return t
 
 
+# The partials argument of a tiled forward or backward-data launch that does not split
+# (never touched)
+_NO_PARTIALS = [] if backend.PTX_ONLY else [backend.persistent_zeros(1, np.float32)]
+
+
+def _tiled_launch(kernel, t: Tiles, transposed: bool, stride: int, grid: tuple, args: tuple,
+                  dst, bias, has_bias: int, relu: int, steps: int, CO: int, HWO: int, splits,
+                  stream) -> None:
+    """Launch a tiled forward or backward-data `kernel` (grid x, y, phases), or where the
+    grid is too small to fill the GPU its variant that splits the reduction of `steps` steps
+    (`wgrad_splits`' rule: at most two waves, at least 8 steps a block; `splits` forces a
+    count), the partials then summed in split order by sum_splits_epilogue_kernel, which
+    applies the bias and `relu`. `args`: the kernel's arguments up to `pad`."""
+    if splits is None:
+        splits = 1 if backend.SIMULATOR else wgrad_splits(
+            math.prod(grid), steps * t.bk, t.bk, _check.resident_blocks(kernel, t.threads),
+            _check.sm_count())
+    splits = _check.positive("splits", splits)
+    span = -(-steps // splits)
+    splits = -(-steps // span) if steps else 1   # (no empty split)
+    if splits == 1:
+        launch(kernel, grid, t.threads, (*args, _NO_PARTIALS[0], 0), stream)
+        return
+    part = backend.empty((splits * dst.size,), np.float32, "conv.partials")
+    launch(_split_kernel(t, transposed, stride), (grid[0], grid[1], grid[2] * splits),
+           t.threads, (*args, part, span), stream)
+    blocks, threads = _check.grid_stride_launch(dst.size)
+    launch(sum_splits_epilogue_kernel, blocks, threads,
+           (part, splits, dst, bias, has_bias, relu, CO, HWO), stream)
+
+
 def _tiles_or(tiles, table, pick):
     if tiles is None:
         return pick()
@@ -236,32 +287,34 @@ def _tiles_or(tiles, table, pick):
     return tiles
 
 
-def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, stream=0):
+def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, splits=None,
+           stream=0):
     """out = conv2d(x, w) + bias, then max(., 0) if `relu`.  x (N,C,H,W), w (K,C,R,S),
     bias (K,) or None, out (N,K,P,Q) with P = (H + 2*pad - R)//stride + 1.
-    `tiles` forces a tile shape (tests)."""
+    `tiles` forces a tile shape, `splits` the tiled kernel's reduction split (tests)."""
     _check.device_array("x", x, ndim=4)
     stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(x.shape, w, stride, pad)
     _check.device_array("out", out, shape=(N, K, P, Q))
     relu = _check.flag("relu", relu)
     if bias is not None:
         _check.device_array("bias", bias, shape=(K,))
-    t = _all_taps(tiles, _FWD_TAPS, _FWD_TAPS_TILE, "bk", C * R * S)   # all in one step
-    if t is not None:
-        kernel = _FWD_TAPS[t]
-    else:
-        t = _tiles_or(tiles, _FWD, lambda: tuning.conv_choice("fwd", C, K, R, S, stride, TUNED)
-                      or _pick_conv_tiles(K))
-        kernel = _FWD[t]
-    flat_w = w.reshape(w.size)
-    grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn))
-    launch(kernel, grid, t.threads,
-           (x.reshape(x.size), flat_w, flat_w if bias is None else bias, int(bias is not None),
-            RELU if relu else RELU_NONE, out.reshape(out.size), N, C, H, W, K, P, Q, R, S, stride,
-            pad), stream)
+    flat_w, flat_out = w.reshape(w.size), out.reshape(out.size)
+    args = (x.reshape(x.size), flat_w, flat_w if bias is None else bias, int(bias is not None),
+            RELU if relu else RELU_NONE, flat_out, N, C, H, W, K, P, Q, R, S, stride, pad)
+    t = _all_taps(tiles, _FWD_TAPS, _FWD_TAPS_TILE, "bk", C * R * S)
+    if t is not None:   # all the taps in one step
+        launch(_FWD_TAPS[t], (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn)), t.threads,
+               args, stream)
+        return
+    t = _tiles_or(tiles, _FWD, lambda: tuning.conv_choice("fwd", C, K, R, S, stride, TUNED)
+                  or _pick_conv_tiles(K))
+    grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn), 1)
+    _tiled_launch(_FWD[t], t, False, stride, grid, args, flat_out, args[2], args[3], args[4],
+                  R * S * math.ceil(C / t.bk), K, P * Q, splits, stream)
 
 
-def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, stream=0):
+def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, splits=None,
+                    stream=0):
     """dx = gradient of conv2d's input. dy (N,K,P,Q), w (K,C,R,S), dx (N,C,H,W) (written).
 
     relu_mask: dx holds, on entry, the ReLU output y that was conv2d's input; it becomes the
@@ -279,9 +332,12 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, 
     # largest phase's pixels along x, the stride^2 phases along z (kernels._conv_kernels)
     phase_pixels = N * math.ceil(H / stride) * math.ceil(W / stride)
     grid = (math.ceil(phase_pixels / t.bm), math.ceil(C / t.bn), stride * stride)
-    launch(_bwd_data_kernel(t, stride), grid, t.threads,
-           (dy.reshape(dy.size), flat_w, flat_w, 0, RELU_MASK if relu_mask else RELU_NONE,
-            dx.reshape(dx.size), N, K, P, Q, C, H, W, R, S, stride, pad), stream)
+    flat_dx, relu = dx.reshape(dx.size), RELU_MASK if relu_mask else RELU_NONE
+    # (the most steps a phase takes: its taps, at most ceil(R / st) x ceil(S / st))
+    steps = math.ceil(R / stride) * math.ceil(S / stride) * math.ceil(K / t.bk)
+    _tiled_launch(_bwd_data_kernel(t, stride), t, True, stride, grid,
+                  (dy.reshape(dy.size), flat_w, flat_w, 0, relu, flat_dx, N, K, P, Q, C, H, W,
+                   R, S, stride, pad), flat_dx, flat_w, 0, relu, steps, C, H * W, splits, stream)
 
 
 class _WgradLaunch(NamedTuple):
