@@ -22,8 +22,8 @@ backward-data this GPU's measured table names (kernels.tuning, section "conv"), 
 
 A forward or backward-data whose grid is too small to fill the GPU (a short layer: Wav2Vec2's
 last encoder layers are 52 blocks at the longest input, each walking 128 steps) splits its
-reduction too, by the weight gradient's rule (`wgrad_splits`): each split's block writes raw
-sums to scratch, and one more launch adds them in split order and applies bias and ReLU.
+reduction too, by the weight gradient's rule (`reduction_splits`): each split's block writes
+raw sums to scratch, and one more launch adds them in split order and applies bias and ReLU.
 """
 from __future__ import annotations
 
@@ -194,8 +194,9 @@ def _pick_wgrad_tiles(K: int, C: int) -> Tiles:
 PARTIAL_ROUND = 0.625
 
 
-def wgrad_splits(base_blocks: int, L: int, bk: int, wave: int, sms: int) -> int:
-    """How many ways to split the N*P*Q reduction. The grid is `base_blocks` x splits blocks
+def reduction_splits(base_blocks: int, L: int, bk: int, wave: int, sms: int) -> int:
+    """How many ways to split a reduction of L rows (the weight gradient's N*P*Q; the forward's
+    and backward-data's steps x bk) in steps of bk. The grid is `base_blocks` x splits blocks
     of equal work; the busiest of the `sms` SMs gets ceil(blocks / sms) of them and runs
     wave // sms at a time, so it takes full rounds plus maybe a last one (PARTIAL_ROUND), of
     blocks 1/splits as long. Take the fewest splits within 1% of the least time, among at
@@ -258,11 +259,11 @@ def _tiled_launch(kernel, t: Tiles, transposed: bool, stride: int, grid: tuple, 
                   stream) -> None:
     """Launch a tiled forward or backward-data `kernel` (grid x, y, phases), or where the
     grid is too small to fill the GPU its variant that splits the reduction of `steps` steps
-    (`wgrad_splits`' rule: at most two waves, at least 8 steps a block; `splits` forces a
+    (`reduction_splits`' rule: at most two waves, at least 8 steps a block; `splits` forces a
     count), the partials then summed in split order by sum_splits_epilogue_kernel, which
     applies the bias and `relu`. `args`: the kernel's arguments up to `pad`."""
     if splits is None:
-        splits = 1 if backend.SIMULATOR else wgrad_splits(
+        splits = 1 if backend.SIMULATOR else reduction_splits(
             math.prod(grid), steps * t.bk, t.bk, _check.resident_blocks(kernel, t.threads),
             _check.sm_count())
     splits = _check.positive("splits", splits)
@@ -364,8 +365,8 @@ def _wgrad_launch(geometry, tiles, splits) -> _WgradLaunch:
     elif backend.SIMULATOR:   # one split: there blocks only cost time
         n_split = 1
     else:
-        n_split = wgrad_splits(math.prod(grid), L, t.bk, _check.resident_blocks(kernel, t.threads),
-                               _check.sm_count())
+        n_split = reduction_splits(math.prod(grid), L, t.bk,
+                                   _check.resident_blocks(kernel, t.threads), _check.sm_count())
     chunk = math.ceil(math.ceil(L / n_split) / t.bk) * t.bk
     return _WgradLaunch(kernel, t, grid, math.ceil(L / chunk), chunk)
 

@@ -680,7 +680,7 @@ class _GroupedWgradPlan(NamedTuple):
 def _grouped_wgrad_plan(B, C, K, T_out, groups, k, tiles, splits) -> _GroupedWgradPlan:
     """The weight gradient's launch: a block per (tap tile, output channel tile, input
     channel), its B * ceil(T_out / depth) steps split `splits` ways (on a GPU, by
-    kernels.conv.wgrad_splits: enough blocks for the device, at least 8 steps a block)."""
+    kernels.conv.reduction_splits: enough blocks for the device, at least 8 steps a block)."""
     t = (SIM_GROUPED_WGRAD_TILES if backend.SIMULATOR else GPU_GROUPED_WGRAD_TILES)[0] \
         if tiles is None else tiles
     if t not in _WGRAD:
@@ -693,8 +693,8 @@ def _grouped_wgrad_plan(B, C, K, T_out, groups, k, tiles, splits) -> _GroupedWgr
         n = 1
     else:
         kernel = _WGRAD[t]
-        n = conv.wgrad_splits(math.prod(grid), total * t.depth, t.depth,
-                              _check.resident_blocks(kernel, t.threads), _check.sm_count())
+        n = conv.reduction_splits(math.prod(grid), total * t.depth, t.depth,
+                                  _check.resident_blocks(kernel, t.threads), _check.sm_count())
     steps = -(-total // min(n, total))
     n = -(-total // steps)
     if n * C > _MAX_GRID_Z:

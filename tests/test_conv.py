@@ -260,7 +260,7 @@ def test_gpu_all_taps_forward_tile_on_a_small_problem(tiles):
        per_sm=st.integers(1, 8))
 def test_wgrad_splits_stay_within_their_bounds(base, L, sms, per_sm):
     wave = sms * per_sm
-    s = conv.wgrad_splits(base, L, 16, wave, sms)
+    s = conv.reduction_splits(base, L, 16, wave, sms)
     assert 1 <= s <= max(1, L // 128)                  # at least 8 steps of 16 a block
     assert base * s <= max(base, 2 * wave + base)      # at most about two waves of blocks
 
@@ -270,9 +270,9 @@ def test_wgrad_splits_of_vggs_layers_are_the_ones_measured_fastest():
     # 9 blocks a split, 2 an SM: 29 splits (261 blocks, one round) beat 59 (531, a third round
     # of 3 blocks); the 256-channel layer's 36: 7 (252) ran 18% faster than 15 (540); the
     # 512-channel layer's 144: 4 (576) ran 3.5% faster than 3 (432).
-    assert conv.wgrad_splits(9, 4 * 12544, 16, 264, 132) == 29
-    assert conv.wgrad_splits(36, 16 * 3136, 16, 264, 132) == 7
-    assert conv.wgrad_splits(144, 64 * 784, 16, 264, 132) == 4
+    assert conv.reduction_splits(9, 4 * 12544, 16, 264, 132) == 29
+    assert conv.reduction_splits(36, 16 * 3136, 16, 264, 132) == 7
+    assert conv.reduction_splits(144, 64 * 784, 16, 264, 132) == 4
 
 
 def test_all_taps_wgrad_refuses_a_layer_wider_than_its_tile():
