@@ -163,7 +163,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
     reduction and writes dst. With it the reduction (taps x channel chunks, in steps of BK)
     is split into runs of `span` steps, grid z = (phases) x splits, and block z writes its
     raw sums at dst's places in part[split] (zeros past the reduction's end), for
-    `sum_splits_epilogue_kernel` to add in split order and finish: where the grid is under a
+    `sum_splits_kernel` to add in split order and finish: where the grid is under a
     wave (a short layer), a block's latency a step times its many steps is the whole launch,
     and the split divides it. (A kernel of its own: the split's start and its store kept
     registers that made the tensor tiles spill when one kernel did both.)
@@ -782,10 +782,12 @@ def make_wgrad_taps_kernel(t: Tiles):
 
 @jit("void(float32[::1], int32, float32[::1], float32[::1], int32, int32, int32, int32)",
      writes=("dst",))
-def sum_splits_epilogue_kernel(part, splits, dst, bias, has_bias, relu, CO, HWO):
-    """dst[i] = the epilogue of part[0*n + i] + part[1*n + i] + ..., always in that order
-    (n = dst.size): + bias[channel of i] where has_bias, then `relu` as the conv kernel's
-    store applies it (RELU_MASK reads dst's old value, the ReLU output)."""
+def sum_splits_kernel(part, splits, dst, bias, has_bias, relu, CO, HWO):
+    """dst[i] = part[0*n + i] + part[1*n + i] + ..., always in that order (n = dst.size),
+    then the convolution's epilogue: + bias[channel of i] where has_bias (channels CO, HWO
+    pixels each), then `relu` as the conv kernel's store applies it (RELU_MASK reads dst's
+    old value, the ReLU output). The weight gradients' partials take neither (has_bias 0,
+    RELU_NONE; bias then a placeholder never read)."""
     start, step = cuda.grid(1), cuda.gridsize(1)
     n = dst.size
     for i in range(start, n, step):
@@ -799,15 +801,3 @@ def sum_splits_epilogue_kernel(part, splits, dst, bias, has_bias, relu, CO, HWO)
         if relu == RELU_MASK and not dst[i] > np.float32(0.0):
             v = np.float32(0.0)
         dst[i] = v
-
-
-@jit("void(float32[::1], float32[::1], int32)", writes=("out",))
-def sum_splits_kernel(part, out, splits):
-    """out[i] = part[0*n + i] + part[1*n + i] + ..., always in that order (n = out.size)."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    n = out.size
-    for i in range(start, n, stride):
-        acc = np.float32(0.0)
-        for s in range(splits):
-            acc += part[s * n + i]
-        out[i] = acc

@@ -35,8 +35,7 @@ import numpy as np
 from kernels import _check, tuning
 from kernels._conv_kernels import (RELU, RELU_MASK, RELU_NONE, make_conv_kernel,
                                    make_conv_taps_kernel, make_wgrad_kernel,
-                                   make_wgrad_taps_kernel, sum_splits_epilogue_kernel,
-                                   sum_splits_kernel)
+                                   make_wgrad_taps_kernel, sum_splits_kernel)
 from kernels._tile import Tiles
 from proto.device import backend
 from proto.device.backend import cuda, launch
@@ -260,7 +259,7 @@ def _tiled_launch(kernel, t: Tiles, transposed: bool, stride: int, grid: tuple, 
     """Launch a tiled forward or backward-data `kernel` (grid x, y, phases), or where the
     grid is too small to fill the GPU its variant that splits the reduction of `steps` steps
     (`reduction_splits`' rule: at most two waves, at least 8 steps a block; `splits` forces a
-    count), the partials then summed in split order by sum_splits_epilogue_kernel, which
+    count), the partials then summed in split order by sum_splits_kernel, which
     applies the bias and `relu`. `args`: the kernel's arguments up to `pad`."""
     if splits is None:
         splits = 1 if backend.SIMULATOR else reduction_splits(
@@ -276,7 +275,7 @@ def _tiled_launch(kernel, t: Tiles, transposed: bool, stride: int, grid: tuple, 
     launch(_split_kernel(t, transposed, stride), (grid[0], grid[1], grid[2] * splits),
            t.threads, (*args, part, span), stream)
     blocks, threads = _check.grid_stride_launch(dst.size)
-    launch(sum_splits_epilogue_kernel, blocks, threads,
+    launch(sum_splits_kernel, blocks, threads,
            (part, splits, dst, bias, has_bias, relu, CO, HWO), stream)
 
 
@@ -423,7 +422,8 @@ def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None
     if n_split > 1:
         for part, out in ((part_w, flat_dw),) + (((part_b, db),) if db is not None else ()):
             blocks, threads = _check.grid_stride_launch(out.size)
-            launch(sum_splits_kernel, blocks, threads, (part, out, n_split), stream)
+            launch(sum_splits_kernel, blocks, threads,
+                   (part, n_split, out, part, 0, RELU_NONE, 1, 1), stream)
 
 
 def conv2d_flops(N, C, K, R, S, P, Q) -> float:

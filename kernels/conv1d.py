@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, conv
-from kernels._conv_kernels import sum_splits_kernel
+from kernels._conv_kernels import RELU_NONE, sum_splits_kernel
 from kernels._reduce import block_reduce
 from kernels._tf32 import mma_tile
 from kernels._tile import Tiles, grid_place
@@ -727,8 +727,8 @@ def conv1d_grouped_bwd_weight(x, dy, dw, db, *, groups, pad, tiles=None, splits=
            (backend.reshaped(x, (x.size,)), flat_dy, part, B, C, T, K, T_out, groups, k, pad,
             plan.steps), stream)
     if plan.splits > 1:
-        launch(sum_splits_kernel, *_check.grid_stride_launch(dw.size), (part, flat_dw, plan.splits),
-               stream)
+        launch(sum_splits_kernel, *_check.grid_stride_launch(dw.size),
+               (part, plan.splits, flat_dw, part, 0, RELU_NONE, 1, 1), stream)
     if db is not None:
         launch(bias_grad_kernel, K, _RED_THREADS, (flat_dy, db, B, K, T_out), stream)
 
