@@ -135,15 +135,21 @@ def _tile_store(TM: int, TN: int, row, col):
                     co = n0 + col(ty, j)
                     if co < CO:
                         at = _u(out_base + co * HWO) + offset
-                        v = acc[i, j]
-                        if has_bias != 0:
-                            v += bias[_u(co)]
-                        if relu == RELU and v < np.float32(0.0):   # not max(): keeps NaN
-                            v = np.float32(0.0)
-                        if relu == RELU_MASK and not dst[at] > np.float32(0.0):
-                            v = np.float32(0.0)
-                        dst[at] = v
+                        dst[at] = _epilogue(acc[i, j], dst, at, bias, _u(co), has_bias, relu)
     return store
+
+
+@cuda.jit(device=True, inline="always")
+def _epilogue(v, dst, at, bias, co, has_bias, relu):
+    """v + bias[co] where has_bias, then `relu`: RELU clamps at 0 (not max(): keeps NaN),
+    RELU_MASK gives 0 where dst[at], the ReLU output, is not positive."""
+    if has_bias != 0:
+        v += bias[co]
+    if relu == RELU and v < np.float32(0.0):
+        v = np.float32(0.0)
+    if relu == RELU_MASK and not dst[at] > np.float32(0.0):
+        v = np.float32(0.0)
+    return v
 
 
 _CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float32[::1], "
@@ -184,6 +190,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
         raise ValueError(f"stride: backward-data is compiled for a stride >= 1, got {stride!r}")
     ST = stride if transposed else 1
     PHASED = transposed and ST > 1
+    PHASES = ST * ST   # (grid z: phase + PHASES * split)
     SPLIT = bool(split)
     BM, BN, BK, TM, TN = t[:5]
     NT = t.threads
@@ -309,8 +316,8 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
         HWI, HWO, RS = HI * WI, HO * WO, R * S
         ph, pw, apart, WP, HWP = 0, 0, 1, WO, HWO   # (every pixel)
         if PHASED:   # this block's phase: its pixels' residues, their first taps
-            ph = (cuda.blockIdx.z % (ST * ST)) // ST
-            pw = cuda.blockIdx.z % (ST * ST) - ph * ST
+            ph = (cuda.blockIdx.z % PHASES) // ST
+            pw = cuda.blockIdx.z % PHASES - ph * ST
             apart = ST
             WP = (WO - pw + ST - 1) // ST
             HWP = ((HO - ph + ST - 1) // ST) * WP
@@ -361,7 +368,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
             steps = RS * chunks
         c0 = r = s = 0
         if SPLIT:
-            k0 = (cuda.blockIdx.z // (ST * ST if PHASED else 1)) * span
+            k0 = (cuda.blockIdx.z // PHASES) * span
             steps = max(min(steps - k0, span), 0)
             tap = k0 // chunks
             c0 = (k0 - tap * chunks) * BK
@@ -410,7 +417,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(A_BUF), buf * _u(B_BUF),
                      tx, ty)
         if SPLIT:   # this split's raw sums, at dst's places in part[split]
-            at = _u(cuda.blockIdx.z // (ST * ST if PHASED else 1)) * _u(dst.size)
+            at = _u(cuda.blockIdx.z // PHASES) * _u(dst.size)
             store(acc, part, bias, 0, RELU_NONE, pix_dst, m0, M, n0, CO, HWO, tx, ty, at)
         else:
             store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty, _u(0))
@@ -794,10 +801,4 @@ def sum_splits_kernel(part, splits, dst, bias, has_bias, relu, CO, HWO):
         v = np.float32(0.0)
         for s in range(splits):
             v += part[s * n + i]
-        if has_bias != 0:
-            v += bias[(i // HWO) % CO]
-        if relu == RELU and v < np.float32(0.0):   # not max(): keeps NaN
-            v = np.float32(0.0)
-        if relu == RELU_MASK and not dst[i] > np.float32(0.0):
-            v = np.float32(0.0)
-        dst[i] = v
+        dst[i] = _epilogue(v, dst, i, bias, (i // HWO) % CO, has_bias, relu)

@@ -253,14 +253,15 @@ def _all_taps(tiles, table, default: Tiles, axis: str, columns: int) -> Tiles | 
 _NO_PARTIALS = [] if backend.PTX_ONLY else [backend.persistent_zeros(1, np.float32)]
 
 
-def _tiled_launch(kernel, t: Tiles, transposed: bool, stride: int, grid: tuple, args: tuple,
-                  dst, bias, has_bias: int, relu: int, steps: int, CO: int, HWO: int, splits,
-                  stream) -> None:
+def _tiled_launch(kernel, t: Tiles, transposed: bool, grid: tuple, args: tuple, steps: int,
+                  splits, stream) -> None:
     """Launch a tiled forward or backward-data `kernel` (grid x, y, phases), or where the
     grid is too small to fill the GPU its variant that splits the reduction of `steps` steps
     (`reduction_splits`' rule: at most two waves, at least 8 steps a block; `splits` forces a
     count), the partials then summed in split order by sum_splits_kernel, which
     applies the bias and `relu`. `args`: the kernel's arguments up to `pad`."""
+    bias, has_bias, relu, dst = args[2:6]
+    CO, HWO, stride = args[10], args[11] * args[12], args[15]
     if splits is None:
         splits = 1 if backend.SIMULATOR else reduction_splits(
             math.prod(grid), steps * t.bk, t.bk, _check.resident_blocks(kernel, t.threads),
@@ -309,8 +310,7 @@ def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, splits=N
     t = _tiles_or(tiles, _FWD, lambda: tuning.conv_choice("fwd", C, K, R, S, stride, TUNED)
                   or _pick_conv_tiles(K))
     grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn), 1)
-    _tiled_launch(_FWD[t], t, False, stride, grid, args, flat_out, args[2], args[3], args[4],
-                  R * S * math.ceil(C / t.bk), K, P * Q, splits, stream)
+    _tiled_launch(_FWD[t], t, False, grid, args, R * S * math.ceil(C / t.bk), splits, stream)
 
 
 def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, splits=None,
@@ -332,12 +332,12 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, 
     # largest phase's pixels along x, the stride^2 phases along z (kernels._conv_kernels)
     phase_pixels = N * math.ceil(H / stride) * math.ceil(W / stride)
     grid = (math.ceil(phase_pixels / t.bm), math.ceil(C / t.bn), stride * stride)
-    flat_dx, relu = dx.reshape(dx.size), RELU_MASK if relu_mask else RELU_NONE
+    relu = RELU_MASK if relu_mask else RELU_NONE
     # (the most steps a phase takes: its taps, at most ceil(R / st) x ceil(S / st))
     steps = math.ceil(R / stride) * math.ceil(S / stride) * math.ceil(K / t.bk)
-    _tiled_launch(_bwd_data_kernel(t, stride), t, True, stride, grid,
-                  (dy.reshape(dy.size), flat_w, flat_w, 0, relu, flat_dx, N, K, P, Q, C, H, W,
-                   R, S, stride, pad), flat_dx, flat_w, 0, relu, steps, C, H * W, splits, stream)
+    _tiled_launch(_bwd_data_kernel(t, stride), t, True, grid,
+                  (dy.reshape(dy.size), flat_w, flat_w, 0, relu, dx.reshape(dx.size), N, K, P,
+                   Q, C, H, W, R, S, stride, pad), steps, splits, stream)
 
 
 class _WgradLaunch(NamedTuple):
