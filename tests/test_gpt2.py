@@ -97,6 +97,24 @@ def test_float16_prefill_then_decode_within_the_rounding_bound():
         model.step(tokens_dev(seq[:, :1]), pos_dev(0), KVCache(HALF, 2, max_len=8))
 
 
+def test_float16_decode_products_are_trans_b_on_tensor_cores(monkeypatch):
+    """In half precision every product of a decode step reads its weight (out, in): the
+    trans_b kernel, which on a GPU is the tensor-core one (gemm.make_decode_mma); the
+    [K, N] decode kernels are SIMT only."""
+    from kernels import gemm
+    seen, real = [], gemm.decode
+    monkeypatch.setattr(gemm, "decode", lambda dk, a, b, *rest, **kw: (
+        seen.append((dk, gemm.mma_fits(a, b, rest[5]))), real(dk, a, b, *rest, **kw))[1])
+    model = GPT2(HALF, random_state_dict(HALF, seed=2), max_batch=2, max_tokens=1,
+                 dtype=np.float16)
+    cache = KVCache(HALF, 2, max_len=4, dtype=np.float16)
+    model.step(tokens_dev(np.array([[1], [2]])), pos_dev(0), cache)
+    assert len(seen) == 4 * HALF.n_layer + 1   # qkv, projection, fc, MLP projection; head
+    assert all(dk.trans_b for dk, _ in seen)
+    if not backend.SIMULATOR:
+        assert all(dk is gemm.MMA_HALF and fits for dk, fits in seen)
+
+
 @pytest.mark.parametrize("most", [False, True], ids=["planned", "most_partials"])
 def test_decode_sums_qkvs_partials_in_attention(most, monkeypatch):
     """Decode on the tile kernel: qkv's projection writes its K-split partials and attention

@@ -96,6 +96,13 @@ def random_state_dict(config: GPT2Config, seed: int = 0) -> dict[str, np.ndarray
                          fan_in_axis=0)
 
 
+# The four projections' weights: Conv1D's (in, out) in float32, where the fused kernels and
+# the [K, N] decode kernels read them so; transposed to Linear's (out, in) in half precision,
+# where only a trans_b product runs on tensor cores (gemm.make_decode_mma)
+_PROJECTIONS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                "mlp.c_proj.weight")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layer:
     ln_1_w: object
@@ -122,6 +129,9 @@ class GPT2:
         self.config = config
         self.max_batch = _check.positive("max_batch", max_batch)
         self.max_tokens = _check.positive("max_tokens", max_tokens, at_most=config.n_positions)
+        if self.dtype != np.float32:   # (out, in): every decode product trans_b, see _half_step
+            params = {k: np.ascontiguousarray(v.T) if k.endswith(_PROJECTIONS) else v
+                      for k, v in params.items()}
         w = on_device_as(params, self.dtype, "GPT-2")
         self.wte, self.wpe = w["transformer.wte.weight"], w["transformer.wpe.weight"]
         self.ln_f_w, self.ln_f_b = w["transformer.ln_f.weight"], w["transformer.ln_f.bias"]
@@ -196,7 +206,9 @@ class GPT2:
         decode GEMMs, attention over the live prefix, the embedding), products and sums in
         float32. The float32 step's fused MLP and fused qkv-attention kernels are float32
         only; here the MLP is two GEMMs (the first with GELU) and qkv a GEMM before
-        attention, as in GPT-J."""
+        attention, as in GPT-J, each against its weight stored (out, in): a trans_b product,
+        which runs on tensor cores (about 1.7x the SIMT [K, N] kernel's rate on GPT-J's
+        shapes, dev/notes/half_precision.md)."""
         C, V, N = self.config.n_embd, self.config.vocab_size, B * T
         x = self._empty("x", B, T, C)
         x2 = reshaped(x, (N, C))
@@ -206,17 +218,18 @@ class GPT2:
         after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
         for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
             qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
-            gemm.gemm(ln, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, stream=stream)
+            gemm.gemm(ln, L.attn_w, reshaped(qkv, (N, 3 * C)), bias=L.attn_b, trans_b=True,
+                      stream=stream)
             att = self._empty(f"h{i}.att", B, T, C)
             attention.attention(qkv, cache.k[i], cache.v[i], pos, att, n_head=self.config.n_head,
                                 rows=cache.rows, stream=stream)
             ln_2 = self._empty(f"h{i}.ln_2", N, C)
-            gemm.gemm(reshaped(att, (N, C)), L.attn_proj_w, x2, bias=L.attn_proj_b,
+            gemm.gemm(reshaped(att, (N, C)), L.attn_proj_w, x2, bias=L.attn_proj_b, trans_b=True,
                       accumulate=True, ln_out=(L.ln_2_w, L.ln_2_b, LN_EPS, ln_2), stream=stream)
             h = self._empty(f"h{i}.fc", N, 4 * C)
-            gemm.gemm(ln_2, L.fc_w, h, bias=L.fc_b, act="gelu", stream=stream)
+            gemm.gemm(ln_2, L.fc_w, h, bias=L.fc_b, act="gelu", trans_b=True, stream=stream)
             ln = self._empty(f"h{i}.ln_next", N, C)
-            gemm.gemm(h, L.mlp_proj_w, x2, bias=L.mlp_proj_b, accumulate=True,
+            gemm.gemm(h, L.mlp_proj_w, x2, bias=L.mlp_proj_b, accumulate=True, trans_b=True,
                       ln_out=(gamma, beta, LN_EPS, ln), stream=stream)
         logits = self._empty("logits", B, T, V)
         gemm.gemm(ln, self.wte, reshaped(logits, (N, V)), trans_b=True, stream=stream)
