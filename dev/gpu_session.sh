@@ -16,7 +16,9 @@
 # 24; wav2vec2_head: the same, stopped at 10 minutes, after the summary's three methods and
 # the two checks, whose summary is written as each ends), end_to_end
 # (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
-# the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py), probes
+# the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py),
+# half_attention (GPT-J's float16 decode attention, strided and grouped kernels against
+# torch's scaled_dot_product_attention, about two minutes: dev/bench/bench_half_attention.py), probes
 # (the kernel cache's test, then where recording GPT-2 takes memory), w2v_profile (a Wav2Vec2
 # training step's kernels, ours beside transformers', half a minute), gptj_profile (GPT-J's
 # decode step's kernels at position 512, ours beside PtGraph's), train_gemm (Wav2Vec2's
@@ -67,6 +69,7 @@ for s in "$@"; do case $s in
   gptj) step gptj 1500 python3 -m experiments gptj --size full ;;
   end_to_end) step end_to_end 1500 python3 -m experiments end_to_end --size full ;;
   half_decode) step half_decode 600 env OUT=$L python3 -m dev.bench.bench_half_decode ;;
+  half_attention) step half_attention 300 python3 -m dev.bench.bench_half_attention ;;
   wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
   wav2vec2_head) step wav2vec2 600 python3 -m experiments wav2vec2_train --size full ;;
   w2v_profile) step w2v_profile 600 python3 -m dev.probe.wav2vec2_profile ;;

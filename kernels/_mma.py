@@ -13,13 +13,29 @@ float16 operand loads and the warp-wide multiply of `kernels.gemm.make_decode_mm
                    16 x 8 float32, four values a lane (PTX ISA, "Matrix fragments for
                    mma.m16n8k16 with floating point type").
 
-GPU only (sm_80 and later): the simulator has no PTX, and nothing here is defined there.
+    halves(w)      the two float16 of uint32 word w (as ld16 packs them) as float32, low
+                   element first (two cvt.f32.f16).
+
+ld16 and halves also have Python stand-ins on the simulator (the same words, packed by
+NumPy), for the SIMT kernels that read float16 rows 16 bytes at a time; ldg16 and mma16816
+are GPU only (sm_80 and later): the simulator has no PTX.
 """
 from __future__ import annotations
 
 from proto.device.backend import SIMULATOR
 
-if not SIMULATOR:
+if SIMULATOR:
+    import numpy as np
+
+    def ld16(src, j):
+        flat = [src[np.unravel_index(int(j) + e, src.shape)] for e in range(8)]
+        return tuple(np.array(flat, np.float16).view(np.uint32))
+
+    def halves(w):
+        lo, hi = np.array([w], np.uint32).view(np.float16).astype(np.float32)
+        return lo, hi
+
+else:
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -51,3 +67,16 @@ if not SIMULATOR:
     ld16 = _load16("ld.global")
 
     mma16816 = warp_mma("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+
+    @intrinsic
+    def halves(typingctx, w):
+        if w != types.uint32:
+            return None
+        sig = types.UniTuple(types.float32, 2)(w)
+
+        def codegen(context, builder, sig, args):
+            return asm_tuple(context, builder, sig,
+                             "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; "
+                             "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+                             "=f,=f,r", [ir.FloatType()] * 2, args)
+        return sig, codegen

@@ -52,6 +52,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, _cpasync, _pdl
+from kernels._mma import halves, ld16
 from kernels._reduce import shfl_xor, warp_allreduce
 from proto.device import backend
 from proto.device.backend import cuda, jit, jit_per_dtype, launch
@@ -161,7 +162,8 @@ class Variant(NamedTuple):
 
 
 def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
-                   use_rows: bool = False, preload: int = 0, dtype=np.float32) -> Variant:
+                   use_rows: bool = False, preload: int = 0, dtype=np.float32,
+                   grouped: bool = False) -> Variant:
     """The attention kernel for head dims up to 32*slots: lane l of a warp holds head dims
     l, l+32, ..., and a warp takes `positions` cache positions per batch, loading all of
     their K and V (2 * positions * slots loads per lane) before using any. `min_blocks`:
@@ -173,11 +175,21 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
     no registers; the rest are loaded as without it. Needs head dims a multiple of 4.
     `dtype`: the storage of qkv, the caches and out (float32 or float16); scores, softmax and
     output are float32 whatever it is (each element converted as loaded, the output rounded
-    once as stored)."""
+    once as stored).
+
+    `grouped` (float16, slots 8): lane l holds head dims 8l .. 8l+7 instead of l, l+32, ...,
+    so a K or V row is one 16-byte load a lane (kernels._mma.ld16) instead of eight 2-byte
+    ones, kept as packed words (half the registers a position) and converted as used. The
+    strided form spends most of its issue slots on loads and addresses at head dim 256 (GPT-J:
+    85 us a layer at position 512 on the H100 against cuDNN's 26). Needs hd a multiple of 8
+    and qkv and the caches 16-byte aligned (`attention` checks)."""
     if preload and use_rows:
         raise ValueError("make_attention: preload reads rows in place, not through a row table")
     if preload and np.dtype(dtype) != np.float32:
         raise ValueError("make_attention: preload copies float32 rows (cp.async, 16 bytes)")
+    if grouped and (np.dtype(dtype) != np.float16 or slots != 8 or preload):
+        raise ValueError("make_attention: grouped reads 8 float16 dims a lane (slots 8, no "
+                         "preload)")
     unit = warps * positions
     kv_size = positions * slots
     width = 32 * slots            # head dims a warp covers
@@ -185,6 +197,14 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
     ml_size = 2 * warps
     pre_size = max(1, preload * width)   # (preload) K, and V, of `preload` positions
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
+    n_words = 4 * positions if grouped else 1   # (grouped) a batch's rows as packed halves
+    float_size = 1 if grouped else kv_size
+    nan_words = np.uint32(0x7E007E00)           # two float16 NaN
+
+    @cuda.jit(device=True, inline="always")
+    def dim(lane, i):
+        """The head dim of a lane's i-th slot."""
+        return 8 * lane + i if grouped else lane + 32 * i
 
     @jit(_att_signature(dtype), writes=("k_cache", "v_cache", "out", "part_o", "part_ml"),
          early_launch=True, **bounds)
@@ -197,8 +217,10 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
         red_o = cuda.shared.array(red_o_size, np.float32)   # per warp: output (width)
         q = cuda.local.array(slots, np.float32)             # this lane's dims of q, scaled
         acc = cuda.local.array(slots, np.float32)           # ... of the output, times exp(-m)
-        kv = cuda.local.array(kv_size, np.float32)          # [r * slots + i] K of a batch
-        vv = cuda.local.array(kv_size, np.float32)          # ... and V
+        kv = cuda.local.array(float_size, np.float32)       # [r * slots + i] K of a batch
+        vv = cuda.local.array(float_size, np.float32)       # ... and V
+        kw = cuda.local.array(n_words, np.uint32)           # (grouped) [r * 4 + w] K words
+        vw = cuda.local.array(n_words, np.uint32)           # ... and V
         sc = cuda.local.array(positions, np.float32)        # the batch's scores
         ahead = cuda.local.array(positions, np.int32)       # (rows) the batch's cache rows
         ks = cuda.shared.array(pre_size, np.float32, alignment=_ALIGN)  # (preload) [r*width+d]
@@ -236,11 +258,11 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
         # q first: its loads need no pos, so they overlap the load of pos.
         scale = np.float32(1.0) / math.sqrt(np.float32(hd))   # float32: no double math
         for i in range(slots):
-            d = _u(min(lane + 32 * i, hd - 1))
+            d = _u(min(dim(lane, i), hd - 1))
             q[i] = qkv[b, t, _u(h * hd) + d] * scale
             acc[i] = ZERO
         for i in range(slots):
-            if lane + 32 * i >= hd:
+            if dim(lane, i) >= hd:
                 q[i] = ZERO  # past hd: q zero, so the clipped K loads add nothing
         if use_rows:   # the first batch's rows, loaded beside pos (their use waits on pos)
             for r in range(positions):
@@ -281,6 +303,18 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                     named = ahead[r]
                     ok = 0 <= named < B
                     row = _u(named if ok else b)
+                if grouped:   # the lane's 8 dims of K and of V: one 16-byte load each
+                    d0 = _u(min(8 * lane, hd - 8))   # (lanes past hd re-read the last 8)
+                    if p < p0:
+                        at = ((row * _u(H) + _u(h)) * _u(Tmax) + p) * _u(hd) + d0
+                        wk, wv = ld16(k_cache, at), ld16(v_cache, at)
+                    else:   # this step's token, from qkv
+                        at = (_u(b) * _u(T) + (p - _u(p0))) * _u(3 * C) + qk + d0
+                        wk, wv = ld16(qkv, at), ld16(qkv, at + _u(C))
+                    for e in range(4):
+                        kw[r * 4 + e] = wk[e] if ok else nan_words
+                        vw[r * 4 + e] = wv[e] if ok else nan_words
+                    continue
                 for i in range(slots):
                     d = _u(min(lane + 32 * i, hd_last))  # q is 0 on dims past hd
                     if preload and p < p0 and p - _u(lo) < _u(n_pre):   # copied: see above
@@ -297,8 +331,14 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                     ahead[r] = rows[b, _u(min(first + unit + r, Tmax - 1))]
             for r in range(positions):
                 partial = ZERO
-                for i in range(slots):
-                    partial += q[i] * kv[r * slots + i]
+                if grouped:
+                    for e in range(4):
+                        lo, hi_ = halves(kw[r * 4 + e])
+                        partial += q[2 * e] * lo
+                        partial += q[2 * e + 1] * hi_
+                else:
+                    for i in range(slots):
+                        partial += q[i] * kv[r * slots + i]
                 sc[r] = warp_allreduce(partial, False)
             m_new = m
             for r in range(positions):
@@ -313,15 +353,21 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                     if first + r < hi:
                         pr = math.exp(sc[r] - m_new)
                         l_sum += pr
-                        for i in range(slots):
-                            acc[i] += pr * vv[r * slots + i]
+                        if grouped:
+                            for e in range(4):
+                                lo, hi_ = halves(vw[r * 4 + e])
+                                acc[2 * e] += pr * lo
+                                acc[2 * e + 1] += pr * hi_
+                        else:
+                            for i in range(slots):
+                                acc[i] += pr * vv[r * slots + i]
                 m = m_new
         # Merge the warps in order: o = sum_w exp(m_w - M) o_w, likewise the sums.
         if lane == 0:
             red_ml[warp] = m
             red_ml[warps + warp] = l_sum
         for i in range(slots):
-            d = lane + 32 * i
+            d = dim(lane, i)
             if d < hd:
                 red_o[warp * width + d] = acc[i]
         cuda.syncthreads()
@@ -346,7 +392,8 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                     part_ml[bh, t, split, 1] = total
 
     return Variant(attention_kernel, 32 * warps, unit, width,
-                   (slots, positions, warps, min_blocks), use_rows, np.dtype(dtype))
+                   (slots, positions, warps, min_blocks) + (("grouped",) if grouped else ()),
+                   use_rows, np.dtype(dtype))
 
 
 # make_attention_groups' kernel repeats make_attention's start (the guard on pos, the cache
@@ -796,6 +843,14 @@ _WITH_ROWS = {(v.config, v.dtype): (make_attention_groups(*ROWS_GROUPS_CONFIG, d
               for pair in _PLAIN.values() for v in pair}
 assert all(_WITH_ROWS[(v.config, v.dtype)].max_hd >= v.max_hd
            for pair in _PLAIN.values() for v in pair)
+# float16 past head dim 64 (GPT-J's 256), where qkv and the caches are 16-byte aligned: the
+# grouped form, plain and with the row table; 4 positions a warp a batch, as many registers
+# of K and V as the strided form's 2 (packed halves). ptxas, sm_90: 75 and 76 registers at
+# 3 blocks an SM, no spill (unbounded 78 and 86, the row table's 2 an SM); the strided
+# float16 kernel takes 110 (2 an SM). Not yet timed against it: dev.bench.bench_half_attention
+GROUPED_CONFIG = (8, 4, 8, 3) if not backend.SIMULATOR else (8, 2, 1)
+_GROUPED = {rows: make_attention(*GROUPED_CONFIG, use_rows=rows, dtype=HALF, grouped=True)
+            for rows in (False, True)}
 attention_kernel = SMALL.kernel
 
 
@@ -869,10 +924,13 @@ def gather_batch_kernels(src, index, length, width, fixed, dst):
 
 
 # ---------------------------------------------------------------------------- launchers
-def kernel_for(hd: int, rows: bool = False, dtype=np.float32) -> Variant:
+def kernel_for(hd: int, rows: bool = False, dtype=np.float32, aligned: bool = False) -> Variant:
     """The kernel variant `attention` launches for head dim hd, with or without a row table,
-    for caches of `dtype`."""
+    for caches of `dtype`; `aligned`: qkv and the caches 16-byte aligned (float16 past head
+    dim 64 then takes the grouped form)."""
     small, large = _PLAIN[np.dtype(dtype)]
+    if hd > small.max_hd and np.dtype(dtype) == HALF and hd % 8 == 0 and aligned:
+        return _GROUPED[rows]
     plain = small if hd <= small.max_hd else large
     return _WITH_ROWS[(plain.config, plain.dtype)] if rows else plain
 
@@ -890,14 +948,15 @@ def _plan(B: int, H: int, T: int, Tmax: int, hd: int, variant: Variant | None = 
 
 
 def _choose(B: int, H: int, T: int, k_cache, v_cache, rows, tile: bool = True,
-            preload: bool = True) -> tuple[Variant, int, int]:
+            preload: bool = True, qkv=None) -> tuple[Variant, int, int]:
     """(kernel variant, splits, span) `attention` launches for validated arguments."""
     Tmax, hd = k_cache.shape[2], k_cache.shape[3]
-    # (the row-table kernel is planned by its own batch of positions)
-    variant, splits, span = _plan(B, H, T, Tmax, hd,
-                                  kernel_for(hd, rows is not None, k_cache.dtype))
     aligned = (hd % 4 == 0 and backend.address(k_cache) % 16 == 0
                and backend.address(v_cache) % 16 == 0)   # (cp.async copies 16 bytes)
+    rows_16 = aligned and qkv is not None and backend.address(qkv) % 16 == 0
+    # (the row-table kernel is planned by its own batch of positions)
+    variant, splits, span = _plan(B, H, T, Tmax, hd,
+                                  kernel_for(hd, rows is not None, k_cache.dtype, rows_16))
     if (tile and aligned and hd <= SMALL_TILE.max_hd and span <= SMALL_TILE.unit
             and variant in (SMALL, _WITH_ROWS[(SMALL.config, SMALL.dtype)])):
         variant = SMALL_TILE_ROWS if rows is not None else SMALL_TILE   # the same plan
@@ -978,7 +1037,7 @@ def attention(qkv, k_cache, v_cache, pos, out, *, n_head, rows=None, qkv_bias=No
         rows_arg = backend.empty((1, 1), np.int32, "attention.no_rows")
     else:
         rows_arg = _check.device_array("rows", rows, dtype=np.int32, shape=(B, Tmax))
-    variant, splits, span = _choose(B, n_head, T, k_cache, v_cache, rows, tile, preload)
+    variant, splits, span = _choose(B, n_head, T, k_cache, v_cache, rows, tile, preload, qkv)
     if qkv_bias is not None:
         _check.device_array("qkv_bias", qkv_bias, shape=(C3,))
         if not _sums(variant, parts):

@@ -165,3 +165,28 @@ def test_gptj_beam_decode_shape_in_half_precision(use_rows):
     rows = rng.integers(0, B, (B, Tmax)).astype(np.int32) if use_rows else None
     out, _, _ = _run(qkv, kc, vc, pos, H, rows)
     _assert_within_bound(out, qkv, kc, vc, pos, H, rows)
+
+
+@pytest.mark.parametrize("hd,T,with_rows", [(256, 1, False), (256, 1, True), (80, 2, False),
+                                            (256, 3, True)])
+def test_grouped_half_precision_kernel_within_the_derived_bound(hd, T, with_rows):
+    """Past head dim 64, float16 with aligned qkv and caches takes the grouped kernel (a lane's
+    8 dims as one 16-byte load): within the bound, this step's k and v copied exactly, and a
+    row outside the batch gives NaN where it is read."""
+    B, H, Tmax, pos = 3, 2, 21, 13
+    rng = np.random.default_rng(hd + T)
+    qkv, kc, vc = _halves(rng, B, T, 3 * H * hd), _halves(rng, B, H, Tmax, hd), \
+        _halves(rng, B, H, Tmax, hd)
+    rows = rng.integers(0, B, (B, Tmax)).astype(np.int32) if with_rows else None
+    variant = attention._choose(B, H, T, dev(kc), dev(vc), rows, qkv=dev(qkv))[0]
+    assert "grouped" in variant.config and variant.use_rows == with_rows
+    out, k_after, _ = _run(qkv, kc, vc, pos, H, rows)
+    _assert_within_bound(out, qkv, kc, vc, pos, H, rows)
+    want_k = kc.copy()
+    want_k[:, :, pos:pos + T] = qkv.reshape(B, T, 3, H, hd)[:, :, 1].transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(k_after, want_k)
+    if with_rows:
+        rows[1, 4] = B   # sequence 1 reads position 4 from a row that does not exist
+        out, _, _ = _run(qkv, kc, vc, pos, H, rows)
+        assert np.isnan(out[1].astype(np.float32)).all()
+        assert not np.isnan(out[[0, 2]].astype(np.float32)).any()
