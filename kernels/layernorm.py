@@ -6,9 +6,10 @@ kernel serves the rest: rows those fused paths do not take, and `gemm(..., ln_ou
 outside the decode path.
 
 Rows of up to 1024 run a warp a row, the row in the lanes' registers, reduced by shuffles
-(kernels._reduce.WARP_ELEMS); wider rows a block a row. Two passes over the row: the mean,
-then the mean of (x - mean)^2, which avoids the cancellation of E[x^2] - mean^2 on rows with
-a large mean.
+(kernels._reduce.WARP_ELEMS); wider rows a block a row, the row in the threads' registers up
+to 16 values a thread (ROW_ELEMS: GPT-J's 4096 at 256 threads), read from memory once;
+wider still, read again for each pass. Two passes over the row: the mean, then the mean of
+(x - mean)^2, which avoids the cancellation of E[x^2] - mean^2 on rows with a large mean.
 
 x, gamma, beta and out are float32 or float16 (one dtype a launch); the statistics and the
 normalization are float32 either way, and a float16 result is rounded once, as it is stored.
@@ -132,6 +133,48 @@ def _make_layernorm_warp_kernel(E: int):
 _LAYERNORM_WARP = {E: _make_layernorm_warp_kernel(E) for E in WARP_ELEMS}
 
 
+def _make_layernorm_row_kernel(E: int):
+    """A block a row, E values a thread (column t + i * blockDim) held in registers: every
+    load of the row, gamma and beta issued before the first reduction, one memory round
+    trip. (The kernel that re-reads the row for each pass took 11.6 us a launch on GPT-J's
+    5 rows of 4096 on the H100, each pass waiting on its loads.)"""
+    E2 = 2 * E   # (local array sizes must be plain constants)
+
+    @jit_per_dtype(_SIGNATURE, writes=("out",), in_place=(("out", "x"),))
+    def layernorm_row_kernels(x, gamma, beta, out, eps):
+        red = cuda.shared.array(64, np.float32)
+        vals = cuda.local.array(E, np.float32)
+        gb = cuda.local.array(E2, np.float32)
+        row, t, step = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+        n = x.shape[1]
+        inv_n = _ONE / np.float32(n)
+        for i in range(E):   # past n, column n-1 is re-read (never counted or stored)
+            jj = min(t + i * step, n - 1)
+            vals[i] = x[row, jj]
+            gb[i] = gamma[jj]
+            gb[E + i] = beta[jj]
+        s = _ZERO
+        for i in range(E):
+            if t + i * step < n:
+                s += vals[i]
+        mean = block_allreduce(s, False, red, 0) * inv_n
+        s = _ZERO
+        for i in range(E):
+            if t + i * step < n:
+                d = vals[i] - mean
+                s += d * d
+        rstd = _ONE / math.sqrt(block_allreduce(s, False, red, 32) * inv_n + eps)
+        for i in range(E):   # each element written by the thread that read it: out may be x
+            j = t + i * step
+            if j < n:
+                out[row, j] = (vals[i] - mean) * rstd * gb[i] + gb[E + i]
+    return layernorm_row_kernels
+
+
+ROW_ELEMS = (8, 16)   # values a thread of the row kernel holds
+_LAYERNORM_ROW = {E: _make_layernorm_row_kernel(E) for E in ROW_ELEMS}
+
+
 # ---------------------------------------------------------------------------- launcher
 def block_threads(n: int, at_most: int) -> int:
     """Threads per block for a row of n: a power of two (the tree reductions need one) giving
@@ -161,8 +204,10 @@ def layernorm(x, gamma, beta, out, *, eps=1e-5, stream=0):
         launch(_LAYERNORM_WARP[E][dtype], *warp_grid(rows), (x, gamma, beta, out, np.float32(eps)),
                stream)
         return
-    launch(layernorm_kernels[dtype], rows, block_threads(cols, MAX_THREADS),
-           (x, gamma, beta, out, np.float32(eps)), stream)
+    threads = block_threads(cols, MAX_THREADS)
+    E = next((e for e in ROW_ELEMS if cols <= threads * e), None)
+    kernel = layernorm_kernels if E is None else _LAYERNORM_ROW[E]   # (None: too wide)
+    launch(kernel[dtype], rows, threads, (x, gamma, beta, out, np.float32(eps)), stream)
 
 
 # ---------------------------------------------------------------------------- backward

@@ -37,6 +37,32 @@ def test_each_warp_width_and_past_it_in_place(cols):
     np.testing.assert_allclose(dx.copy_to_host(), L.layernorm_ref(x, gamma, beta), atol=2e-4, rtol=1e-4)
 
 
+# Past the warp kernels: the narrowest row the block kernels take, each row kernel's widest
+# (8 and 16 values a thread at the most threads a block) and one past it, the last read
+# from memory for each pass
+ROW_COLS = [32 * max(WARP_ELEMS) + 1] + [c for e in L.ROW_ELEMS
+                                         for c in (e * L.MAX_THREADS, e * L.MAX_THREADS + 1)]
+
+
+@pytest.mark.parametrize("cols", ROW_COLS)
+def test_block_rows_in_registers_and_past_them_in_place(cols):
+    rng = np.random.default_rng(cols)
+    x = rand(rng, 3, cols) + np.float32(100.0)
+    gamma, beta = rand(rng, cols), rand(rng, cols)
+    dx = dev(x)
+    L.layernorm(dx, dev(gamma), dev(beta), dx)
+    np.testing.assert_allclose(dx.copy_to_host(), L.layernorm_ref(x, gamma, beta), atol=2e-4,
+                               rtol=1e-4)
+    h = (rng.standard_normal((3, cols)) + 10.0).astype(np.float16)
+    gh, bh = (rng.standard_normal(cols).astype(np.float16) for _ in range(2))
+    out = dev(np.full(h.shape, np.nan, np.float16))
+    L.layernorm(dev(h), dev(gh), dev(bh), out)
+    want, xh, sigma = _layernorm64(h, gh, bh, 1e-5)
+    err = np.abs(out.copy_to_host().astype(np.float64) - want) - _half_bound(h, gh, bh, want,
+                                                                              xh, sigma)
+    assert np.all(err <= 0), float(err.max())
+
+
 def test_in_place_and_eps():
     rng = np.random.default_rng(3)
     x = rand(rng, 3, 37)
