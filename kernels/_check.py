@@ -139,12 +139,9 @@ def same_shape(names_arrays) -> None:
 
 
 @functools.cache
-@functools.cache
 def resident_blocks(kernel, threads: int) -> int:
     """How many blocks of `kernel` (`threads` each) the whole device runs at once: one wave.
-    2 on the simulator (one block at a time there; 2 still exercises grid strides).
-    Remembered: the launchers that size their grids by it ask at every launch, and the
-    answer (a driver occupancy query) is fixed for a compiled kernel."""
+    2 on the simulator (one block at a time there; 2 still exercises grid strides)."""
     from proto.device.backend import SIMULATOR
     if SIMULATOR:
         return 2

@@ -123,10 +123,10 @@ RELU_MASK = 2   # backward-data: dst holds the ReLU output y that fed the convol
 
 def _tile_store(TM: int, TN: int, row, col):
     """A device function store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO,
-    tx, ty, offset): a forward (or backward-data) thread's TM x TN outputs, + bias, then the
-    `relu` epilogue (RELU_NONE, RELU or RELU_MASK), at dst's places + offset."""
+    tx, ty): a forward (or backward-data) thread's TM x TN outputs, + bias, then the `relu`
+    epilogue (RELU_NONE, RELU or RELU_MASK)."""
     @cuda.jit(device=True)
-    def store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty, offset):
+    def store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty):
         for i in range(TM):
             mm = row(tx, i)
             if m0 + mm < M:
@@ -134,45 +134,28 @@ def _tile_store(TM: int, TN: int, row, col):
                 for j in range(TN):
                     co = n0 + col(ty, j)
                     if co < CO:
-                        at = _u(out_base + co * HWO) + offset
-                        dst[at] = _epilogue(acc[i, j], dst, at, bias, _u(co), has_bias, relu)
+                        at = _u(out_base + co * HWO)
+                        v = acc[i, j]
+                        if has_bias != 0:
+                            v += bias[_u(co)]
+                        if relu == RELU and v < np.float32(0.0):   # not max(): keeps NaN
+                            v = np.float32(0.0)
+                        if relu == RELU_MASK and not dst[at] > np.float32(0.0):
+                            v = np.float32(0.0)
+                        dst[at] = v
     return store
-
-
-@cuda.jit(device=True, inline="always")
-def _epilogue(v, dst, at, bias, co, has_bias, relu):
-    """v + bias[co] where has_bias, then `relu`: RELU clamps at 0 (not max(): keeps NaN),
-    RELU_MASK gives 0 where dst[at], the ReLU output, is not positive."""
-    if has_bias != 0:
-        v += bias[co]
-    if relu == RELU and v < np.float32(0.0):
-        v = np.float32(0.0)
-    if relu == RELU_MASK and not dst[at] > np.float32(0.0):
-        v = np.float32(0.0)
-    return v
 
 
 _CONV_SIG = ("void(float32[::1], float32[::1], float32[::1], int32, int32, float32[::1], "
              "int32, int32, int32, int32, int32, int32, int32, int32, int32, int32, int32)")
-# ... and the tiled kernels' K split: part (splits x dst's size), span (steps a split; 0: none)
-_CONV_SPLIT_SIG = _CONV_SIG[:-1] + ", float32[::1], int32)"
 
 
-def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
-                     split: bool = False):
+def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None):
     """Forward (transposed=False) or backward-data (True) implicit GEMM for tile shape `t`.
 
     Arguments: src (N, CI, HI, WI), w, bias, has_bias, relu, dst (N, CO, HO, WO), then
-    N, CI, HI, WI, CO, HO, WO, R, S, stride, pad, part, span. Forward: w is (CO, CI, R, S);
-    backward-data reads dy as src and w (CI, CO, R, S), i.e. the forward weight with its
-    roles swapped. Without `split` (part and span unused) each block runs every step of the
-    reduction and writes dst. With it the reduction (taps x channel chunks, in steps of BK)
-    is split into runs of `span` steps, grid z = (phases) x splits, and block z writes its
-    raw sums at dst's places in part[split] (zeros past the reduction's end), for
-    `sum_splits_kernel` to add in split order and finish: where the grid is under a
-    wave (a short layer), a block's latency a step times its many steps is the whole launch,
-    and the split divides it. (A kernel of its own: the split's start and its store kept
-    registers that made the tensor tiles spill when one kernel did both.)
+    N, CI, HI, WI, CO, HO, WO, R, S, stride, pad. Forward: w is (CO, CI, R, S); backward-data
+    reads dy as src and w (CI, CO, R, S), i.e. the forward weight with its roles swapped.
     `stride` (backward-data, which is compiled for one stride, launched with that one):
     at 1 every tap feeds every output pixel (VGG's layers). Past 1 backward-data runs by
     phase: at stride st a pixel (h, w) takes only the taps r = h + pad (mod st),
@@ -190,8 +173,6 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
         raise ValueError(f"stride: backward-data is compiled for a stride >= 1, got {stride!r}")
     ST = stride if transposed else 1
     PHASED = transposed and ST > 1
-    PHASES = ST * ST   # (grid z: phase + PHASES * split)
-    SPLIT = bool(split)
     BM, BN, BK, TM, TN = t[:5]
     NT = t.threads
     # Staging (stager): the patch tile walks pixels (contiguous in src), so all the elements
@@ -307,17 +288,16 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
         left = min(CO - co, BN - nn) if c < CI else 0   # columns left for this thread
         gather_b(regs, w, _u64(first) if left > 0 else _u64(0), gap, left)
 
-    @jit(_CONV_SPLIT_SIG, writes=("dst", "part"), **regs)
-    def conv_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S, stride,
-                    pad, part, span):
+    @jit(_CONV_SIG, writes=("dst",), **regs)
+    def conv_kernel(src, w, bias, has_bias, relu, dst, N, CI, HI, WI, CO, HO, WO, R, S, stride, pad):
         tid = _u(cuda.threadIdx.x)
         tx, ty = place(tid)   # (what multiply, row and col take)
         m0, n0 = cuda.blockIdx.x * BM, cuda.blockIdx.y * BN
         HWI, HWO, RS = HI * WI, HO * WO, R * S
         ph, pw, apart, WP, HWP = 0, 0, 1, WO, HWO   # (every pixel)
         if PHASED:   # this block's phase: its pixels' residues, their first taps
-            ph = (cuda.blockIdx.z % PHASES) // ST
-            pw = cuda.blockIdx.z % PHASES - ph * ST
+            ph = cuda.blockIdx.z // ST
+            pw = cuda.blockIdx.z - ph * ST
             apart = ST
             WP = (WO - pw + ST - 1) // ST
             HWP = ((HO - ph + ST - 1) // ST) * WP
@@ -357,31 +337,16 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
         # the loads made during the step before and issues its successor's before it
         # computes: the global memory latency overlaps the multiply-adds instead of stalling
         # every warp at the barrier.
-        # A split starts at step k0 = split * span: tap k0 // chunks of the phase's taps (s
-        # fastest), channel chunk k0 % chunks.
-        chunks = (CI + BK - 1) // BK
-        if PHASED:   # the phase's taps, stride apart; none where r0 or s0 is past the kernel
-            along_s = (S - s0 + ST - 1) // ST
-            steps = ((R - r0 + ST - 1) // ST) * along_s * chunks
-        else:
-            along_s = S
-            steps = RS * chunks
         c0 = r = s = 0
-        if SPLIT:
-            k0 = (cuda.blockIdx.z // PHASES) * span
-            steps = max(min(steps - k0, span), 0)
-            tap = k0 // chunks
-            c0 = (k0 - tap * chunks) * BK
-            if along_s > 0:   # (none: a phase without taps, no steps)
-                r, s = tap // along_s, tap % along_s
-        if PHASED:
-            r, s = r0 + ST * r, s0 + ST * s
-        if PHASED or SPLIT:
-            steps = steps if m0 < M else 0
+        if PHASED:   # the phase's taps, stride apart; none where r0 or s0 is past the kernel
+            r, s = r0, s0
+            taps = ((R - r0 + ST - 1) // ST) * ((S - s0 + ST - 1) // ST)
+            steps = taps * ((CI + BK - 1) // BK) if m0 < M else 0
             if steps > 0:
-                load_a(a_next, src, pix, a_kk, c0, r, s, CI, HI, WI, HWI)
-                load_b(b_next, w, b_kk, b_nn, c0, n0, r * S + s, CI, CO, RS)
+                load_a(a_next, src, pix, a_kk, 0, r, s, CI, HI, WI, HWI)
+                load_b(b_next, w, b_kk, b_nn, 0, n0, r * S + s, CI, CO, RS)
         else:
+            steps = RS * ((CI + BK - 1) // BK)
             load_a(a_next, src, pix, a_kk, 0, 0, 0, CI, HI, WI, HWI)
             load_b(b_next, w, b_kk, b_nn, 0, n0, 0, CI, CO, RS)
         for step in range(steps):
@@ -416,11 +381,7 @@ def make_conv_kernel(t: Tiles, transposed: bool, stride: int | None = None,
                 load_b(b_next, w, b_kk, b_nn, c0, n0, r * S + s, CI, CO, RS)
             multiply(acc, a_reg, b_reg, a_tile, b_tile, buf * _u(A_BUF), buf * _u(B_BUF),
                      tx, ty)
-        if SPLIT:   # this split's raw sums, at dst's places in part[split]
-            at = _u(cuda.blockIdx.z // PHASES) * _u(dst.size)
-            store(acc, part, bias, 0, RELU_NONE, pix_dst, m0, M, n0, CO, HWO, tx, ty, at)
-        else:
-            store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty, _u(0))
+        store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty)
 
     return conv_kernel
 
@@ -661,7 +622,7 @@ def make_conv_taps_kernel(t: Tiles):
                 b_tile[jj * _u(BNP) + nn] = v
         cuda.syncthreads()
         multiply(acc, a_reg, b_reg, a_tile, b_tile, _u(0), _u(0), tx, ty)
-        store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty, _u(0))
+        store(acc, dst, bias, has_bias, relu, pix_dst, m0, M, n0, CO, HWO, tx, ty)
 
     return conv_taps_kernel
 
@@ -787,18 +748,13 @@ def make_wgrad_taps_kernel(t: Tiles):
     return wgrad_taps_kernel
 
 
-@jit("void(float32[::1], int32, float32[::1], float32[::1], int32, int32, int32, int32)",
-     writes=("dst",))
-def sum_splits_kernel(part, splits, dst, bias, has_bias, relu, CO, HWO):
-    """dst[i] = part[0*n + i] + part[1*n + i] + ..., always in that order (n = dst.size),
-    then the convolution's epilogue: + bias[channel of i] where has_bias (channels CO, HWO
-    pixels each), then `relu` as the conv kernel's store applies it (RELU_MASK reads dst's
-    old value, the ReLU output). The weight gradients' partials take neither (has_bias 0,
-    RELU_NONE; bias then a placeholder never read)."""
-    start, step = cuda.grid(1), cuda.gridsize(1)
-    n = dst.size
-    for i in range(start, n, step):
-        v = np.float32(0.0)
+@jit("void(float32[::1], float32[::1], int32)", writes=("out",))
+def sum_splits_kernel(part, out, splits):
+    """out[i] = part[0*n + i] + part[1*n + i] + ..., always in that order (n = out.size)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    n = out.size
+    for i in range(start, n, stride):
+        acc = np.float32(0.0)
         for s in range(splits):
-            v += part[s * n + i]
-        dst[i] = _epilogue(v, dst, i, bias, (i // HWO) % CO, has_bias, relu)
+            acc += part[s * n + i]
+        out[i] = acc

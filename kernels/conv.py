@@ -20,10 +20,9 @@ split reductions; how the kernels work is in kernels._conv_kernels.
 Tiles: by output channels (`_pick_conv_tiles`), or for a layer whose forward or
 backward-data this GPU's measured table names (kernels.tuning, section "conv"), that one.
 
-A forward or backward-data whose grid is too small to fill the GPU (a short layer: Wav2Vec2's
-last encoder layers are 52 blocks at the longest input, each walking 128 steps) splits its
-reduction too, by the weight gradient's rule (`reduction_splits`): each split's block writes
-raw sums to scratch, and one more launch adds them in split order and applies bias and ReLU.
+Forward and backward-data keep their reduction whole: split as the weight gradient's is where
+their grid was under two waves (Wav2Vec2's short encoder layers), they ran slower on the H100
+than with K whole (bench_conv1d's "K never split" rows, in dev/notes/wav2vec2.md).
 """
 from __future__ import annotations
 
@@ -137,20 +136,6 @@ def _bwd_data_kernel(t: Tiles, stride: int):
     if (t, stride) not in _BWD_DATA:
         _BWD_DATA[t, stride] = make_conv_kernel(t, transposed=True, stride=stride)
     return _BWD_DATA[t, stride]
-
-
-# The variants that split their reduction (short layers), for the same strides at import
-_SPLIT = {(t, transposed, st): make_conv_kernel(t, transposed, st, split=True)
-          for t in _CONV_TILES for transposed, st in ((False, None), (True, 1), (True, 2))}
-
-
-def _split_kernel(t: Tiles, transposed: bool, stride: int):
-    key = (t, transposed, stride if transposed else None)
-    if key not in _SPLIT:
-        _SPLIT[key] = make_conv_kernel(t, transposed, key[2], split=True)
-    return _SPLIT[key]
-
-
 _WGRAD = _build(_WGRAD_TILES, make_wgrad_kernel)
 _WGRAD_TAPS = _build(GPU_WGRAD_TAPS_TILES + (SIM_WGRAD_TAPS_TILES if backend.SIMULATOR else ()),
                      make_wgrad_taps_kernel)
@@ -193,13 +178,14 @@ def _pick_wgrad_tiles(K: int, C: int) -> Tiles:
 PARTIAL_ROUND = 0.625
 
 
-def reduction_splits(base_blocks: int, L: int, bk: int, wave: int, sms: int) -> int:
-    """How many ways to split a reduction of L rows (the weight gradient's N*P*Q; the forward's
-    and backward-data's steps x bk) in steps of bk. The grid is `base_blocks` x splits blocks
-    of equal work; the busiest of the `sms` SMs gets ceil(blocks / sms) of them and runs
-    wave // sms at a time, so it takes full rounds plus maybe a last one (PARTIAL_ROUND), of
-    blocks 1/splits as long. Take the fewest splits within 1% of the least time, among at
-    most two waves' worth of blocks and at least 8 steps a block.
+def wgrad_splits(base_blocks: int, L: int, bk: int, wave: int, sms: int) -> int:
+    """How many ways to split a weight gradient's reduction of L rows in steps of bk
+    (conv2d_bwd_weight's N*P*Q; kernels.conv1d's grouped one, its B * ceil(T_out / depth)
+    steps of depth rows). The grid is `base_blocks` x splits blocks of equal work; the
+    busiest of the `sms` SMs gets ceil(blocks / sms) of them and runs wave // sms at a time,
+    so it takes full rounds plus maybe a last one (PARTIAL_ROUND), of blocks 1/splits as
+    long. Take the fewest splits within 1% of the least time, among at most two waves' worth
+    of blocks and at least 8 steps a block.
 
     Measured on the H200 (kernel_speed): the plain rule (splits for two waves: 531 blocks of
     a 264-block wave) left a third round of a few blocks; VGG's 256-channel layer's weight
@@ -248,38 +234,6 @@ def _all_taps(tiles, table, default: Tiles, axis: str, columns: int) -> Tiles | 
     return t
 
 
-# The partials argument of a tiled forward or backward-data launch that does not split
-# (never touched)
-_NO_PARTIALS = [] if backend.PTX_ONLY else [backend.persistent_zeros(1, np.float32)]
-
-
-def _tiled_launch(kernel, t: Tiles, transposed: bool, grid: tuple, args: tuple, steps: int,
-                  splits, stream) -> None:
-    """Launch a tiled forward or backward-data `kernel` (grid x, y, phases), or where the
-    grid is too small to fill the GPU its variant that splits the reduction of `steps` steps
-    (`reduction_splits`' rule: at most two waves, at least 8 steps a block; `splits` forces a
-    count), the partials then summed in split order by sum_splits_kernel, which
-    applies the bias and `relu`. `args`: the kernel's arguments up to `pad`."""
-    bias, has_bias, relu, dst = args[2:6]
-    CO, HWO, stride = args[10], args[11] * args[12], args[15]
-    if splits is None:
-        splits = 1 if backend.SIMULATOR else reduction_splits(
-            math.prod(grid), steps * t.bk, t.bk, _check.resident_blocks(kernel, t.threads),
-            _check.sm_count())
-    splits = _check.positive("splits", splits)
-    span = -(-steps // splits)
-    splits = -(-steps // span) if steps else 1   # (no empty split)
-    if splits == 1:
-        launch(kernel, grid, t.threads, (*args, _NO_PARTIALS[0], 0), stream)
-        return
-    part = backend.empty((splits * dst.size,), np.float32, "conv.partials")
-    launch(_split_kernel(t, transposed, stride), (grid[0], grid[1], grid[2] * splits),
-           t.threads, (*args, part, span), stream)
-    blocks, threads = _check.grid_stride_launch(dst.size)
-    launch(sum_splits_kernel, blocks, threads,
-           (part, splits, dst, bias, has_bias, relu, CO, HWO), stream)
-
-
 def _tiles_or(tiles, table, pick):
     if tiles is None:
         return pick()
@@ -288,33 +242,32 @@ def _tiles_or(tiles, table, pick):
     return tiles
 
 
-def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, splits=None,
-           stream=0):
+def conv2d(x, w, bias, out, *, stride=1, pad=0, relu=False, tiles=None, stream=0):
     """out = conv2d(x, w) + bias, then max(., 0) if `relu`.  x (N,C,H,W), w (K,C,R,S),
     bias (K,) or None, out (N,K,P,Q) with P = (H + 2*pad - R)//stride + 1.
-    `tiles` forces a tile shape, `splits` the tiled kernel's reduction split (tests)."""
+    `tiles` forces a tile shape (tests)."""
     _check.device_array("x", x, ndim=4)
     stride, pad, (N, C, H, W, K, R, S, P, Q) = _check_geometry(x.shape, w, stride, pad)
     _check.device_array("out", out, shape=(N, K, P, Q))
     relu = _check.flag("relu", relu)
     if bias is not None:
         _check.device_array("bias", bias, shape=(K,))
-    flat_w, flat_out = w.reshape(w.size), out.reshape(out.size)
-    args = (x.reshape(x.size), flat_w, flat_w if bias is None else bias, int(bias is not None),
-            RELU if relu else RELU_NONE, flat_out, N, C, H, W, K, P, Q, R, S, stride, pad)
-    t = _all_taps(tiles, _FWD_TAPS, _FWD_TAPS_TILE, "bk", C * R * S)
-    if t is not None:   # all the taps in one step
-        launch(_FWD_TAPS[t], (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn)), t.threads,
-               args, stream)
-        return
-    t = _tiles_or(tiles, _FWD, lambda: tuning.conv_choice("fwd", C, K, R, S, stride, TUNED)
-                  or _pick_conv_tiles(K))
-    grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn), 1)
-    _tiled_launch(_FWD[t], t, False, grid, args, R * S * math.ceil(C / t.bk), splits, stream)
+    t = _all_taps(tiles, _FWD_TAPS, _FWD_TAPS_TILE, "bk", C * R * S)   # all in one step
+    if t is not None:
+        kernel = _FWD_TAPS[t]
+    else:
+        t = _tiles_or(tiles, _FWD, lambda: tuning.conv_choice("fwd", C, K, R, S, stride, TUNED)
+                      or _pick_conv_tiles(K))
+        kernel = _FWD[t]
+    flat_w = w.reshape(w.size)
+    grid = (math.ceil(N * P * Q / t.bm), math.ceil(K / t.bn))
+    launch(kernel, grid, t.threads,
+           (x.reshape(x.size), flat_w, flat_w if bias is None else bias, int(bias is not None),
+            RELU if relu else RELU_NONE, out.reshape(out.size), N, C, H, W, K, P, Q, R, S, stride,
+            pad), stream)
 
 
-def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, splits=None,
-                    stream=0):
+def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, stream=0):
     """dx = gradient of conv2d's input. dy (N,K,P,Q), w (K,C,R,S), dx (N,C,H,W) (written).
 
     relu_mask: dx holds, on entry, the ReLU output y that was conv2d's input; it becomes the
@@ -332,12 +285,9 @@ def conv2d_bwd_data(dy, w, dx, *, stride=1, pad=0, relu_mask=False, tiles=None, 
     # largest phase's pixels along x, the stride^2 phases along z (kernels._conv_kernels)
     phase_pixels = N * math.ceil(H / stride) * math.ceil(W / stride)
     grid = (math.ceil(phase_pixels / t.bm), math.ceil(C / t.bn), stride * stride)
-    relu = RELU_MASK if relu_mask else RELU_NONE
-    # (the most steps a phase takes: its taps, at most ceil(R / st) x ceil(S / st))
-    steps = math.ceil(R / stride) * math.ceil(S / stride) * math.ceil(K / t.bk)
-    _tiled_launch(_bwd_data_kernel(t, stride), t, True, grid,
-                  (dy.reshape(dy.size), flat_w, flat_w, 0, relu, dx.reshape(dx.size), N, K, P,
-                   Q, C, H, W, R, S, stride, pad), steps, splits, stream)
+    launch(_bwd_data_kernel(t, stride), grid, t.threads,
+           (dy.reshape(dy.size), flat_w, flat_w, 0, RELU_MASK if relu_mask else RELU_NONE,
+            dx.reshape(dx.size), N, K, P, Q, C, H, W, R, S, stride, pad), stream)
 
 
 class _WgradLaunch(NamedTuple):
@@ -364,8 +314,8 @@ def _wgrad_launch(geometry, tiles, splits) -> _WgradLaunch:
     elif backend.SIMULATOR:   # one split: there blocks only cost time
         n_split = 1
     else:
-        n_split = reduction_splits(math.prod(grid), L, t.bk,
-                                   _check.resident_blocks(kernel, t.threads), _check.sm_count())
+        n_split = wgrad_splits(math.prod(grid), L, t.bk, _check.resident_blocks(kernel, t.threads),
+                               _check.sm_count())
     chunk = math.ceil(math.ceil(L / n_split) / t.bk) * t.bk
     return _WgradLaunch(kernel, t, grid, math.ceil(L / chunk), chunk)
 
@@ -422,8 +372,7 @@ def conv2d_bwd_weight(x, dy, dw, db, *, stride=1, pad=0, tiles=None, splits=None
     if n_split > 1:
         for part, out in ((part_w, flat_dw),) + (((part_b, db),) if db is not None else ()):
             blocks, threads = _check.grid_stride_launch(out.size)
-            launch(sum_splits_kernel, blocks, threads,
-                   (part, n_split, out, part, 0, RELU_NONE, 1, 1), stream)
+            launch(sum_splits_kernel, blocks, threads, (part, out, n_split), stream)
 
 
 def conv2d_flops(N, C, K, R, S, P, Q) -> float:

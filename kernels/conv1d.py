@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels import _check, conv
-from kernels._conv_kernels import RELU_NONE, sum_splits_kernel
+from kernels._conv_kernels import sum_splits_kernel
 from kernels._reduce import block_reduce
 from kernels._tf32 import mma_tile
 from kernels._tile import Tiles, grid_place
@@ -680,7 +680,7 @@ class _GroupedWgradPlan(NamedTuple):
 def _grouped_wgrad_plan(B, C, K, T_out, groups, k, tiles, splits) -> _GroupedWgradPlan:
     """The weight gradient's launch: a block per (tap tile, output channel tile, input
     channel), its B * ceil(T_out / depth) steps split `splits` ways (on a GPU, by
-    kernels.conv.reduction_splits: enough blocks for the device, at least 8 steps a block)."""
+    kernels.conv.wgrad_splits: enough blocks for the device, at least 8 steps a block)."""
     t = (SIM_GROUPED_WGRAD_TILES if backend.SIMULATOR else GPU_GROUPED_WGRAD_TILES)[0] \
         if tiles is None else tiles
     if t not in _WGRAD:
@@ -693,8 +693,8 @@ def _grouped_wgrad_plan(B, C, K, T_out, groups, k, tiles, splits) -> _GroupedWgr
         n = 1
     else:
         kernel = _WGRAD[t]
-        n = conv.reduction_splits(math.prod(grid), total * t.depth, t.depth,
-                                  _check.resident_blocks(kernel, t.threads), _check.sm_count())
+        n = conv.wgrad_splits(math.prod(grid), total * t.depth, t.depth,
+                              _check.resident_blocks(kernel, t.threads), _check.sm_count())
     steps = -(-total // min(n, total))
     n = -(-total // steps)
     if n * C > _MAX_GRID_Z:
@@ -727,8 +727,8 @@ def conv1d_grouped_bwd_weight(x, dy, dw, db, *, groups, pad, tiles=None, splits=
            (backend.reshaped(x, (x.size,)), flat_dy, part, B, C, T, K, T_out, groups, k, pad,
             plan.steps), stream)
     if plan.splits > 1:
-        launch(sum_splits_kernel, *_check.grid_stride_launch(dw.size),
-               (part, plan.splits, flat_dw, part, 0, RELU_NONE, 1, 1), stream)
+        launch(sum_splits_kernel, *_check.grid_stride_launch(dw.size), (part, flat_dw, plan.splits),
+               stream)
     if db is not None:
         launch(bias_grad_kernel, K, _RED_THREADS, (flat_dy, db, B, K, T_out), stream)
 

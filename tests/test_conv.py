@@ -77,36 +77,6 @@ def test_conv2d_backward_data_through_a_relu_goes_over_its_output(data, scale):
     assert_sum_close(got[passes], full[passes], c["K"] * c["R"] ** 2)
 
 
-# A tap-major tile of this backend (the all-taps forward takes small layers otherwise)
-TAP_MAJOR = conv.SIM_CONV_TILES[1] if backend.SIMULATOR else conv.GPU_CONV_TILES[0]
-
-
-@given(data=st.data(), splits=st.integers(2, 6))
-def test_a_split_reduction_matches_reference(data, splits, scale):
-    """The forward and backward-data with their reduction split (more splits than steps
-    included: those write zeros) and the partials summed by the epilogue launch: bias and
-    ReLU (forward), the ReLU mask (backward-data) applied once, to the sum."""
-    c = data.draw(conv_cases(scale))
-    x, w, b, dy = _arrays(c)
-    geometry = dict(stride=c["stride"], pad=c["pad"], tiles=TAP_MAJOR, splits=splits)
-    out = dev(np.full(dy.shape, np.nan, np.float32))
-    bias = b if c["bias"] else None
-    conv.conv2d(dev(x), dev(w), None if bias is None else dev(bias), out, relu=c["relu"],
-                **geometry)
-    ref = conv.conv2d_ref(x, w, bias, stride=c["stride"], pad=c["pad"], relu=c["relu"])
-    assert_sum_close(out, ref, c["C"] * c["R"] ** 2)
-    dx = dev(np.full(x.shape, np.nan, np.float32))
-    conv.conv2d_bwd_data(dev(dy), dev(w), dx, **geometry)
-    full = conv.conv2d_bwd_data_ref(dy, w, x.shape, stride=c["stride"], pad=c["pad"])
-    assert_sum_close(dx, full, c["K"] * c["R"] ** 2)
-    y = relu_output(np.random.default_rng(c["seed"] + 1), x.shape)
-    dx = dev(y)
-    conv.conv2d_bwd_data(dev(dy), dev(w), dx, relu_mask=True, **geometry)
-    got, passes = dx.copy_to_host(), y > 0
-    assert (got[~passes] == 0).all()
-    assert_sum_close(got[passes], full[passes], c["K"] * c["R"] ** 2)
-
-
 @given(data=st.data(), splits=st.sampled_from([None, 1, 3]))
 def test_conv2d_backward_weight_matches_reference(data, splits, scale):
     c = data.draw(conv_cases(scale))
@@ -260,7 +230,7 @@ def test_gpu_all_taps_forward_tile_on_a_small_problem(tiles):
        per_sm=st.integers(1, 8))
 def test_wgrad_splits_stay_within_their_bounds(base, L, sms, per_sm):
     wave = sms * per_sm
-    s = conv.reduction_splits(base, L, 16, wave, sms)
+    s = conv.wgrad_splits(base, L, 16, wave, sms)
     assert 1 <= s <= max(1, L // 128)                  # at least 8 steps of 16 a block
     assert base * s <= max(base, 2 * wave + base)      # at most about two waves of blocks
 
@@ -270,9 +240,9 @@ def test_wgrad_splits_of_vggs_layers_are_the_ones_measured_fastest():
     # 9 blocks a split, 2 an SM: 29 splits (261 blocks, one round) beat 59 (531, a third round
     # of 3 blocks); the 256-channel layer's 36: 7 (252) ran 18% faster than 15 (540); the
     # 512-channel layer's 144: 4 (576) ran 3.5% faster than 3 (432).
-    assert conv.reduction_splits(9, 4 * 12544, 16, 264, 132) == 29
-    assert conv.reduction_splits(36, 16 * 3136, 16, 264, 132) == 7
-    assert conv.reduction_splits(144, 64 * 784, 16, 264, 132) == 4
+    assert conv.wgrad_splits(9, 4 * 12544, 16, 264, 132) == 29
+    assert conv.wgrad_splits(36, 16 * 3136, 16, 264, 132) == 7
+    assert conv.wgrad_splits(144, 64 * 784, 16, 264, 132) == 4
 
 
 def test_all_taps_wgrad_refuses_a_layer_wider_than_its_tile():

@@ -95,11 +95,6 @@ def main(argv=None):
             x4, w4 = x.reshape(B, C, 1, T), w.reshape(K, C, 1, k)
             out4, dy4, dx4 = (a.reshape(a.shape[0], a.shape[1], 1, a.shape[2]) for a in (out, dy, dx))
             dw4 = dw.reshape(K, C, 1, k)
-            # the library's choice with its reduction never split (kernels.conv splits the
-            # forward and backward-data of grids under two waves)
-            row("the same, K never split", 2.0 * B * K * T_out * C * k,
-                [lambda: conv.conv2d(x4, w4, None, out4, stride=s, splits=1),
-                 lambda: conv.conv2d_bwd_data(dy4, w4, dx4, stride=s, splits=1)], None)
             for t, tw in zip(conv.GPU_CONV_MMA_TILES, conv.GPU_WGRAD_MMA_TILES):
                 want = [run_and_copy(r, d) for r, d in zip(runs, (out, dx, dw))]
                 size = conv.wgrad_workspace_size(x4.shape, dw4.shape, stride=s, tiles=tw)

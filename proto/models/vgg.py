@@ -429,9 +429,8 @@ def _conv_fwd(L, x, y, workspace=None):
         if workspace:
             winograd.conv2d(_get(a, x), a[w], a[b], _get(a, y), pad=1, relu=True,
                             workspace=a[workspace], stream=stream)
-        else:   # (never split: its scratch would lie outside the tape the policies budget)
-            conv.conv2d(_get(a, x), a[w], a[b], _get(a, y), pad=1, relu=True, splits=1,
-                        stream=stream)
+        else:
+            conv.conv2d(_get(a, x), a[w], a[b], _get(a, y), pad=1, relu=True, stream=stream)
     return run, lambda x, w, b: [conv.conv2d_ref(x, w, b, pad=1, relu=True)]
 
 
@@ -453,9 +452,9 @@ def _conv_bwd_data(L, dy, dx, mask, x_shape, workspace=None):
         if workspace:
             winograd.conv2d_bwd_data(_get(a, dy), a[w], _get(a, dx), pad=1, relu_mask=mask,
                                      workspace=a[workspace], stream=stream)
-        else:   # (never split, as the forward)
+        else:
             conv.conv2d_bwd_data(_get(a, dy), a[w], _get(a, dx), pad=1, relu_mask=mask,
-                                 splits=1, stream=stream)
+                                 stream=stream)
 
     def ref(w, dy, *y):   # y: the ReLU output, read when masked
         g = conv.conv2d_bwd_data_ref(dy, w, x_shape, pad=1)
