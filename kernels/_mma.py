@@ -40,7 +40,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from kernels._ptx import asm_tuple, element_address, warp_mma
+    from kernels._ptx import asm_tuple, element_address, tuple_asm, warp_mma
 
     def _load16(instruction: str):
         """An intrinsic (src, j) -> four uint32 loading `src`'s float16 elements j .. j+7
@@ -68,15 +68,6 @@ else:
 
     mma16816 = warp_mma("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
 
-    @intrinsic
-    def halves(typingctx, w):
-        if w != types.uint32:
-            return None
-        sig = types.UniTuple(types.float32, 2)(w)
-
-        def codegen(context, builder, sig, args):
-            return asm_tuple(context, builder, sig,
-                             "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; "
-                             "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
-                             "=f,=f,r", [ir.FloatType()] * 2, args)
-        return sig, codegen
+    halves = tuple_asm(types.uint32, types.float32, 2,
+                       "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; "
+                       "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }", "=f,=f,r")

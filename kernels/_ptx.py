@@ -42,6 +42,22 @@ def asm_tuple(context, builder, sig, text: str, constraints: str, out_types, arg
                               [builder.extract_value(out, i) for i in range(len(out_types))])
 
 
+def tuple_asm(in_type, out_type, count: int, text: str, constraints: str):
+    """An intrinsic (x) -> `count` values of `out_type`: PTX `text` (no side effects) on x of
+    Numba type `in_type`, its outputs $0 .. $count-1, x $count."""
+    @intrinsic
+    def op(typingctx, x):
+        if x != in_type:
+            return None
+        sig = types.UniTuple(out_type, count)(x)
+
+        def codegen(context, builder, sig, args):
+            return asm_tuple(context, builder, sig, text, constraints,
+                             [context.get_value_type(out_type)] * count, args)
+        return sig, codegen
+    return op
+
+
 def warp_mma(text: str):
     """An intrinsic (a0..a3, b0, b1, c0..c3) -> (d0..d3): D = A B + C for one warp by the
     mma.sync instruction `text` (its A fragment four uint32 a lane, B two, C and D four

@@ -127,7 +127,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from kernels._ptx import asm_tuple, warp_mma
+    from kernels._ptx import tuple_asm, warp_mma
 
     @cuda.jit(device=True)
     def converge():
@@ -135,23 +135,14 @@ else:
         gather loops a thread's own count), and mma.sync.aligned needs all 32 lanes."""
         cuda.syncwarp(0xFFFFFFFF)
 
-    @intrinsic
-    def split(typingctx, x):
-        if x != types.float32:
-            return None
-        sig = types.UniTuple(types.uint32, 2)(x)
-
-        def codegen(context, builder, sig, args):
-            # big by cvt.rna.tf32.f32 (4 SASS instructions: it keeps NaN, which the integer
-            # add would carry into the sign: 0x7FFFFFFF, the GPU's NaN, became -0.0); small
-            # by the integer add on the bits (2): the rest is finite unless x is not, and
-            # then big carries the infinity or NaN. x - big is exact (big is x rounded).
-            return asm_tuple(context, builder, sig,
-                             "{ .reg .b32 t; .reg .f32 f; cvt.rna.tf32.f32 $0, $2; "
-                             "mov.b32 f, $0; sub.f32 f, $2, f; mov.b32 t, f; "
-                             "add.u32 t, t, 0x1000; and.b32 $1, t, 0xFFFFE000; }",
-                             "=r,=r,f", [ir.IntType(32)] * 2, args)
-        return sig, codegen
+    # big by cvt.rna.tf32.f32 (4 SASS instructions: it keeps NaN, which the integer add would
+    # carry into the sign: 0x7FFFFFFF, the GPU's NaN, became -0.0); small by the integer add
+    # on the bits (2): the rest is finite unless x is not, and then big carries the infinity
+    # or NaN. x - big is exact (big is x rounded).
+    split = tuple_asm(types.float32, types.uint32, 2,
+                      "{ .reg .b32 t; .reg .f32 f; cvt.rna.tf32.f32 $0, $2; "
+                      "mov.b32 f, $0; sub.f32 f, $2, f; mov.b32 t, f; "
+                      "add.u32 t, t, 0x1000; and.b32 $1, t, 0xFFFFE000; }", "=r,=r,f")
 
     mma1688 = warp_mma("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
 
