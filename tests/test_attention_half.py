@@ -163,6 +163,7 @@ def test_gptj_beam_decode_shape_in_half_precision(use_rows):
     qkv, kc, vc = _halves(rng, B, 1, 3 * H * hd), _halves(rng, B, H, Tmax, hd), \
         _halves(rng, B, H, Tmax, hd)
     rows = rng.integers(0, B, (B, Tmax)).astype(np.int32) if use_rows else None
+    assert "grouped" in attention._choose(B, H, 1, dev(kc), dev(vc), rows, qkv=dev(qkv))[0].config
     out, _, _ = _run(qkv, kc, vc, pos, H, rows)
     _assert_within_bound(out, qkv, kc, vc, pos, H, rows)
 
