@@ -333,9 +333,9 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                 partial = ZERO
                 if grouped:
                     for e in range(4):
-                        lo, hi_ = halves(kw[r * 4 + e])
-                        partial += q[2 * e] * lo
-                        partial += q[2 * e + 1] * hi_
+                        k0, k1 = halves(kw[r * 4 + e])
+                        partial += q[2 * e] * k0
+                        partial += q[2 * e + 1] * k1
                 else:
                     for i in range(slots):
                         partial += q[i] * kv[r * slots + i]
@@ -355,9 +355,9 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                         l_sum += pr
                         if grouped:
                             for e in range(4):
-                                lo, hi_ = halves(vw[r * 4 + e])
-                                acc[2 * e] += pr * lo
-                                acc[2 * e + 1] += pr * hi_
+                                v0, v1 = halves(vw[r * 4 + e])
+                                acc[2 * e] += pr * v0
+                                acc[2 * e + 1] += pr * v1
                         else:
                             for i in range(slots):
                                 acc[i] += pr * vv[r * slots + i]
