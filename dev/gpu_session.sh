@@ -2,9 +2,12 @@
 # A GPU session's runs, in the background so that each `run` call can poll (a call lasts at
 # most 10 minutes; the session has 30 of device time). Steps by name, in the order given:
 #
-#   run(command="PROTO_GIT_COMMIT=<12 hex> setsid nohup bash dev/gpu_session.sh lane \
-#       graph_memory sanitize > /dev/null 2>&1 & sleep 2; bash dev/gpu_session.sh poll 540")
+#   run(command="PROTO_GIT_COMMIT=<12 hex> PROTO_GPU_SECONDS=<budget_left_s> setsid nohup \
+#       bash dev/gpu_session.sh lane graph_memory sanitize > /dev/null 2>&1 & sleep 2; \
+#       bash dev/gpu_session.sh poll 540")
 #   run(command="bash dev/gpu_session.sh poll 540")          # again until "all done"
+#   run(command="bash dev/gpu_session.sh left 900; bash dev/gpu_session.sh poll 540")
+#                       # (the first reply's budget_left_s: the steps fit what is truly left)
 #
 # Steps: lane (the GPU tests, 9 processes, then the files that read memory alone: 11.5
 # minutes on the H100 at c1693fa, about 8 since the isolation tests' children load no
@@ -37,6 +40,9 @@
 # /tmp/gpu_session/<step>.txt; poll tars them with the copy's results/ and figures/ into $OUT. Commit results only under the folder of the card that ran them.
 set -u
 L=/tmp/gpu_session
+if [ "${1:-}" = left ]; then   # the device seconds left now, from a `run` reply's lease
+  echo $(( $(date +%s) + $2 - 90 )) > $L/deadline; exit 0
+fi
 if [ "${1:-}" = poll ]; then
   end=$((SECONDS + ${2:-540}))
   while [ $SECONDS -lt $end ] && ! grep -q "all done" $L/steps.txt 2>/dev/null; do sleep 5; done
@@ -50,10 +56,22 @@ rm -rf $L; mkdir -p $L/tree   # (a warm machine keeps the last session's)
 # writes under results/ and figures/ while it runs (the sanitizer's logs, open for writing).
 cp -a . $L/tree/ && cd $L/tree
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
+# The device time left: PROTO_GPU_SECONDS at the start (`status`' budget_left_s less a few
+# minutes for the machine to come), corrected by `gpu_session.sh left <budget_left_s>` from a
+# later call's reply. Each step's limit is cut to what is left, less 90 s for the last poll,
+# and a step with under a minute left is skipped: the steps given first run whole, and a long
+# last one (wav2vec2 writes its summary as each method ends) stops in time for its files to
+# come back.
+echo $(( $(date +%s) + ${PROTO_GPU_SECONDS:-100000} - 90 )) > $L/deadline
 step() { local name=$1 secs=$2; shift 2
-  echo "$(date -u +%T) start $name" >> $L/steps.txt
+  local left=$(( $(cat $L/deadline) - $(date +%s) ))
+  if [ $left -lt 60 ]; then
+    echo "$(date -u +%T) skip $name ($left s of device time left)" >> $L/steps.txt; return; fi
+  [ $secs -gt $left ] && secs=$left
+  echo "$(date -u +%T) start $name (limit $secs s)" >> $L/steps.txt
   timeout -k 10 $secs "$@" > $L/$name.txt 2>&1
-  echo "$(date -u +%T) end $name rc=$?" >> $L/steps.txt; }
+  local rc=$?   # (before the date's substitution, which resets $?)
+  echo "$(date -u +%T) end $name rc=$rc" >> $L/steps.txt; }
 # the host too: transformers' eager step is partly bound by its host's launches
 { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.max.sm --format=csv,noheader
   lscpu | grep -E "Model name|^CPU\(s\)|MHz"; uptime
