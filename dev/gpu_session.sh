@@ -94,9 +94,8 @@ for s in "$@"; do case $s in
   gptj_profile) step gptj_profile 600 python3 -m dev.probe.gptj_profile ;;
   train_gemm) step train_gemm 600 python3 -m dev.bench.bench_train_gemm ;;
   train_gemm_mma) step train_gemm_mma 600 python3 -m dev.bench.bench_train_gemm 120 --mma ;;
-  tune) step tune 600 python3 -m dev.bench.bench_train_gemm 120 199 65 --mma --write
-        step tune_conv 300 python3 -m dev.bench.bench_conv1d --write ;;
-  tune_conv) step tune_conv 300 python3 -m dev.bench.bench_conv1d --write ;;
+  tune) step tune 600 python3 -m dev.bench.bench_train_gemm 120 199 65 --mma --write ;&
+  tune_conv) step tune_conv 300 python3 -m dev.bench.bench_conv1d --write ;;   # (tune too)
   gemm_ncu)   # Nsight Compute's counters for the GEMM tiles, where the machine has ncu
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
           2>/dev/null | head -1)

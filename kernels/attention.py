@@ -953,10 +953,10 @@ def _choose(B: int, H: int, T: int, k_cache, v_cache, rows, tile: bool = True,
     Tmax, hd = k_cache.shape[2], k_cache.shape[3]
     aligned = (hd % 4 == 0 and backend.address(k_cache) % 16 == 0
                and backend.address(v_cache) % 16 == 0)   # (cp.async copies 16 bytes)
-    rows_16 = aligned and qkv is not None and backend.address(qkv) % 16 == 0
+    loads16 = aligned and qkv is not None and backend.address(qkv) % 16 == 0   # (grouped)
     # (the row-table kernel is planned by its own batch of positions)
     variant, splits, span = _plan(B, H, T, Tmax, hd,
-                                  kernel_for(hd, rows is not None, k_cache.dtype, rows_16))
+                                  kernel_for(hd, rows is not None, k_cache.dtype, loads16))
     if (tile and aligned and hd <= SMALL_TILE.max_hd and span <= SMALL_TILE.unit
             and variant in (SMALL, _WITH_ROWS[(SMALL.config, SMALL.dtype)])):
         variant = SMALL_TILE_ROWS if rows is not None else SMALL_TILE   # the same plan
