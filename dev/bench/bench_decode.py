@@ -305,6 +305,22 @@ B_ATT, H_ATT, HD, TMAX = 5, 12, 64, 1024
 ATT_VARIANTS = [(2, 8, 8), (2, 4, 8), (2, 8, 4), (2, 4, 4), (2, 2, 8)]
 
 
+def launch_attention(variant, qkv, k, v, pos, out, rows, target, stream) -> None:
+    """One decode step (T = 1) of attention `variant` as `kernels.attention.attention` would
+    launch it, but with the variant and the split target given: the kernel, then the combine
+    where the cache is split."""
+    B, H, Tmax, hd = k.shape
+    _, splits, span = A._plan(B, H, 1, Tmax, hd, variant, target)
+    part_o = backend.empty((B * H, 1, splits, hd), np.float32, "attention.partials")
+    part_ml = backend.empty((B * H, 1, splits, 2), np.float32, "attention.stats")
+    launch(variant.kernel, (B * H, 1, splits), variant.threads,
+           (qkv, k, v, pos, out, np.int32(span), part_o, part_ml, rows), stream)
+    if splits > 1:
+        launch(A.attention_combine_kernels[np.dtype(out.dtype)], (B * H, 1),
+               _check.warp_threads(hd), (pos, np.int32(Tmax), np.int32(span), part_o, part_ml,
+                                         out), stream)
+
+
 class AttentionCase:
     def __init__(self):
         C = H_ATT * HD
@@ -325,20 +341,8 @@ class AttentionCase:
         self.rows = cuda.to_device(np.repeat(np.arange(B_ATT, dtype=np.int32)[:, None], TMAX, 1))
 
     def call(self, variant, i, stream, target):
-        qkv, k, v, out = self.qkv[i], self.k[i], self.v[i], self.out[i]
-        _, splits, span = A._plan(B_ATT, H_ATT, 1, TMAX, HD, variant, target)
-        if splits > 1:
-            part_o = backend.empty((B_ATT * H_ATT, 1, splits, HD), np.float32, "attention.partials")
-            part_ml = backend.empty((B_ATT * H_ATT, 1, splits, 2), np.float32, "attention.stats")
-        else:
-            part_o = backend.empty((1, 1, 1, 1), np.float32, "attention.partials")
-            part_ml = backend.empty((1, 1, 1, 2), np.float32, "attention.stats")
-        launch(variant.kernel, (B_ATT * H_ATT, 1, splits), variant.threads,
-               (qkv, k, v, self.pos, out, np.int32(span), part_o, part_ml,
-                self.rows if variant.use_rows else self.no_rows), stream)
-        if splits > 1:
-            launch(A.attention_combine_kernels[np.dtype(np.float32)], (B_ATT * H_ATT, 1), _check.warp_threads(HD),
-                   (self.pos, np.int32(TMAX), np.int32(span), part_o, part_ml, out), stream)
+        launch_attention(variant, self.qkv[i], self.k[i], self.v[i], self.pos, self.out[i],
+                         self.rows if variant.use_rows else self.no_rows, target, stream)
 
     def check(self, variant, pos, target) -> float:
         qkv = RNG.standard_normal((B_ATT, 1, 3 * self.C), dtype=np.float32)

@@ -18,9 +18,9 @@ import sys
 import numpy as np
 
 from dev.bench import bench_decode as bd
-from kernels import _check, attention as A
+from kernels import attention as A
 from proto.device import backend
-from proto.device.backend import cuda, launch
+from proto.device.backend import cuda
 
 B, H, HD, TMAX = 5, 16, 256, 1024
 HALF = np.float16
@@ -46,16 +46,8 @@ class Case:
         self.rows = cuda.to_device(np.repeat(np.arange(B, dtype=np.int32)[:, None], TMAX, 1))
 
     def call(self, variant, i, stream, target):
-        _, splits, span = A._plan(B, H, 1, TMAX, HD, variant, target)
-        part_o = backend.empty((B * H, 1, max(splits, 1), HD), np.float32, "bench.partials")
-        part_ml = backend.empty((B * H, 1, max(splits, 1), 2), np.float32, "bench.stats")
-        launch(variant.kernel, (B * H, 1, splits), variant.threads,
-               (self.qkv[i], self.k[i], self.v[i], self.pos, self.out[i], np.int32(span),
-                part_o, part_ml, self.rows), stream)
-        if splits > 1:
-            launch(A.attention_combine_kernels[np.dtype(HALF)], (B * H, 1),
-                   _check.warp_threads(HD), (self.pos, np.int32(TMAX), np.int32(span), part_o,
-                                             part_ml, self.out[i]), stream)
+        bd.launch_attention(variant, self.qkv[i], self.k[i], self.v[i], self.pos, self.out[i],
+                            self.rows, target, stream)
 
     def reference(self, pos):
         q = self.qkv_host.astype(np.float64).reshape(B, 3, H, HD)
