@@ -845,10 +845,11 @@ assert all(_WITH_ROWS[(v.config, v.dtype)].max_hd >= v.max_hd
            for pair in _PLAIN.values() for v in pair)
 # float16 past head dim 64 (GPT-J's 256), where qkv and the caches are 16-byte aligned: the
 # grouped form, plain and with the row table; 4 positions a warp a batch, as many registers
-# of K and V as the strided form's 2 (packed halves). ptxas, sm_90: 75 and 76 registers at
-# 3 blocks an SM, no spill (unbounded 78 and 86, the row table's 2 an SM); the strided
-# float16 kernel takes 110 (2 an SM). Not yet timed against it: dev.bench.bench_half_attention
-GROUPED_CONFIG = (8, 4, 8, 3) if not backend.SIMULATOR else (8, 2, 1)
+# of K and V as the strided form's 2 (packed halves). Timed on the H100 with the row table
+# at GPT-J's decode shape (results/h100/profiles/bench_half_attention_aa0562a.txt): 4 warps
+# at 4 blocks an SM 26.8 us, 8 warps at 3 30.5, torch's scaled_dot_product_attention 27.1,
+# the strided float16 kernel 93.2 (110 registers, 2 blocks an SM).
+GROUPED_CONFIG = (8, 4, 4, 4) if not backend.SIMULATOR else (8, 2, 1)
 _GROUPED = {rows: make_attention(*GROUPED_CONFIG, use_rows=rows, dtype=HALF, grouped=True)
             for rows in (False, True)}
 attention_kernel = SMALL.kernel

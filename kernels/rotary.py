@@ -14,8 +14,10 @@ k * 2 pi for k < 2^16, and the rest) and turned into a cosine and a sine by the 
 approximations (within 2^-21.4 there): libdevice's cosf and sinf carry a float64 path for
 huge arguments, and no kernel here computes in float64.
 
-A thread a pair: B*T rows of 2 * H * R/2 pairs, a block a row. float32 or float16 (computed in
-float32, rounded once as it is stored).
+A block a row's head of q or of k (grid B*T x 2H), a thread a pair: a decode step's few rows
+spread over many SMs, where a block a row left GPT-J's beam of 5 on 5 SMs, each thread's
+turns waiting on one another's loads (6.5 us a launch on the H100). float32 or float16
+(computed in float32, rounded once as it is stored).
 """
 from __future__ import annotations
 
@@ -36,19 +38,17 @@ _INV_TWO_PI = np.float32(1 / (2 * math.pi))
 @jit_per_dtype("void({t}[:, :, ::1], int32[::1], int32, int32)", writes=("qkv",))
 def rotary_kernels(qkv, pos, n_head, rotary_dim):
     T = qkv.shape[1]
-    row = cuda.blockIdx.x
+    row, which_head = cuda.blockIdx.x, cuda.blockIdx.y   # (q | k) * n_head + head
     b, t = row // T, row % T
     half = rotary_dim // 2
     hd = qkv.shape[2] // (3 * n_head)
     p = np.float32(np.int32(pos[0] + t))   # (int32 first: an int64 converts through float64)
-    for pair in range(cuda.threadIdx.x, 2 * n_head * half, cuda.blockDim.x):
-        which, rest = pair // (n_head * half), pair % (n_head * half)   # q (0) or k (1)
-        h, i = rest // half, rest % half
+    for i in range(cuda.threadIdx.x, half, cuda.blockDim.x):
         angle = p * math.pow(_BASE, np.float32(np.int32(-2 * i)) / np.float32(rotary_dim))
         k = rintf(angle * _INV_TWO_PI)
         r = (angle - k * _TWO_PI_HI) - k * _TWO_PI_LO
         c, s = fast_cosf(r), fast_sinf(r)
-        j = which * n_head * hd + h * hd + 2 * i
+        j = which_head * hd + 2 * i   # (q's heads, then k's: k starts at n_head * hd)
         x, y = np.float32(qkv[b, t, j]), np.float32(qkv[b, t, j + 1])
         qkv[b, t, j] = x * c - y * s
         qkv[b, t, j + 1] = x * s + y * c
@@ -68,6 +68,6 @@ def rotary(qkv, pos, *, n_head, rotary_dim, stream=0) -> None:
     rotary_dim = _check.positive("rotary_dim", rotary_dim, at_most=hd)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim: expected an even number, got {rotary_dim}")
-    pairs = n_head * rotary_dim   # (2 * n_head * rotary_dim / 2)
-    launch(rotary_kernels[dtype], B * T, _check.warp_threads(min(pairs, 256)),
+    launch(rotary_kernels[dtype], (B * T, 2 * n_head),
+           _check.warp_threads(min(rotary_dim // 2, 256)),
            (qkv, pos, np.int32(n_head), np.int32(rotary_dim)), stream)
