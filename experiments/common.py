@@ -107,13 +107,17 @@ def _atomic(path: pathlib.Path):
 
 
 def write_csv(name: str, rows: list[dict]) -> pathlib.Path:
-    """Write rows (dicts with the same keys) plus provenance columns to results/<device>/<name>.csv."""
+    """Write rows (dicts with the same keys) plus provenance columns to results/<device>/<name>.csv.
+    A row that already has provenance columns (one kept from an earlier run at this commit:
+    `rows_of_this_commit`) keeps its own, its date above all; the columns stay in the row's
+    order, provenance last."""
     if not rows:
         raise ValueError(f"{name}: no rows to write")
     path = results_dir() / f"{name}.csv"
-    stamped = [{**row, **provenance()} for row in rows]
+    stamped = [{**provenance(), **row} for row in rows]
+    fields = [k for k in stamped[0] if k not in provenance()] + list(provenance())
     with _atomic(path) as tmp, tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(stamped[0].keys()))
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(stamped)
     return path
@@ -124,11 +128,69 @@ def read_csv(name: str, device: str | None = None) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def write_summary(name: str, summary: dict) -> pathlib.Path:
-    path = results_dir() / f"{name}.summary.json"
+def of_this_commit(stamp: dict) -> bool:
+    """Whether a stored row or result (`stamp`: its provenance columns) was measured at this
+    run's commit on this run's device, where that commit is a clean one: a '-dirty' tree or
+    an 'unknown' commit cannot vouch that its earlier results ran the same code, so they
+    never merge with a later run's."""
+    here = provenance()
+    commit = here["git_commit"]
+    return (commit != "unknown" and not commit.endswith("-dirty")
+            and stamp.get("git_commit") == commit and stamp.get("device") == here["device"])
+
+
+def rows_of_this_commit(name: str, exclude_methods=(), text=()) -> list[dict]:
+    """The rows of results/<device>/<name>.csv that a run of some methods keeps: those an
+    earlier run measured at this commit on this device (`of_this_commit`: clean commits
+    only), except the methods in `exclude_methods` (this run measures them again). So an
+    experiment longer than a GPU session can run its methods over several sessions at one
+    commit; rows of other commits and devices are dropped (the CSV is rewritten). Each cell
+    comes back as the value written (None, bool, int, float; provenance columns and those
+    named in `text` as written)."""
+    path = results_dir() / f"{name}.csv"
+    if not path.exists():
+        return []
+    as_written = {*provenance(), "method", *text}
+    return [{k: v if k in as_written else _cell(v) for k, v in row.items()}
+            for row in read_csv(name)
+            if of_this_commit(row) and row.get("method") not in exclude_methods]
+
+
+def runs(rows: list[dict]) -> dict:
+    """{date: [method, ...]}: which of `rows` ran together, in one run (the date it stamped
+    on its rows). A summary says it beside its ratios, which only set side by side two
+    methods of one run (same machine, same hour)."""
+    together: dict = {}
+    for r in rows:
+        together.setdefault(r.get("date"), []).append(r["method"])
+    return together
+
+
+def _cell(text: str | None):
+    """A CSV cell as the value a run wrote: '' is None, True/False, an int or float, else
+    the text itself."""
+    if text in ("", None):
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def write_json(name: str, data) -> pathlib.Path:
+    """results/<device>/<name>.json, written whole or not at all."""
+    path = results_dir() / f"{name}.json"
     with _atomic(path) as tmp:
-        tmp.write_text(json.dumps({**summary, "provenance": provenance()}, indent=2) + "\n")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def write_summary(name: str, summary: dict) -> pathlib.Path:
+    return write_json(f"{name}.summary", {**summary, "provenance": provenance()})
 
 
 def read_summary(name: str, device: str | None = None) -> dict:

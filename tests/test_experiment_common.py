@@ -69,3 +69,52 @@ def test_significant_keeps_a_small_rate_nonzero_and_its_leading_digits(x, digits
     got = common.significant(x, digits)
     assert got > 0
     assert abs(got - x) <= 0.5 * 10 ** (math.floor(math.log10(x)) - digits + 1) * (1 + 1e-9)
+
+
+HERE = {"device": "GPU A", "git_commit": "abc123", "numpy": "2.1",
+        "date": "2026-12-08T10:00:00Z"}
+EARLIER = {**HERE, "date": "2026-12-07T09:00:00Z"}
+
+
+def test_a_run_keeps_the_rows_of_its_commit_and_device_for_the_other_methods(results,
+                                                                             monkeypatch):
+    """A run of some methods keeps an earlier run's rows of the others where that run was at
+    this commit on this device, each cell as written, its own date included; rows of the
+    methods it runs again, of other commits and of other devices go."""
+    monkeypatch.setattr(common, "provenance", lambda: HERE)
+    common.write_csv("demo", [
+        {"method": "a", "ms": 1.5, "n": 3, "ok": True, "note": None, "digest": "12e4", **EARLIER},
+        {"method": "b", "ms": 2.0, "n": 3, "ok": False, "note": "x", "digest": "ab", **EARLIER},
+        {"method": "c", "ms": 3.0, "n": 3, "ok": True, "note": "x", "digest": "ab",
+         **EARLIER, "git_commit": "0ld0ld"},
+        {"method": "d", "ms": 4.0, "n": 3, "ok": True, "note": "x", "digest": "ab",
+         **EARLIER, "device": "GPU B"}])
+    kept = common.rows_of_this_commit("demo", exclude_methods=["b"], text=("digest",))
+    assert kept == [{"method": "a", "ms": 1.5, "n": 3, "ok": True, "note": None,
+                     "digest": "12e4", **EARLIER}]   # (numpy's "2.1" too: as written)
+    assert common.rows_of_this_commit("demo", ["b"])[0]["digest"] == 12e4   # (not `text`)
+    # written again beside this run's row, the kept row keeps its own date and commit
+    common.write_csv("demo", kept + [{"method": "b", "ms": 2.5, "n": 3, "ok": True,
+                                      "note": None, "digest": "cd"}])
+    rows = common.read_csv("demo")
+    assert [(r["method"], r["date"]) for r in rows] == [("a", EARLIER["date"]),
+                                                        ("b", HERE["date"])]
+    assert list(rows[0])[:6] == ["method", "ms", "n", "ok", "note", "digest"]  # (provenance last)
+    assert common.rows_of_this_commit("missing") == []
+
+
+@pytest.mark.parametrize("commit", ["abc123-dirty", "unknown"])
+def test_a_dirty_or_unknown_commit_never_merges(results, monkeypatch, commit):
+    """Rows stamped with a dirty tree's commit (or none) may come from other code than this
+    run's, even where the stamp is the same: never kept."""
+    here = {**HERE, "git_commit": commit}
+    monkeypatch.setattr(common, "provenance", lambda: here)
+    common.write_csv("demo", [{"method": "a", "ms": 1.0, **here, "date": EARLIER["date"]}])
+    assert common.rows_of_this_commit("demo", exclude_methods=["b"]) == []
+    assert not common.of_this_commit(here)
+
+
+def test_runs_groups_the_methods_by_their_runs_date(results):
+    rows = [{"method": "a", "date": "d1"}, {"method": "b", "date": "d2"},
+            {"method": "c", "date": "d1"}]
+    assert common.runs(rows) == {"d1": ["a", "c"], "d2": ["b"]}
