@@ -42,9 +42,16 @@ PyTorch's methods run where PyTorch sees a GPU; one that fails is reported in th
 Toy size: a one-layer model, 4 tokens, on the simulator (timings mean nothing there).
 
     python -m experiments gptj --size full
+    python -m experiments gptj --size full --methods ours_eager,ours_device,ptgraph_step
+
+`--methods` runs some of them (`run(size, methods)`), keeping the rows of the others that an
+earlier run measured at this commit on this device: a GPU session too short for all nine
+runs some, a later one the rest, and the summary is of them all. A ratio of two methods
+is taken only where both ran in one run (the row's `date`; the summary's `runs`).
 """
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
@@ -290,67 +297,107 @@ def _ptgraph_step(cfg: dict, weights: dict, row: dict, free_start, t0) -> dict:
     return {"row": row, "tokens": None}
 
 
-def run(size: str = "toy") -> None:
-    rows, unavailable, want = [], {}, None
-    for method, result in isolate.each_method(NAME, METHODS, f"{__name__}:measure", size,
+def choices() -> list[str]:
+    """The names `--methods` picks among (run's `methods`), in the order a run runs them."""
+    return METHODS
+
+
+def run(size: str = "toy", methods=None) -> None:
+    """The methods named (None: all, in METHODS' order), each in its own process; rows an
+    earlier run measured at this commit on this device are kept for the other methods
+    (common.rows_of_this_commit), so a run longer than a GPU session can be completed over
+    several at one commit. Every row is stamped with its run's date: a ratio of two methods
+    is taken only where both ran in one run."""
+    methods = [m for m in METHODS if methods is None or m in methods]
+    rows, unavailable = common.rows_of_this_commit(NAME, methods, text=("tokens_digest",)), {}
+    for method, result in isolate.each_method(NAME, methods, f"{__name__}:measure", size,
                                               baselines=TORCH_METHODS, unavailable=unavailable,
                                               transformers=("hf_generate", "hf_compiled"),
                                               timeouts=TIMEOUTS):
-        same = None
-        if result["tokens"] is not None:
-            tokens = np.asarray(result["tokens"])
-            want = tokens if want is None else want
-            same = bool(np.array_equal(tokens, want))
-        rows.append({**result["row"], "same_tokens_as_eager": same})
-        common.report(NAME, rows[-1])
+        row = {**result["row"], "tokens_digest": tokens_digest(result["tokens"])}
+        common.report(NAME, row)
+        rows.append({**row, "date": common.provenance()["date"]})
+        rows = same_tokens_as_eager(sorted(rows, key=lambda r: METHODS.index(r["method"])))
         # Each method's row as it ends, and the summary of those so far, saying which methods
         # have not run: a run the device's time cuts short (this experiment takes about 25
         # minutes) keeps what it measured and says what it did not
         common.write_csv(NAME, rows)
         _write_summary(rows, unavailable)
-    _write_summary(rows, unavailable)
+    _write_summary(rows, unavailable)   # (with the methods unavailable after the last row)
     isolate.raise_failures(NAME, unavailable)
 
 
+def tokens_digest(tokens) -> str | None:
+    """The first 16 hex digits of the sha256 of a generation's tokens as int32 (None: the
+    method generates none): what a row keeps to compare its tokens with ours_eager's, which
+    may have run in another process, another run, another session."""
+    if tokens is None:
+        return None
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int32).tobytes()).hexdigest()[:16]
+
+
+def same_tokens_as_eager(rows: list[dict]) -> list[dict]:
+    """The rows, each with `same_tokens_as_eager`: its tokens' digest against ours_eager's row,
+    of this run or an earlier one at this commit (None: no ours_eager row yet, or no tokens)."""
+    eager = next((r["tokens_digest"] for r in rows if r["method"] == "ours_eager"), None)
+    return [{**r, "same_tokens_as_eager": None if eager is None or r["tokens_digest"] is None
+             else r["tokens_digest"] == eager} for r in rows]
+
+
 def _write_summary(rows: list[dict], unavailable: dict) -> None:
-    """The summary of the methods measured so far (once the device-length graph's row, which
-    the step figures need, is among them), naming those not run yet."""
-    if any(r["method"] == "ours_device" for r in rows):
+    """The summary of the methods measured so far at this commit (the step figures None
+    until the device-length graph's row is among them: a run of some methods may come
+    before it), naming those not run yet."""
+    if rows:
         done = {r["method"] for r in rows} | set(unavailable)
         common.write_summary(NAME, {**summarize(rows), "unavailable": unavailable,
                                     "methods_not_run": [m for m in METHODS if m not in done]})
 
 
+def _same_run(a: dict, b: dict) -> bool:
+    """Whether two rows were measured in one run (the date it stamped on them): only those
+    are set side by side, on one machine at one time, in a ratio."""
+    return a.get("date") == b.get("date")
+
+
 def summarize(rows: list[dict]) -> dict:
     per = {r["method"]: r for r in rows}
     ours = {m: float(r["ms_per_token"]) for m, r in per.items() if m.startswith("ours")}
-    best = min(ours, key=ours.get)
-    device = per["ours_device"]
+    # Each per-token ratio is over the fastest of ours measured in the other method's run
+    best = {m: min((o for o in ours if _same_run(per[o], per[m])), key=ours.get, default=None)
+            for m in ("ptgraph_shared", "ptgraph_private", "hf_generate", "hf_compiled")
+            if m in per}
+
+    def over_ours(m: str, digits: int):
+        if best.get(m) is None:
+            return None
+        return round(float(per[m]["ms_per_token"]) / ours[best[m]], digits)
+    device = per.get("ours_device", {})
     floor = device.get("floor_us")
     hf, torch_step = per.get("hf_generate"), per.get("ptgraph_step")
     compiled = per.get("hf_compiled")
+    ours_same = [r["same_tokens_as_eager"] for m, r in per.items() if m.startswith("ours")]
     return {
         "model": f"GPT-J ({rows[0]['n_layer']} layers, d {rows[0]['n_embd']}), beam "
                  f"{rows[0]['beam']}, prompt {rows[0]['prompt_len']}, to {rows[0]['max_len']} "
                  "positions, float16",
+        "runs": common.runs(rows),
         "ms_per_token": {m: float(r["ms_per_token"]) for m, r in per.items()
                          if r["ms_per_token"] not in (None, "")},
-        # PtGraph's whole generation against our best (a ratio above 1: ours is faster)
+        # PtGraph's whole generation against our best of its run (above 1: ours is faster)
         "gptj_ptgraph_over_ours_per_token": {
-            m: round(float(per[m]["ms_per_token"]) / ours[best], 3)
-            for m in ("ptgraph_shared", "ptgraph_private") if m in per},
+            m: over_ours(m, 3) for m in ("ptgraph_shared", "ptgraph_private") if m in per},
+        # the method of ours each per-token ratio divides by (None: none ran in its run)
         "best_ours": best,
         "gptj_step_over_bandwidth_floor": None if not floor else
         round(float(device["step_us"]) / float(floor), 3),
-        "gptj_step_us": float(device["step_us"]),
+        "gptj_step_us": float(device["step_us"]) if device else None,
         "gptj_floor_us": floor,
-        "gptj_hf_generate_over_ours_per_token": None if hf is None else
-        round(float(hf["ms_per_token"]) / ours[best], 2),
-        "gptj_hf_compiled_over_ours_per_token": None if compiled is None else
-        round(float(compiled["ms_per_token"]) / ours[best], 2),
+        "gptj_hf_generate_over_ours_per_token": over_ours("hf_generate", 2),
+        "gptj_hf_compiled_over_ours_per_token": over_ours("hf_compiled", 2),
         # (the device-length graph's step against PtGraph's graph of that length)
-        "gptj_ours_over_torch_graph_step": None if torch_step is None else
-        round(float(device["step_us"]) / float(torch_step["step_us"]), 3),
+        "gptj_ours_over_torch_graph_step": _ratio(per, "ours_device", "ptgraph_step", "step_us",
+                                                  digits=3),
         "gptj_torch_graph_step_us": None if torch_step is None else float(torch_step["step_us"]),
         "graphs_and_caches_mib": {m: r["graphs_and_caches_mib"] for m, r in per.items()},
         "graphs_mib": {m: r["graphs_mib"] for m, r in per.items()},
@@ -358,8 +405,8 @@ def summarize(rows: list[dict]) -> dict:
         # shared executables), each method in its own process, beside their KV caches
         "gptj_ptgraph_over_ours_memory": _ratio(per, "ptgraph_shared", "ours_per_length",
                                                 "graphs_mib"),
-        "gptj_all_tokens_equal": all(r["same_tokens_as_eager"] for m, r in per.items()
-                                     if m.startswith("ours")),
+        # (None until ours_eager's row, which every other method's tokens are compared with)
+        "gptj_all_tokens_equal": None if None in ours_same else all(ours_same),
         "gptj_decode_gemm_min_fraction_of_bandwidth": _kernel_speed_figure(),
         # ours run the same kernels on the same weights; transformers' float16 GEMMs round
         # other sums, so its tokens may part from ours at a near-tie (reported, not required)
@@ -368,10 +415,13 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def _ratio(per: dict, num: str, den: str, key: str):
-    a, b = (per.get(m, {}).get(key) for m in (num, den))
+def _ratio(per: dict, num: str, den: str, key: str, digits: int = 2):
+    """per[num][key] over per[den][key], where both were measured in one run (else None)."""
+    if num not in per or den not in per or not _same_run(per[num], per[den]):
+        return None
+    a, b = per[num].get(key), per[den].get(key)
     return None if a in (None, "") or b in (None, "") or float(b) <= 0 else \
-        round(float(a) / float(b), 2)
+        round(float(a) / float(b), digits)
 
 
 def _kernel_speed_figure():
@@ -399,19 +449,23 @@ def plot():
     ax.set_ylabel("ms per generated token (median)")
     ax.set_title(f"GPT-J beam {rows[0]['beam']}, float16, to {rows[0]['max_len']} positions",
                  fontsize=9)
-    device = next(r for r in rows if r["method"] == "ours_device")
-    parts = [("ours (device graph)", device["step_us"])]
-    torch_step = next((r for r in rows if r["method"] == "ptgraph_step"), None)
+    # (a run of some methods at this commit may have either step row, or neither, so far)
+    device, torch_step = (next((r for r in rows if r["method"] == m), None)
+                          for m in ("ours_device", "ptgraph_step"))
+    parts = []
+    if device is not None:
+        parts.append(("ours (device graph)", device["step_us"], "C2"))
     if torch_step is not None:
-        parts.append(("PtGraph (fp16, cuBLAS)", torch_step["step_us"]))
-    if device.get("floor_us") not in (None, ""):
-        parts.append(("bandwidth floor", device["floor_us"]))
-    bars = ax2.bar(range(len(parts)), [float(v) for _, v in parts],
-                   color=["C2", "C1", "grey"][:len(parts)])
+        parts.append(("PtGraph (fp16, cuBLAS)", torch_step["step_us"], "C1"))
+    if device is not None and device.get("floor_us") not in (None, ""):
+        parts.append(("bandwidth floor", device["floor_us"], "grey"))
+    bars = ax2.bar(range(len(parts)), [float(v) for _, v, _ in parts],
+                   color=[c for _, _, c in parts])
     ax2.bar_label(bars, fmt="%.0f", fontsize=7)
     ax2.set_xticks(range(len(parts)))
-    ax2.set_xticklabels([p for p, _ in parts], fontsize=8)
-    ax2.set_ylabel(f"us at position {device['step_position']}")
+    ax2.set_xticklabels([p for p, _, _ in parts], fontsize=8)
+    position = next((r["step_position"] for r in (device, torch_step) if r), "")
+    ax2.set_ylabel(f"us at position {position}")
     ax2.set_title("decode step: ours, PtGraph's, and weights + live KV at copy rate",
                   fontsize=9)
     return common.save_figure(fig, NAME)
