@@ -47,10 +47,17 @@ free-running curves part within a few AdamW steps whatever the implementation; t
 gives how far ours and PtGraph's part from transformers' eager curve as well).
 
     python -m experiments wav2vec2_train --size full
+    python -m experiments wav2vec2_train --size full --methods check_bits,check_loss
+
+`--methods` runs some of the methods and checks, keeping what an earlier run measured at
+this commit on this device for the others: a GPU session too short for the epoch runs some,
+a later one the rest. A ratio of two methods is taken only where both ran in one run (the
+row's `date`; the summary's `runs`).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import numpy as np
@@ -68,6 +75,7 @@ NAME = "wav2vec2_train"
 METHODS = ["ours_planned", "hf_eager", "ptgraph_shared", "hf_amp", "ours_eager",
            "ptgraph_private", "ours_unplanned"]
 HEADLINE = 3
+CHECKS = ("check_bits", "check_loss")
 TORCH_METHODS = ("hf_eager", "hf_amp", "ptgraph_shared", "ptgraph_private")
 SIZES = {
     # (a simulated step of a one-layer model takes about 10 s: one step, timed from the first)
@@ -300,56 +308,91 @@ def check_loss(size: str) -> dict:
     return {"ours": mine, "reference": theirs, "exact": exact_losses}
 
 
-def run(size: str = "toy") -> None:
-    rows, losses, curves, steps, unavailable = [], {}, [], [], {}
-    checks: dict = {}
+def choices() -> list[str]:
+    """What a run runs, in its order: the names `--methods` picks among (run's `methods`)."""
+    return METHODS[:HEADLINE] + list(CHECKS) + METHODS[HEADLINE:]
+
+
+def run(size: str = "toy", methods=None) -> None:
+    """The methods and checks named (None: all, in `choices()`' order), each in its own
+    process; what an earlier run measured at this commit on this device is kept for the
+    others (rows, loss and memory curves, checks: results/<device>/wav2vec2_train_checks.json),
+    so an epoch longer than a GPU session can be completed over several at one commit.
+    Every row is stamped with its run's date: a ratio of two methods is taken only where
+    both ran in one run."""
+    chosen = [m for m in choices() if methods is None or m in methods]
+    rows = common.rows_of_this_commit(NAME, chosen)
+    curves = common.rows_of_this_commit(f"{NAME}_curve", chosen)
+    steps = common.rows_of_this_commit(f"{NAME}_loss", chosen)
+    losses = {r["method"]: [s["loss"] for s in steps if s["method"] == r["method"]]
+              for r in rows}
+    checks = {k: c for k, c in _stored_checks().items()
+              if k not in chosen and common.of_this_commit(c)}
+    unavailable = {}
 
     def measured(methods):
+        nonlocal rows, curves, steps
         for method, result in isolate.each_method(NAME, methods, f"{__name__}:measure", size,
                                                   baselines=TORCH_METHODS,
                                                   unavailable=unavailable):
-            rows.append(result["row"])
+            common.report(NAME, result["row"])
+            rows.append({**result["row"], "date": common.provenance()["date"]})
             losses[method] = result["losses"]
             curves.extend({"method": method, "lengths_served": n, "mib": mib}
                           for n, mib in result["curve"])
             steps.extend({"method": method, "step": i, "loss": loss, **at}
                          for i, (loss, at) in enumerate(zip(result["losses"], result["steps"])))
-            common.report(NAME, rows[-1])
+            rows, curves, steps = (_in_order(x) for x in (rows, curves, steps))
             # each method's rows as it ends, and the summary so far: a run cut short keeps them
             write_rows(rows, curves, steps)
             _write_summary(rows, losses, checks, unavailable, size)
 
     def check(name: str) -> None:   # (one that fails is ours failing: raised at the end)
+        why = isolate.torch_missing() if name == "check_loss" else None   # (transformers')
+        if why:
+            unavailable[name] = why
+            return
         result = isolate.attempt(NAME, name, f"{__name__}:{name}", {"size": size},
                                  unavailable, ours=True)
         if result is not None:
-            checks[name] = result
+            checks[name] = {"result": result, **common.provenance()}
+            common.write_json(f"{NAME}_checks", checks)
 
-    measured(METHODS[:HEADLINE])
-    check("check_bits")
-    why = isolate.torch_missing()
-    if why:
-        unavailable["check_loss"] = why
-    else:
-        check("check_loss")
+    measured([m for m in METHODS[:HEADLINE] if m in chosen])
+    for name in CHECKS:
+        if name in chosen:
+            check(name)
     _write_summary(rows, losses, checks, unavailable, size)
-    measured(METHODS[HEADLINE:])
+    measured([m for m in METHODS[HEADLINE:] if m in chosen])
     isolate.raise_failures(NAME, unavailable)
+
+
+def _stored_checks() -> dict:
+    """The checks' results an earlier run stored ({check: {"result": ..., **provenance}})."""
+    path = common.results_dir() / f"{NAME}_checks.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _in_order(rows: list[dict]) -> list[dict]:
+    """Rows by their method's place in the run's order (a method's own rows as they came)."""
+    return sorted(rows, key=lambda r: choices().index(r["method"]))
 
 
 def _write_summary(rows: list[dict], losses: dict, checks: dict, unavailable: dict,
                    size: str) -> None:
-    """The summary of what has run so far (once ours_planned, every ratio's denominator, is
-    among it), naming the methods and checks not run yet."""
-    if not any(r["method"] == "ours_planned" for r in rows):
+    """The summary of what has run so far at this commit (once a method's row is among it;
+    a ratio is None until ours_planned's, every ratio's denominator, is), naming the methods
+    and checks not run yet."""
+    if not rows:
         return
     done = {r["method"] for r in rows} | set(unavailable) | set(checks)
-    pending = [m for m in METHODS[:HEADLINE] + ["check_bits", "check_loss"]
-               + METHODS[HEADLINE:] if m not in done]
-    common.write_summary(NAME, {**summarize(rows, losses, checks.get("check_bits"),
-                                            checks.get("check_loss"),
+    result = {k: c["result"] for k, c in checks.items()}
+    runs = common.runs(rows + [{"method": k, **c} for k, c in checks.items()])
+    common.write_summary(NAME, {**summarize(rows, losses, result.get("check_bits"),
+                                            result.get("check_loss"),
                                             SIZES[size]["curve_steps"]),
-                                "unavailable": unavailable, "methods_not_run": pending})
+                                "runs": runs, "unavailable": unavailable,
+                                "methods_not_run": [m for m in choices() if m not in done]})
 
 
 def write_rows(rows: list[dict], curves: list[dict], steps: list[dict]) -> None:
@@ -374,10 +417,11 @@ def summarize(rows: list[dict], losses: dict, bits: dict | None, same_weights: d
               curve_steps: int) -> dict:
     """The figures from the rows and checks so far (a check not run yet: None)."""
     per = {r["method"]: r for r in rows}
-    ours = per["ours_planned"]
+    ours = per.get("ours_planned")   # (None: not run yet at this commit)
 
-    def ratio(a, b, key):
-        if a is None or b is None or a.get(key) in (None, "") or b.get(key) in (None, ""):
+    def ratio(a, b, key):   # (only of two rows measured in one run: the same date)
+        if a is None or b is None or a.get(key) in (None, "") or b.get(key) in (None, "") \
+                or a.get("date") != b.get("date"):
             return None
         return round(float(a[key]) / float(b[key]), 3)
     # The float32 bound on two float32 losses of one batch and ONE set of weights: float32's

@@ -82,8 +82,8 @@ def test_a_run_cut_short_keeps_a_summary_naming_what_did_not_run(tmp_path, monke
     assert s["eager_over_ours_step"] == 1.5
     assert s["graphed_equals_eager"] is None and s["loss_matches_reference"] is None
     assert s["methods_not_run"] == ["check_bits", "check_loss"] + w.METHODS[w.HEADLINE:]
-    w._write_summary(rows[1:], {}, {}, {}, "toy")   # (no ours_planned row: nothing written
-    assert common.read_summary(w.NAME)["eager_over_ours_step"] == 1.5   # over the last one)
+    w._write_summary(rows[1:], {}, {}, {}, "toy")   # (no ours_planned row: no ratio)
+    assert common.read_summary(w.NAME)["eager_over_ours_step"] is None
 
 
 def test_a_failing_check_costs_no_later_method_and_fails_the_run(tmp_path, monkeypatch):
@@ -175,3 +175,63 @@ def test_the_experiment_and_the_config_load_none_of_our_models_kernels():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=common.REPO, env=common.child_env(), check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_a_run_of_some_methods_and_checks_keeps_the_others_of_this_commit(tmp_path,
+                                                                          monkeypatch):
+    """Two runs at one commit: the second keeps the first's rows, loss and memory curves and
+    checks (whose results a JSON file holds), rebuilds the losses from the CSV, and takes no
+    ratio across the two runs; one of the same run does. Another commit starts afresh."""
+    from experiments import isolate
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    here = {"device": "GPU A", "git_commit": "abc123", "date": "d1"}
+    monkeypatch.setattr(common, "provenance", lambda: here)
+    monkeypatch.setattr(isolate, "torch_missing", lambda *a: None)
+    ms = {"ours_planned": 5.0, "hf_eager": 7.5}
+    ran = []
+
+    def each_method(name, methods, target, size, *, baselines, unavailable):
+        for m in methods:
+            ran.append(m)
+            yield m, {"row": {"method": m, "layers": 1, "hidden": 8, "batch": 2, "steps": 2,
+                              "lengths": 1, "ms_per_step": ms[m], "kept_mib": 1.0,
+                              "lengths_served": 1},
+                      "losses": [10.0 if m == "ours_planned" else 12.5, 9.0],
+                      "curve": [(1, 3.0)], "steps": [{"frames": 4, "ms": 1.0}] * 2}
+
+    def run(target, spec, **_):
+        ran.append(target.split(":")[1])
+        if target.endswith("check_bits"):
+            return {"equal": True, "steps": 1}
+        return {"ours": [10.0], "reference": [10.0], "exact": [10.0]}
+    monkeypatch.setattr(isolate, "each_method", each_method)
+    monkeypatch.setattr(isolate, "run", run)
+    w.run("toy", methods=["check_bits", "ours_planned"])
+    here["date"] = "d2"
+    w.run("toy", methods=["check_loss", "hf_eager"])
+    assert ran == ["ours_planned", "check_bits", "hf_eager", "check_loss"]
+    assert [(r["method"], r["date"]) for r in common.read_csv(w.NAME)] == [
+        ("ours_planned", "d1"), ("hf_eager", "d2")]
+    assert [r["method"] for r in common.read_csv(f"{w.NAME}_loss")] == [
+        "ours_planned", "ours_planned", "hf_eager", "hf_eager"]
+    assert [r["method"] for r in common.read_csv(f"{w.NAME}_curve")] == [
+        "ours_planned", "hf_eager"]
+    s = common.read_summary(w.NAME)
+    assert s["eager_over_ours_step"] is None   # (two runs)
+    assert s["graphed_equals_eager"] is True and s["loss_matches_reference"] is True
+    assert s["loss_free_running_max_rel"] == 0.2   # (ours_planned's losses, from the CSV)
+    assert s["runs"] == {"d1": ["ours_planned", "check_bits"], "d2": ["hf_eager", "check_loss"]}
+    assert s["methods_not_run"] == w.METHODS[w.HEADLINE - 1:]
+    import json
+    stored = json.loads((common.results_dir() / f"{w.NAME}_checks.json").read_text())
+    assert {k: c["date"] for k, c in stored.items()} == {"check_bits": "d1", "check_loss": "d2"}
+    assert stored["check_bits"]["result"] == {"equal": True, "steps": 1}
+    here["date"] = "d3"
+    w.run("toy", methods=["ours_planned", "hf_eager"])
+    s = common.read_summary(w.NAME)
+    assert s["eager_over_ours_step"] == 1.5 and s["graphed_equals_eager"] is True
+    here.update(git_commit="def456", date="d4")
+    w.run("toy", methods=["ours_planned"])
+    s = common.read_summary(w.NAME)
+    assert list(s["runs"]) == ["d4"] and s["graphed_equals_eager"] is None
+    assert [r["method"] for r in common.read_csv(f"{w.NAME}_loss")] == ["ours_planned"] * 2
