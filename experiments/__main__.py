@@ -4,6 +4,9 @@
     python -m experiments launch_overhead # just one
     python -m experiments --plot-only     # re-plot from results/<device>/*.csv
     python -m experiments --plot-only --device h200   # re-plot the H200's, on any machine
+    python -m experiments gptj --methods ours_eager,ours_device,ptgraph_step
+        # some of one experiment's methods (gptj, wav2vec2_train); the rows its other methods
+        # had at this commit on this device are kept, so a long run spans GPU sessions
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from proto.device import backend
 
 EXPERIMENTS = ["launch_overhead", "kernel_speed", "end_to_end", "search_loop", "graph_memory",
                "gptj", "wav2vec2_train", "autovm"]
+# The experiments whose run(size, methods) runs a subset of their methods (`--methods`)
+WITH_METHODS = ("gptj", "wav2vec2_train")
 # The figures each experiment is judged by, and their goals (the summary JSON has the rest)
 HEADLINES = {
     "launch_overhead": [("eager_over_graph_per_kernel", "")],
@@ -51,12 +56,16 @@ def main(argv=None) -> int:
                     help="toy: CI-sized; full: paper-sized (default: full on a GPU)")
     ap.add_argument("--device", help="with --plot-only: the results/<device>/ folder to plot "
                     "(default: this machine's), so a GPU's results can be drawn without one")
+    ap.add_argument("--methods", help="comma-separated: run only these methods of ONE "
+                    f"experiment ({', '.join(WITH_METHODS)}), keeping the rows its other "
+                    "methods have at this commit on this device")
     args = ap.parse_args(argv)
     if args.device and not args.plot_only:
         ap.error("--device: only with --plot-only (a run writes this machine's results)")
     unknown = set(args.names) - set(EXPERIMENTS)
     if unknown:
         ap.error(f"unknown experiment(s) {sorted(unknown)}; choose from {EXPERIMENTS}")
+    methods = None if args.methods is None else _methods(ap, args)
     from experiments import common
     if args.device:
         if not (common.ROOT / "results" / args.device).is_dir():
@@ -68,7 +77,10 @@ def main(argv=None) -> int:
         mod = importlib.import_module(f"experiments.{name}")
         t0 = time.perf_counter()
         if not args.plot_only:
-            mod.run(args.size)
+            if methods is None:
+                mod.run(args.size)
+            else:
+                mod.run(args.size, methods=methods)
         fig = mod.plot()
         summary = common.read_summary(name)
         headline = {k: v for k, v in summary.items() if k != "provenance"}
@@ -81,6 +93,24 @@ def main(argv=None) -> int:
     if common.results_dir().name == "sim":   # what was run or plotted, not where
         print("\n" + common.SIM_WARNING)
     return 0
+
+
+def _methods(ap, args) -> list[str]:
+    """--methods' names, checked against the one experiment named (an error otherwise)."""
+    if args.plot_only:
+        ap.error("--methods: not with --plot-only (a plot draws every row)")
+    if len(args.names) != 1:
+        ap.error("--methods: name exactly one experiment")
+    name = args.names[0]
+    if name not in WITH_METHODS:
+        ap.error(f"--methods: {name} runs all its methods; only {', '.join(WITH_METHODS)} "
+                 "take --methods")
+    choices = importlib.import_module(f"experiments.{name}").choices()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in choices]
+    if unknown or not methods:   # (none named: as unknown, with the list to choose from)
+        ap.error(f"--methods: unknown {name} method(s) {unknown}; choose from {choices}")
+    return methods
 
 
 def _fmt(v):

@@ -42,3 +42,36 @@ def test_a_device_without_results_is_refused(root, capsys):
         cli.main(["launch_overhead", "--plot-only", "--device", "h100"])
     assert "--device: no folder results/h100/" in capsys.readouterr().err
     assert not (root / "results").exists()
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["gptj", "wav2vec2_train", "--methods", "ours_eager"], "name exactly one experiment"),
+    (["--methods", "ours_eager"], "name exactly one experiment"),
+    (["kernel_speed", "--methods", "x"],
+     "--methods: kernel_speed runs all its methods; only gptj, wav2vec2_train take --methods"),
+    (["gptj", "--methods", "ours_eager,nope"], "unknown gptj method(s) ['nope']; choose from"),
+    (["wav2vec2_train", "--methods", ","], "unknown wav2vec2_train method(s) []"),
+    (["gptj", "--plot-only", "--methods", "ours_eager"], "--methods: not with --plot-only"),
+])
+def test_methods_is_refused_where_it_cannot_mean_anything(root, capsys, argv, error):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert error in err
+    if "choose from" in error:
+        assert "ptgraph_private" in err   # (the experiment's methods, listed)
+    assert not (root / "results").exists()
+
+
+def test_methods_reaches_the_experiments_run(root, monkeypatch):
+    """--methods picks among wav2vec2_train's methods and its checks; run gets them."""
+    from experiments import wav2vec2_train as w
+    asked = []
+
+    def run(size, methods=None):
+        asked.append(methods)
+        common.write_summary(w.NAME, {})
+    monkeypatch.setattr(w, "run", run)
+    monkeypatch.setattr(w, "plot", lambda: "figure.png")
+    assert cli.main(["wav2vec2_train", "--methods", "check_bits, hf_eager"]) == 0
+    assert asked == [["check_bits", "hf_eager"]]
