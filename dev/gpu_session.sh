@@ -13,11 +13,23 @@
 # minutes on the H100 at c1693fa, about 8 since the isolation tests' children load no
 # kernels), graph_memory (the memory figure, each method in its own process, about 8),
 # sanitize (compute-sanitizer's four tools over the GPU tests, about 7), kernel_speed (every
-# kernel against PyTorch's), gptj (GPT-J-6B in float16, over 20), wav2vec2 (an epoch of
-# Wav2Vec2 training per method, all seven: 12 minutes on the H200; the first three alone
-# took 12.5 on the H100 at c1693fa, before the capture's memory readings went from 119 to
-# 24; wav2vec2_head: the same, stopped at 10 minutes, after the summary's three methods and
-# the two checks, whose summary is written as each ends), end_to_end
+# kernel against PyTorch's), gptj (GPT-J-6B in float16, all nine methods: about 25),
+# wav2vec2 (an epoch of Wav2Vec2 training per method, all seven and the two checks: 12
+# minutes on the H200; the first three alone took 12.5 on the H100 at c1693fa, before the
+# capture's memory readings went from 119 to 24, under 9.6 at aa0562a).
+# The same two in parts, `--methods`, for sessions too short for either whole: each part
+# keeps the rows the others wrote at the same commit on the same card, so run every part at
+# ONE commit (between sessions commit only results and notes); a ratio takes two methods of
+# one part. gptj_step (ours_eager, ours_device, ptgraph_step: the step figures, about 4
+# minutes on the H100 from 8441a32's setup_s and ms per token), gptj_memory
+# (ours_per_length, ptgraph_shared: the memory figure, about 7), gptj_generate (ours_while,
+# about a minute, and hf_generate, not yet timed at full size: transformers' generate
+# against ours), gptj_rest (hf_compiled, held to 15 minutes, and ptgraph_private, about 3;
+# no method of ours beside them, so their per-token ratios stay None); wav2vec2_head
+# (ours_planned, hf_eager, ptgraph_shared: the summary's figures, under 9.6 minutes on the
+# H100 at aa0562a), wav2vec2_checks (check_bits, check_loss: a few minutes),
+# wav2vec2_rest (hf_amp, ours_eager, ptgraph_private, ours_unplanned: about 5, from the
+# H200's whole run). end_to_end
 # (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
 # the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py),
 # half_attention (GPT-J's float16 decode attention, strided and grouped kernels against
@@ -85,11 +97,24 @@ for s in "$@"; do case $s in
   lane) step lane 900 python3 -m tests.gpu_lane ;;
   kernel_speed) step kernel_speed 900 python3 -m experiments kernel_speed --size full ;;
   gptj) step gptj 1500 python3 -m experiments gptj --size full ;;
+  gptj_step) step gptj_step 480 python3 -m experiments gptj --size full \
+      --methods ours_eager,ours_device,ptgraph_step ;;
+  gptj_memory) step gptj_memory 720 python3 -m experiments gptj --size full \
+      --methods ours_per_length,ptgraph_shared ;;
+  gptj_generate) step gptj_generate 720 python3 -m experiments gptj --size full \
+      --methods ours_while,hf_generate ;;
+  gptj_rest) step gptj_rest 1320 python3 -m experiments gptj --size full \
+      --methods hf_compiled,ptgraph_private ;;
   end_to_end) step end_to_end 1500 python3 -m experiments end_to_end --size full ;;
   half_decode) step half_decode 600 env OUT=$L python3 -m dev.bench.bench_half_decode ;;
   half_attention) step half_attention 300 python3 -m dev.bench.bench_half_attention ;;
   wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
-  wav2vec2_head) step wav2vec2 600 python3 -m experiments wav2vec2_train --size full ;;
+  wav2vec2_head) step wav2vec2_head 660 python3 -m experiments wav2vec2_train --size full \
+      --methods ours_planned,hf_eager,ptgraph_shared ;;
+  wav2vec2_checks) step wav2vec2_checks 420 python3 -m experiments wav2vec2_train \
+      --size full --methods check_bits,check_loss ;;
+  wav2vec2_rest) step wav2vec2_rest 900 python3 -m experiments wav2vec2_train --size full \
+      --methods hf_amp,ours_eager,ptgraph_private,ours_unplanned ;;
   w2v_profile) step w2v_profile 600 python3 -m dev.probe.wav2vec2_profile ;;
   gptj_profile) step gptj_profile 600 python3 -m dev.probe.gptj_profile ;;
   train_gemm) step train_gemm 600 python3 -m dev.bench.bench_train_gemm ;;
