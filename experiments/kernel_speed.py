@@ -23,12 +23,15 @@ The decode GEMMs are GPT-2 small's, 5 beams (M = 5) with their fused epilogues: 
 (768x2304 + bias), attention projection (768x768 + bias + residual), fc (768x3072 + bias,
 GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @ wte.T,
 50257 columns; also in the [K, N] layout). Pure weight streaming: the summary's
-`decode_gemm_min_fraction_of_bandwidth` is the worst of the five. GPT-J-6B's five decode
-GEMMs run in float16 against cuBLAS's float16 GEMMs (tensor cores, as PyTorch runs them by
-default): fused qkv (4096 x 12288), attention output (4096 x 4096, into the residual), fc_in
-(4096 x 16384, bias, GELU), fc_out (16384 x 4096, bias, into the residual) and the untied
+`decode_gemm_min_fraction_of_bandwidth` is the worst of the five. GPT-J-6B's decode GEMMs
+run in float16 against cuBLAS's float16 GEMMs (tensor cores, as PyTorch runs them by
+default), as the model launches them: fused qkv (4096 x 12288), fc_in (4096 x 16384, bias,
+GELU), the attention output and fc_out as one product into the residual (4096 + 16384 ->
+4096, bias: gemm.gemm_sum, against one cuBLAS GEMM over both concatenated) and the untied
 head (4096 x 50400, bias), every weight (N, K) as Hugging Face stores it
-(`gptj_decode_gemm_min_fraction_of_bandwidth`, `gptj_decode_gemm_over_cublas_fp16_time`).
+(`gptj_decode_gemm_min_fraction_of_bandwidth`, `gptj_decode_gemm_over_cublas_fp16_time`);
+the attention output and fc_out each alone beside them
+(`gptj_residual_products_alone_fractions`).
 Beside them, the two as the
 model runs them: the whole MLP (`mlp_decode`: kernels.mlp's fused kernel and its sum, which
 writes the next layer norm's rows too, against PyTorch's addmm, GELU, addmm_ and layer_norm;
@@ -76,8 +79,10 @@ DECODE_GEMMS = ("gemm_decode_qkv", "gemm_decode_attn_proj", "gemm_decode_fc",
 # GPT-J-6B's decode GEMMs in float16, 5 beams against Hugging Face's (N, K) Linear weights:
 # q, k and v fused (no bias), the attention output and the MLP's second GEMM into the
 # residual, the MLP's first (bias, GELU), the untied head (bias)
-GPTJ_GEMMS = ("gemm_gptj_qkv", "gemm_gptj_attn_out", "gemm_gptj_fc_in", "gemm_gptj_fc_out",
-              "gemm_gptj_head")
+# GPT-J's decode GEMMs as its block launches them: its attention projection and fc_out both
+# add into the residual, one launch over both (gemm.gemm_sum); each alone beside them
+GPTJ_GEMMS = ("gemm_gptj_qkv", "gemm_gptj_fc_in", "gemm_gptj_attn_out_fc_out", "gemm_gptj_head")
+GPTJ_ALONE = ("gemm_gptj_attn_out", "gemm_gptj_fc_out")
 SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden;
     # convs: layer -> (N, C, K, H=W) of a 3x3, pad-1 VGG conv at 224x224 input; pool: (N, C,
     # H=W) of VGG's first 2x2 max-pool
@@ -186,6 +191,9 @@ def _cases(s: dict, torch) -> list[Case]:
         cases.append(_decode_gemm_case(name, rng, torch, tt, xj if K == J["D"] else h16(B, K),
                                        h16(N, K, std=0.02), N, True, act, accumulate,
                                        h16(N) if bias else None))
+    cases.append(_decode_gemm_sum_case(
+        "gemm_gptj_attn_out_fc_out", rng, torch, tt, (xj, h16(J["D"], J["D"], std=0.02)),
+        (h16(B, J["F"]), h16(J["D"], J["F"], std=0.02)), h16(J["D"])))
     # The whole MLP of a decode step (kernels.mlp: one fused kernel and a sum that also
     # normalizes the rows for the next layer), against the two GEMMs above that it replaces
     # and PyTorch's four ops.
@@ -346,6 +354,40 @@ def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate,
     first_ours, first_theirs = rotation[0]
     return Case(name, shape, "memory", nbytes, 2 * B * K * N, first_ours, outs[0].copy_to_host,
                 first_theirs, (lambda: last["y"].cpu().numpy()) if torch else None, rotation)
+
+
+def _decode_gemm_sum_case(name, rng, torch, tt, first, second, bias) -> Case:
+    """out (B, N) += x @ w.T + x2 @ w2.T + bias (`first` = (x, w), `second` = (x2, w2),
+    weights (N, K)) on rotating copies: ours one gemm_sum, cuBLAS one addmm over both
+    operands concatenated along K (made before timing: the strongest way to run it, one
+    GEMM reading both weights, as a user who stores the weights side by side would)."""
+    (x, w), (x2, w2) = first, second
+    (B, _), N = x.shape, w.shape[0]
+    old = rng.standard_normal((B, N)).astype(x.dtype)
+    nbytes = x.itemsize * (w.size + w2.size + x.size + x2.size + 2 * old.size + N)
+    dbias, tbias = _dev(bias), tt(bias) if torch else None
+    rotation, outs, last = [], [], {}
+    for _ in range(_copies(nbytes)):
+        ops, dout = [_dev(v) for v in (x, w, x2, w2)], _dev(old)
+        outs.append(dout)
+        ours = (lambda ops=ops, dout=dout: gemm.gemm_sum(*ops, dout, bias=dbias,
+                                                         accumulate=True))
+        theirs = None
+        if torch:
+            tx = torch.cat([tt(x), tt(x2)], dim=1)
+            tw, tout = torch.cat([tt(w), tt(w2)], dim=1), tt(old)
+
+            def theirs(tx=tx, tw=tw, tout=tout):
+                y = tout.addmm_(tx, tw.T).add_(tbias)
+                last.setdefault("y", y)
+                return y
+        rotation.append((ours, theirs))
+    shape = (f"{B}x{x.shape[1]} @ ({N}x{x.shape[1]}).T + {B}x{x2.shape[1]} @ "
+             f"({N}x{x2.shape[1]}).T + bias, += out")
+    first_ours, first_theirs = rotation[0]
+    return Case(name, shape, "memory", nbytes, 2 * B * (w.size + w2.size), first_ours,
+                outs[0].copy_to_host, first_theirs,
+                (lambda: last["y"].cpu().numpy()) if torch else None, rotation)
 
 
 def _decode_mlp_case(rng, torch, tt, x, w1, b1, w2, b2, ln) -> Case:
@@ -774,7 +816,13 @@ def summarize(rows: list[dict], s: dict) -> dict:
             cublas_fp16_gptj_decode_gemm_us={k: us.get((k, "torch")) for k in GPTJ_GEMMS},
             gptj_decode_gemm_over_cublas_fp16_time={
                 k: us[(k, "ours")] / us[(k, "torch")] if (k, "torch") in us else None
-                for k in GPTJ_GEMMS})
+                for k in GPTJ_GEMMS},
+            # the two residual products each as a launch of its own, which the model no
+            # longer makes (gemm_sum): what the one launch saves
+            gptj_residual_products_alone_fractions={k: fraction(k) for k in GPTJ_ALONE
+                                                    if k in ours},
+            gptj_residual_products_alone_us={k: us[(k, "ours")] for k in GPTJ_ALONE
+                                             if k in ours})
     if ("gemm_lstm_gates_unsplit", "ours") in us:
         summary["lstm_gates_split_over_unsplit_time"] = (us[("gemm_lstm_gates", "ours")]
                                                          / us[("gemm_lstm_gates_unsplit", "ours")])

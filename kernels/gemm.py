@@ -122,6 +122,9 @@ if not backend.SIMULATOR:
     # bench_half_decode): 0.46-0.83 of copy bandwidth, 1.6-1.9x NT_HALF_CONFIG, 0.91-0.93 of
     # cuBLAS's speed; best of 7 geometries on qkv and fc_in, within 4% of the best on the rest
     MMA_HALF_CONFIG = (8, 2, 0)
+    # ... two products over one K (gemm_sum): the second product's offsets take 72 registers
+    # unbounded (3 blocks an SM), 64 and no spill bounded to the one-product kernel's 4
+    MMA_PAIR_CONFIG = (8, 2, 4)
     TARGET_BLOCKS = 2 * 132  # K splits until the grid has about this many blocks
     PARTIALS_TARGET = TARGET_BLOCKS   # ... for `partials` (switched by dev.ab.ab_qkv_partials)
     RED_CHUNK = 16           # partials a reduce thread loads before adding any
@@ -271,8 +274,8 @@ _DECODE_ARGS = ("{t}[:,:,::1], {t}[:,:,::1], {t}[:,:,::1], {t}[::1], "
                 "float32[:,:,:,::1], int32, int32, int32, int32, int32, int32")
 
 
-def _decode_signature(dtype) -> str:
-    return "void(" + _DECODE_ARGS.format(t=np.dtype(dtype).name) + ")"
+def _decode_signature(dtype, extra: str = "") -> str:
+    return "void(" + _DECODE_ARGS.format(t=np.dtype(dtype).name) + extra + ")"
 
 
 def _async_stager(count: int, DR: int, DK: int, stride: int):
@@ -792,9 +795,14 @@ def _mma_store(v, m, n, m_rows, n_cols, out, part, bz, split, bias, has_bias, ac
             part[bz, split, m, n] = v
 
 
-def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
+def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pairs: int = 1):
     """The float16 trans_b decode kernel on tensor cores: out (B, M<=8, N) = a (B, M, K) @
     b (B, N, K).T, K a multiple of MMA_CHUNK, a and b 16-byte aligned (`mma_fits`).
+
+    pairs=2: out = a @ b.T + a2 @ b2.T, the two products' K (K1 + K2, each a multiple of
+    MMA_CHUNK) one range that the splits cover as if b's and b2's rows were one row (and
+    a's and a2's): a chunk below K1 reads a and b, one past it a2 and b2 (`gemm_sum`). With
+    pairs=1 a2 and b2 are placeholders the kernel never reads.
 
     One warp instruction (mma.sync m16n8k16, float16 products summed in float32) multiplies
     16 rows of b (16 output columns) by x^T, x the 8 rows of a (M real, the rest zero words).
@@ -811,24 +819,33 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
     (an earlier kernel's output). Grid (column tiles, K splits, batch), as `decode` plans
     it (`decode_plan`): no staging of a in shared memory, so no SPAN_MAX bound on a split."""
     from kernels._mma import ld16, ldg16, mma16816
+    if pairs not in (1, 2):
+        raise ValueError(f"pairs: 1 or 2 products, got {pairs}")
+    two = pairs == 2   # (a constant: the one-product kernel compiles no branch on it)
     chunk = MMA_CHUNK * unroll       # K a warp's batch of loads covers
     step, words = chunk * warps_k, 4 * unroll
     bounds = {"launch_bounds": (32 * warps_k, min_blocks)} if min_blocks else {}
     zero = np.uint32(0)
 
     @cuda.jit(device=True, inline="always")
-    def load_weights(wa, wb, b, w0, w1, kc, length):
+    def load_weights(wa, wb, b, w0, w1, b2, v0, v1, second, kc, length):
         """The batch of b's two rows at kc (flat offsets w0 + kc, w1 + kc) into wa and wb;
-        chunks past length are left as they are (never multiplied)."""
+        with two products, of b2's (v0 + kc, v1 + kc) for chunks past K1 (`second`); chunks
+        past length are left as they are (never multiplied)."""
         for u in range(unroll):
-            if kc + MMA_CHUNK * u < length:
-                p, q = ldg16(b, w0 + kc + MMA_CHUNK * u), ldg16(b, w1 + kc + MMA_CHUNK * u)
+            kk = kc + MMA_CHUNK * u
+            if kk < length:
+                if two and kk >= second:
+                    p, q = ldg16(b2, v0 + kk), ldg16(b2, v1 + kk)
+                else:
+                    p, q = ldg16(b, w0 + kk), ldg16(b, w1 + kk)
                 for e in range(4):
                     wa[4 * u + e], wb[4 * u + e] = p[e], q[e]
 
-    @jit(_decode_signature(np.float16), writes=("out", "part"), early_launch=True, **bounds)
+    @jit(_decode_signature(np.float16, ", {t}[:,:,::1], {t}[:,:,::1]".format(t="float16")),
+         writes=("out", "part"), early_launch=True, **bounds)
     def gemm_decode_mma_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
-                               direct, span):
+                               direct, span, a2, b2):
         red = cuda.shared.array((warps_k, 32, 4), np.float32)
         wa = cuda.local.array(words, np.uint32)   # b's row n0 + g, chunk by chunk
         wb = cuda.local.array(words, np.uint32)   # b's row n0 + g + 8
@@ -836,25 +853,34 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
         lane, wk = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         g, t = lane >> 2, lane & 3
         bz, split = cuda.blockIdx.z, cuda.blockIdx.y
-        m_rows, n_cols, k_len = out.shape[1], out.shape[2], b.shape[2]
+        m_rows, n_cols, k1 = out.shape[1], out.shape[2], b.shape[2]
+        k2 = b2.shape[2] if two else 0
+        k_len = k1 + k2
         k_lo = split * span
         length = min(k_lo + span, k_len) - k_lo
+        second = k1 - k_lo   # (two) the split's first chunk of a2 and b2: K1, split-relative
         n0 = cuda.blockIdx.x * MMA_TILE
-        # flat offsets of this lane's first elements; past the last column the last row is
-        # re-read (never stored)
-        w0 = (bz * n_cols + min(n0 + g, n_cols - 1)) * k_len + k_lo + 8 * t
-        w1 = (bz * n_cols + min(n0 + g + 8, n_cols - 1)) * k_len + k_lo + 8 * t
-        x0 = (bz * m_rows + min(g, m_rows - 1)) * k_len + k_lo + 8 * t
+        # flat offsets of this lane's first elements, a chunk kc of the split at + kc (the
+        # second product's as if its K went on from K1); past the last column the last row
+        # is re-read (never stored)
+        r0 = bz * n_cols + min(n0 + g, n_cols - 1)
+        r1 = bz * n_cols + min(n0 + g + 8, n_cols - 1)
+        rx = bz * m_rows + min(g, m_rows - 1)
+        lo = k_lo + 8 * t
+        w0, w1, x0 = r0 * k1 + lo, r1 * k1 + lo, rx * k1 + lo
+        v0, v1, y0 = r0 * k2 + lo - k1, r1 * k2 + lo - k1, rx * k2 + lo - k1
         real = g < m_rows   # x's rows past M: zero words
         kc = wk * chunk
-        load_weights(wa, wb, b, w0, w1, kc, length)   # before the wait: no kernel writes b
+        # (before the wait: no kernel writes b)
+        load_weights(wa, wb, b, w0, w1, b2, v0, v1, second, kc, length)
         _pdl.wait()
         _pdl.launch_dependents()
         c0 = c1 = c2 = c3 = _ZERO
         while kc < length:   # (uniform over the warp: mma.sync needs every lane)
             for u in range(unroll):
-                if real and kc + MMA_CHUNK * u < length:
-                    v = ld16(a, x0 + kc + MMA_CHUNK * u)
+                kk = kc + MMA_CHUNK * u
+                if real and kk < length:
+                    v = ld16(a2, y0 + kk) if two and kk >= second else ld16(a, x0 + kk)
                     for e in range(4):
                         xa[4 * u + e] = v[e]
                 else:
@@ -867,7 +893,7 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
                         c0, c1, c2, c3 = mma16816(wa[i], wb[i], wa[i + 1], wb[i + 1],
                                                   xa[i], xa[i + 1], c0, c1, c2, c3)
             kc += step
-            load_weights(wa, wb, b, w0, w1, kc, length)   # in flight with the next a
+            load_weights(wa, wb, b, w0, w1, b2, v0, v1, second, kc, length)   # in flight
         if warps_k > 1:
             red[wk, lane, 0], red[wk, lane, 1] = c0, c1
             red[wk, lane, 2], red[wk, lane, 3] = c2, c3
@@ -886,7 +912,8 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0):
                        bz, split, bias, has_bias, act, accumulate, direct)
 
     return Decode(gemm_decode_mma_kernel, 32 * warps_k, MMA_TILE, chunk, True,
-                  ("mma", warps_k, unroll, min_blocks), DECODE_MAX_M, np.dtype(np.float16))
+                  ("mma", warps_k, unroll, min_blocks) + (("pairs", 2),) * two, DECODE_MAX_M,
+                  np.dtype(np.float16))
 
 
 def mma_fits(a, b, trans_a: bool) -> bool:
@@ -1002,6 +1029,7 @@ NT = make_decode_nt(*NT_CONFIG)
 NT_HALF = make_decode_nt(*NT_HALF_CONFIG, dtype=np.float16)
 # (inline PTX: none on the simulator, whose float16 trans_b products take NT_HALF)
 MMA_HALF = None if backend.SIMULATOR else make_decode_mma(*MMA_HALF_CONFIG)
+MMA_PAIR = None if backend.SIMULATOR else make_decode_mma(*MMA_PAIR_CONFIG, pairs=2)
 gemm_decode_nn_kernel = NN.kernel
 gemm_decode_nt_kernel = NT.kernel
 
@@ -1035,7 +1063,7 @@ if not backend.SIMULATOR:   # compiled at import (compile_check): GPT-2's beam o
     # partials, attention projection, head), and every half-precision geometry
     GPT2_BEAM = (rows_variant(NN, 5), rows_variant(NT, 5))
     HALF_GEOMETRIES = tuple(dtype_variant(dk, np.float16) for dk in (NN, NN_COLS, NN_WIDE_K)) \
-        + (NT_HALF, MMA_HALF)
+        + (NT_HALF, MMA_HALF, MMA_PAIR)
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -1141,23 +1169,27 @@ def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
 
 
 def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stream,
-           ln_out=None, target_blocks=None, grid_cap=None, keep=None) -> None:
+           ln_out=None, target_blocks=None, grid_cap=None, keep=None, second=None) -> None:
     """Launch decode kernel `dk` and, when it splits K (or `ln_out` = (gamma, beta, eps, y)
     asks for the row-wise layer norm), the reduction, on validated 3-D arguments (`bias`
     a device array, a placeholder when has_bias is 0; y 3-D like out). With `keep` (batch,
     splits, M, N), the partials are written there and left for the caller: no reduction,
-    out untouched."""
+    out untouched. `second` = (a2, b2): dk is MMA_PAIR, and out is a @ b.T + a2 @ b2.T."""
     batch, m_rows, n_cols = out.shape
-    if dk.config[0] == "mma" and not mma_fits(a, b, trans_a):
+    if dk.config[0] == "mma" and second is None and not mma_fits(a, b, trans_a):
         dk = NT_HALF
     dk = rows_variant(dtype_variant(dk, out.dtype), m_rows)
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
+    if second is not None:
+        k_len += second[1].shape[2]
     blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
     direct = splits == 1 and ln_out is None and keep is None
     part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
+    # (the tensor-core kernel's a2, b2: placeholders it never reads for one product)
+    pair = (second or (a, b)) if dk.config[0] == "mma" else ()
     launch(dk.kernel, (blocks, splits, batch), dk.threads,
            (a, b, out, bias, part, has_bias, act, accumulate, trans_a, int(direct),
-            np.int32(span)), stream)
+            np.int32(span), *pair), stream)
     if direct or keep is not None:
         return
     if ln_out is None:
@@ -1434,8 +1466,62 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
         tiled(a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b)), stream,
               skinny=skinny)
     if ln_out is not None:  # not fused: normalize the rows of out afterwards
-        from kernels import layernorm
-        rows = batch * m_rows
-        layernorm.layernorm(backend.reshaped(out, (rows, n_cols)), gamma, beta,
-                            backend.reshaped(y, (rows, n_cols)),
-                            eps=float(eps), stream=stream)
+        _normalize_rows(out, (gamma, beta, eps, y), stream)
+
+
+def _normalize_rows(out, ln_out, stream) -> None:
+    """y = layernorm(out) over each row: `ln_out` where no reduction launch fused it."""
+    from kernels import layernorm
+    gamma, beta, eps, y = ln_out
+    n_cols = out.shape[out.ndim - 1]   # (the simulator's shapes take no negative index)
+    rows = out.size // n_cols
+    layernorm.layernorm(backend.reshaped(out, (rows, n_cols)), gamma, beta,
+                        backend.reshaped(y, (rows, n_cols)), eps=float(eps), stream=stream)
+
+
+def gemm_sum(a, b, a2, b2, out, *, bias=None, accumulate=False, ln_out=None,
+             stream=0) -> None:
+    """out = a @ b.T + a2 @ b2.T + bias, with out's old value added first when `accumulate`
+    (and ln_out as `gemm`'s): two products into one output, as GPT-J's block adds its
+    attention's output projection and its MLP's second product into the residual.
+
+    2-D, the weights (N, K) as a Linear stores them: a (M, K1), b (N, K1), a2 (M, K2),
+    b2 (N, K2), out (M, N), bias (N,); one dtype. `out` must not overlap the others.
+
+    Where the tensor-core kernel takes both products (float16, M <= DECODE_MAX_M, each K a
+    multiple of MMA_CHUNK, every operand 16-byte aligned) it reads both as one product over
+    K1 + K2 (MMA_PAIR): one launch, its K splits over both, one reduction. GPT-J's 33 MB
+    output projection as a launch of its own spends about half its time in the launch's
+    ramp and tail (cuBLAS's too); riding on the MLP's 134 MB it costs its bytes. Elsewhere
+    two `gemm` calls, the first into out (stored: rounded to out's dtype), the second
+    adding to it with the bias."""
+    dtype = _check.float_dtype("a", a)
+    m_rows, k1 = _check.device_array("a", a, dtype=dtype, ndim=2).shape
+    n_cols = _check.device_array("b", b, dtype=dtype, shape=(None, k1)).shape[0]
+    k2 = _check.device_array("a2", a2, dtype=dtype, shape=(m_rows, None)).shape[1]
+    _check.device_array("b2", b2, dtype=dtype, shape=(n_cols, k2))
+    _check.device_array("out", out, dtype=dtype, shape=(m_rows, n_cols))
+    accumulate = _check.flag("accumulate", accumulate)
+    if bias is not None:
+        _check.device_array("bias", bias, dtype=dtype, shape=(n_cols,))
+    if ln_out is not None:   # (y is written last: an overlap is refused before the first launch)
+        ln_out = _check.ln_out(ln_out, tuple(out.shape), dtype)
+        named = {"y": ln_out[3], "a": a, "b": b, "a2": a2, "b2": b2, "out": out}
+        _check.no_overlap(named, [("y", other) for other in named if other != "y"])
+    a3, b3, c3, d3, out3 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, a2, b2, out))
+    one = MMA_PAIR is not None and m_rows <= DECODE_MAX_M and mma_fits(a3, b3, False) \
+        and mma_fits(c3, d3, False)
+    if not one:
+        gemm(a, b, out, trans_b=True, accumulate=accumulate, stream=stream)
+        gemm(a2, b2, out, bias=bias, trans_b=True, accumulate=True, ln_out=ln_out,
+             stream=stream)
+        return
+    fused = None
+    if ln_out is not None and n_cols <= LN_COLS * LN_THREADS:
+        gamma, beta, eps, y = ln_out
+        fused = (gamma, beta, float(eps), backend.reshaped(y, out3.shape))
+    bias_arg = bias if bias is not None else backend.reshaped(b, (b.size,))
+    decode(MMA_PAIR, a3, b3, out3, bias_arg, int(bias is not None), ACTS[None],
+           int(accumulate), 0, stream, fused, second=(c3, d3))
+    if ln_out is not None and fused is None:
+        _normalize_rows(out, ln_out, stream)

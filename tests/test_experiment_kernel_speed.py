@@ -44,6 +44,14 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     B, D, V = toy["B"], toy["gptj"]["D"], toy["gptj"]["V"]
     head = next(r for r in ours if r["kernel"] == "gemm_gptj_head")   # float16: 2 bytes each
     assert int(head["bytes"]) == 2 * (V * D + B * D + B * V + V)
+    # the attention output and fc_out as the model runs them, one launch reading both
+    # weights and both inputs, reading and writing the residual; each alone beside it
+    F = toy["gptj"]["F"]
+    both = next(r for r in ours if r["kernel"] == "gemm_gptj_attn_out_fc_out")
+    assert int(both["bytes"]) == 2 * (D * D + D * F + B * D + B * F + 2 * B * D + D)
+    assert set(summary["gptj_residual_products_alone_fractions"]) == set(kernel_speed.GPTJ_ALONE)
+    assert summary["gptj_decode_gemm_min_fraction_of_bandwidth"] == min(
+        summary["gptj_decode_gemm_fractions_of_bandwidth"].values())
     assert set(summary["conv_over_cudnn_time"]) == convs
     assert {f"{c}_winograd" for c in summary["winograd_over_direct_time"]} == winograd
     # Each fraction is the row's bytes / its time over the copy bandwidth; the headline

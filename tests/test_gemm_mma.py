@@ -127,3 +127,73 @@ def test_gptj_decode_shapes_are_deterministic_and_right(k, n, act, bias, accumul
     _assert_within(runs[0], want, e + U16 * np.abs(want) + 2.0 ** -25)
     for r in runs[1:]:
         np.testing.assert_array_equal(r, runs[0])
+
+
+# ---------------------------------------------------------------- two products, one launch
+@given(m=st.integers(1, G.DECODE_MAX_M), n=st.integers(1, 60), chunks1=st.integers(1, 12),
+       chunks2=st.integers(1, 12), has_bias=st.booleans(), accumulate=st.booleans(),
+       target=st.sampled_from([None, 1, 7, 4096]), seed=st.integers(0, 2**16))
+def test_pair_kernel_sums_both_products_over_one_k(m, n, chunks1, chunks2, has_bias,
+                                                   accumulate, target, seed):
+    """MMA_PAIR: out = a @ b.T + a2 @ b2.T (+ old, bias) over K1 + K2, its splits (the
+    `target` grid: one, a few that cut K1's end, one a batch of loads) crossing from the
+    first product into the second anywhere: within the bound above on K1 + K2."""
+    rng = np.random.default_rng(seed)
+    k1, k2 = chunks1 * G.MMA_CHUNK, chunks2 * G.MMA_CHUNK
+    a, b = _halves(rng, 1, m, k1), _halves(rng, 1, n, k1)
+    a2, b2 = _halves(rng, 1, m, k2), _halves(rng, 1, n, k2)
+    old, bias = _halves(rng, 1, m, n), _halves(rng, n) if has_bias else None
+    out = dev(old if accumulate else np.full_like(old, np.nan))
+    bias_arg = dev(bias) if has_bias else backend.reshaped(dev(b), (b.size,))
+    G.decode(G.MMA_PAIR, dev(a), dev(b), out, bias_arg, int(has_bias), 0, int(accumulate),
+             0, 0, target_blocks=target, second=(dev(a2), dev(b2)))
+    v, e = _bound(np.concatenate([a, a2], -1), np.concatenate([b, b2], -1), bias,
+                  old if accumulate else None)
+    _assert_within(out.copy_to_host(), v, e + U16 * np.abs(v) + 2.0 ** -25)
+
+
+def test_gptj_residual_products_are_one_launch_deterministic_and_right(monkeypatch):
+    """GPT-J-6B's attention projection (4096 -> 4096) and fc_out (16384 -> 4096), beam 5,
+    through gemm_sum with the bias, the residual and the next layer norm: one tensor-core
+    launch reads both weights (then the split-K reduction and the layer norm); within the
+    bound on K = 20480; y the layer norm of the stored rows; three runs bit-identical."""
+    from kernels.layernorm import layernorm_ref
+    rng = np.random.default_rng(7)
+    seen = launches_of(monkeypatch, G)
+    att, w_out = _halves(rng, 5, 4096), (0.02 * _halves(rng, 4096, 4096)).astype(np.float16)
+    h, w_fc = _halves(rng, 5, 16384), (0.02 * _halves(rng, 4096, 16384)).astype(np.float16)
+    old, bias = _halves(rng, 5, 4096), _halves(rng, 4096)
+    gamma, beta = _halves(rng, 4096), _halves(rng, 4096)
+    ops = [dev(x) for x in (att, w_out, h, w_fc)]
+    runs = []
+    for _ in range(3):
+        out, y = dev(old), dev(np.full((5, 4096), np.nan, np.float16))
+        seen.clear()
+        G.gemm_sum(*ops, out, bias=dev(bias), accumulate=True,
+                   ln_out=(dev(gamma), dev(beta), 1e-5, y))
+        assert seen.count(G.MMA_PAIR.kernel) == 1 and G.MMA_HALF.kernel not in seen
+        runs.append((out.copy_to_host(), y.copy_to_host()))
+    v, e = _bound(np.concatenate([att, h], -1)[None], np.concatenate([w_out, w_fc], -1)[None],
+                  bias, old[None])
+    _assert_within(runs[0][0][None], v, e + U16 * np.abs(v) + 2.0 ** -25)
+    # (y normalizes the stored float16 rows: float32 statistics, one float16 rounding)
+    want_y = layernorm_ref(runs[0][0].astype(np.float64), gamma.astype(np.float64),
+                           beta.astype(np.float64))
+    np.testing.assert_allclose(runs[0][1], want_y, rtol=4 * U16, atol=4 * U16)
+    for out_r, y_r in runs[1:]:
+        np.testing.assert_array_equal(out_r, runs[0][0])
+        np.testing.assert_array_equal(y_r, runs[0][1])
+
+
+def test_gptj_block_launches_the_pair_once_a_layer(monkeypatch):
+    """A float16 GPT-J decode step: every layer's attention projection and fc_out are one
+    MMA_PAIR launch (the model's operands are 16-byte aligned, K a multiple of 32)."""
+    from proto.models.gptj import GPTJ, GPTJConfig, random_state_dict
+    from proto.models.kv_cache import KVCache
+    config = GPTJConfig(n_layer=3, n_embd=64, n_head=2, vocab_size=40, n_positions=16,
+                        rotary_dim=8)
+    model = GPTJ(config, random_state_dict(config, seed=1), max_batch=2, max_tokens=1)
+    cache = KVCache(config, batch=2, max_len=8, dtype=model.dtype)
+    seen = launches_of(monkeypatch, G)
+    model.step(dev(np.array([[1], [2]], np.int32)), dev(np.zeros(1, np.int32)), cache)
+    assert seen.count(G.MMA_PAIR.kernel) == config.n_layer

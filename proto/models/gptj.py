@@ -20,10 +20,12 @@ GPT-2's protocol (proto.models.gpt2): temporaries by name through `backend.empty
 position a device int32 read on the device, no host sync, so a graph records it as it is.
 Per layer: ln_1 (the previous layer's fc_out writes it where its rows fit the fused layer
 norm, else a layer norm launch), q, k and v as one GEMM against the three weights stacked
-(3C, C) at load, the rotary embedding in place, attention over the cache, the output
-projection added into the residual, fc_in with its bias and GELU, fc_out with its bias
-added into the residual. Products of more than 8 rows (a prefill of B * T > 8 tokens) run
-in chunks of 8 rows: the half-precision GEMMs are the decode kernels.
+(3C, C) at load, the rotary embedding in place, attention over the cache, fc_in with its
+bias and GELU, then the output projection and fc_out added into the residual as one
+product over both (`gemm.gemm_sum`: on tensor cores one launch reads both weights, so the
+projection's 33 MB rides on fc_out's 134 MB instead of paying a launch's ramp and tail of
+its own), with fc_out's bias. Products of more than 8 rows (a prefill of B * T > 8 tokens)
+run in chunks of 8 rows: the half-precision GEMMs are the decode kernels.
 """
 from __future__ import annotations
 
@@ -228,7 +230,8 @@ class GPTJ:
         x2 = reshaped(x, (N, C))
         # Every layer norm rides on the launch that writes the residual it normalizes where
         # that launch can: ln_1 of the first layer on the embedding, each next ln_1 and ln_f
-        # on fc_out (gemm fuses it into its split-K reduction or runs it right after).
+        # on the block's last product (gemm fuses it into its split-K reduction or runs
+        # it right after).
         first, ln = self.layers[0], self._empty("ln_1", N, C)
         embedding.embed(tokens, self.wte, x, stream=stream,
                         ln_out=(first.ln_1_w, first.ln_1_b, LN_EPS, reshaped(ln, (B, T, C))))
@@ -243,10 +246,10 @@ class GPTJ:
                                 rows=cache.rows, stream=stream)
             h = self._empty(f"h{i}.fc_in", N, F)   # attention and the MLP both read ln(x)
             self._gemm(ln, L.fc_in_w, h, bias=L.fc_in_b, act="gelu", stream=stream)
-            self._gemm(reshaped(att, (N, C)), L.out_w, x2, accumulate=True, stream=stream)
             ln = self._empty(f"h{i}.ln_next", N, C)   # the next ln_1, after the last ln_f
-            self._gemm(h, L.fc_out_w, x2, bias=L.fc_out_b, accumulate=True, stream=stream,
-                       ln_out=(gamma, beta, LN_EPS, ln))
+            # both branches add into the residual: x += att @ W_out.T + h @ W_fc_out.T + b
+            gemm.gemm_sum(reshaped(att, (N, C)), L.out_w, h, L.fc_out_w, x2, bias=L.fc_out_b,
+                          accumulate=True, ln_out=(gamma, beta, LN_EPS, ln), stream=stream)
         logits = self._empty("logits", B, T, V)
         self._gemm(ln, self.head_w, reshaped(logits, (N, V)), bias=self.head_b, stream=stream)
         return logits
