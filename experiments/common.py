@@ -139,30 +139,33 @@ def of_this_commit(stamp: dict) -> bool:
             and stamp.get("git_commit") == commit and stamp.get("device") == here["device"])
 
 
-def rows_of_this_commit(name: str, exclude_methods=(), text=()) -> list[dict]:
+def rows_of_this_commit(name: str, exclude=(), text=(), key: str = "method") -> list[dict]:
     """The rows of results/<device>/<name>.csv that a run of some methods keeps: those an
     earlier run measured at this commit on this device (`of_this_commit`: clean commits
-    only), except the methods in `exclude_methods` (this run measures them again). So an
-    experiment longer than a GPU session can run its methods over several sessions at one
-    commit; rows of other commits and devices are dropped (the CSV is rewritten). Each cell
-    comes back as the value written (None, bool, int, float; provenance columns and those
-    named in `text` as written)."""
+    only), except those whose `key` column (a method; end_to_end's: a setup) is in `exclude`
+    (this run measures them again). So an experiment longer than a GPU session can run its
+    methods over several sessions at one commit; rows of other commits and devices are
+    dropped (the CSV is rewritten). Each cell comes back as the value written (None, bool,
+    int, float; provenance columns, "method", `key` and those named in `text` as written)."""
     path = results_dir() / f"{name}.csv"
     if not path.exists():
         return []
-    as_written = {*provenance(), "method", *text}
+    as_written = {*provenance(), "method", key, *text}
     return [{k: v if k in as_written else _cell(v) for k, v in row.items()}
             for row in read_csv(name)
-            if of_this_commit(row) and row.get("method") not in exclude_methods]
+            if of_this_commit(row) and row.get(key) not in exclude]
 
 
-def runs(rows: list[dict]) -> dict:
+def runs(rows: list[dict], key: str = "method") -> dict:
     """{date: [method, ...]}: which of `rows` ran together, in one run (the date it stamped
-    on its rows). A summary says it beside its ratios, which only set side by side two
-    methods of one run (same machine, same hour)."""
+    on its rows), each row's `key` (a method; end_to_end's: a setup) once. A summary says it
+    beside its ratios, which only set side by side two methods of one run (same machine,
+    same hour)."""
     together: dict = {}
     for r in rows:
-        together.setdefault(r.get("date"), []).append(r["method"])
+        names = together.setdefault(r.get("date"), [])
+        if r[key] not in names:
+            names.append(r[key])
     return together
 
 

@@ -89,7 +89,7 @@ def test_a_run_keeps_the_rows_of_its_commit_and_device_for_the_other_methods(res
          **EARLIER, "git_commit": "0ld0ld"},
         {"method": "d", "ms": 4.0, "n": 3, "ok": True, "note": "x", "digest": "ab",
          **EARLIER, "device": "GPU B"}])
-    kept = common.rows_of_this_commit("demo", exclude_methods=["b"], text=("digest",))
+    kept = common.rows_of_this_commit("demo", exclude=["b"], text=("digest",))
     assert kept == [{"method": "a", "ms": 1.5, "n": 3, "ok": True, "note": None,
                      "digest": "12e4", **EARLIER}]   # (numpy's "2.1" too: as written)
     assert common.rows_of_this_commit("demo", ["b"])[0]["digest"] == 12e4   # (not `text`)
@@ -110,7 +110,7 @@ def test_a_dirty_or_unknown_commit_never_merges(results, monkeypatch, commit):
     here = {**HERE, "git_commit": commit}
     monkeypatch.setattr(common, "provenance", lambda: here)
     common.write_csv("demo", [{"method": "a", "ms": 1.0, **here, "date": EARLIER["date"]}])
-    assert common.rows_of_this_commit("demo", exclude_methods=["b"]) == []
+    assert common.rows_of_this_commit("demo", exclude=["b"]) == []
     assert not common.of_this_commit(here)
 
 
@@ -118,3 +118,21 @@ def test_runs_groups_the_methods_by_their_runs_date(results):
     rows = [{"method": "a", "date": "d1"}, {"method": "b", "date": "d2"},
             {"method": "c", "date": "d1"}]
     assert common.runs(rows) == {"d1": ["a", "c"], "d2": ["b"]}
+    # by another column (end_to_end's setups, many rows each), each name once
+    rows = [{"setup": "x", "method": m, "date": "d1"} for m in "ab"] + [
+        {"setup": "y", "method": "a", "date": "d2"}]
+    assert common.runs(rows, key="setup") == {"d1": ["x"], "d2": ["y"]}
+
+
+def test_a_run_of_some_setups_keeps_the_rows_of_the_others(results, monkeypatch):
+    """Keyed by another column than the method (end_to_end's setup): the rows of the setups
+    run again go, the others of this commit and device stay, their key as written."""
+    monkeypatch.setattr(common, "provenance", lambda: HERE)
+    common.write_csv("demo", [{"setup": "12", "method": "a", "ms": 1.0, **EARLIER},
+                              {"setup": "12", "method": "b", "ms": 2.0, **EARLIER},
+                              {"setup": "fp16", "method": "a", "ms": 3.0, **EARLIER},
+                              {"setup": "4", "method": "a", "ms": 4.0, **EARLIER,
+                               "device": "GPU B"}])
+    kept = common.rows_of_this_commit("demo", exclude=["fp16"], key="setup")
+    assert [(r["setup"], r["method"], r["ms"]) for r in kept] == [("12", "a", 1.0),
+                                                                  ("12", "b", 2.0)]
