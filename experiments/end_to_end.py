@@ -43,6 +43,12 @@ what a token costs beyond a step, kernels or the graph's own overhead. Toy size:
 model, 2 tokens, simulator.
 
     python -c "from experiments import end_to_end as e; e.run('full'); e.plot()"
+    python -m experiments end_to_end --size full --setups 12L-d768-fp16
+
+`--setups` runs some setups (`run(size, setups)`), keeping the rows of the others that an
+earlier run measured at this commit on this device: a GPU session too short for the whole
+run (up to 25 minutes) runs the float16 setup, another the two float32 ones, and the
+summary is of them all. Its ratios each take two methods of one setup (one run).
 """
 from __future__ import annotations
 
@@ -276,15 +282,38 @@ def _failed_before(method: str, unavailable: dict) -> str | None:
     return f"not tried: it failed for {earlier} ({unavailable[earlier]})"[:300]
 
 
-def run(size: str = "toy") -> None:
+def choices(size: str) -> list[str]:
+    """The setups' labels at `size`, in the order a run runs them: what `--setups` picks
+    among (run's `setups`)."""
+    return [s[0] for s in SIZES[size]["setups"]]
+
+
+def run(size: str = "toy", setups=None) -> None:
+    """The setups named (labels of `size`; None: all, in SIZES' order), each setup's methods
+    in this process, then every setup's decode step in one child (`step_timings`). The rows
+    an earlier run measured at this commit on this device for this size's other setups are
+    kept, in all three CSVs (common.rows_of_this_commit, by setup), so the three setups can
+    run in different GPU sessions at one commit; the summary is of them all."""
     cfg = SIZES[size]
+    labels = choices(size)
+    if setups is not None and (not setups or set(setups) - set(labels)):
+        raise ValueError(f"unknown {size} setup(s) {[s for s in setups if s not in labels]}; "
+                         f"choose from {labels}")
+    chosen = [s for s in cfg["setups"] if setups is None or s[0] in setups]
+    others = [label for label in labels if label not in {s[0] for s in chosen}]
     beam, prompt_len = cfg["beam"], cfg["prompt_len"]
-    rows, step_rows, kernel_rows, unavailable, step_specs = [], [], [], {}, []
+    # (rows of the other size's setups, which a toy run on the same card writes, are dropped)
+    rows, step_rows, kernel_rows = (
+        [r for r in common.rows_of_this_commit(name, exclude=[s[0] for s in chosen],
+                                                key="setup", text=("kernel",))
+         if r["setup"] in others] for name in (NAME, NAME + "_step", NAME + "_kernels"))
+    kept_unavailable = _unavailable_of_this_commit(others)
+    unavailable, step_specs = {}, []
+    date = common.provenance()["date"]   # (stamped on this run's rows: see summarize)
     half = cfg.get("half_methods", HALF_METHODS)
-    bar = common.progress(range(sum(len(_methods(s[3], half)) for s in cfg["setups"])),
-                          desc=NAME)
+    bar = common.progress(range(sum(len(_methods(s[3], half)) for s in chosen)), desc=NAME)
     last32 = [s[0] for s in cfg["setups"] if s[3] == np.float32][-1]
-    for label, config, max_len, dtype in cfg["setups"]:
+    for label, config, max_len, dtype in chosen:
         methods = _methods(dtype, half)
         state_dict = random_state_dict(config, seed=0)
         model = GPT2(config, state_dict, max_batch=beam, max_tokens=max(prompt_len - 1, 1),
@@ -321,6 +350,7 @@ def run(size: str = "toy") -> None:
                          "torch_logit_error": round(torch_error, 8)
                          if "torch_eager" in methods else None})
             common.report(NAME, rows[-1])
+            rows[-1]["date"] = date
             bar.update(1)
         for m in live.values():   # give their device memory back (the child runs at the end)
             m.close()
@@ -330,26 +360,88 @@ def run(size: str = "toy") -> None:
         step_specs.append(step_spec(label, config, beam, prompt_len, max_len, max_len // 2,
                                     cfg["step"], use_torch="torch_graph" in methods, dtype=dtype,
                                     parts=("step", "while") if profile_while else ("step",)))
+        # Each setup's rows as it ends, and the summary so far: a run cut short (a session's
+        # device time) keeps the generations it measured. The decode steps come after every
+        # setup, in ONE child that compiles the kernels once for all of them, so a cut-short
+        # run has none of its own (their CSVs keep the other setups' alone).
+        _write(labels, last32, rows, step_rows, kernel_rows, {**kept_unavailable, **unavailable})
     bar.close()
     for spec, (row, kernels, failed) in zip(step_specs, step_timings(step_specs)):
         step_rows.append({**row, **{key: row.get(key) for key in (
-            "while_kernel_sum_us_per_token", "while_kernels_per_token")}})
-        kernel_rows.extend(kernels)
+            "while_kernel_sum_us_per_token", "while_kernels_per_token")}, "date": date})
+        kernel_rows.extend({**k, "date": date} for k in kernels)
         if "while" in failed:
             unavailable[f"{spec['label']}/while_kernels"] = failed["while"]
             common.report(NAME, {"setup": spec["label"], "while_kernels": "unavailable"})
-    common.write_csv(NAME, rows)
-    common.write_csv(NAME + "_step", step_rows)
-    if kernel_rows:
-        common.write_csv(NAME + "_kernels", kernel_rows)
-    common.write_summary(NAME, {**summarize(rows, step_rows), "unavailable": unavailable})
+    _write(labels, last32, rows, step_rows, kernel_rows, {**kept_unavailable, **unavailable})
 
 
-def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
-    """Headline figures for the last (largest: GPT-2 small) float32 setup, every setup's time
-    per token by method, and the float16 setup's figures as gpt2_fp16_* (`half_summary`)."""
-    label = [r["setup"] for r in rows if r.get("dtype", "float32") == "float32"][-1]
+def _unavailable_of_this_commit(labels: list[str]) -> dict:
+    """The summary's `unavailable` entries ("setup/what": why) of `labels`' setups, where the
+    summary now stored is of this commit on this device: kept beside their setups' rows."""
+    path = common.results_dir() / f"{NAME}.summary.json"
+    if not path.exists():
+        return {}
+    old = common.read_summary(NAME)
+    if not common.of_this_commit(old.get("provenance", {})):
+        return {}
+    return {k: why for k, why in old.get("unavailable", {}).items()
+            if k.split("/")[0] in labels}
+
+
+def _write(labels: list[str], headline: str, rows: list[dict], step_rows: list[dict],
+           kernel_rows: list[dict], unavailable: dict) -> None:
+    """The three CSVs, each in the setups' order (the first row has every column: float32's
+    PyTorch figures come before float16's), and the summary of them all. A step or kernel
+    CSV with no rows is removed: what it held was of another commit, or of a setup that this
+    run measures again."""
+    def ordered(rs):
+        return sorted(rs, key=lambda r: labels.index(r["setup"]))
+    for name, rs in ((NAME, rows), (NAME + "_step", step_rows),
+                     (NAME + "_kernels", kernel_rows)):
+        if rs:
+            common.write_csv(name, ordered(rs))
+        else:
+            (common.results_dir() / f"{name}.csv").unlink(missing_ok=True)
+    if rows:
+        done = {r["setup"] for r in rows}
+        common.write_summary(NAME, {
+            **summarize(ordered(rows), ordered(step_rows), setup=headline),
+            "unavailable": unavailable,
+            "setups_not_run": [label for label in labels if label not in done]})
+
+
+# The float32 setup's headline figures (README), None in a summary without its rows
+HEADLINE_KEYS = ("step_over_bandwidth_floor", "ours_over_torch_graph_step",
+                 "while_per_token_over_step", "hf_generate_over_ours_per_token")
+
+
+def _same_run(a: dict, b: dict) -> bool:
+    """Whether two rows were measured in one run (the date it stamped on them)."""
+    return a.get("date") == b.get("date")
+
+
+def summarize(rows: list[dict], step_rows: list[dict], setup: str | None = None) -> dict:
+    """Headline figures for the float32 setup `setup` (None: the last float32 one among
+    `rows`; a run names its size's last, the largest: GPT-2 small), every setup's time per
+    token by method, which setups ran together (`runs`), and the float16 setup's figures as
+    gpt2_fp16_* (`half_summary`).
+
+    Every ratio here sets side by side two methods of ONE setup, which ran in one process in
+    one run, or a setup's generations against its own decode step, which the same run's
+    child timed (a run keeps or replaces a setup's rows in all three CSVs together, and a
+    step row is taken only where its date is its setup's). No figure compares two setups
+    (ms_per_token_by_setup lists each setup's times, no ratio of them), so rows of setups
+    measured in different runs at one commit may share a summary."""
+    label = setup if setup is not None else next(
+        (r["setup"] for r in reversed(rows) if r.get("dtype", "float32") == "float32"), None)
     per = {r["method"]: r for r in rows if r["setup"] == label}
+    by_setup = {s: {r["method"]: float(r["ms_per_token"]) for r in rows if r["setup"] == s}
+                for s in dict.fromkeys(r["setup"] for r in rows)}
+    if not per:   # (a run of other setups: the float16 one's figures alone)
+        return {"setup": label, **dict.fromkeys(HEADLINE_KEYS),
+                "ms_per_token_by_setup": by_setup, "runs": common.runs(rows, key="setup"),
+                **half_summary(rows, step_rows)}
     copy, alias = per["graph_copy_exact"], per["graph_alias_device"]
     ms = {m: float(r["ms_per_token"]) for m, r in per.items()}
     summary = {
@@ -375,13 +467,12 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
         if hf in ms:
             summary[f"{hf}_over_ours_per_token"] = ms[hf] / ms["graph_while"]
             summary[f"{hf}_same_tokens"] = per[hf]["same_tokens_as_eager"]
-    summary["ms_per_token_by_setup"] = {
-        setup: {r["method"]: float(r["ms_per_token"]) for r in rows if r["setup"] == setup}
-        for setup in dict.fromkeys(r["setup"] for r in rows)}
+    summary["ms_per_token_by_setup"] = by_setup
+    summary["runs"] = common.runs(rows, key="setup")
     if "torch_graph" in ms:
         summary["torch_graph_over_alias_per_token"] = ms["torch_graph"] / ms["graph_alias_device"]
         summary["torch_eager_over_alias_per_token"] = ms["torch_eager"] / ms["graph_alias_device"]
-    step = next((r for r in step_rows if r["setup"] == label), None)
+    step = next((r for r in step_rows if r["setup"] == label and _same_run(r, alias)), None)
     if step is not None:
         summary["ours_step_us"] = float(step["ours_step_us"])
         summary["ours_step_p10_us"] = float(step["ours_step_p10_us"])
@@ -415,7 +506,9 @@ def summarize(rows: list[dict], step_rows: list[dict]) -> dict:
             summary["torch_masked_graph_step_us"] = float(step["torch_masked_step_us"])
             summary["ours_over_torch_masked_graph_step"] = \
                 float(step["ours_step_us"]) / float(step["torch_masked_step_us"])
-    return {**summary, **half_summary(rows, step_rows)}
+    # (None where not measured: no step row yet, or no transformers)
+    return {**summary, **{k: summary.get(k) for k in HEADLINE_KEYS},
+            **half_summary(rows, step_rows)}
 
 
 def half_summary(rows: list[dict], step_rows: list[dict]) -> dict:
@@ -434,7 +527,8 @@ def half_summary(rows: list[dict], step_rows: list[dict]) -> dict:
                if r["setup"] == label and not r["method"].startswith("hf_"))}
     if "hf_generate" in ms:
         out["gpt2_fp16_hf_generate_over_ours_per_token"] = ms["hf_generate"] / ms["graph_while"]
-    step = next((r for r in step_rows if r["setup"] == label), None)
+    step = next((r for r in step_rows if r["setup"] == label and _same_run(r, half[-1])),
+                None)
     if step is not None and step.get("floor_us"):
         out.update(gpt2_fp16_step_us=float(step["ours_step_us"]),
                    gpt2_fp16_bandwidth_floor_us=float(step["floor_us"]),

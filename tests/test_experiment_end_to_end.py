@@ -157,3 +157,127 @@ def test_the_float16_figures_come_from_the_float16_setup():
     assert s["gpt2_fp16_step_over_bandwidth_floor"] == 4.0
     assert s["gpt2_fp16_hf_generate_over_ours_per_token"] == 20.0
     assert end_to_end.half_summary(rows[:2], steps) == {}
+
+
+# ------------------------------------------------------------------ a run of some setups
+# Three made-up setups (two float32, one float16) of a made-up size; the methods' rows and
+# the child's step timings are made up too: only what run() keeps, writes and summarizes.
+FAKE = dict(setups=[("A", end_to_end.TOY, 2, np.float32), ("B", end_to_end.TOY, 2, np.float32),
+                    ("H", end_to_end.TOY, 2, np.float16)],
+            beam=2, prompt_len=1, build_all=False, reps=2, step={})
+
+
+def _fake_methods(monkeypatch, tmp_path, here: dict, ms: float, cut_short: bool = False):
+    """run() without a model: every method's row says `ms` (eager 4 ms, the rest its share);
+    hf_compiled fails; the child times each step at 600 us against a 200 us floor, or
+    (`cut_short`) the session ends before it answers."""
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    monkeypatch.setattr(common, "provenance", lambda: here)
+    monkeypatch.setitem(end_to_end.SIZES, "fake", FAKE)
+    monkeypatch.setattr(end_to_end, "random_state_dict", lambda config, seed: {})
+    monkeypatch.setattr(end_to_end, "GPT2", lambda *args, **kwargs: None)
+    monkeypatch.setattr(end_to_end, "_methods", lambda dtype, half: [
+        "numba_eager", "graph_copy_exact", "graph_alias_device", "graph_while",
+        *(["hf_compiled"] if np.dtype(dtype) == np.float32 else ["hf_generate"])])
+    share = {"numba_eager": 4, "graph_copy_exact": 2, "graph_alias_device": 1,
+             "graph_while": 0.5, "hf_generate": 20}
+
+    def measure(method, live, model, state_dict, cfg, max_len, prompt, new, want):
+        if method == "hf_compiled":
+            raise RuntimeError("no compiler")
+        row = {"tokens": 2, "method": method, "ms_per_token": ms * share[method],
+               "p10_ms_per_token": 0.0, "p90_ms_per_token": 99.0, "reps": 2, "prep_ms": 0.0,
+               "model_ms": 1.0, "search_ms": 0.0, "same_tokens_as_eager": True, "setup_s": 0.1,
+               "graphs": 2, "reorder_graphs": 0, "graph_nodes": 9, "graph_memory_mib": 0.0,
+               "bytes_copied_per_step": 0, "bind_us_per_step": 1.0}
+        return row, None
+    monkeypatch.setattr(end_to_end, "_measure", measure)
+
+    def step_timings(specs):
+        if cut_short:
+            raise KeyboardInterrupt   # (the session's time limit, as the child runs)
+        return [({"setup": s["label"], "position": 1, "ours_step_us": 600.0,
+                  "ours_step_p10_us": 600.0, "ours_step_p90_us": 600.0, "ours_graph_nodes": 9,
+                  "weight_bytes": 1, "kv_bytes": 1, "copy_GBps": 1.0, "floor_us": 200.0},
+                 [{"setup": s["label"], "who": "ours", "kernel": "gemm_kernel[abi:v1]",
+                   "us_per_step": 500.0, "launches_per_step": 1.0}], {}) for s in specs]
+    monkeypatch.setattr(end_to_end, "step_timings", step_timings)
+
+
+def test_a_run_of_some_setups_keeps_the_others_rows_of_this_commit(tmp_path, monkeypatch):
+    """The float16 setup in one run, the float32 ones in another at the same commit: one set
+    of CSVs and one summary, each row with its run's date, and each ratio within one setup;
+    a run cut short before the step timings keeps its generations; another commit or device
+    starts afresh."""
+    here = {"device": "GPU A", "git_commit": "abc123", "date": "d1"}
+    _fake_methods(monkeypatch, tmp_path, here, ms=1.0)
+    end_to_end.run("fake", setups=["H"])
+    s = common.read_summary("end_to_end")
+    assert s["setup"] == "B" and s["step_over_bandwidth_floor"] is None   # (B not run yet)
+    assert s["gpt2_fp16_step_over_bandwidth_floor"] == 3.0
+    assert s["gpt2_fp16_hf_generate_over_ours_per_token"] == 40.0
+    assert s["setups_not_run"] == ["A", "B"] and s["runs"] == {"d1": ["H"]}
+
+    here["date"] = "d2"
+    _fake_methods(monkeypatch, tmp_path, here, ms=2.0)
+    end_to_end.run("fake", setups=["B", "A"])
+    rows = common.read_csv("end_to_end")
+    assert [(r["setup"], r["date"]) for r in rows if r["method"] == "numba_eager"] == [
+        ("A", "d2"), ("B", "d2"), ("H", "d1")]
+    assert [(r["setup"], r["date"]) for r in common.read_csv("end_to_end_step")] == [
+        ("A", "d2"), ("B", "d2"), ("H", "d1")]
+    assert [(r["setup"], r["date"]) for r in common.read_csv("end_to_end_kernels")] == [
+        ("A", "d2"), ("B", "d2"), ("H", "d1")]
+    s = common.read_summary("end_to_end")
+    assert s["setup"] == "B" and s["numba_eager_ms_per_token"] == 8.0
+    assert s["eager_over_alias_per_token"] == 4.0 and s["step_over_bandwidth_floor"] == 3.0
+    assert s["while_per_token_over_step"] == 1.0 / 0.6   # (B's WHILE token over B's step)
+    assert s["gpt2_fp16_step_over_bandwidth_floor"] == 3.0   # (H's, kept from d1)
+    assert s["gpt2_fp16_ms_per_token"]["numba_eager"] == 4.0
+    assert s["ms_per_token_by_setup"]["A"]["numba_eager"] == 8.0
+    assert s["runs"] == {"d2": ["A", "B"], "d1": ["H"]} and s["setups_not_run"] == []
+    assert s["unavailable"] == {"A/hf_compiled": "RuntimeError: no compiler",
+                                "B/hf_compiled": "not tried: it failed for A/hf_compiled "
+                                                 "(RuntimeError: no compiler)"}
+
+    here["date"] = "d3"   # H again, cut short as the child times the steps
+    _fake_methods(monkeypatch, tmp_path, here, ms=3.0, cut_short=True)
+    with pytest.raises(KeyboardInterrupt):
+        end_to_end.run("fake", setups=["H"])
+    rows = common.read_csv("end_to_end")
+    assert [(r["setup"], r["date"]) for r in rows if r["method"] == "numba_eager"] == [
+        ("A", "d2"), ("B", "d2"), ("H", "d3")]
+    # H's step of d1 went with its rows: no step row of H, and no figure from one
+    assert [r["setup"] for r in common.read_csv("end_to_end_step")] == ["A", "B"]
+    s = common.read_summary("end_to_end")
+    assert s["gpt2_fp16_ms_per_token"]["numba_eager"] == 12.0
+    assert "gpt2_fp16_step_over_bandwidth_floor" not in s
+    assert s["step_over_bandwidth_floor"] == 3.0 and set(s["unavailable"]) == {
+        "A/hf_compiled", "B/hf_compiled"}   # (the float32 run's, kept beside its rows)
+
+    for change in ({"git_commit": "def456"}, {"device": "GPU B"}):
+        here.update(date="d4", **change)
+        _fake_methods(monkeypatch, tmp_path, here, ms=1.0)
+        end_to_end.run("fake", setups=["H"])
+        assert {r["setup"] for r in common.read_csv("end_to_end")} == {"H"}
+        assert [r["setup"] for r in common.read_csv("end_to_end_step")] == ["H"]
+        s = common.read_summary("end_to_end")
+        assert s["setups_not_run"] == ["A", "B"] and s["unavailable"] == {}
+
+
+def test_a_run_of_some_setups_drops_the_other_sizes_rows(tmp_path, monkeypatch):
+    """A toy run on the same card at the same commit (the GPU lane's) writes setups of
+    another size: a full run of some setups keeps none of them. An unknown label is an
+    error naming the size's labels."""
+    here = {"device": "GPU A", "git_commit": "abc123", "date": "d1"}
+    _fake_methods(monkeypatch, tmp_path, here, ms=1.0)
+    common.write_csv("end_to_end", [{"setup": "toy-1L-d8", "method": "numba_eager",
+                                     "ms_per_token": 1.0, **here}])
+    common.write_csv("end_to_end_step", [{"setup": "toy-1L-d8", "ours_step_us": 1.0, **here}])
+    here["date"] = "d2"
+    end_to_end.run("fake", setups=["H"])
+    assert {r["setup"] for r in common.read_csv("end_to_end")} == {"H"}
+    assert {r["setup"] for r in common.read_csv("end_to_end_step")} == {"H"}
+    with pytest.raises(ValueError, match=r"unknown fake setup\(s\) \['C'\]; choose from "
+                                         r"\['A', 'B', 'H'\]"):
+        end_to_end.run("fake", setups=["A", "C"])
