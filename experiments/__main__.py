@@ -7,6 +7,8 @@
     python -m experiments gptj --methods ours_eager,ours_device,ptgraph_step
         # some of one experiment's methods (gptj, wav2vec2_train); the rows its other methods
         # had at this commit on this device are kept, so a long run spans GPU sessions
+    python -m experiments end_to_end --setups 12L-d768-fp16
+        # some of end_to_end's setups (labels of --size's), keeping its other setups' rows
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ EXPERIMENTS = ["launch_overhead", "kernel_speed", "end_to_end", "search_loop", "
                "gptj", "wav2vec2_train", "autovm"]
 # The experiments whose run(size, methods) runs a subset of their methods (`--methods`)
 WITH_METHODS = ("gptj", "wav2vec2_train")
+# The experiments whose run(size, setups) runs a subset of their setups (`--setups`)
+WITH_SETUPS = ("end_to_end",)
 # The figures each experiment is judged by, and their goals (the summary JSON has the rest)
 HEADLINES = {
     "launch_overhead": [("eager_over_graph_per_kernel", "")],
@@ -59,13 +63,17 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", help="comma-separated: run only these methods of ONE "
                     f"experiment ({', '.join(WITH_METHODS)}), keeping the rows its other "
                     "methods have at this commit on this device")
+    ap.add_argument("--setups", help="comma-separated: run only these setups (labels of "
+                    f"--size's) of ONE experiment ({', '.join(WITH_SETUPS)}), keeping the rows "
+                    "its other setups have at this commit on this device")
     args = ap.parse_args(argv)
     if args.device and not args.plot_only:
         ap.error("--device: only with --plot-only (a run writes this machine's results)")
     unknown = set(args.names) - set(EXPERIMENTS)
     if unknown:
         ap.error(f"unknown experiment(s) {sorted(unknown)}; choose from {EXPERIMENTS}")
-    methods = None if args.methods is None else _methods(ap, args)
+    methods = None if args.methods is None else _subset(ap, args, "methods", WITH_METHODS)
+    setups = None if args.setups is None else _subset(ap, args, "setups", WITH_SETUPS)
     from experiments import common
     if args.device:
         if not (common.ROOT / "results" / args.device).is_dir():
@@ -77,10 +85,12 @@ def main(argv=None) -> int:
         mod = importlib.import_module(f"experiments.{name}")
         t0 = time.perf_counter()
         if not args.plot_only:
-            if methods is None:
-                mod.run(args.size)
-            else:
+            if methods is not None:
                 mod.run(args.size, methods=methods)
+            elif setups is not None:
+                mod.run(args.size, setups=setups)
+            else:
+                mod.run(args.size)
         fig = mod.plot()
         summary = common.read_summary(name)
         headline = {k: v for k, v in summary.items() if k != "provenance"}
@@ -95,22 +105,26 @@ def main(argv=None) -> int:
     return 0
 
 
-def _methods(ap, args) -> list[str]:
-    """--methods' names, checked against the one experiment named (an error otherwise)."""
+def _subset(ap, args, option: str, takers: tuple) -> list[str]:
+    """--methods' or --setups' (`option`) names, checked against the one experiment named,
+    which must be one of `takers` (an error otherwise); a setup's labels are --size's."""
+    what = option[:-1]   # (method, setup)
     if args.plot_only:
-        ap.error("--methods: not with --plot-only (a plot draws every row)")
+        ap.error(f"--{option}: not with --plot-only (a plot draws every row)")
     if len(args.names) != 1:
-        ap.error("--methods: name exactly one experiment")
+        ap.error(f"--{option}: name exactly one experiment")
     name = args.names[0]
-    if name not in WITH_METHODS:
-        ap.error(f"--methods: {name} runs all its methods; only {', '.join(WITH_METHODS)} "
-                 "take --methods")
-    choices = importlib.import_module(f"experiments.{name}").choices()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in choices]
-    if unknown or not methods:   # (none named: as unknown, with the list to choose from)
-        ap.error(f"--methods: unknown {name} method(s) {unknown}; choose from {choices}")
-    return methods
+    if name not in takers:
+        ap.error(f"--{option}: {name} runs all its {option}; only {', '.join(takers)} "
+                 f"take{'s' if len(takers) == 1 else ''} --{option}")
+    mod = importlib.import_module(f"experiments.{name}")
+    choices = mod.choices() if option == "methods" else mod.choices(args.size)
+    names = [m.strip() for m in getattr(args, option).split(",") if m.strip()]
+    unknown = [m for m in names if m not in choices]
+    if unknown or not names:   # (none named: as unknown, with the list to choose from)
+        size = f" at size {args.size}" if option == "setups" else ""
+        ap.error(f"--{option}: unknown {name} {what}(s) {unknown}{size}; choose from {choices}")
+    return names
 
 
 def _fmt(v):

@@ -75,3 +75,40 @@ def test_methods_reaches_the_experiments_run(root, monkeypatch):
     monkeypatch.setattr(w, "plot", lambda: "figure.png")
     assert cli.main(["wav2vec2_train", "--methods", "check_bits, hf_eager"]) == 0
     assert asked == [["check_bits", "hf_eager"]]
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["end_to_end", "--size", "full", "--setups", "12L-d768-fp16,12L"],
+     "--setups: unknown end_to_end setup(s) ['12L'] at size full; choose from "
+     "['4L-d256', '12L-d768', '12L-d768-fp16']"),
+    (["end_to_end", "--size", "toy", "--setups", "12L-d768"],   # (a full size's label)
+     "--setups: unknown end_to_end setup(s) ['12L-d768'] at size toy; choose from ['toy-1L-d8"),
+    (["end_to_end", "--setups", " , "], "--setups: unknown end_to_end setup(s) []"),
+    (["gptj", "--setups", "4L-d256"],
+     "--setups: gptj runs all its setups; only end_to_end takes --setups"),
+    (["end_to_end", "gptj", "--setups", "4L-d256"], "--setups: name exactly one experiment"),
+    (["end_to_end", "--plot-only", "--setups", "4L-d256"], "--setups: not with --plot-only"),
+    (["end_to_end", "--methods", "numba_eager"],
+     "--methods: end_to_end runs all its methods; only gptj, wav2vec2_train take --methods"),
+])
+def test_setups_is_refused_where_it_cannot_mean_anything(root, capsys, argv, error):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert error in capsys.readouterr().err
+    assert not (root / "results").exists()
+
+
+def test_setups_reaches_end_to_ends_run(root, monkeypatch):
+    """--setups picks among the labels of --size's setups; run gets them, in the order named
+    (run keeps SIZES' order)."""
+    from experiments import end_to_end as e
+    asked = []
+
+    def run(size, setups=None):
+        asked.append((size, setups))
+        common.write_summary(e.NAME, {})
+    monkeypatch.setattr(e, "run", run)
+    monkeypatch.setattr(e, "plot", lambda: "figure.png")
+    assert cli.main(["end_to_end", "--size", "full", "--setups", "12L-d768,4L-d256"]) == 0
+    assert cli.main(["end_to_end", "--size", "full"]) == 0
+    assert asked == [("full", ["12L-d768", "4L-d256"]), ("full", None)]
