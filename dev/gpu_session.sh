@@ -30,8 +30,14 @@
 # H100 at aa0562a), wav2vec2_checks (check_bits, check_loss: a few minutes),
 # wav2vec2_rest (hf_amp, ours_eager, ptgraph_private, ours_unplanned: about 5, from the
 # H200's whole run). end_to_end
-# (GPT-2 beam search, float32 and float16), half_decode (GPT-J's float16 decode GEMMs over
-# the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py),
+# (GPT-2 beam search, float32 and float16, up to 25 minutes), and its parts by setup
+# (`--setups`, kept and merged as the parts above): end_to_end_fp16 (GPT-2 small in float16,
+# issue 56's gpt2_fp16_* figures: about 7 minutes, from the H200's 12L-d768 float32 rows at
+# 392e11c3b414, an upper bound: 4 methods x 6 generations of 1020 tokens, 3.5 minutes with
+# hf_generate's 60 s setup, then compiling, the model and the step's child) and
+# end_to_end_fp32 (4L-d256 and 12L-d768 with PyTorch's methods and the WHILE profile: the 15
+# minutes the whole run took before the float16 setup), half_decode (GPT-J's float16
+# decode GEMMs over the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py),
 # half_attention (GPT-J's float16 decode attention, strided and grouped kernels against
 # torch's scaled_dot_product_attention, about two minutes: dev/bench/bench_half_attention.py), probes
 # (the kernel cache's test, then where recording GPT-2 takes memory), w2v_profile (a Wav2Vec2
@@ -106,6 +112,10 @@ for s in "$@"; do case $s in
   gptj_rest) step gptj_rest 1320 python3 -m experiments gptj --size full \
       --methods hf_compiled,ptgraph_private ;;
   end_to_end) step end_to_end 1500 python3 -m experiments end_to_end --size full ;;
+  end_to_end_fp16) step end_to_end_fp16 600 python3 -m experiments end_to_end --size full \
+      --setups 12L-d768-fp16 ;;
+  end_to_end_fp32) step end_to_end_fp32 1200 python3 -m experiments end_to_end --size full \
+      --setups 4L-d256,12L-d768 ;;
   half_decode) step half_decode 600 env OUT=$L python3 -m dev.bench.bench_half_decode ;;
   half_attention) step half_attention 300 python3 -m dev.bench.bench_half_attention ;;
   wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
