@@ -16,9 +16,12 @@ float16 operand loads and the warp-wide multiply of `kernels.gemm.make_decode_mm
     halves(w)      the two float16 of uint32 word w (as ld16 packs them) as float32, low
                    element first (two cvt.f32.f16).
 
-ld16 and halves also have Python stand-ins on the simulator (the same words, packed by
-NumPy), for the SIMT kernels that read float16 rows 16 bytes at a time; ldg16 and mma16816
-are GPU only (sm_80 and later): the simulator has no PTX.
+On the simulator (no PTX there) each has a Python stand-in: the loads and halves pack and
+unpack the same words by NumPy; mma16816 gathers its warp's fragments through shared memory
+behind a barrier and multiplies them in float32 by the PTX ISA's fragment layout (rounding
+each sum to nearest, where the tensor core truncates: within the tests' bound). The barrier
+is the block's: on the simulator every thread of the block calls it together, so a kernel
+that multiplies takes one warp a block there.
 """
 from __future__ import annotations
 
@@ -27,13 +30,45 @@ from proto.device.backend import SIMULATOR
 if SIMULATOR:
     import numpy as np
 
+    from proto.device.backend import cuda
+
     def ld16(src, j):
         flat = [src[np.unravel_index(int(j) + e, src.shape)] for e in range(8)]
         return tuple(np.array(flat, np.float16).view(np.uint32))
 
+    ldg16 = ld16   # (no caches to bypass on the simulator)
+
     def halves(w):
         lo, hi = np.array([w], np.uint32).view(np.float16).astype(np.float32)
         return lo, hi
+
+    def _pair(word):
+        """A fragment word's two float16 (low element first) as float32."""
+        return np.array([word], np.uint32).view(np.float16).astype(np.float32)
+
+    @cuda.jit(device=True)   # (so that the simulator gives it the kernel's cuda: shared, ...)
+    def mma16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C of the warp (m16n8k16, float16 in, float32 sums). Lane (g, t) = (lane
+        / 4, lane % 4) holds A[g][2t, 2t+1] (a0), A[g+8][2t, 2t+1] (a1), A[g][2t+8, 2t+9]
+        (a2), A[g+8][2t+8, 2t+9] (a3), B[2t, 2t+1][g] (b0), B[2t+8, 2t+9][g] (b1), and
+        C and D at [g][2t], [g][2t+1], [g+8][2t], [g+8][2t+1]."""
+        words = cuda.shared.array((32, 6), np.uint32)
+        lane = cuda.threadIdx.x % 32
+        for i, w in enumerate((a0, a1, a2, a3, b0, b1)):
+            words[lane, i] = w
+        cuda.syncthreads()
+        A, B = np.zeros((16, 16), np.float32), np.zeros((16, 8), np.float32)
+        for q in range(32):
+            g, t = q >> 2, q & 3
+            lo, hi = slice(2 * t, 2 * t + 2), slice(2 * t + 8, 2 * t + 10)
+            A[g, lo], A[g + 8, lo] = _pair(words[q, 0]), _pair(words[q, 1])
+            A[g, hi], A[g + 8, hi] = _pair(words[q, 2]), _pair(words[q, 3])
+            B[lo, g], B[hi, g] = _pair(words[q, 4]), _pair(words[q, 5])
+        cuda.syncthreads()   # (every lane has read the words before any writes the next)
+        g, t = lane >> 2, lane & 3
+        d = [np.float32(np.dot(A[r], B[:, c]) + c_in) for (r, c), c_in in zip(
+            ((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)), (c0, c1, c2, c3))]
+        return d[0], d[1], d[2], d[3]
 
 else:
     from llvmlite import ir

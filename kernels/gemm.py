@@ -144,6 +144,8 @@ else:
     NN_WIDE = (1, 1, 2, 2)
     NT_CONFIG = (1, 2, 2)
     NT_HALF_CONFIG = (1, 4, 2)
+    # one warp a block: the simulator's mma16816 stand-in holds the block's barrier
+    MMA_HALF_CONFIG = MMA_PAIR_CONFIG = (1, 2, 0)
     TARGET_BLOCKS = 2
     PARTIALS_TARGET = TARGET_BLOCKS
     RED_CHUNK = 2
@@ -1027,9 +1029,8 @@ NN_COLS = make_decode_nn(*NN_COLUMNS)
 NN_WIDE_K = make_decode_nn(*NN_WIDE)
 NT = make_decode_nt(*NT_CONFIG)
 NT_HALF = make_decode_nt(*NT_HALF_CONFIG, dtype=np.float16)
-# (inline PTX: none on the simulator, whose float16 trans_b products take NT_HALF)
-MMA_HALF = None if backend.SIMULATOR else make_decode_mma(*MMA_HALF_CONFIG)
-MMA_PAIR = None if backend.SIMULATOR else make_decode_mma(*MMA_PAIR_CONFIG, pairs=2)
+MMA_HALF = make_decode_mma(*MMA_HALF_CONFIG)   # (the simulator's: _mma's stand-ins)
+MMA_PAIR = make_decode_mma(*MMA_PAIR_CONFIG, pairs=2)
 gemm_decode_nn_kernel = NN.kernel
 gemm_decode_nt_kernel = NT.kernel
 
@@ -1070,7 +1071,7 @@ if not backend.SIMULATOR:   # compiled at import (compile_check): GPT-2's beam o
 def pick_decode(trans_b: bool, batch: int, n_cols: int, dtype=np.float32) -> Decode:
     """The decode kernel for a shape and storage dtype (H200 measurements, dev/notes/decode.md):
     trans_b has one kernel a dtype (float32's NT; float16's MMA_HALF on tensor cores, NT_HALF
-    on the simulator and where `decode` finds the product does not fit it, `mma_fits`);
+    where `decode` finds the product does not fit it, `mma_fits`);
     [K, N] takes 16-column tiles over the whole K when they alone give one to four blocks
     per SM (no split, so no reduction launch: GPT-2's 2304 and 3072 columns), 128-column
     persistent tiles when N is wide enough for two per SM, else 64-column tiles with K
@@ -1078,7 +1079,7 @@ def pick_decode(trans_b: bool, batch: int, n_cols: int, dtype=np.float32) -> Dec
     if trans_b:
         if np.dtype(dtype) != np.float16:
             return NT
-        return NT_HALF if MMA_HALF is None else MMA_HALF
+        return MMA_HALF
     sms = _check.sm_count()
     if -(-n_cols // NN_WIDE_K.tile) * batch >= 2 * sms:
         return NN_WIDE_K
@@ -1509,7 +1510,7 @@ def gemm_sum(a, b, a2, b2, out, *, bias=None, accumulate=False, ln_out=None,
         named = {"y": ln_out[3], "a": a, "b": b, "a2": a2, "b2": b2, "out": out}
         _check.no_overlap(named, [("y", other) for other in named if other != "y"])
     a3, b3, c3, d3, out3 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, a2, b2, out))
-    one = MMA_PAIR is not None and m_rows <= DECODE_MAX_M and mma_fits(a3, b3, False) \
+    one = dtype == np.float16 and m_rows <= DECODE_MAX_M and mma_fits(a3, b3, False) \
         and mma_fits(c3, d3, False)
     if not one:
         gemm(a, b, out, trans_b=True, accumulate=accumulate, stream=stream)

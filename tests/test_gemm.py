@@ -730,9 +730,9 @@ def _half_sum_bound(a, b, bias, old, trans_a, trans_b):
     for extra in (old64, bias64):
         if extra is not None:
             v, mag = v + extra, mag + np.abs(extra)
-    # float16 trans_b on a GPU may take the tensor-core kernel, whose additions truncate:
+    # float16 trans_b may take the tensor-core kernel, whose additions truncate on a GPU:
     # 2 U32 an addition (tests/test_gemm_mma.py)
-    per_add = 2 * U32 if trans_b and G.MMA_HALF is not None else U32
+    per_add = 2 * U32 if trans_b else U32
     return v, (a64.shape[-1] + 4) * per_add * mag
 
 

@@ -1,7 +1,9 @@
-"""The tensor-core float16 decode kernel (kernels.gemm.make_decode_mma) on the GPU, against
-float64 on the same float16 values: every epilogue, K split or whole, rows 1..8, columns
-that are no multiple of its 16-column tile, batches; what `gemm` routes to it; and that it
-writes nothing outside out.
+"""The tensor-core float16 decode kernel (kernels.gemm.make_decode_mma), one product and two
+(MMA_PAIR), against float64 on the same float16 values: every epilogue, K split or whole,
+rows 1..8, columns that are no multiple of its 16-column tile, batches; what `gemm` routes to
+it; and that it writes nothing outside out. On the simulator the kernel runs its one-warp
+geometry with kernels._mma's Python stand-ins (the fragment layout as PTX defines it); GPT-J's
+full shapes run on a GPU only (gpu marker).
 
 The bound. Each product of two float16 values is exact in float32. mma.sync adds a k-step's
 16 products to the accumulator with its significands aligned to the largest and truncated,
@@ -19,8 +21,6 @@ from kernels import gemm as G
 from proto.device import backend
 from tests.helpers import dev, launches_of
 from tests.test_gemm import U16, U32, _assert_within, _half_result, _halves
-
-pytestmark = pytest.mark.gpu
 
 
 def _bound(a, b, bias, old):
@@ -106,6 +106,7 @@ def test_tensor_core_decode_writes_nothing_past_out():
     _assert_within(got[:, :m], v, e + U16 * np.abs(v) + 2.0 ** -25)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("k,n,act,bias,accumulate", [
     (4096, 12288, None, False, False), (4096, 4096, None, False, True),
     (4096, 16384, "gelu", True, False), (16384, 4096, None, True, True),
@@ -152,6 +153,7 @@ def test_pair_kernel_sums_both_products_over_one_k(m, n, chunks1, chunks2, has_b
     _assert_within(out.copy_to_host(), v, e + U16 * np.abs(v) + 2.0 ** -25)
 
 
+@pytest.mark.gpu
 def test_gptj_residual_products_are_one_launch_deterministic_and_right(monkeypatch):
     """GPT-J-6B's attention projection (4096 -> 4096) and fc_out (16384 -> 4096), beam 5,
     through gemm_sum with the bias, the residual and the next layer norm: one tensor-core
