@@ -25,13 +25,14 @@ GELU), MLP projection (3072x768 + bias + residual) and the tied output head (x @
 50257 columns; also in the [K, N] layout). Pure weight streaming: the summary's
 `decode_gemm_min_fraction_of_bandwidth` is the worst of the five. GPT-J-6B's decode GEMMs
 run in float16 against cuBLAS's float16 GEMMs (tensor cores, as PyTorch runs them by
-default), as the model launches them: fused qkv (4096 x 12288), fc_in (4096 x 16384, bias,
-GELU), the attention output and fc_out as one product into the residual (4096 + 16384 ->
-4096, bias: gemm.gemm_sum, against one cuBLAS GEMM over both concatenated) and the untied
-head (4096 x 50400, bias), every weight (N, K) as Hugging Face stores it
-(`gptj_decode_gemm_min_fraction_of_bandwidth`, `gptj_decode_gemm_over_cublas_fp16_time`);
-the attention output and fc_out each alone beside them
-(`gptj_residual_products_alone_fractions`).
+default), as the model launches them: fused qkv (4096 x 12288) and fc_in (4096 x 16384,
+bias, GELU) as one launch of two outputs (gemm.gemm_two_outputs, against one cuBLAS GEMM
+over both weights stacked), the attention output and fc_out as one product into the
+residual (4096 + 16384 -> 4096, bias: gemm.gemm_sum, against one cuBLAS GEMM over both
+concatenated) and the untied head (4096 x 50400, bias), every weight (N, K) as Hugging
+Face stores it (`gptj_decode_gemm_min_fraction_of_bandwidth`,
+`gptj_decode_gemm_over_cublas_fp16_time`); the four products each alone beside them
+(`gptj_products_alone_fractions`).
 Beside them, the two as the
 model runs them: the whole MLP (`mlp_decode`: kernels.mlp's fused kernel and its sum, which
 writes the next layer norm's rows too, against PyTorch's addmm, GELU, addmm_ and layer_norm;
@@ -79,10 +80,11 @@ DECODE_GEMMS = ("gemm_decode_qkv", "gemm_decode_attn_proj", "gemm_decode_fc",
 # GPT-J-6B's decode GEMMs in float16, 5 beams against Hugging Face's (N, K) Linear weights:
 # q, k and v fused (no bias), the attention output and the MLP's second GEMM into the
 # residual, the MLP's first (bias, GELU), the untied head (bias)
-# GPT-J's decode GEMMs as its block launches them: its attention projection and fc_out both
-# add into the residual, one launch over both (gemm.gemm_sum); each alone beside them
-GPTJ_GEMMS = ("gemm_gptj_qkv", "gemm_gptj_fc_in", "gemm_gptj_attn_out_fc_out", "gemm_gptj_head")
-GPTJ_ALONE = ("gemm_gptj_attn_out", "gemm_gptj_fc_out")
+# GPT-J's decode GEMMs as its block launches them: qkv and fc_in, both of ln_1's rows, one
+# launch (gemm.gemm_two_outputs); the attention projection and fc_out, both added into the
+# residual, one launch over both (gemm.gemm_sum); the head. Each product alone beside them.
+GPTJ_GEMMS = ("gemm_gptj_qkv_fc_in", "gemm_gptj_attn_out_fc_out", "gemm_gptj_head")
+GPTJ_ALONE = ("gemm_gptj_qkv", "gemm_gptj_fc_in", "gemm_gptj_attn_out", "gemm_gptj_fc_out")
 SIZES = {  # D model width, V vocab, T sequence, B batch (beams), H heads; LSTM: LB x L hidden;
     # convs: layer -> (N, C, K, H=W) of a 3x3, pad-1 VGG conv at 224x224 input; pool: (N, C,
     # H=W) of VGG's first 2x2 max-pool
@@ -191,6 +193,9 @@ def _cases(s: dict, torch) -> list[Case]:
         cases.append(_decode_gemm_case(name, rng, torch, tt, xj if K == J["D"] else h16(B, K),
                                        h16(N, K, std=0.02), N, True, act, accumulate,
                                        h16(N) if bias else None))
+    cases.append(_decode_gemm_outs_case(
+        "gemm_gptj_qkv_fc_in", rng, torch, tt, xj, h16(3 * J["D"], J["D"], std=0.02),
+        h16(J["F"], J["D"], std=0.02), h16(J["F"])))
     cases.append(_decode_gemm_sum_case(
         "gemm_gptj_attn_out_fc_out", rng, torch, tt, (xj, h16(J["D"], J["D"], std=0.02)),
         (h16(B, J["F"]), h16(J["D"], J["F"], std=0.02)), h16(J["D"])))
@@ -353,6 +358,40 @@ def _decode_gemm_case(name, rng, torch, tt, x, w, N, trans_b, act, accumulate,
     # Cross-check on copy 0: both start from the same old out, each runs once.
     first_ours, first_theirs = rotation[0]
     return Case(name, shape, "memory", nbytes, 2 * B * K * N, first_ours, outs[0].copy_to_host,
+                first_theirs, (lambda: last["y"].cpu().numpy()) if torch else None, rotation)
+
+
+def _decode_gemm_outs_case(name, rng, torch, tt, x, w, w2, bias2) -> Case:
+    """out (B, N1) = x @ w.T and out2 (B, N2) = GELU(x @ w2.T + bias2) on rotating copies:
+    ours one gemm_two_outputs, cuBLAS one GEMM against both weights stacked (made before
+    timing, as a user who stores them so would) and the bias and GELU on out2's columns."""
+    B, N1, N2 = x.shape[0], w.shape[0], w2.shape[0]
+    nbytes = x.itemsize * (w.size + w2.size + x.size + B * (N1 + N2) + N2)
+    dbias, tbias = _dev(bias2), tt(bias2) if torch else None
+    F = torch.nn.functional if torch else None
+    rotation, outs, last = [], [], {}
+    for _ in range(_copies(nbytes)):
+        dx, dw, dw2 = _dev(x), _dev(w), _dev(w2)
+        dout, dout2 = (cuda.device_array((B, n), x.dtype) for n in (N1, N2))
+        outs.append((dout, dout2))
+        ours = (lambda dx=dx, dw=dw, dw2=dw2, dout=dout, dout2=dout2: gemm.gemm_two_outputs(
+            dx, dw, dout, dw2, dout2, bias2=dbias, act2="gelu"))
+        theirs = None
+        if torch:
+            tx, tw = tt(x), torch.cat([tt(w), tt(w2)], dim=0)
+            tout = torch.empty(B, N1 + N2, dtype=tx.dtype, device="cuda")
+
+            def theirs(tx=tx, tw=tw, tout=tout):
+                y = torch.matmul(tx, tw.T, out=tout)
+                y2 = y[:, N1:]
+                y2.copy_(F.gelu(y2 + tbias, approximate="tanh"))
+                last.setdefault("y", y)
+                return y
+        rotation.append((ours, theirs))
+    shape = f"{B}x{x.shape[1]} @ ({N1}x{x.shape[1]}).T, @ ({N2}x{x.shape[1]}).T + bias, gelu"
+    first_ours, first_theirs = rotation[0]
+    return Case(name, shape, "memory", nbytes, 2 * B * (w.size + w2.size), first_ours,
+                lambda: np.concatenate([o.copy_to_host() for o in outs[0]], axis=1),
                 first_theirs, (lambda: last["y"].cpu().numpy()) if torch else None, rotation)
 
 
@@ -817,12 +856,10 @@ def summarize(rows: list[dict], s: dict) -> dict:
             gptj_decode_gemm_over_cublas_fp16_time={
                 k: us[(k, "ours")] / us[(k, "torch")] if (k, "torch") in us else None
                 for k in GPTJ_GEMMS},
-            # the two residual products each as a launch of its own, which the model no
-            # longer makes (gemm_sum): what the one launch saves
-            gptj_residual_products_alone_fractions={k: fraction(k) for k in GPTJ_ALONE
-                                                    if k in ours},
-            gptj_residual_products_alone_us={k: us[(k, "ours")] for k in GPTJ_ALONE
-                                             if k in ours})
+            # each product as a launch of its own, which the model no longer makes
+            # (gemm_two_outputs, gemm_sum): what the paired launches save
+            gptj_products_alone_fractions={k: fraction(k) for k in GPTJ_ALONE if k in ours},
+            gptj_products_alone_us={k: us[(k, "ours")] for k in GPTJ_ALONE if k in ours})
     if ("gemm_lstm_gates_unsplit", "ours") in us:
         summary["lstm_gates_split_over_unsplit_time"] = (us[("gemm_lstm_gates", "ours")]
                                                          / us[("gemm_lstm_gates_unsplit", "ours")])

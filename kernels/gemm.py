@@ -797,14 +797,17 @@ def _mma_store(v, m, n, m_rows, n_cols, out, part, bz, split, bias, has_bias, ac
             part[bz, split, m, n] = v
 
 
-def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pairs: int = 1):
+def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pair: str | None = None):
     """The float16 trans_b decode kernel on tensor cores: out (B, M<=8, N) = a (B, M, K) @
     b (B, N, K).T, K a multiple of MMA_CHUNK, a and b 16-byte aligned (`mma_fits`).
 
-    pairs=2: out = a @ b.T + a2 @ b2.T, the two products' K (K1 + K2, each a multiple of
+    pair="k": out = a @ b.T + a2 @ b2.T, the two products' K (K1 + K2, each a multiple of
     MMA_CHUNK) one range that the splits cover as if b's and b2's rows were one row (and
-    a's and a2's): a chunk below K1 reads a and b, one past it a2 and b2 (`gemm_sum`). With
-    pairs=1 a2 and b2 are placeholders the kernel never reads.
+    a's and a2's): a chunk below K1 reads a and b, one past it a2 and b2 (`gemm_sum`).
+    pair="n": out = a @ b.T and out2 = act(a @ b2.T + bias): the column tiles of out, then
+    out2's, one grid (`gemm_two_outputs`); the epilogue's flags are out2's, out's is plain;
+    K whole (one split: no partials for two outputs). Without a pair, a2, b2 and out2 are
+    placeholders the kernel never touches.
 
     One warp instruction (mma.sync m16n8k16, float16 products summed in float32) multiplies
     16 rows of b (16 output columns) by x^T, x the 8 rows of a (M real, the rest zero words).
@@ -821,9 +824,9 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pairs: int =
     (an earlier kernel's output). Grid (column tiles, K splits, batch), as `decode` plans
     it (`decode_plan`): no staging of a in shared memory, so no SPAN_MAX bound on a split."""
     from kernels._mma import ld16, ldg16, mma16816
-    if pairs not in (1, 2):
-        raise ValueError(f"pairs: 1 or 2 products, got {pairs}")
-    two = pairs == 2   # (a constant: the one-product kernel compiles no branch on it)
+    if pair not in (None, "k", "n"):
+        raise ValueError(f"pair: None, 'k' or 'n', got {pair!r}")
+    two, outs = pair == "k", pair == "n"   # (constants: no branch where not paired)
     chunk = MMA_CHUNK * unroll       # K a warp's batch of loads covers
     step, words = chunk * warps_k, 4 * unroll
     bounds = {"launch_bounds": (32 * warps_k, min_blocks)} if min_blocks else {}
@@ -844,10 +847,10 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pairs: int =
                 for e in range(4):
                     wa[4 * u + e], wb[4 * u + e] = p[e], q[e]
 
-    @jit(_decode_signature(np.float16, ", {t}[:,:,::1], {t}[:,:,::1]".format(t="float16")),
-         writes=("out", "part"), early_launch=True, **bounds)
+    @jit(_decode_signature(np.float16, ", {t}[:,:,::1], {t}[:,:,::1], {t}[:,:,::1]".format(
+        t="float16")), writes=("out", "part", "out2"), early_launch=True, **bounds)
     def gemm_decode_mma_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
-                               direct, span, a2, b2):
+                               direct, span, a2, b2, out2):
         red = cuda.shared.array((warps_k, 32, 4), np.float32)
         wa = cuda.local.array(words, np.uint32)   # b's row n0 + g, chunk by chunk
         wb = cuda.local.array(words, np.uint32)   # b's row n0 + g + 8
@@ -855,13 +858,21 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pairs: int =
         lane, wk = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         g, t = lane >> 2, lane & 3
         bz, split = cuda.blockIdx.z, cuda.blockIdx.y
+        tile = cuda.blockIdx.x
+        if outs:   # (pair "n") out's column tiles, then out2's with its epilogue
+            first = -(-out.shape[2] // MMA_TILE)
+            if tile >= first:
+                tile -= first
+                b, out = b2, out2
+            else:
+                has_bias = act = 0
         m_rows, n_cols, k1 = out.shape[1], out.shape[2], b.shape[2]
         k2 = b2.shape[2] if two else 0
         k_len = k1 + k2
         k_lo = split * span
         length = min(k_lo + span, k_len) - k_lo
         second = k1 - k_lo   # (two) the split's first chunk of a2 and b2: K1, split-relative
-        n0 = cuda.blockIdx.x * MMA_TILE
+        n0 = tile * MMA_TILE
         # flat offsets of this lane's first elements, a chunk kc of the split at + kc (the
         # second product's as if its K went on from K1); past the last column the last row
         # is re-read (never stored)
@@ -914,8 +925,8 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pairs: int =
                        bz, split, bias, has_bias, act, accumulate, direct)
 
     return Decode(gemm_decode_mma_kernel, 32 * warps_k, MMA_TILE, chunk, True,
-                  ("mma", warps_k, unroll, min_blocks) + (("pairs", 2),) * two, DECODE_MAX_M,
-                  np.dtype(np.float16))
+                  ("mma", warps_k, unroll, min_blocks) + ((("pair", pair),) if pair else ()),
+                  DECODE_MAX_M, np.dtype(np.float16))
 
 
 def mma_fits(a, b, trans_a: bool) -> bool:
@@ -1030,7 +1041,8 @@ NN_WIDE_K = make_decode_nn(*NN_WIDE)
 NT = make_decode_nt(*NT_CONFIG)
 NT_HALF = make_decode_nt(*NT_HALF_CONFIG, dtype=np.float16)
 MMA_HALF = make_decode_mma(*MMA_HALF_CONFIG)   # (the simulator's: _mma's stand-ins)
-MMA_PAIR = make_decode_mma(*MMA_PAIR_CONFIG, pairs=2)
+MMA_PAIR = make_decode_mma(*MMA_PAIR_CONFIG, pair="k")
+MMA_OUTS = make_decode_mma(*MMA_HALF_CONFIG, pair="n")
 gemm_decode_nn_kernel = NN.kernel
 gemm_decode_nt_kernel = NT.kernel
 
@@ -1064,7 +1076,7 @@ if not backend.SIMULATOR:   # compiled at import (compile_check): GPT-2's beam o
     # partials, attention projection, head), and every half-precision geometry
     GPT2_BEAM = (rows_variant(NN, 5), rows_variant(NT, 5))
     HALF_GEOMETRIES = tuple(dtype_variant(dk, np.float16) for dk in (NN, NN_COLS, NN_WIDE_K)) \
-        + (NT_HALF, MMA_HALF, MMA_PAIR)
+        + (NT_HALF, MMA_HALF, MMA_PAIR, MMA_OUTS)
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -1170,27 +1182,38 @@ def _sum_partials(part, out, bias, has_bias, act, accumulate, stream) -> None:
 
 
 def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stream,
-           ln_out=None, target_blocks=None, grid_cap=None, keep=None, second=None) -> None:
+           ln_out=None, target_blocks=None, grid_cap=None, keep=None, second=None,
+           outs=None) -> None:
     """Launch decode kernel `dk` and, when it splits K (or `ln_out` = (gamma, beta, eps, y)
     asks for the row-wise layer norm), the reduction, on validated 3-D arguments (`bias`
     a device array, a placeholder when has_bias is 0; y 3-D like out). With `keep` (batch,
     splits, M, N), the partials are written there and left for the caller: no reduction,
-    out untouched. `second` = (a2, b2): dk is MMA_PAIR, and out is a @ b.T + a2 @ b2.T."""
+    out untouched. `second` = (a2, b2): dk is MMA_PAIR, and out is a @ b.T + a2 @ b2.T.
+    `outs` = (b2, out2): dk is MMA_OUTS, out = a @ b.T and out2 the epilogue of a @ b2.T,
+    K whole (no ln_out, no keep)."""
     batch, m_rows, n_cols = out.shape
-    if dk.config[0] == "mma" and second is None and not mma_fits(a, b, trans_a):
+    if dk.config[0] == "mma" and second is None and outs is None \
+            and not mma_fits(a, b, trans_a):
         dk = NT_HALF
     dk = rows_variant(dtype_variant(dk, out.dtype), m_rows)
     k_len = b.shape[2] if dk.trans_b else b.shape[1]
     if second is not None:
         k_len += second[1].shape[2]
-    blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
+    if outs is None:
+        blocks, splits, span = decode_plan(dk, batch, n_cols, k_len, target_blocks, grid_cap)
+    else:   # one grid of both outputs' column tiles, K whole
+        blocks = -(-n_cols // dk.tile) - (-outs[1].shape[2] // dk.tile)
+        splits, span = 1, -(-k_len // dk.k_step) * dk.k_step
     direct = splits == 1 and ln_out is None and keep is None
     part = _partials(out, splits, direct) if keep is None else _kept(keep, splits)
-    # (the tensor-core kernel's a2, b2: placeholders it never reads for one product)
-    pair = (second or (a, b)) if dk.config[0] == "mma" else ()
+    extra = ()
+    if dk.config[0] == "mma":   # a2, b2, out2: placeholders where the kernel has no pair
+        # (out2, a declared output, may overlap no argument: a placeholder of its own)
+        no_out2 = None if outs else backend.empty((1, 1, 1), np.float16, "gemm.no_out2")
+        extra = (*(second or (a, b)), no_out2) if outs is None else (a, *outs)
     launch(dk.kernel, (blocks, splits, batch), dk.threads,
            (a, b, out, bias, part, has_bias, act, accumulate, trans_a, int(direct),
-            np.int32(span), *pair), stream)
+            np.int32(span), *extra), stream)
     if direct or keep is not None:
         return
     if ln_out is None:
@@ -1526,3 +1549,41 @@ def gemm_sum(a, b, a2, b2, out, *, bias=None, accumulate=False, ln_out=None,
            int(accumulate), 0, stream, fused, second=(c3, d3))
     if ln_out is not None and fused is None:
         _normalize_rows(out, ln_out, stream)
+
+
+def gemm_two_outputs(a, b, out, b2, out2, *, bias2=None, act2=None, stream=0) -> None:
+    """out = a @ b.T and out2 = act2(a @ b2.T + bias2): two products of one input, as GPT-J's
+    block projects its normalized rows to q, k, v (no bias) and to the MLP (bias, GELU).
+
+    2-D, the weights (N, K) as a Linear stores them: a (M, K), b (N1, K), out (M, N1),
+    b2 (N2, K), out2 (M, N2), bias2 (N2,); one dtype. Neither output may overlap the others.
+
+    Where the tensor-core kernel takes both (float16, M <= DECODE_MAX_M, K a multiple of
+    MMA_CHUNK, every operand 16-byte aligned) one launch streams both weights (MMA_OUTS: out's
+    column tiles then out2's, K whole): GPT-J's 100 MB qkv and 134 MB fc_in as one launch,
+    whose ramp and tail are paid once. Elsewhere two `gemm` calls (the same sums)."""
+    dtype = _check.float_dtype("a", a)
+    m_rows, k_len = _check.device_array("a", a, dtype=dtype, ndim=2).shape
+    n1 = _check.device_array("b", b, dtype=dtype, shape=(None, k_len)).shape[0]
+    n2 = _check.device_array("b2", b2, dtype=dtype, shape=(None, k_len)).shape[0]
+    _check.device_array("out", out, dtype=dtype, shape=(m_rows, n1))
+    _check.device_array("out2", out2, dtype=dtype, shape=(m_rows, n2))
+    if act2 not in ACTS:
+        raise ValueError(f"act2: expected one of {list(ACTS)}, got {act2!r}")
+    if bias2 is not None:
+        _check.device_array("bias2", bias2, dtype=dtype, shape=(n2,))
+    # (each output is written by its own launch where there are two: refuse before the first)
+    named = {"out": out, "out2": out2, "a": a, "b": b, "b2": b2}
+    if bias2 is not None:
+        named["bias2"] = bias2
+    _check.no_overlap(named, [(o, other) for o in ("out", "out2") for other in named
+                              if other != o])
+    a3, b3, c3, out3, out23 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, b2, out, out2))
+    if not (dtype == np.float16 and m_rows <= DECODE_MAX_M and mma_fits(a3, b3, False)
+            and mma_fits(a3, c3, False)):
+        gemm(a, b, out, trans_b=True, stream=stream)
+        gemm(a, b2, out2, bias=bias2, act=act2, trans_b=True, stream=stream)
+        return
+    bias_arg = bias2 if bias2 is not None else backend.reshaped(b2, (b2.size,))
+    decode(MMA_OUTS, a3, b3, out3, bias_arg, int(bias2 is not None), ACTS[act2], 0, 0, stream,
+           outs=(c3, out23))

@@ -44,12 +44,16 @@ def test_kernel_speed_toy_run_writes_results_and_figure(tmp_path, monkeypatch):
     B, D, V = toy["B"], toy["gptj"]["D"], toy["gptj"]["V"]
     head = next(r for r in ours if r["kernel"] == "gemm_gptj_head")   # float16: 2 bytes each
     assert int(head["bytes"]) == 2 * (V * D + B * D + B * V + V)
-    # the attention output and fc_out as the model runs them, one launch reading both
-    # weights and both inputs, reading and writing the residual; each alone beside it
+    # the model's paired launches: qkv and fc_in reading one input and both weights, writing
+    # both outputs; the attention output and fc_out reading both weights and both inputs,
+    # reading and writing the residual; each product alone beside them
     F = toy["gptj"]["F"]
+    outs = next(r for r in ours if r["kernel"] == "gemm_gptj_qkv_fc_in")
+    assert int(outs["bytes"]) == 2 * (3 * D * D + F * D + B * D + B * (3 * D + F) + F)
     both = next(r for r in ours if r["kernel"] == "gemm_gptj_attn_out_fc_out")
     assert int(both["bytes"]) == 2 * (D * D + D * F + B * D + B * F + 2 * B * D + D)
-    assert set(summary["gptj_residual_products_alone_fractions"]) == set(kernel_speed.GPTJ_ALONE)
+    assert set(summary["gptj_products_alone_fractions"]) == set(kernel_speed.GPTJ_ALONE)
+    assert set(kernel_speed.GPTJ_ALONE) <= kernels
     assert summary["gptj_decode_gemm_min_fraction_of_bandwidth"] == min(
         summary["gptj_decode_gemm_fractions_of_bandwidth"].values())
     assert set(summary["conv_over_cudnn_time"]) == convs

@@ -187,9 +187,10 @@ def test_gptj_residual_products_are_one_launch_deterministic_and_right(monkeypat
         np.testing.assert_array_equal(y_r, runs[0][1])
 
 
-def test_gptj_block_launches_the_pair_once_a_layer(monkeypatch):
-    """A float16 GPT-J decode step: every layer's attention projection and fc_out are one
-    MMA_PAIR launch (the model's operands are 16-byte aligned, K a multiple of 32)."""
+def test_gptj_block_launches_each_pair_once_a_layer(monkeypatch):
+    """A float16 GPT-J decode step: every layer's qkv and fc_in are one MMA_OUTS launch, its
+    attention projection and fc_out one MMA_PAIR launch (the model's operands are 16-byte
+    aligned, K a multiple of 32); the head is the one plain product."""
     from proto.models.gptj import GPTJ, GPTJConfig, random_state_dict
     from proto.models.kv_cache import KVCache
     config = GPTJConfig(n_layer=3, n_embd=64, n_head=2, vocab_size=40, n_positions=16,
@@ -198,4 +199,33 @@ def test_gptj_block_launches_the_pair_once_a_layer(monkeypatch):
     cache = KVCache(config, batch=2, max_len=8, dtype=model.dtype)
     seen = launches_of(monkeypatch, G)
     model.step(dev(np.array([[1], [2]], np.int32)), dev(np.zeros(1, np.int32)), cache)
-    assert seen.count(G.MMA_PAIR.kernel) == config.n_layer
+    assert seen.count(G.MMA_PAIR.kernel) == seen.count(G.MMA_OUTS.kernel) == config.n_layer
+    assert seen.count(G.MMA_HALF.kernel) == 1
+
+
+@pytest.mark.gpu
+def test_gptj_projections_of_ln_are_one_launch_deterministic_and_right(monkeypatch):
+    """GPT-J-6B's qkv (4096 -> 12288) and fc_in (4096 -> 16384, bias, GELU), beam 5, through
+    gemm_two_outputs: one MMA_OUTS launch; each output within its product's bound; three
+    runs bit-identical."""
+    rng = np.random.default_rng(8)
+    seen = launches_of(monkeypatch, G)
+    x = _halves(rng, 5, 4096)
+    w_qkv = (0.02 * _halves(rng, 12288, 4096)).astype(np.float16)
+    w_fc, bias = (0.02 * _halves(rng, 16384, 4096)).astype(np.float16), _halves(rng, 16384)
+    ops = [dev(v) for v in (x, w_qkv, w_fc, bias)]
+    runs = []
+    for _ in range(3):
+        qkv, h = dev(np.full((5, 12288), np.nan, np.float16)), dev(np.full((5, 16384), np.nan,
+                                                                           np.float16))
+        seen.clear()
+        G.gemm_two_outputs(ops[0], ops[1], qkv, ops[2], h, bias2=ops[3], act2="gelu")
+        assert seen == [G.MMA_OUTS.kernel]
+        runs.append((qkv.copy_to_host(), h.copy_to_host()))
+    for got, w, b, act in ((runs[0][0], w_qkv, None, None), (runs[0][1], w_fc, bias, "gelu")):
+        v, e = _bound(x[None], w[None], b, None)
+        want, e = _half_result(v, e, act)
+        _assert_within(got[None], want, e + U16 * np.abs(want) + 2.0 ** -25)
+    for qkv_r, h_r in runs[1:]:
+        np.testing.assert_array_equal(qkv_r, runs[0][0])
+        np.testing.assert_array_equal(h_r, runs[0][1])

@@ -16,7 +16,7 @@ from kernels import gemm as G
 from kernels.layernorm import layernorm_ref
 from proto.device import backend
 from tests.helpers import dev
-from tests.test_gemm import U16, U32, _assert_within
+from tests.test_gemm import U16, U32, _assert_within, _half_result
 
 ROUNDING = {np.float16: U16, np.float32: U32}
 
@@ -105,4 +105,51 @@ def test_refuses_bad_input_before_any_launch(monkeypatch):
                                 (5, 24))   # (a's first 120 values as a (5, 24) array)
     with pytest.raises(ValueError, match="y overlaps a"):
         G.gemm_sum(a, b, a2, b2, out, ln_out=(g, g, 1e-5, inside_a))
+    assert launched == []
+
+
+@given(m=st.integers(1, G.DECODE_MAX_M), n1=st.integers(1, 40), n2=st.integers(1, 40),
+       k=st.integers(1, 4), whole_chunks=st.booleans(), half=st.booleans(),
+       act=st.sampled_from([None, "gelu", "relu"]), has_bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_two_outputs_of_one_input_match_float64(m, n1, n2, k, whole_chunks, half, act,
+                                                has_bias, seed):
+    """gemm_two_outputs: out = a @ b.T plain, out2 = act(a @ b2.T + bias) (one tensor-core
+    launch for float16 with K in whole chunks of 32, else two gemm calls): each within
+    test_gemm's bound for its own product, its activation and its one rounding."""
+    rng = np.random.default_rng(seed)
+    dtype = np.float16 if half else np.float32
+    k = 32 * k if whole_chunks else k
+    a, b, b2 = (_values(rng, dtype, *shape) for shape in ((m, k), (n1, k), (n2, k)))
+    bias = _values(rng, dtype, n2) if has_bias else None
+    out = dev(np.full((m, n1), np.nan, dtype))
+    out2 = dev(np.full((m, n2), np.nan, dtype))
+    G.gemm_two_outputs(dev(a), dev(b), out, dev(b2), out2, act2=act,
+                       bias2=None if bias is None else dev(bias))
+    per_add = 2 * U32 if half else U32
+    for got, w, extra, f in ((out, b, None, None), (out2, b2, bias, act)):
+        v = a.astype(np.float64) @ w.astype(np.float64).T
+        mag = np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+        if extra is not None:
+            v, mag = v + extra.astype(np.float64), mag + np.abs(extra.astype(np.float64))
+        want, e = _half_result(v, (k + 4) * per_add * mag, f)
+        _assert_within(got.copy_to_host(), want, e + ROUNDING[dtype] * np.abs(want) + 2.0 ** -25)
+
+
+def test_two_outputs_refuse_bad_input_before_any_launch(monkeypatch):
+    launched = []
+    monkeypatch.setattr(G, "launch", lambda *args, **kw: launched.append(args))
+    h = lambda *shape: dev(np.zeros(shape, np.float16))  # noqa: E731
+    a, b, b2, out, out2 = h(5, 64), h(24, 64), h(16, 64), h(5, 24), h(5, 16)
+    with pytest.raises(ValueError, match="b2: expected shape"):
+        G.gemm_two_outputs(a, b, out, h(16, 32), out2)
+    with pytest.raises(ValueError, match="out2: expected shape"):
+        G.gemm_two_outputs(a, b, out, b2, h(5, 24))
+    with pytest.raises(ValueError, match="act2: expected one of"):
+        G.gemm_two_outputs(a, b, out, b2, out2, act2="tanh")
+    with pytest.raises(ValueError, match="bias2: expected shape"):
+        G.gemm_two_outputs(a, b, out, b2, out2, bias2=h(24))
+    with pytest.raises(ValueError, match="out overlaps a"):
+        G.gemm_two_outputs(a, b, backend.reshaped(backend.view_at(
+            backend.reshaped(a, (a.size,)), 0, h(5 * 24)), (5, 24)), b2, out2)
     assert launched == []

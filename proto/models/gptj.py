@@ -19,13 +19,15 @@ The device model stores weights, activations, the KV cache and logits in its `dt
 GPT-2's protocol (proto.models.gpt2): temporaries by name through `backend.empty`, the
 position a device int32 read on the device, no host sync, so a graph records it as it is.
 Per layer: ln_1 (the previous layer's fc_out writes it where its rows fit the fused layer
-norm, else a layer norm launch), q, k and v as one GEMM against the three weights stacked
-(3C, C) at load, the rotary embedding in place, attention over the cache, fc_in with its
-bias and GELU, then the output projection and fc_out added into the residual as one
-product over both (`gemm.gemm_sum`: on tensor cores one launch reads both weights, so the
-projection's 33 MB rides on fc_out's 134 MB instead of paying a launch's ramp and tail of
-its own), with fc_out's bias. Products of more than 8 rows (a prefill of B * T > 8 tokens)
-run in chunks of 8 rows: the half-precision GEMMs are the decode kernels.
+norm, else a layer norm launch); q, k and v (against the three weights stacked (3C, C) at
+load) and fc_in with its bias and GELU, both products of ln_1's rows, as one
+(`gemm.gemm_two_outputs`); the rotary embedding in place, attention over the cache; then
+the output projection and fc_out added into the residual as one product over both
+(`gemm.gemm_sum`), with fc_out's bias. On tensor cores each pair is one launch that streams
+both weights (235 and 168 MB), so no product pays a launch's ramp and tail alone: the
+projection's 33 MB took about half its time in them. Products of more than 8 rows (a
+prefill of B * T > 8 tokens) run in chunks of 8 rows: the half-precision GEMMs are the
+decode kernels.
 """
 from __future__ import annotations
 
@@ -238,14 +240,14 @@ class GPTJ:
         after = [(L.ln_1_w, L.ln_1_b) for L in self.layers[1:]] + [(self.ln_f_w, self.ln_f_b)]
         for i, (L, (gamma, beta)) in enumerate(zip(self.layers, after)):
             qkv = self._empty(f"h{i}.qkv", B, T, 3 * C)
-            self._gemm(ln, L.qkv_w, reshaped(qkv, (N, 3 * C)), stream=stream)
+            h = self._empty(f"h{i}.fc_in", N, F)   # attention and the MLP both read ln(x)
+            gemm.gemm_two_outputs(ln, L.qkv_w, reshaped(qkv, (N, 3 * C)), L.fc_in_w, h,
+                                  bias2=L.fc_in_b, act2="gelu", stream=stream)
             rotary_kernel.rotary(qkv, pos, n_head=c.n_head, rotary_dim=c.rotary_dim,
                                  stream=stream)
             att = self._empty(f"h{i}.att", B, T, C)
             attention.attention(qkv, cache.k[i], cache.v[i], pos, att, n_head=c.n_head,
                                 rows=cache.rows, stream=stream)
-            h = self._empty(f"h{i}.fc_in", N, F)   # attention and the MLP both read ln(x)
-            self._gemm(ln, L.fc_in_w, h, bias=L.fc_in_b, act="gelu", stream=stream)
             ln = self._empty(f"h{i}.ln_next", N, C)   # the next ln_1, after the last ln_f
             # both branches add into the residual: x += att @ W_out.T + h @ W_fc_out.T + b
             gemm.gemm_sum(reshaped(att, (N, C)), L.out_w, h, L.fc_out_w, x2, bias=L.fc_out_b,
