@@ -21,6 +21,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 from experiments import common
@@ -97,11 +98,15 @@ def attempt(name: str, label: str, target: str, spec: dict, unavailable: dict, *
     """run(target, spec); or, where the child fails or outlives `timeout`, None, with the
     reason recorded as unavailable[label] and reported under experiment `name`: marked as
     ours failing (OURS_FAILED, which `raise_failures` raises) when `ours`, else a baseline's
-    that is only recorded."""
+    that is only recorded. Either way the process's seconds are reported (where a run's
+    time goes)."""
+    t0 = time.perf_counter()
     try:
         return run(target, spec, timeout=timeout)
     except ChildFailed as exc:
         why = f"{OURS_FAILED}: {str(exc)[:300]}" if ours else str(exc)[:300]
+    finally:
+        common.report(name, {"method": label, "process_s": round(time.perf_counter() - t0, 1)})
     unavailable[label] = why
     common.report(name, {"method": label, "unavailable": why})
     return None

@@ -36,6 +36,10 @@ ALONE = ("tests/test_graph_gpu.py", "tests/test_graphed_models_gpu.py", "tests/t
 SLOW = ("tests/test_experiment_end_to_end.py", "tests/test_experiment_wav2vec2_train.py",
         "tests/test_experiment_gptj.py")
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra", "--durations=10"]
+# ... and for SLOW's shards, their passing tests' output too: each method's process reports
+# the seconds it took (experiments.isolate), which says where a toy run's minutes go (at
+# aa0562a 430 to 514 s each, 21 to 27 at 8441a32)
+SHOW_OUTPUT = ["-rP"]
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)\b")
 
 
@@ -77,9 +81,13 @@ def totals(outputs: list[str]) -> dict:
     return counts
 
 
+def _command(files: list[str]) -> list[str]:
+    return [*PYTEST, *(SHOW_OUTPUT if set(files) <= set(SLOW) else []), *files]
+
+
 def _run(files: list[str]) -> tuple[str, int, float]:
     t0 = time.perf_counter()
-    proc = subprocess.run([*PYTEST, *files], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run(_command(files), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, cwd=TESTS.parent)
     return proc.stdout, proc.returncode, time.perf_counter() - t0
 
@@ -124,7 +132,7 @@ def main(argv=None) -> int:
     ]
     body = []
     for name, group, (output, status, seconds) in zip(names, groups, runs):
-        body += ["", f"# shard {name}: {' '.join(['python3 -m pytest', *group, *PYTEST[3:]])}",
+        body += ["", f"# shard {name}: {' '.join(['python3 -m pytest', *_command(group)[3:]])}",
                  output.rstrip(), f"# exit {status} ({seconds:.0f} s)"]
     out.write_text("\n".join(head + body) + "\n")
     print("\n".join(head[2:]), f"\nlog: {out}", flush=True)

@@ -57,3 +57,12 @@ def test_totals_sum_pytests_last_lines():
 def test_the_lane_refuses_the_simulator():
     with pytest.raises(SystemExit, match="needs a real CUDA device"):
         L.main([])
+
+
+def test_slow_shards_show_their_output_and_the_rest_do_not():
+    """A slow file's shard logs its passing tests' output (each experiment method's process
+    seconds); every other shard only pytest's summary."""
+    for f in L.SLOW:
+        assert L._command([f])[-2:] == [*L.SHOW_OUTPUT, f]
+    rest = ["tests/test_gemm.py", "tests/test_plan.py"]
+    assert not set(L.SHOW_OUTPUT) & set(L._command(rest)) and L._command(rest)[-2:] == rest
