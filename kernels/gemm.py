@@ -847,8 +847,6 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pair: str | 
                 for e in range(4):
                     wa[4 * u + e], wb[4 * u + e] = p[e], q[e]
 
-    @jit(_decode_signature(np.float16, ", {t}[:,:,::1], {t}[:,:,::1], {t}[:,:,::1]".format(
-        t="float16")), writes=("out", "part", "out2"), early_launch=True, **bounds)
     def gemm_decode_mma_kernel(a, b, out, bias, part, has_bias, act, accumulate, trans_a,
                                direct, span, a2, b2, out2):
         red = cuda.shared.array((warps_k, 32, 4), np.float32)
@@ -924,7 +922,14 @@ def make_decode_mma(warps_k: int, unroll: int, min_blocks: int = 0, pair: str | 
             _mma_store(v, 2 * t + i % 2, n0 + g + 8 * (i // 2), m_rows, n_cols, out, part,
                        bz, split, bias, has_bias, act, accumulate, direct)
 
-    return Decode(gemm_decode_mma_kernel, 32 * warps_k, MMA_TILE, chunk, True,
+    if pair:   # (a name of its own in profiles and the register table)
+        gemm_decode_mma_kernel.__name__ += f"_pair_{pair}"
+        gemm_decode_mma_kernel.__qualname__ += f"_pair_{pair}"
+    kernel = jit(_decode_signature(np.float16, ", {t}[:,:,::1], {t}[:,:,::1], {t}[:,:,::1]"
+                                   .format(t="float16")),
+                 writes=("out", "part", "out2"), early_launch=True, **bounds)(
+        gemm_decode_mma_kernel)
+    return Decode(kernel, 32 * warps_k, MMA_TILE, chunk, True,
                   ("mma", warps_k, unroll, min_blocks) + ((("pair", pair),) if pair else ()),
                   DECODE_MAX_M, np.dtype(np.float16))
 
