@@ -1467,7 +1467,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     else:
         bias_arg, has_bias = _check.device_array("bias", bias, dtype=dtype, shape=(n_cols,)), 1
     if ln_out is not None:
-        gamma, beta, eps, y = _check.ln_out(ln_out, tuple(out.shape), dtype)
+        ln_out = gamma, beta, eps, y = _check.ln_out(ln_out, tuple(out.shape), dtype)
         # y is written by the last launch only: refuse an overlap before the first.
         _check.no_overlap({"y": y, "a": a, "b": b, "out": out, "bias": bias_arg,
                            "gamma": gamma, "beta": beta},
@@ -1485,17 +1485,24 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
         a3, b3, out3 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, out))
     dk = pick_decode(trans_b, batch, n_cols, out.dtype) if m_rows <= DECODE_MAX_M else None
     if dk is not None:
-        fused = None
-        if ln_out is not None and n_cols <= LN_COLS * LN_THREADS:
-            fused = (gamma, beta, float(eps), backend.reshaped(y, out3.shape))
-        decode(dk, a3, b3, out3, bias_arg, has_bias, *flags, stream, fused)
-        if ln_out is None or fused is not None:
-            return
-    else:
-        tiled(a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b)), stream,
-              skinny=skinny)
+        _decode_then_ln(dk, a3, b3, out3, bias_arg, has_bias, *flags, stream, ln_out)
+        return
+    tiled(a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b)), stream, skinny=skinny)
     if ln_out is not None:  # not fused: normalize the rows of out afterwards
-        _normalize_rows(out, (gamma, beta, eps, y), stream)
+        _normalize_rows(out, ln_out, stream)
+
+
+def _decode_then_ln(dk: Decode, a3, b3, out3, bias, has_bias, act, accumulate, trans_a,
+                    stream, ln_out, **kw) -> None:
+    """`decode`, with a checked ln_out = (gamma, beta, eps, y) fused into its reduction where
+    the rows fit the fused layer norm (N <= LN_COLS * LN_THREADS), else normalized after."""
+    fused = None
+    if ln_out is not None and out3.shape[2] <= LN_COLS * LN_THREADS:
+        gamma, beta, eps, y = ln_out
+        fused = (gamma, beta, float(eps), backend.reshaped(y, out3.shape))
+    decode(dk, a3, b3, out3, bias, has_bias, act, accumulate, trans_a, stream, fused, **kw)
+    if ln_out is not None and fused is None:
+        _normalize_rows(out3, ln_out, stream)
 
 
 def _normalize_rows(out, ln_out, stream) -> None:
@@ -1506,6 +1513,13 @@ def _normalize_rows(out, ln_out, stream) -> None:
     rows = out.size // n_cols
     layernorm.layernorm(backend.reshaped(out, (rows, n_cols)), gamma, beta,
                         backend.reshaped(y, (rows, n_cols)), eps=float(eps), stream=stream)
+
+
+def _mma_takes(dtype, m_rows: int, *products) -> bool:
+    """Whether the tensor-core kernel takes these (a, b) products of `dtype` and m_rows rows
+    as one launch of a pair: float16, a decode's rows, each product as `mma_fits` says."""
+    return (dtype == np.float16 and m_rows <= DECODE_MAX_M
+            and all(mma_fits(a, b, False) for a, b in products))
 
 
 def gemm_sum(a, b, a2, b2, out, *, bias=None, accumulate=False, ln_out=None,
@@ -1538,22 +1552,14 @@ def gemm_sum(a, b, a2, b2, out, *, bias=None, accumulate=False, ln_out=None,
         named = {"y": ln_out[3], "a": a, "b": b, "a2": a2, "b2": b2, "out": out}
         _check.no_overlap(named, [("y", other) for other in named if other != "y"])
     a3, b3, c3, d3, out3 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, a2, b2, out))
-    one = dtype == np.float16 and m_rows <= DECODE_MAX_M and mma_fits(a3, b3, False) \
-        and mma_fits(c3, d3, False)
-    if not one:
+    if not _mma_takes(dtype, m_rows, (a3, b3), (c3, d3)):
         gemm(a, b, out, trans_b=True, accumulate=accumulate, stream=stream)
         gemm(a2, b2, out, bias=bias, trans_b=True, accumulate=True, ln_out=ln_out,
              stream=stream)
         return
-    fused = None
-    if ln_out is not None and n_cols <= LN_COLS * LN_THREADS:
-        gamma, beta, eps, y = ln_out
-        fused = (gamma, beta, float(eps), backend.reshaped(y, out3.shape))
     bias_arg = bias if bias is not None else backend.reshaped(b, (b.size,))
-    decode(MMA_PAIR, a3, b3, out3, bias_arg, int(bias is not None), ACTS[None],
-           int(accumulate), 0, stream, fused, second=(c3, d3))
-    if ln_out is not None and fused is None:
-        _normalize_rows(out, ln_out, stream)
+    _decode_then_ln(MMA_PAIR, a3, b3, out3, bias_arg, int(bias is not None), ACTS[None],
+                    int(accumulate), 0, stream, ln_out, second=(c3, d3))
 
 
 def gemm_two_outputs(a, b, out, b2, out2, *, bias2=None, act2=None, stream=0) -> None:
@@ -1584,8 +1590,7 @@ def gemm_two_outputs(a, b, out, b2, out2, *, bias2=None, act2=None, stream=0) ->
     _check.no_overlap(named, [(o, other) for o in ("out", "out2") for other in named
                               if other != o])
     a3, b3, c3, out3, out23 = (backend.reshaped(x, (1, *x.shape)) for x in (a, b, b2, out, out2))
-    if not (dtype == np.float16 and m_rows <= DECODE_MAX_M and mma_fits(a3, b3, False)
-            and mma_fits(a3, c3, False)):
+    if not _mma_takes(dtype, m_rows, (a3, b3), (a3, c3)):
         gemm(a, b, out, trans_b=True, stream=stream)
         gemm(a, b2, out2, bias=bias2, act=act2, trans_b=True, stream=stream)
         return

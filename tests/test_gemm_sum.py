@@ -25,6 +25,18 @@ def _values(rng, dtype, *shape):
     return rng.standard_normal(shape).astype(dtype)
 
 
+def _zeros16(*shape):
+    return dev(np.zeros(shape, np.float16))
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The launches made from now on (none happen: each is recorded instead)."""
+    calls = []
+    monkeypatch.setattr(G, "launch", lambda *args, **kw: calls.append(args))
+    return calls
+
+
 def _want(a, b, a2, b2, bias, old, pair: bool):
     """(float64 a @ b.T + a2 @ b2.T + old + bias, its bound before the storage rounding).
     Not `pair` (two gemm calls), the first product (plus old) is stored, so rounded to the
@@ -85,10 +97,8 @@ def test_prefill_rows_and_the_layer_norm_after():
                                atol=2e-5, rtol=1e-4)
 
 
-def test_refuses_bad_input_before_any_launch(monkeypatch):
-    launched = []
-    monkeypatch.setattr(G, "launch", lambda *args, **kw: launched.append(args))
-    h = lambda *shape: dev(np.zeros(shape, np.float16))  # noqa: E731
+def test_refuses_bad_input_before_any_launch(launched):
+    h = _zeros16
     a, b, a2, b2, out = h(5, 64), h(24, 64), h(5, 32), h(24, 32), h(5, 24)
     with pytest.raises(ValueError, match="b2: expected shape"):
         G.gemm_sum(a, b, a2, h(24, 64), out)
@@ -136,10 +146,8 @@ def test_two_outputs_of_one_input_match_float64(m, n1, n2, k, whole_chunks, half
         _assert_within(got.copy_to_host(), want, e + ROUNDING[dtype] * np.abs(want) + 2.0 ** -25)
 
 
-def test_two_outputs_refuse_bad_input_before_any_launch(monkeypatch):
-    launched = []
-    monkeypatch.setattr(G, "launch", lambda *args, **kw: launched.append(args))
-    h = lambda *shape: dev(np.zeros(shape, np.float16))  # noqa: E731
+def test_two_outputs_refuse_bad_input_before_any_launch(launched):
+    h = _zeros16
     a, b, b2, out, out2 = h(5, 64), h(24, 64), h(16, 64), h(5, 24), h(5, 16)
     with pytest.raises(ValueError, match="b2: expected shape"):
         G.gemm_two_outputs(a, b, out, h(16, 32), out2)
