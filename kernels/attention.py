@@ -402,7 +402,8 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
 # kernel took 18.4 us at position 512 instead of 14.7 and the row-table one 18.8 instead of
 # 17.5 (H200, dev.bench.bench_decode's case, one process), so each kernel keeps its own copy.
 def make_attention_groups(group: int, dims: int, positions: int, warps: int,
-                          min_blocks: int = 0, dtype=np.float32) -> Variant:
+                          min_blocks: int = 0, dtype=np.float32, use_rows: bool = True,
+                          packed: bool = False) -> Variant:
     """The row-table attention kernel (`make_attention(..., use_rows=True)`'s job) with a
     position to each group of `group` lanes (a power of two dividing 32): lane j of a group
     holds head dims j, j + group, ..., `dims` of them (so one load instruction reads `group`
@@ -413,17 +414,33 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
     own online softmax of the positions it saw (one exponential a position, where every
     lane of `make_attention` computes every position's); the warp's groups are merged once,
     after the last batch. Same arguments, grid, guard, cache writes, partials and
-    `min_blocks` and `dtype` as `make_attention`; head dims up to group * dims. (Why only
-    the row-table variant: see `_WITH_ROWS`.)"""
+    `min_blocks` and `dtype` as `make_attention`; head dims up to group * dims. `use_rows`
+    as `make_attention`'s (float32 takes this kernel with the row table only: see
+    `_WITH_ROWS`).
+
+    `packed` (float16, dims 8): lane j of a group holds head dims 8j .. 8j+7 instead of j,
+    j + group, ..., so a position's K or V row is one 16-byte load a lane (kernels._mma.ld16),
+    kept as packed halves and converted as used, as `make_attention(grouped=True)` does past
+    head dim 64; here 8 lanes cover GPT-2's 64, four positions to a warp at once. Needs hd a
+    multiple of 8 and qkv and the caches 16-byte aligned (`attention` checks)."""
     if group & (group - 1) or not 1 <= group <= 32:
         raise ValueError(f"make_attention_groups: group {group} is not a power of two <= 32")
+    if packed and (np.dtype(dtype) != np.float16 or dims != 8):
+        raise ValueError("make_attention_groups: packed reads 8 float16 dims a lane (dims 8)")
     groups = 32 // group                       # groups a warp
     unit = warps * groups * positions          # positions a block consumes a batch
     width = group * dims                       # head dims a group covers
-    kv_size = positions * dims
+    kv_size = dims if packed else positions * dims   # (packed: the merge's partner acc)
+    n_words = 4 * positions if packed else 1   # (packed) a batch's rows as packed halves
     red_o_size = warps * width
     ml_size = 2 * warps
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
+    nan_words = np.uint32(0x7E007E00)           # two float16 NaN
+
+    @cuda.jit(device=True, inline="always")
+    def dim(j, i):
+        """The head dim of lane j's i-th slot in its group."""
+        return 8 * j + i if packed else j + group * i
 
     @cuda.jit(device=True)
     def merge(m, l_sum, acc, m2, l2, acc2):
@@ -447,6 +464,8 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
         acc = cuda.local.array(dims, np.float32)            # ... of the output, times exp(-m)
         kv = cuda.local.array(kv_size, np.float32)          # [r * dims + i] K of a batch
         vv = cuda.local.array(kv_size, np.float32)          # ... and V
+        kw = cuda.local.array(n_words, np.uint32)           # (packed) [r * 4 + w] K words
+        vw = cuda.local.array(n_words, np.uint32)           # ... and V
         sc = cuda.local.array(positions, np.float32)        # the group's scores of the batch
         ahead = cuda.local.array(positions, np.int32)       # the batch's cache rows
         T = qkv.shape[1]
@@ -465,17 +484,17 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
         scale = np.float32(1.0) / math.sqrt(np.float32(hd))   # float32: no double math
         hd_last = _u(hd - 1)
         for i in range(dims):
-            d = _u(min(j + group * i, hd_last))
+            d = _u(min(dim(j, i), hd_last))
             q[i] = qkv[b, t, _u(h * hd) + d] * scale
             acc[i] = ZERO
         for i in range(dims):
-            if j + group * i >= hd:
+            if dim(j, i) >= hd:
                 q[i] = ZERO  # past hd: q zero, so the clipped K loads add nothing
         lo = split * span
         me = (warp * groups + g) * positions    # this group's first position of a batch
-        # the first batch's rows, loaded beside pos (their use waits on pos)
-        for r in range(positions):
-            ahead[r] = rows[b, _u(min(lo + me + r, Tmax - 1))]
+        if use_rows:   # the first batch's rows, loaded beside pos (their use waits on pos)
+            for r in range(positions):
+                ahead[r] = rows[b, _u(min(lo + me + r, Tmax - 1))]
         p0 = pos[0]
         # Every condition below is uniform over the block, so early returns skip no barrier.
         if p0 < 0 or p0 + T > Tmax:
@@ -502,10 +521,23 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                 # Past hi, re-read position hi-1 (in bounds); its score is masked below.
                 p = _u(min(first + r, hi - 1))
                 row, ok = _u(b), True
-                if p < p0 and first + r < hi:   # (past hi: masked, any row will do)
+                # (compiled out without use_rows; a position past hi is masked: any row will do)
+                if use_rows and p < p0 and first + r < hi:
                     named = ahead[r]
                     ok = 0 <= named < B
                     row = _u(named if ok else b)
+                if packed:   # the lane's 8 dims of K and of V: one 16-byte load each
+                    d0 = _u(min(8 * j, hd - 8))   # (lanes past hd re-read the last 8)
+                    if p < p0:
+                        at = ((row * _u(H) + _u(h)) * _u(Tmax) + p) * _u(hd) + d0
+                        wk, wv = ld16(k_cache, at), ld16(v_cache, at)
+                    else:   # this step's token, from qkv
+                        at = (_u(b) * _u(T) + (p - _u(p0))) * _u(3 * C) + qk + d0
+                        wk, wv = ld16(qkv, at), ld16(qkv, at + _u(C))
+                    for e in range(4):
+                        kw[r * 4 + e] = wk[e] if ok else nan_words
+                        vw[r * 4 + e] = wv[e] if ok else nan_words
+                    continue
                 for i in range(dims):
                     d = _u(min(j + group * i, hd_last))  # q is 0 on dims past hd
                     if p < p0:   # a row outside the cache: NaN
@@ -514,13 +546,19 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                     else:  # this step's token: from qkv (the cache row may be unwritten)
                         kv[r * dims + i] = qkv[b, _u(p - p0), qk + d]
                         vv[r * dims + i] = qkv[b, _u(p - p0), qv + d]
-            # the next batch's rows, loaded while this one's K and V arrive
-            for r in range(positions):
-                ahead[r] = rows[b, _u(min(first + unit + r, Tmax - 1))]
+            if use_rows:   # the next batch's rows, loaded while this one's K and V arrive
+                for r in range(positions):
+                    ahead[r] = rows[b, _u(min(first + unit + r, Tmax - 1))]
             for r in range(positions):
                 partial = ZERO
-                for i in range(dims):
-                    partial += q[i] * kv[r * dims + i]
+                if packed:
+                    for e in range(4):
+                        k0, k1 = halves(kw[r * 4 + e])
+                        partial += q[2 * e] * k0
+                        partial += q[2 * e + 1] * k1
+                else:
+                    for i in range(dims):
+                        partial += q[i] * kv[r * dims + i]
                 off = group // 2   # the group's sum, every group of the warp at once
                 while off > 0:
                     partial += shfl_xor(partial, off)
@@ -541,8 +579,14 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                     if first + r < hi:
                         pr = math.exp(sc[r] - m_new)
                         l_sum += pr
-                        for i in range(dims):
-                            acc[i] += pr * vv[r * dims + i]
+                        if packed:
+                            for e in range(4):
+                                v0, v1 = halves(vw[r * 4 + e])
+                                acc[2 * e] += pr * v0
+                                acc[2 * e + 1] += pr * v1
+                        else:
+                            for i in range(dims):
+                                acc[i] += pr * vv[r * dims + i]
                 m = m_new
         # The warp's groups into one state (a butterfly over the groups), then the warps
         # in order through shared memory: o = sum_w exp(m_w - M) o_w, likewise the sums.
@@ -559,7 +603,7 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
             red_ml[warps + warp] = l_sum
         if g == 0:
             for i in range(dims):
-                d = j + group * i
+                d = dim(j, i)
                 if d < hd:
                     red_o[warp * width + d] = acc[i]
         cuda.syncthreads()
@@ -584,7 +628,8 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                     part_ml[bh, t, split, 1] = total
 
     return Variant(attention_kernel, 32 * warps, unit, width,
-                   ("groups", group, dims, positions, warps, min_blocks), True)
+                   ("groups", group, dims, positions, warps, min_blocks)
+                   + (("packed",) if packed else ()), use_rows, np.dtype(dtype))
 
 
 def make_attention_tile(capacity: int, warps: int, width: int, min_blocks: int = 0,
@@ -852,6 +897,15 @@ assert all(_WITH_ROWS[(v.config, v.dtype)].max_hd >= v.max_hd
 GROUPED_CONFIG = (8, 4, 4, 4) if not backend.SIMULATOR else (8, 2, 1)
 _GROUPED = {rows: make_attention(*GROUPED_CONFIG, use_rows=rows, dtype=HALF, grouped=True)
             for rows in (False, True)}
+# float16 up to head dim 64 (GPT-2's), aligned: the same 16-byte rows, 8 lanes a position
+# (`make_attention_groups(packed=True)`), plain and with the row table; 4 positions a group a
+# batch (64 a block of 4 warps). The strided form reads a 64-half row as two 2-byte loads a
+# lane and sums each score over the whole warp; the float32 row-table kernel's 4 dims a lane
+# became 8 halves in one load. Untimed on a GPU when it was chosen (dev.bench.
+# bench_half_attention --shape gpt2 times it against the strided kernels and torch's).
+PACKED_CONFIG = (8, 8, 4, 4, 4) if not backend.SIMULATOR else (8, 8, 1, 1, 0)
+_PACKED = {rows: make_attention_groups(*PACKED_CONFIG, dtype=HALF, use_rows=rows, packed=True)
+           for rows in (False, True)}
 attention_kernel = SMALL.kernel
 
 
@@ -927,11 +981,12 @@ def gather_batch_kernels(src, index, length, width, fixed, dst):
 # ---------------------------------------------------------------------------- launchers
 def kernel_for(hd: int, rows: bool = False, dtype=np.float32, aligned: bool = False) -> Variant:
     """The kernel variant `attention` launches for head dim hd, with or without a row table,
-    for caches of `dtype`; `aligned`: qkv and the caches 16-byte aligned (float16 past head
-    dim 64 then takes the grouped form)."""
+    for caches of `dtype`; `aligned`: qkv and the caches 16-byte aligned (float16 then reads
+    a lane's 8 dims as one load: the packed group kernel up to head dim 64, the grouped
+    form past it)."""
     small, large = _PLAIN[np.dtype(dtype)]
-    if hd > small.max_hd and np.dtype(dtype) == HALF and hd % 8 == 0 and aligned:
-        return _GROUPED[rows]
+    if np.dtype(dtype) == HALF and hd % 8 == 0 and aligned:
+        return _PACKED[rows] if hd <= _PACKED[rows].max_hd else _GROUPED[rows]
     plain = small if hd <= small.max_hd else large
     return _WITH_ROWS[(plain.config, plain.dtype)] if rows else plain
 

@@ -155,33 +155,38 @@ def test_half_and_single_precision_do_not_mix():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_rows", [False, True])
-def test_gptj_beam_decode_shape_in_half_precision(use_rows):
-    """GPT-J-6B's decode attention: 5 beams, 16 heads of 256, a 1024-position cache at 512,
-    with and without the row table."""
-    B, H, hd, Tmax, pos = 5, 16, 256, 1024, 512
+@pytest.mark.parametrize("H,hd,form", [(16, 256, "grouped"), (12, 64, "packed")])
+def test_beam_decode_shapes_in_half_precision(use_rows, H, hd, form):
+    """GPT-J-6B's decode attention (16 heads of 256) and GPT-2 small's (12 of 64): 5 beams, a
+    1024-position cache at 512, with and without the row table."""
+    B, Tmax, pos = 5, 1024, 512
     rng = np.random.default_rng(7)
     qkv, kc, vc = _halves(rng, B, 1, 3 * H * hd), _halves(rng, B, H, Tmax, hd), \
         _halves(rng, B, H, Tmax, hd)
     rows = rng.integers(0, B, (B, Tmax)).astype(np.int32) if use_rows else None
-    assert "grouped" in attention._choose(B, H, 1, dev(kc), dev(vc), rows, qkv=dev(qkv))[0].config
+    assert form in attention._choose(B, H, 1, dev(kc), dev(vc), rows, qkv=dev(qkv))[0].config
     out, _, _ = _run(qkv, kc, vc, pos, H, rows)
     _assert_within_bound(out, qkv, kc, vc, pos, H, rows)
 
 
 @pytest.mark.parametrize("hd,T,with_rows,pos", [(256, 1, False, 13), (256, 1, True, 13),
                                                 (80, 2, False, 13), (256, 3, True, 13),
-                                                (256, 3, False, 0)])
-def test_grouped_half_precision_kernel_within_the_derived_bound(hd, T, with_rows, pos):
-    """Past head dim 64, float16 with aligned qkv and caches takes the grouped kernel (a lane's
-    8 dims as one 16-byte load): within the bound, this step's k and v copied exactly, and a
-    row outside the batch gives NaN where it is read."""
+                                                (256, 3, False, 0), (64, 1, False, 13),
+                                                (64, 1, True, 13), (24, 2, True, 13),
+                                                (64, 3, False, 0), (8, 1, True, 6)])
+def test_sixteen_byte_half_precision_kernels_within_the_derived_bound(hd, T, with_rows, pos):
+    """float16 with aligned qkv and caches and hd a multiple of 8 reads a lane's 8 dims as one
+    16-byte load: the packed group kernel up to head dim 64 (GPT-2's; 8 lanes a position),
+    the grouped kernel past it (GPT-J's 256): within the bound, this step's k and v copied
+    exactly, and a row outside the batch gives NaN where it is read."""
     B, H, Tmax = 3, 2, 21
     rng = np.random.default_rng(hd + T)
     qkv, kc, vc = _halves(rng, B, T, 3 * H * hd), _halves(rng, B, H, Tmax, hd), \
         _halves(rng, B, H, Tmax, hd)
     rows = rng.integers(0, B, (B, Tmax)).astype(np.int32) if with_rows else None
     variant = attention._choose(B, H, T, dev(kc), dev(vc), rows, qkv=dev(qkv))[0]
-    assert "grouped" in variant.config and variant.use_rows == with_rows
+    assert ("packed" if hd <= 64 else "grouped") in variant.config
+    assert variant.use_rows == with_rows and variant.dtype == np.float16
     out, k_after, _ = _run(qkv, kc, vc, pos, H, rows)
     _assert_within_bound(out, qkv, kc, vc, pos, H, rows)
     want_k = kc.copy()

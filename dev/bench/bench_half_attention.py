@@ -1,11 +1,13 @@
-"""GPT-J-6B's decode attention in float16 (beam 5, 16 heads of 256, a 1024-position cache, the
-row table of beam search): the strided kernel, the grouped one (a lane's 8 dims one 16-byte
-load) over its geometries and split targets, and PyTorch's scaled_dot_product_attention on
-the same live K and V (what PtGraph's step runs; no row table), each checked against float64
-and timed in a CUDA graph over rotating copies of the caches (3x the L2), as a fraction of
-copy bandwidth over the live K and V.
+"""A decode attention in float16 (beam 5, a 1024-position cache, the row table of beam
+search): GPT-J-6B's (16 heads of 256) or GPT-2 small's (12 of 64). The strided kernel, the
+16-byte-load kernels (a lane's 8 dims one load: GPT-J's grouped kernel, GPT-2's packed group
+kernel, with and without the row table) over their geometries and split targets, and
+PyTorch's scaled_dot_product_attention on the same live K and V (what PtGraph's step runs;
+no row table), each checked against float64 and timed in a CUDA graph over rotating copies
+of the caches (3x the L2), as a fraction of copy bandwidth over the live K and V.
 
-    PYTHONPATH=. python3 -m dev.bench.bench_half_attention [POSITION ...]   (default 512)
+    PYTHONPATH=. python3 -m dev.bench.bench_half_attention [--model gpt2] [POSITION ...]
+                                                           (default gptj at 512)
 
 GPU only. The H100 profile of GPT-J's step (results/h100/profiles/gptj_profile_5c4cb09.txt)
 had the strided kernel at 85 us a layer at position 512 against cuDNN's flash kernel's 26.
@@ -22,10 +24,22 @@ from kernels import attention as A
 from proto.device import backend
 from proto.device.backend import cuda
 
-B, H, HD, TMAX = 5, 16, 256, 1024
+B, TMAX = 5, 1024
 HALF = np.float16
-GROUPED = [(8, p, w, mb) for p, w, mb in
-           [(4, 8, 3), (4, 8, 0), (2, 8, 0), (8, 8, 0), (8, 4, 0), (4, 4, 4), (2, 4, 0)]]
+# (heads, head dim, the 16-byte-load variants to time: make one from a geometry)
+MODELS = {
+    "gptj": (16, 256, [lambda rows, g=g: A.make_attention(*g, use_rows=rows, dtype=HALF,
+                                                          grouped=True)
+                       for g in [(8, p, w, mb) for p, w, mb in
+                                 [(4, 8, 3), (4, 8, 0), (2, 8, 0), (8, 8, 0), (8, 4, 0),
+                                  (4, 4, 4), (2, 4, 0)]]]),
+    "gpt2": (12, 64, [lambda rows, g=g: A.make_attention_groups(*g, dtype=HALF, use_rows=rows,
+                                                                packed=True)
+                      for g in [(8, 8, p, w, mb) for p, w, mb in
+                                [(4, 4, 4), (2, 4, 0), (8, 4, 0), (4, 8, 0), (2, 8, 0),
+                                 (4, 2, 0)]]]),
+}
+H, HD = MODELS["gptj"][:2]   # (main sets the model's)
 TARGETS = [None, 512, 2048]
 
 
@@ -105,22 +119,35 @@ def time_torch(pos, copy_GBps):
           f"{nbytes / (us * 1e3) / copy_GBps:.3f}", flush=True)
 
 
-def main(positions: list[int]) -> None:
+def main(model: str, positions: list[int]) -> None:
     import torch
+    global H, HD
+    H, HD, variants = MODELS[model]
     bd.torch = torch
-    print(f"device: {backend.device_name()}  B {B}  H {H}  hd {HD}  Tmax {TMAX}  float16")
+    print(f"device: {backend.device_name()}  {model}  B {B}  H {H}  hd {HD}  Tmax {TMAX}  "
+          f"float16")
     copy_GBps = bd.read_bandwidth_GBps()
     print(f"copy bandwidth {copy_GBps:.0f} GB/s")
     case = Case(np.random.default_rng(0))
-    strided = A.kernel_for(HD, rows=True, dtype=HALF)   # (unaligned: the strided form)
+    # (unaligned: the strided forms, which the 16-byte loads replace)
+    strided = [A.kernel_for(HD, rows=rows, dtype=HALF) for rows in (True, False)]
+    shipped = [A.kernel_for(HD, rows=rows, dtype=HALF, aligned=True) for rows in (True, False)]
     for pos in positions:
         time_torch(pos, copy_GBps)
-        time_ours(case, strided, pos, None, copy_GBps)
-        for config in GROUPED:
-            variant = A.make_attention(*config, use_rows=True, dtype=HALF, grouped=True)
-            for target in TARGETS:
-                time_ours(case, variant, pos, target, copy_GBps)
+        for variant in strided + shipped:
+            time_ours(case, variant, pos, None, copy_GBps)
+        for make in variants:
+            for rows in (True, False):
+                variant = make(rows)
+                for target in TARGETS:
+                    time_ours(case, variant, pos, target, copy_GBps)
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [512])
+    args = sys.argv[1:]
+    name = "gptj"
+    if args[:1] == ["--model"]:
+        name, args = args[1], args[2:]
+    if name not in MODELS:
+        sys.exit(f"--model: one of {sorted(MODELS)}, got {name!r}")
+    main(name, [int(a) for a in args] or [512])
