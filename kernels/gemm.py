@@ -125,6 +125,11 @@ if not backend.SIMULATOR:
     # ... two products over one K (gemm_sum): the second product's offsets take 72 registers
     # unbounded (3 blocks an SM), 64 and no spill bounded to the one-product kernel's 4
     MMA_PAIR_CONFIG = (8, 2, 4)
+    # ... whole K, no reduction launch, where the column tiles alone give every SM a block
+    # and K is at most this (GPT-2 small's qkv and fc in float16: 144 and 192 tiles over
+    # K = 768): a split adds a launch to a product of a few MB, and float32's [K, N] kernel
+    # measured whole K faster for the same two products (pick_decode's NN_COLS)
+    MMA_WHOLE_K = 1024
     TARGET_BLOCKS = 2 * 132  # K splits until the grid has about this many blocks
     PARTIALS_TARGET = TARGET_BLOCKS   # ... for `partials` (switched by dev.ab.ab_qkv_partials)
     RED_CHUNK = 16           # partials a reduce thread loads before adding any
@@ -146,6 +151,7 @@ else:
     NT_HALF_CONFIG = (1, 4, 2)
     # one warp a block: the simulator's mma16816 stand-in holds the block's barrier
     MMA_HALF_CONFIG = MMA_PAIR_CONFIG = (1, 2, 0)
+    MMA_WHOLE_K = 0   # (every tile fills the simulator's 2 SMs: tiny shapes still split)
     TARGET_BLOCKS = 2
     PARTIALS_TARGET = TARGET_BLOCKS
     RED_CHUNK = 2
@@ -1125,10 +1131,13 @@ def decode_plan(dk: Decode, batch: int, n_cols: int, k_len: int,
 def _mma_plan(dk: Decode, batch: int, n_cols: int, k_len: int, target_blocks: int | None):
     """(column tiles, K splits, span) for the tensor-core kernel: a block per 16-column tile
     (no persistence: nothing is staged to share), K split until the grid makes one wave of
-    resident blocks (`target_blocks`, default) or each warp has one batch of loads left."""
+    resident blocks (`target_blocks`, default) or each warp has one batch of loads left;
+    by default K whole where it is at most MMA_WHOLE_K and the tiles alone fill the SMs."""
     n_tiles = -(-n_cols // dk.tile)
     target = _check.resident_blocks(dk.kernel, dk.threads) if target_blocks is None \
         else target_blocks
+    if target_blocks is None and k_len <= MMA_WHOLE_K and n_tiles * batch >= _check.sm_count():
+        target = 1
     warps_k = dk.config[1]
     most = max(1, k_len // (dk.k_step * warps_k))
     splits = max(1, min(most, -(-target // (n_tiles * batch))))

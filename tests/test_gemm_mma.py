@@ -70,6 +70,22 @@ def test_tensor_core_plan_covers_k_in_whole_batches(target):
         assert splits <= max(1, k // (G.MMA_HALF.k_step * G.MMA_HALF.config[1]))
 
 
+def test_tensor_core_plan_keeps_k_whole_for_short_products_that_fill_the_sms(monkeypatch):
+    """By default K stays whole (no reduction launch) where K <= MMA_WHOLE_K and the column
+    tiles alone give each SM a block: GPT-2 small's qkv and fc (144 and 192 tiles, K 768) on
+    an H100's 132 SMs; its attention projection (48 tiles) and MLP projection (K 3072) still
+    split, and so does any plan given a target. (The GPU's constants: the simulator keeps
+    MMA_WHOLE_K at 0, so its tiny shapes take the split path.)"""
+    monkeypatch.setattr(G, "MMA_WHOLE_K", 1024)
+    monkeypatch.setattr(G._check, "sm_count", lambda: 132)
+    monkeypatch.setattr(G._check, "resident_blocks", lambda kernel, threads: 4 * 132)
+    splits = lambda n, k, target=None: G.decode_plan(G.MMA_HALF, 1, n, k, target)[1]  # noqa
+    assert splits(2304, 768) == 1 and splits(3072, 768) == 1
+    assert splits(768, 768) > 1 and splits(768, 3072) > 1
+    assert splits(2304, 768, target=4 * 132) > 1
+    assert splits(2304, 1056) > 1   # K past MMA_WHOLE_K
+
+
 def test_gemm_routes_float16_trans_b_to_tensor_cores_where_they_fit(monkeypatch):
     """float16 trans_b with K a multiple of 32 takes the tensor-core kernel; K = 40 (no whole
     chunk) and a 2-byte-offset view of b (no 16-byte loads) take the SIMT kernel; both
