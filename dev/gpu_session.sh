@@ -39,7 +39,12 @@
 # minutes the whole run took before the float16 setup), half_decode (GPT-J's float16
 # decode GEMMs over the trans_b kernel's geometries, against cuBLAS: dev/bench/bench_half_decode.py),
 # half_attention (GPT-J's float16 decode attention, strided and grouped kernels against
-# torch's scaled_dot_product_attention, about two minutes: dev/bench/bench_half_attention.py), probes
+# torch's scaled_dot_product_attention, about two minutes: dev/bench/bench_half_attention.py;
+# half_attention_gpt2: GPT-2 small's, the packed group kernel's geometries), gpt2_half_profile
+# (GPT-2 small's float16 step's kernels at 512 and the step over its floor, a minute or two:
+# dev/probe/gpt2_half_profile.py), ab_half_step (that step as shipped against K split for qkv
+# and fc, and against the strided float16 attention, in one process: dev/ab/ab_half_step.py,
+# about 5 minutes), probes
 # (the kernel cache's test, then where recording GPT-2 takes memory), w2v_profile (a Wav2Vec2
 # training step's kernels, ours beside transformers', half a minute), gptj_profile (GPT-J's
 # decode step's kernels at position 512, ours beside PtGraph's), train_gemm (Wav2Vec2's
@@ -118,6 +123,10 @@ for s in "$@"; do case $s in
       --setups 4L-d256,12L-d768 ;;
   half_decode) step half_decode 600 env OUT=$L python3 -m dev.bench.bench_half_decode ;;
   half_attention) step half_attention 300 python3 -m dev.bench.bench_half_attention ;;
+  half_attention_gpt2) step half_attention_gpt2 300 python3 -m dev.bench.bench_half_attention \
+      --model gpt2 ;;
+  gpt2_half_profile) step gpt2_half_profile 300 python3 -m dev.probe.gpt2_half_profile ;;
+  ab_half_step) step ab_half_step 480 python3 -m dev.ab.ab_half_step ;;
   wav2vec2) step wav2vec2 1500 python3 -m experiments wav2vec2_train --size full ;;
   wav2vec2_head) step wav2vec2_head 660 python3 -m experiments wav2vec2_train --size full \
       --methods ours_planned,hf_eager,ptgraph_shared ;;

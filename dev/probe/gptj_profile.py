@@ -18,9 +18,7 @@ import sys
 from dev.probe import _profile
 from experiments import common
 from proto.device import backend, timing
-from proto.graph.cuda import early_launch_off
 from proto.models.gptj import GPTJ, GPTJ_6B, random_device_state_dict
-from proto.models.graphed import GraphedDecoder
 
 BEAM, MAX_LEN = 5, 1024
 
@@ -31,20 +29,7 @@ def main(position: int) -> None:
     config = GPTJ_6B
     weights = random_device_state_dict(config, 0)
     model = GPTJ(config, weights, max_batch=BEAM, max_tokens=4)
-    copy_GBps = timing.copy_bandwidth_GBps(1 << 30, warmup=3, reps=20)
-    weight_bytes, kv_bytes = model.decode_read_bytes(BEAM, position + 1)
-    print(f"device: {backend.device_name()}  beam {BEAM}  position {position}  copy "
-          f"{copy_GBps:.0f} GB/s  floor {(weight_bytes + kv_bytes) / copy_GBps / 1e3:.1f} us "
-          f"({weight_bytes / 1e9:.2f} GB weights, {kv_bytes / 1e9:.3f} GB K and V)", flush=True)
-    timed = GraphedDecoder(model, batch=BEAM, max_len=MAX_LEN, binding="alias",
-                           strategy="device")
-    step = timing.bench(timed.replayer(position), warmup=3, reps=20)
-    with early_launch_off():   # (replayer builds the graph, which lowers it)
-        plain = GraphedDecoder(model, batch=BEAM, max_len=MAX_LEN, binding="alias",
-                               strategy="device")
-        plain_replay = plain.replayer(position)
-    _profile.show(f"ours, device-length graph (timed with early launch: "
-                  f"{step.median_us:.1f} us)", plain_replay)
+    _profile.our_step(model, position, BEAM, MAX_LEN)
 
     dec = TorchGPTJ(config, {k: torch.as_tensor(v, device="cuda") for k, v in weights.items()},
                     batch=BEAM, max_len=MAX_LEN)
