@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import pathlib
 import re
 import string
@@ -85,10 +86,25 @@ def _command(files: list[str]) -> list[str]:
     return [*PYTEST, *(SHOW_OUTPUT if set(files) <= set(SLOW) else []), *files]
 
 
-def _run(files: list[str]) -> tuple[str, int, float]:
+# The CPU thread pools of NumPy's BLAS, OpenMP and PyTorch, in each phase-1 process and the
+# children it starts: their share of the machine's cores. Each pool sizes itself to every
+# core by default, so 8 shards at once run 8 pools of 16 (whose threads spin while they wait)
+# on 16 cores; at aa0562a the transformers child test took 175 s in the lane against 25 s
+# at 8441a32 with half the shards.
+THREAD_POOLS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def shard_env(shards: int, cores: int | None = None) -> dict[str, str]:
+    """The environment of a phase-1 process: ours, with each of THREAD_POOLS at its share of
+    the cores (at least 1); a value the caller set is kept."""
+    share = str(max(1, (cores or os.cpu_count() or 1) // shards))
+    return {**{k: share for k in THREAD_POOLS}, **os.environ}
+
+
+def _run(files: list[str], env: dict | None = None) -> tuple[str, int, float]:
     t0 = time.perf_counter()
     proc = subprocess.run(_command(files), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, cwd=TESTS.parent)
+                          text=True, cwd=TESTS.parent, env=env)
     return proc.stdout, proc.returncode, time.perf_counter() - t0
 
 
@@ -111,8 +127,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     print(f"gpu_lane: phase 1, {len(phase1)} processes; then {len(ALONE)} files alone",
           flush=True)
+    env = shard_env(len(phase1))
     with concurrent.futures.ThreadPoolExecutor(len(phase1)) as pool:
-        runs = list(pool.map(_run, phase1))
+        runs = list(pool.map(lambda files: _run(files, env), phase1))
     t1 = time.perf_counter()
     alone = [f for f in ALONE if f in files]
     runs.append(_run(alone))
@@ -124,7 +141,8 @@ def main(argv=None) -> int:
         f"# GPU lane (python -m tests.gpu_lane): {len(files)} test files in {len(groups)} pytest "
         f"processes. Phase 1 ran shards {names[0]}-{names[len(phase1) - 1]} at once "
         f"({t1 - t0:.0f} s); phase 2 ran shard {names[len(phase1)]} alone ({', '.join(alone)}: "
-        f"the files that read the device's free memory), {t2 - t1:.0f} s.",
+        f"the files that read the device's free memory), {t2 - t1:.0f} s. Phase 1's thread "
+        f"pools: " + ", ".join(f"{k}={env[k]}" for k in THREAD_POOLS) + ".",
         "# " + ", ".join(f"{k}={v}" for k, v in made.items()),
         f"# total: {count['passed']} passed, {count['skipped']} skipped, {count['failed']} "
         f"failed, {count['errors']} errors; exit status of every shard: "

@@ -66,3 +66,17 @@ def test_slow_shards_show_their_output_and_the_rest_do_not():
         assert L._command([f])[-2:] == [*L.SHOW_OUTPUT, f]
     rest = ["tests/test_gemm.py", "tests/test_plan.py"]
     assert not set(L.SHOW_OUTPUT) & set(L._command(rest)) and L._command(rest)[-2:] == rest
+
+
+def test_phase_one_processes_share_the_cores_among_their_thread_pools(monkeypatch):
+    """Each thread pool of a phase-1 process gets its share of the cores (16 over 8 shards:
+    2; never 0), and a value the caller set is kept."""
+    for k in L.THREAD_POOLS:
+        monkeypatch.delenv(k, raising=False)
+    env = L.shard_env(8, cores=16)
+    assert all(env[k] == "2" for k in L.THREAD_POOLS)
+    assert L.shard_env(8, cores=4)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "7")
+    env = L.shard_env(8, cores=16)
+    assert env["OPENBLAS_NUM_THREADS"] == "7" and env["OMP_NUM_THREADS"] == "2"
+    assert env["PATH"] == L.os.environ["PATH"]
