@@ -1,4 +1,5 @@
 """Kernels load from Numba's on-disk cache in a fresh process (proto.device.backend._compiled),
+also those whose closure holds an intrinsic (whose pickle Numba draws afresh in each process),
 and the cache never hands one kernel's code to another: two kernels made by one factory line
 that differ only in their launch bounds each compile their own.
 
@@ -32,6 +33,20 @@ MODULE = textwrap.dedent('''
         return add_threads
 
     small, large = make(64), make(1024)
+
+    from kernels._ptx import instruction
+    fence = instruction("membar.cta;")   # an intrinsic, held by the kernel's closure
+
+    def make_fenced(barrier):
+        @jit("void(float32[::1])", writes=("x",))
+        def add_fenced(x):
+            barrier()
+            i = cuda.grid(1)
+            if i < x.size:
+                x[i] += 1
+        return add_fenced
+
+    fenced = make_fenced(fence)
 ''')
 
 REPORT = textwrap.dedent('''
@@ -39,7 +54,7 @@ REPORT = textwrap.dedent('''
     from proto.device.backend import cuda, launch
     import cached_kernels as m
     out = {}
-    for name in ("small", "large"):
+    for name in ("small", "large", "fenced"):
         k = m.__dict__[name]
         x = cuda.to_device(np.zeros(1024, np.float32))
         launch(k, 1, 1024 if name == "large" else 64, (x,))
@@ -68,6 +83,9 @@ def test_a_fresh_process_loads_cached_kernels_and_launch_bounds_keep_them_apart(
     assert [second[k]["hits"] for k in ("small", "large")] == [1, 1], second
     assert [second[k]["misses"] for k in ("small", "large")] == [0, 0], second
     assert second["small"]["sum"] == 64 and second["large"]["sum"] == 1024, second
+    # the closure holding an intrinsic: a miss in the first process only
+    assert (first["fenced"]["misses"], second["fenced"]["hits"]) == (1, 1), (first, second)
+    assert second["fenced"]["misses"] == 0 and second["fenced"]["sum"] == 64, second
 
 
 def test_an_edit_to_a_kernel_module_recompiles_the_kernels_that_may_use_it(tmp_path,

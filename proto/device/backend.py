@@ -139,6 +139,49 @@ def _code_version() -> str:
 _CODE_VERSION = None
 
 
+def closure_digest(pyfunc) -> str:
+    """A digest of what `pyfunc`'s closure holds that names it the same in every process: the
+    part of a cached kernel's key that Numba computes by pickling the closure's contents.
+
+    Numba's pickle of an intrinsic (``@intrinsic``: kernels._ptx's PTX wrappers) carries a
+    uuid drawn afresh in each process, and so does that of any device function whose closure
+    holds one; a kernel made by a factory that closes over them (the tensor-core GEMMs, the
+    tiled GEMMs' cp.async, the convolutions' device functions) got a new key in every
+    process and compiled again in each: about 30 kernels, a minute or more of every child
+    process of an experiment. Here a function (plain, a device function, an intrinsic's
+    definition) is named by its module, qualified name, bytecode and options, and the digest
+    of its own closure, recursively; any other value by its pickle. What a named function
+    calls through its globals is in `_code_version`, as Numba's own key leaves it out."""
+    import hashlib
+    import types
+    from numba.cuda.dispatcher import CUDADispatcher
+    from numba.cuda.extending import _Intrinsic
+    from numba.cuda.serialize import dumps
+
+    def named(obj, seen) -> bytes:
+        if isinstance(obj, CUDADispatcher):
+            return b"device:" + repr(sorted(obj.targetoptions.items())).encode() + \
+                function(obj.py_func, seen)
+        if isinstance(obj, _Intrinsic):
+            return b"intrinsic:" + obj._name.encode() + function(obj._defn, seen)
+        if isinstance(obj, types.FunctionType):
+            return function(obj, seen)
+        if isinstance(obj, (tuple, list)):
+            return type(obj).__name__.encode() + b"(" + b",".join(named(x, seen) for x in obj) \
+                + b")"
+        return dumps(obj)
+
+    def function(fn, seen) -> bytes:
+        if id(fn) in seen:   # (a closure that reaches itself)
+            return b"<again:" + fn.__qualname__.encode() + b">"
+        seen = seen | {id(fn)}
+        cells = [named(c.cell_contents, seen) for c in fn.__closure__ or ()]
+        return b"|".join([fn.__module__.encode(), fn.__qualname__.encode(),
+                          fn.__code__.co_code, b"[" + b",".join(cells) + b"]"])
+
+    return hashlib.sha256(function(pyfunc, frozenset())).hexdigest()
+
+
 def _compiled(pyfunc, signatures, options):
     """`cuda.jit(signatures, **options)(pyfunc)` with Numba's on-disk cache (``__pycache__``
     beside the source), so that a fresh process loads the kernels instead of compiling them
@@ -149,13 +192,20 @@ def _compiled(pyfunc, signatures, options):
     leaves out two things that change the code here, so the key gets them too: the
     decorator's options (one factory line makes kernels that differ only in launch bounds)
     and the source of every kernel module (a kernel's device functions live in other files,
-    whose edits Numba's key would miss)."""
+    whose edits Numba's key would miss). And its closure values are hashed as
+    `closure_digest` says, not by their pickle, which differs from process to process where
+    the closure holds an intrinsic."""
+    import hashlib
+
+    import numba_cuda
     from numba.cuda.dispatcher import CUDACache
 
     class KernelCache(CUDACache):
-        def _index_key(self, sig, codegen):
-            return super()._index_key(sig, codegen) + (repr(sorted(options.items())),
-                                                       _code_version())
+        def _index_key(self, sig, codegen):   # (numba-cuda's, the closure's digest replaced)
+            return (sig, codegen.magic_tuple(), numba_cuda.__version__,
+                    (hashlib.sha256(pyfunc.__code__.co_code).hexdigest(),
+                     closure_digest(pyfunc)),
+                    repr(sorted(options.items())), _code_version())
 
     kernel = cuda.jit(**options)(pyfunc)     # no signature yet: nothing compiled
     if os.path.isfile(pyfunc.__code__.co_filename):   # (a kernel made from a string, as
