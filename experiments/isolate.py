@@ -129,12 +129,17 @@ def raise_failures(name: str, unavailable: dict) -> None:
 def _main(argv: list[str]) -> int:
     target, spec_path, out_path = argv
     module, _, function = target.partition(":")
+    t0 = time.perf_counter()
     fn = getattr(importlib.import_module(module), function)
+    t1 = time.perf_counter()
     try:
         result = fn(**json.loads(pathlib.Path(spec_path).read_text()))
     except BaseException:
         traceback.print_exc()
         return 1
+    # (importing a module compiles or loads its kernels: where a child's seconds go)
+    print(f"isolate: {target}: import {t1 - t0:.1f} s, call {time.perf_counter() - t1:.1f} s",
+          file=sys.stderr, flush=True)
     pathlib.Path(out_path).write_text(json.dumps(result))
     return 0
 
