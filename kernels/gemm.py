@@ -135,6 +135,7 @@ if not backend.SIMULATOR:
     RED_CHUNK = 16           # partials a reduce thread loads before adding any
     LN_COLS = 4              # columns per thread of the fused layer norm
     LN_THREADS = 512         # ... and threads at most: N <= LN_COLS * LN_THREADS
+    LN_WIDE_COLS, LN_WIDE_CHUNK = 8, 4   # ... and its wide rows' (N <= 4096)
 else:
     # Each simulated thread is a Python thread (~0.1 ms each): the same code with smaller
     # blocks keeps tests fast, and a small K span makes tiny shapes take the split path.
@@ -157,11 +158,10 @@ else:
     RED_CHUNK = 2
     LN_COLS = 2
     LN_THREADS = 64
+    LN_WIDE_COLS, LN_WIDE_CHUNK = 4, 1
 BM, BN, BK = TILE.bm, TILE.bn, TILE.bk   # the default tile's shape (tiled_plan takes a tile)
 TILED_MIN_SPAN = MIN_SPAN_STEPS * TILE.bk   # (tiled_min_span(TILE))
 _XS = M8 * SPAN_MAX
-_LN_VALS = LN_COLS * RED_CHUNK
-_LN_GB = 2 * LN_COLS   # the layer norm's gamma, beta
 
 
 # ---------------------------------------------------------------------------- reference
@@ -995,55 +995,71 @@ def gemm_splitk_reduce_kernels(part, splits, out, bias, has_bias, act, accumulat
         r = _u(r + _u(cuda.gridDim.y))
 
 
-@jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32, "
-               "{t}[::1], {t}[::1], float32, {t}[:,:,::1])", writes=("out", "y"),
-               launch_bounds=(LN_THREADS, 1), early_launch=True)
-def gemm_splitk_reduce_ln_kernels(part, out, bias, has_bias, act, accumulate, gamma, beta, eps,
-                                 y):
-    """Grid (B*M,), a block per output row: the split-K epilogue of
-    `gemm_splitk_reduce_kernels` for the row, then y[row] = layernorm(out[row]) * gamma + beta
-    from the values still in registers (`block_layernorm_row`). Columns tid + blockDim * c,
-    c < LN_COLS: N <= LN_COLS * blockDim <= LN_COLS * LN_THREADS. Every load (old values,
-    bias, gamma, beta, a chunk of partials) is issued before the first store."""
-    vals = cuda.local.array(_LN_VALS, np.float32)
-    xv = cuda.local.array(LN_COLS, np.float32)
-    old = cuda.local.array(LN_COLS, np.float32)
-    bv = cuda.local.array(LN_COLS, np.float32)
-    gb = cuda.local.array(_LN_GB, np.float32)
-    B, S, M, N = part.shape
-    n_cols = _u(N)   # (see _BOUNDS)
-    bz, m = _u(cuda.blockIdx.x // M), _u(cuda.blockIdx.x % M)
-    tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
-    last = _u(N - 1)
-    load_ln_params(gamma, beta, gb, LN_COLS, N)
-    _pdl.wait()   # (early launch: gamma and beta above are nobody's output; out, part are)
-    _pdl.launch_dependents()
-    for c in range(LN_COLS):  # past N, re-read column N-1 (never stored or counted)
-        n = min(tid + nt * _u(c), last)
-        old[c] = out[bz, m, n] if accumulate else _ZERO
-        bv[c] = bias[n] if has_bias else _ZERO
-        xv[c] = _ZERO
-    for s0 in range(0, S, RED_CHUNK):
-        for c in range(LN_COLS):
+def _make_reduce_ln(cols: int, chunk: int):
+    """The split-K reduction with the row's layer norm, for rows of up to cols * LN_THREADS
+    columns (a thread holds `cols` of them) summing `chunk` partials a value per round of
+    loads: {dtype: kernel}."""
+    vals_size, gb_size = cols * chunk, 2 * cols   # (local arrays: plain constants)
+
+    @jit_per_dtype("void(float32[:,:,:,::1], {t}[:,:,::1], {t}[::1], int32, int32, int32, "
+                   "{t}[::1], {t}[::1], float32, {t}[:,:,::1])", writes=("out", "y"),
+                   launch_bounds=(LN_THREADS, 1), early_launch=True)
+    def gemm_splitk_reduce_ln_kernels(part, out, bias, has_bias, act, accumulate, gamma, beta,
+                                      eps, y):
+        """Grid (B*M,), a block per output row: the split-K epilogue of
+        `gemm_splitk_reduce_kernels` for the row, then y[row] = layernorm(out[row]) * gamma +
+        beta from the values still in registers (`block_layernorm_row`). Columns tid +
+        blockDim * c, c < cols: N <= cols * blockDim <= cols * LN_THREADS. Every load (old
+        values, bias, gamma, beta, a chunk of partials) is issued before the first store."""
+        vals = cuda.local.array(vals_size, np.float32)
+        xv = cuda.local.array(cols, np.float32)
+        old = cuda.local.array(cols, np.float32)
+        bv = cuda.local.array(cols, np.float32)
+        gb = cuda.local.array(gb_size, np.float32)
+        B, S, M, N = part.shape
+        n_cols = _u(N)   # (see _BOUNDS)
+        bz, m = _u(cuda.blockIdx.x // M), _u(cuda.blockIdx.x % M)
+        tid, nt = _u(cuda.threadIdx.x), _u(cuda.blockDim.x)
+        last = _u(N - 1)
+        load_ln_params(gamma, beta, gb, cols, N)
+        _pdl.wait()   # (early launch: gamma and beta above are nobody's output; out, part are)
+        _pdl.launch_dependents()
+        for c in range(cols):  # past N, re-read column N-1 (never stored or counted)
             n = min(tid + nt * _u(c), last)
-            for u in range(RED_CHUNK):
-                vals[c * RED_CHUNK + u] = part[bz, _u(min(s0 + u, S - 1)), m, n]
-        for c in range(LN_COLS):
-            for u in range(RED_CHUNK):
-                if s0 + u < S:
-                    xv[c] += vals[c * RED_CHUNK + u]
-    for c in range(LN_COLS):   # the same order as _finish: (sum + old) + bias, then act
-        v = xv[c]
-        if accumulate:
-            v += old[c]
-        if has_bias:
-            v += bv[c]
-        xv[c] = _act(v, act)
-    for c in range(LN_COLS):
-        n = tid + nt * _u(c)
-        if n < n_cols:
-            out[bz, m, n] = xv[c]
-    block_layernorm_row(xv, LN_COLS, N, gb, eps, y[bz, m])
+            old[c] = out[bz, m, n] if accumulate else _ZERO
+            bv[c] = bias[n] if has_bias else _ZERO
+            xv[c] = _ZERO
+        for s0 in range(0, S, chunk):
+            for c in range(cols):
+                n = min(tid + nt * _u(c), last)
+                for u in range(chunk):
+                    vals[c * chunk + u] = part[bz, _u(min(s0 + u, S - 1)), m, n]
+            for c in range(cols):
+                for u in range(chunk):
+                    if s0 + u < S:
+                        xv[c] += vals[c * chunk + u]
+        for c in range(cols):   # the same order as _finish: (sum + old) + bias, then act
+            v = xv[c]
+            if accumulate:
+                v += old[c]
+            if has_bias:
+                v += bv[c]
+            xv[c] = _act(v, act)
+        for c in range(cols):
+            n = tid + nt * _u(c)
+            if n < n_cols:
+                out[bz, m, n] = xv[c]
+        block_layernorm_row(xv, cols, N, gb, eps, y[bz, m])
+
+    return gemm_splitk_reduce_ln_kernels
+
+
+# Rows up to LN_COLS * LN_THREADS (GPT-2's 768) sum RED_CHUNK partials a round; wider rows
+# (GPT-J's 4096: its block's last product, gemm_sum, splits K in 3) hold LN_WIDE_COLS columns a
+# thread, so fewer partials a round fit the registers
+gemm_splitk_reduce_ln_kernels = _make_reduce_ln(LN_COLS, RED_CHUNK)
+gemm_splitk_reduce_ln_wide_kernels = _make_reduce_ln(LN_WIDE_COLS, LN_WIDE_CHUNK)
+LN_MAX_COLS = LN_WIDE_COLS * LN_THREADS   # the widest row a reduction normalizes
 
 
 NN = make_decode_nn(*NN_SPLIT)
@@ -1234,8 +1250,10 @@ def decode(dk: Decode, a, b, out, bias, has_bias, act, accumulate, trans_a, stre
         _sum_partials(part, out, bias, has_bias, act, accumulate, stream)
     else:
         gamma, beta, eps, y = ln_out
-        launch(gemm_splitk_reduce_ln_kernels[np.dtype(out.dtype)], batch * m_rows,
-               _check.warp_threads(-(-n_cols // LN_COLS)),
+        wide = n_cols > LN_COLS * LN_THREADS
+        kernels, cols = (gemm_splitk_reduce_ln_wide_kernels, LN_WIDE_COLS) if wide \
+            else (gemm_splitk_reduce_ln_kernels, LN_COLS)
+        launch(kernels[np.dtype(out.dtype)], batch * m_rows, _check.warp_threads(-(-n_cols // cols)),
                (part, out, bias, has_bias, act, accumulate, gamma, beta, np.float32(eps), y),
                stream)
 
@@ -1433,7 +1451,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
 
     ln_out=(gamma, beta, eps, y): also y = layernorm(out) over each row of the result,
     gamma and beta of shape (N,), y shaped like out and overlapping nothing. Fused into the
-    split-K reduction for M <= 8 and N <= LN_COLS * LN_THREADS; otherwise `layernorm` runs
+    split-K reduction for M <= 8 and N <= LN_MAX_COLS (4096); otherwise `layernorm` runs
     after.
 
     skinny: 9..32-row products on the tiled path take a SKINNY tile instead of TILE (off by
@@ -1504,9 +1522,9 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
 def _decode_then_ln(dk: Decode, a3, b3, out3, bias, has_bias, act, accumulate, trans_a,
                     stream, ln_out, **kw) -> None:
     """`decode`, with a checked ln_out = (gamma, beta, eps, y) fused into its reduction where
-    the rows fit the fused layer norm (N <= LN_COLS * LN_THREADS), else normalized after."""
+    the rows fit the fused layer norm (N <= LN_MAX_COLS), else normalized after."""
     fused = None
-    if ln_out is not None and out3.shape[2] <= LN_COLS * LN_THREADS:
+    if ln_out is not None and out3.shape[2] <= LN_MAX_COLS:
         gamma, beta, eps, y = ln_out
         fused = (gamma, beta, float(eps), backend.reshaped(y, out3.shape))
     decode(dk, a3, b3, out3, bias, has_bias, act, accumulate, trans_a, stream, fused, **kw)

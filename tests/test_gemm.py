@@ -15,7 +15,7 @@ from kernels import _check, gemm as G
 from kernels.layernorm import layernorm_ref
 from proto.device import backend
 from proto.device.backend import cuda
-from tests.helpers import assert_close, dev, rand, split_counts, split_span
+from tests.helpers import assert_close, dev, launches_of, rand, split_counts, split_span
 
 FLAGS = list(itertools.product([False, True], [False, True], [None, "gelu", "relu"],
                                [False, True], [False, True]))  # trans_a, trans_b, act, bias, acc
@@ -140,6 +140,31 @@ def test_ln_out_normalizes_the_rows_of_the_result(kernel, offset):
     # An offset of 1e3 costs float32 out about 3 digits of its spread (see test_layernorm).
     np.testing.assert_allclose(y.copy_to_host(), layernorm_ref(want, gamma, beta),
                                atol=1e-3 if offset else 2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("wider", [0, 1])
+@pytest.mark.parametrize("limit", ["narrow", "wide"])
+def test_ln_out_rows_up_to_the_wide_limit_are_normalized_in_the_reduction(limit, wider,
+                                                                        monkeypatch):
+    """Rows up to LN_COLS * LN_THREADS take the narrow reduction with its layer norm, wider
+    ones up to LN_MAX_COLS (GPT-J's 4096 on a GPU) the wide one, wider still a reduction and
+    `layernorm` after: each launches what it says, and each gives the reference's out and y."""
+    n = (G.LN_COLS * G.LN_THREADS if limit == "narrow" else G.LN_MAX_COLS) + wider
+    rng = np.random.default_rng(n)
+    a, b, old = _operands(rng, (1,), 5, n, 70, False, True)   # K 70: split on the simulator
+    gamma, beta, bias = rand(rng, n), rand(rng, n), rand(rng, n)
+    out, y = dev(old), dev(np.full_like(old, np.nan))
+    seen = launches_of(monkeypatch, G)
+    G.gemm(dev(a[0]), dev(b[0]), out[0], bias=dev(bias), accumulate=True, trans_b=True,
+           ln_out=(dev(gamma), dev(beta), 1e-5, y[0]))
+    narrow = G.gemm_splitk_reduce_ln_kernels[np.dtype(np.float32)]
+    wide = G.gemm_splitk_reduce_ln_wide_kernels[np.dtype(np.float32)]
+    expect = {("narrow", 0): narrow, ("narrow", 1): wide, ("wide", 0): wide}.get((limit, wider))
+    assert (narrow in seen, wide in seen) == (expect is narrow, expect is wide)
+    want = G.gemm_ref(a, b, bias, trans_b=True, old=old)
+    np.testing.assert_allclose(out.copy_to_host(), want, **_tol(70))
+    np.testing.assert_allclose(y.copy_to_host(), layernorm_ref(want, gamma, beta),
+                               atol=2e-5, rtol=1e-4)
 
 
 def test_ln_out_beyond_the_decode_path_runs_layernorm_after(scale):
