@@ -146,6 +146,48 @@ _ATT_ARGS = ("{t}[:, :, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int32[::1], 
              "int32[:, ::1]")
 
 
+_NAN_WORDS = np.uint32(0x7E007E00)   # two float16 NaN
+
+
+@cuda.jit(device=True, inline="always")
+def _load_kv16(kw, vw, r, qkv, k_cache, v_cache, b, h, p, p0, row, ok, d0):
+    """The 16-byte-load kernels' K and V of one position (`make_attention(grouped=True)`,
+    `make_attention_groups(packed=True)`): this lane's 8 head dims from d0, one load each,
+    into words r*4 .. r*4+3 of kw and vw, from cache row `row` below p0, else this step's
+    token from qkv; NaN where not `ok` (a row outside the batch)."""
+    T, H, Tmax, hd = qkv.shape[1], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    C = H * hd
+    if p < p0:
+        at = ((row * _u(H) + _u(h)) * _u(Tmax) + p) * _u(hd) + d0
+        wk, wv = ld16(k_cache, at), ld16(v_cache, at)
+    else:   # this step's token, from qkv
+        at = (_u(b) * _u(T) + (p - _u(p0))) * _u(3 * C) + _u(C + h * hd) + d0
+        wk, wv = ld16(qkv, at), ld16(qkv, at + _u(C))
+    for e in range(4):
+        kw[r * 4 + e] = wk[e] if ok else _NAN_WORDS
+        vw[r * 4 + e] = wv[e] if ok else _NAN_WORDS
+
+
+@cuda.jit(device=True, inline="always")
+def _dot_kv16(q, kw, r):
+    """q's 8 dims (float32) . the K words of position r (4 pairs of halves)."""
+    partial = ZERO
+    for e in range(4):
+        k0, k1 = halves(kw[r * 4 + e])
+        partial += q[2 * e] * k0
+        partial += q[2 * e + 1] * k1
+    return partial
+
+
+@cuda.jit(device=True, inline="always")
+def _add_kv16(acc, vw, r, pr):
+    """acc's 8 dims += pr * the V words of position r."""
+    for e in range(4):
+        v0, v1 = halves(vw[r * 4 + e])
+        acc[2 * e] += pr * v0
+        acc[2 * e + 1] += pr * v1
+
+
 def _att_signature(dtype, extra: str = "") -> str:
     return "void(" + _ATT_ARGS.format(t=np.dtype(dtype).name) + extra + ")"
 
@@ -199,7 +241,6 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
     n_words = 4 * positions if grouped else 1   # (grouped) a batch's rows as packed halves
     float_size = 1 if grouped else kv_size
-    nan_words = np.uint32(0x7E007E00)           # two float16 NaN
 
     @cuda.jit(device=True, inline="always")
     def dim(lane, i):
@@ -304,16 +345,9 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                     ok = 0 <= named < B
                     row = _u(named if ok else b)
                 if grouped:   # the lane's 8 dims of K and of V: one 16-byte load each
-                    d0 = _u(min(8 * lane, hd - 8))   # (lanes past hd re-read the last 8)
-                    if p < p0:
-                        at = ((row * _u(H) + _u(h)) * _u(Tmax) + p) * _u(hd) + d0
-                        wk, wv = ld16(k_cache, at), ld16(v_cache, at)
-                    else:   # this step's token, from qkv
-                        at = (_u(b) * _u(T) + (p - _u(p0))) * _u(3 * C) + qk + d0
-                        wk, wv = ld16(qkv, at), ld16(qkv, at + _u(C))
-                    for e in range(4):
-                        kw[r * 4 + e] = wk[e] if ok else nan_words
-                        vw[r * 4 + e] = wv[e] if ok else nan_words
+                    # (lanes past hd re-read the last 8)
+                    _load_kv16(kw, vw, r, qkv, k_cache, v_cache, b, h, p, p0, row, ok,
+                               _u(min(8 * lane, hd - 8)))
                     continue
                 for i in range(slots):
                     d = _u(min(lane + 32 * i, hd_last))  # q is 0 on dims past hd
@@ -332,10 +366,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
             for r in range(positions):
                 partial = ZERO
                 if grouped:
-                    for e in range(4):
-                        k0, k1 = halves(kw[r * 4 + e])
-                        partial += q[2 * e] * k0
-                        partial += q[2 * e + 1] * k1
+                    partial = _dot_kv16(q, kw, r)
                 else:
                     for i in range(slots):
                         partial += q[i] * kv[r * slots + i]
@@ -354,10 +385,7 @@ def make_attention(slots: int, positions: int, warps: int, min_blocks: int = 0,
                         pr = math.exp(sc[r] - m_new)
                         l_sum += pr
                         if grouped:
-                            for e in range(4):
-                                v0, v1 = halves(vw[r * 4 + e])
-                                acc[2 * e] += pr * v0
-                                acc[2 * e + 1] += pr * v1
+                            _add_kv16(acc, vw, r, pr)
                         else:
                             for i in range(slots):
                                 acc[i] += pr * vv[r * slots + i]
@@ -435,7 +463,6 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
     red_o_size = warps * width
     ml_size = 2 * warps
     bounds = {"launch_bounds": (32 * warps, min_blocks)} if min_blocks else {}
-    nan_words = np.uint32(0x7E007E00)           # two float16 NaN
 
     @cuda.jit(device=True, inline="always")
     def dim(j, i):
@@ -527,16 +554,9 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                     ok = 0 <= named < B
                     row = _u(named if ok else b)
                 if packed:   # the lane's 8 dims of K and of V: one 16-byte load each
-                    d0 = _u(min(8 * j, hd - 8))   # (lanes past hd re-read the last 8)
-                    if p < p0:
-                        at = ((row * _u(H) + _u(h)) * _u(Tmax) + p) * _u(hd) + d0
-                        wk, wv = ld16(k_cache, at), ld16(v_cache, at)
-                    else:   # this step's token, from qkv
-                        at = (_u(b) * _u(T) + (p - _u(p0))) * _u(3 * C) + qk + d0
-                        wk, wv = ld16(qkv, at), ld16(qkv, at + _u(C))
-                    for e in range(4):
-                        kw[r * 4 + e] = wk[e] if ok else nan_words
-                        vw[r * 4 + e] = wv[e] if ok else nan_words
+                    # (lanes past hd re-read the last 8)
+                    _load_kv16(kw, vw, r, qkv, k_cache, v_cache, b, h, p, p0, row, ok,
+                               _u(min(8 * j, hd - 8)))
                     continue
                 for i in range(dims):
                     d = _u(min(j + group * i, hd_last))  # q is 0 on dims past hd
@@ -552,10 +572,7 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
             for r in range(positions):
                 partial = ZERO
                 if packed:
-                    for e in range(4):
-                        k0, k1 = halves(kw[r * 4 + e])
-                        partial += q[2 * e] * k0
-                        partial += q[2 * e + 1] * k1
+                    partial = _dot_kv16(q, kw, r)
                 else:
                     for i in range(dims):
                         partial += q[i] * kv[r * dims + i]
@@ -580,10 +597,7 @@ def make_attention_groups(group: int, dims: int, positions: int, warps: int,
                         pr = math.exp(sc[r] - m_new)
                         l_sum += pr
                         if packed:
-                            for e in range(4):
-                                v0, v1 = halves(vw[r * 4 + e])
-                                acc[2 * e] += pr * v0
-                                acc[2 * e + 1] += pr * v1
+                            _add_kv16(acc, vw, r, pr)
                         else:
                             for i in range(dims):
                                 acc[i] += pr * vv[r * dims + i]
