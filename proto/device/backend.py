@@ -202,10 +202,16 @@ def _compiled(pyfunc, signatures, options):
 
     class KernelCache(CUDACache):
         def _index_key(self, sig, codegen):   # (numba-cuda's, the closure's digest replaced)
+            ours = (repr(sorted(options.items())), _code_version())
+            try:
+                digest = closure_digest(pyfunc)
+            except Exception as exc:   # a closure value it cannot name: Numba's own key,
+                import warnings        # which is right, only not the same in every process
+                warnings.warn(f"{pyfunc.__qualname__}: closure_digest failed ({exc!r}); "
+                              f"its cache key is Numba's", RuntimeWarning, stacklevel=2)
+                return super()._index_key(sig, codegen) + ours
             return (sig, codegen.magic_tuple(), numba_cuda.__version__,
-                    (hashlib.sha256(pyfunc.__code__.co_code).hexdigest(),
-                     closure_digest(pyfunc)),
-                    repr(sorted(options.items())), _code_version())
+                    (hashlib.sha256(pyfunc.__code__.co_code).hexdigest(), digest)) + ours
 
     kernel = cuda.jit(**options)(pyfunc)     # no signature yet: nothing compiled
     if os.path.isfile(pyfunc.__code__.co_filename):   # (a kernel made from a string, as
