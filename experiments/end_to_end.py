@@ -359,7 +359,8 @@ def run(size: str = "toy", setups=None) -> None:
         profile_while = "torch_graph" in methods and label == last32
         step_specs.append(step_spec(label, config, beam, prompt_len, max_len, max_len // 2,
                                     cfg["step"], use_torch="torch_graph" in methods, dtype=dtype,
-                                    parts=("step", "while") if profile_while else ("step",)))
+                                    parts=("step", "while") if profile_while else ("step",),
+                                    profile=_torch_available()))
         # Each setup's rows as it ends, and the summary so far: a run cut short (a session's
         # device time) keeps the generations it measured. The decode steps come after every
         # setup, in ONE child that compiles the kernels once for all of them, so a cut-short
@@ -511,6 +512,12 @@ def summarize(rows: list[dict], step_rows: list[dict], setup: str | None = None)
             **half_summary(rows, step_rows)}
 
 
+def _number(value, kind):
+    """A step row's value as `kind` (rows kept from an earlier part are read back from the
+    CSV, as text); None where it was not measured."""
+    return None if value in (None, "", "None") else kind(value)
+
+
 def half_summary(rows: list[dict], step_rows: list[dict]) -> dict:
     """The float16 setup's figures (none without one): its decode step against its bandwidth
     floor (float16 weights and KV cache at the copy rate), and transformers' float16
@@ -533,7 +540,11 @@ def half_summary(rows: list[dict], step_rows: list[dict]) -> dict:
         out.update(gpt2_fp16_step_us=float(step["ours_step_us"]),
                    gpt2_fp16_bandwidth_floor_us=float(step["floor_us"]),
                    gpt2_fp16_step_over_bandwidth_floor=float(step["ours_step_us"])
-                   / float(step["floor_us"]))
+                   / float(step["floor_us"]),
+                   gpt2_fp16_graph_nodes_per_step=_number(step.get("ours_graph_nodes"), int),
+                   # (the step's kernels' own times summed, from its twin without early
+                   # launch, where torch's profiler ran: end_to_end_kernels.csv has them)
+                   gpt2_fp16_kernel_sum_us=_number(step.get("ours_kernel_sum_us"), float))
     return out
 
 

@@ -176,16 +176,18 @@ def _measure_step(spec: dict) -> dict:
         return {"row": row, "kernels": kernel_rows}
     alias = GraphedDecoder(model, batch=beam, max_len=max_len, binding="alias", strategy="device")
     masked = live = plain = None
+    profile = spec.get("profile", spec["torch"])
+    if profile:
+        plain = GraphedDecoder(model, batch=beam, max_len=max_len, binding="alias",
+                               strategy="device")
     if spec["torch"]:
         from experiments.torch_gpt2 import PerLengthDecoder, TorchDecoder
-        plain = GraphedDecoder(model, batch=beam, max_len=max_len, binding="alias",
-                            strategy="device")
         masked = TorchDecoder(config, state_dict, batch=beam, max_len=max_len, graphed=True)
         live = PerLengthDecoder(config, state_dict, batch=beam, max_len=max_len, pool="shared")
     kernel_rows: list = []
     try:
         row = _step_timings(spec["label"], spec["position"], alias, plain, masked, live,
-                            kernel_rows, step=spec["step"], profile=spec["torch"])
+                            kernel_rows, step=spec["step"], profile=profile)
     finally:
         for m in (alias, plain, masked, live):
             if m is not None:
@@ -195,14 +197,17 @@ def _measure_step(spec: dict) -> dict:
 
 def step_spec(label: str, config: GPT2Config, beam: int, prompt_len: int, max_len: int,
               position: int, step: dict, use_torch: bool, parts: tuple = ("step",),
-              dtype=np.float32) -> dict:
+              dtype=np.float32, profile: bool | None = None) -> dict:
     """What the child measures for one setup (JSON): `parts` in order, "step" first; the
-    model in `dtype` (PyTorch's steps, `use_torch`, are float32's)."""
+    model in `dtype` (PyTorch's steps, `use_torch`, are float32's). `profile`: our step's
+    kernels by torch.profiler too (default: with PyTorch's steps; a float16 setup, which has
+    none, asks for them where torch is present)."""
     if use_torch and np.dtype(dtype) != np.float32:
         raise ValueError("use_torch: PyTorch's graphed steps here are float32; got dtype "
                          f"{np.dtype(dtype).name}")
     return dict(label=label, config=dataclasses.asdict(config), beam=beam, prompt_len=prompt_len,
-                max_len=max_len, position=position, step=step, torch=use_torch, parts=list(parts),
+                max_len=max_len, position=position, step=step, torch=use_torch,
+                profile=use_torch if profile is None else bool(profile), parts=list(parts),
                 dtype=np.dtype(dtype).name)
 
 

@@ -76,6 +76,11 @@ def test_end_to_end_toy_run_writes_results_and_figures(tmp_path, monkeypatch):
         assert summary["gpt2_fp16_step_over_bandwidth_floor"] == \
             float(step[1]["ours_step_us"]) / float(step[1]["floor_us"])
         assert summary["gpt2_fp16_all_ours_same_tokens"] is True
+        # (a GPU's toy, the lane's, with torch: our float16 step's kernels profiled too)
+        assert summary["gpt2_fp16_graph_nodes_per_step"] == int(step[1]["ours_graph_nodes"])
+        assert summary["gpt2_fp16_kernel_sum_us"] > 0
+        assert any(k["setup"] == "toy-1L-d8-fp16" and k["who"] == "ours"
+                   for k in common.read_csv("end_to_end_kernels"))
     figure = end_to_end.plot()
     assert figure.exists() and figure.stat().st_size > 10_000
     assert figure.is_relative_to(tmp_path)
@@ -151,10 +156,12 @@ def test_the_float16_figures_come_from_the_float16_setup():
             row("12L-fp16", "float16", "graph_while", 1.5),
             row("12L-fp16", "float16", "hf_generate", 30.0)]
     steps = [{"setup": "12L", "ours_step_us": 900.0, "floor_us": 300.0},
-             {"setup": "12L-fp16", "ours_step_us": 600.0, "floor_us": 150.0}]
+             {"setup": "12L-fp16", "ours_step_us": 600.0, "floor_us": 150.0,
+              "ours_graph_nodes": 98, "ours_kernel_sum_us": 650.0}]
     s = end_to_end.half_summary(rows, steps)
     assert s["gpt2_fp16_setup"] == "12L-fp16" and s["gpt2_fp16_all_ours_same_tokens"] is True
     assert s["gpt2_fp16_step_over_bandwidth_floor"] == 4.0
+    assert s["gpt2_fp16_graph_nodes_per_step"] == 98 and s["gpt2_fp16_kernel_sum_us"] == 650.0
     assert s["gpt2_fp16_hf_generate_over_ours_per_token"] == 20.0
     assert end_to_end.half_summary(rows[:2], steps) == {}
 
