@@ -916,7 +916,7 @@ _GROUPED = {rows: make_attention(*GROUPED_CONFIG, use_rows=rows, dtype=HALF, gro
 # batch (64 a block of 4 warps). The strided form reads a 64-half row as two 2-byte loads a
 # lane and sums each score over the whole warp; the float32 row-table kernel's 4 dims a lane
 # became 8 halves in one load. Untimed on a GPU when it was chosen (dev.bench.
-# bench_half_attention --shape gpt2 times it against the strided kernels and torch's).
+# bench_half_attention --model gpt2 times it against the strided kernels and torch's).
 PACKED_CONFIG = (8, 8, 4, 4, 4) if not backend.SIMULATOR else (8, 8, 1, 1, 0)
 _PACKED = {rows: make_attention_groups(*PACKED_CONFIG, dtype=HALF, use_rows=rows, packed=True)
            for rows in (False, True)}
