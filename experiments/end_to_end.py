@@ -512,12 +512,6 @@ def summarize(rows: list[dict], step_rows: list[dict], setup: str | None = None)
             **half_summary(rows, step_rows)}
 
 
-def _number(value, kind):
-    """A step row's value as `kind` (rows kept from an earlier part are read back from the
-    CSV, as text); None where it was not measured."""
-    return None if value in (None, "", "None") else kind(value)
-
-
 def half_summary(rows: list[dict], step_rows: list[dict]) -> dict:
     """The float16 setup's figures (none without one): its decode step against its bandwidth
     floor (float16 weights and KV cache at the copy rate), and transformers' float16
@@ -541,10 +535,10 @@ def half_summary(rows: list[dict], step_rows: list[dict]) -> dict:
                    gpt2_fp16_bandwidth_floor_us=float(step["floor_us"]),
                    gpt2_fp16_step_over_bandwidth_floor=float(step["ours_step_us"])
                    / float(step["floor_us"]),
-                   gpt2_fp16_graph_nodes_per_step=_number(step.get("ours_graph_nodes"), int),
+                   gpt2_fp16_graph_nodes_per_step=step.get("ours_graph_nodes"),
                    # (the step's kernels' own times summed, from its twin without early
                    # launch, where torch's profiler ran: end_to_end_kernels.csv has them)
-                   gpt2_fp16_kernel_sum_us=_number(step.get("ours_kernel_sum_us"), float))
+                   gpt2_fp16_kernel_sum_us=step.get("ours_kernel_sum_us"))
     return out
 
 

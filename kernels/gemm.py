@@ -1150,10 +1150,12 @@ def _mma_plan(dk: Decode, batch: int, n_cols: int, k_len: int, target_blocks: in
     resident blocks (`target_blocks`, default) or each warp has one batch of loads left;
     by default K whole where it is at most MMA_WHOLE_K and the tiles alone fill the SMs."""
     n_tiles = -(-n_cols // dk.tile)
-    target = _check.resident_blocks(dk.kernel, dk.threads) if target_blocks is None \
-        else target_blocks
-    if target_blocks is None and k_len <= MMA_WHOLE_K and n_tiles * batch >= _check.sm_count():
+    if target_blocks is not None:
+        target = target_blocks
+    elif k_len <= MMA_WHOLE_K and n_tiles * batch >= _check.sm_count():
         target = 1
+    else:
+        target = _check.resident_blocks(dk.kernel, dk.threads)
     warps_k = dk.config[1]
     most = max(1, k_len // (dk.k_step * warps_k))
     splits = max(1, min(most, -(-target // (n_tiles * batch))))
@@ -1451,7 +1453,7 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
 
     ln_out=(gamma, beta, eps, y): also y = layernorm(out) over each row of the result,
     gamma and beta of shape (N,), y shaped like out and overlapping nothing. Fused into the
-    split-K reduction for M <= 8 and N <= LN_MAX_COLS (4096); otherwise `layernorm` runs
+    split-K reduction for M <= 8 and N <= LN_MAX_COLS (4096 on a GPU); otherwise `layernorm` runs
     after.
 
     skinny: 9..32-row products on the tiled path take a SKINNY tile instead of TILE (off by
@@ -1489,10 +1491,9 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     batch = lead[0] if lead else 1
     if batch > 65535:
         raise ValueError(f"a: batch {batch} exceeds the grid limit 65535")
-    if bias is None:  # a placeholder never read: a view of b, which no kernel writes
-        bias_arg, has_bias = backend.reshaped(b, (b.size,)), 0
-    else:
-        bias_arg, has_bias = _check.device_array("bias", bias, dtype=dtype, shape=(n_cols,)), 1
+    if bias is not None:
+        _check.device_array("bias", bias, dtype=dtype, shape=(n_cols,))
+    bias_arg, has_bias = _bias_arg(bias, b)
     if ln_out is not None:
         ln_out = gamma, beta, eps, y = _check.ln_out(ln_out, tuple(out.shape), dtype)
         # y is written by the last launch only: refuse an overlap before the first.
@@ -1517,6 +1518,12 @@ def gemm(a, b, out, *, bias=None, act=None, trans_a=False, trans_b=False, accumu
     tiled(a3, b3, out3, bias_arg, has_bias, *flags, int(bool(trans_b)), stream, skinny=skinny)
     if ln_out is not None:  # not fused: normalize the rows of out afterwards
         _normalize_rows(out, ln_out, stream)
+
+
+def _bias_arg(bias, b) -> tuple:
+    """(bias, has_bias) as the kernels take them: a bias and 1, or, where there is none, a
+    placeholder never read (a view of the weight b, which no kernel writes) and 0."""
+    return (bias, 1) if bias is not None else (backend.reshaped(b, (b.size,)), 0)
 
 
 def _decode_then_ln(dk: Decode, a3, b3, out3, bias, has_bias, act, accumulate, trans_a,
@@ -1584,8 +1591,7 @@ def gemm_sum(a, b, a2, b2, out, *, bias=None, accumulate=False, ln_out=None,
         gemm(a2, b2, out, bias=bias, trans_b=True, accumulate=True, ln_out=ln_out,
              stream=stream)
         return
-    bias_arg = bias if bias is not None else backend.reshaped(b, (b.size,))
-    _decode_then_ln(MMA_PAIR, a3, b3, out3, bias_arg, int(bias is not None), ACTS[None],
+    _decode_then_ln(MMA_PAIR, a3, b3, out3, *_bias_arg(bias, b), ACTS[None],
                     int(accumulate), 0, stream, ln_out, second=(c3, d3))
 
 
@@ -1621,6 +1627,5 @@ def gemm_two_outputs(a, b, out, b2, out2, *, bias2=None, act2=None, stream=0) ->
         gemm(a, b, out, trans_b=True, stream=stream)
         gemm(a, b2, out2, bias=bias2, act=act2, trans_b=True, stream=stream)
         return
-    bias_arg = bias2 if bias2 is not None else backend.reshaped(b2, (b2.size,))
-    decode(MMA_OUTS, a3, b3, out3, bias_arg, int(bias2 is not None), ACTS[act2], 0, 0, stream,
+    decode(MMA_OUTS, a3, b3, out3, *_bias_arg(bias2, b2), ACTS[act2], 0, 0, stream,
            outs=(c3, out23))

@@ -17,11 +17,10 @@ from proto.device import backend
 ROOT = Path(__file__).resolve().parents[1]
 
 DIGESTS = """
-import importlib, json, pkgutil
-import kernels
+import json
+from kernels.compile_check import import_all_kernels
 from proto.device import backend
-for m in pkgutil.iter_modules(kernels.__path__):
-    importlib.import_module("kernels." + m.name)
+import_all_kernels()
 print(json.dumps([[f"{fn.__module__}.{fn.__qualname__}", backend.closure_digest(fn)]
                   for fn, _ in backend.KERNEL_SIGNATURES]))
 """
